@@ -1,1 +1,15 @@
-"""wus"""
+"""wus: automatic weight-update sharding for data-parallel JAX training.
+
+Xu et al., "Automatic Cross-Replica Sharding of Weight Update in
+Data-Parallel Training", arXiv:2004.13336 (2020).
+"""
+
+from wus.analysis.formats import ShardFormat
+from wus.analysis.plan import Plan
+from wus.api import ShardedStep
+from wus.api import shard_map
+from wus.errors import StateMismatchError
+from wus.sharded import ShardedArray
+from wus.sharded import unshard
+
+__version__ = "0.1.0"

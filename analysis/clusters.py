@@ -1,0 +1,171 @@
+"""Weight-update clusters around the gradient all-reduces (§3.2, Fig. 5).
+
+Starting from every all-reduce over the replica axes whose operand differs
+across replicas (a gradient all-reduce), the cluster grows through equations
+that are identical on every replica and can run on shards (`shardable`):
+forward to the readers of sharded values, and backward to the producers of
+values that only the cluster reads (so `0.9 * mu` is computed on the shard of
+`mu`, not whole and then sliced). Values the cluster reads that come from
+outside it (weights, optimizer state, hyperparameters) are inputs: big ones
+are read as shards by a local slice, scalars and tiny ones whole.
+Clusters connect only through big tensors, so each weight's update is usually
+its own cluster.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from wus.analysis import compat
+from wus.analysis import formats
+from wus.analysis.compat import Jaxpr, Var
+from wus.analysis.redundancy import Redundancy
+from wus.analysis.shardable import Context, Kind, shard_kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """One weight-update cluster of a jaxpr (before the cost decision).
+
+  Attributes:
+    eqns: indices into `jaxpr.eqns` of the equations that run on shards, in order.
+    kinds: the shard `Kind` of each equation in `eqns`.
+    seeds: indices of its gradient all-reduces (operand differs across replicas).
+    sharded: variables computed as shards (the big outputs of `eqns`).
+    reads: big variables from outside the cluster that it reads as shards.
+    outside_readers: for each sharded variable, the indices of equations outside
+      the cluster that read it whole.
+    program_outputs: for each sharded variable that the jaxpr returns, the
+      output positions.
+  """
+
+  eqns: tuple[int, ...]
+  kinds: dict[int, Kind]
+  seeds: tuple[int, ...]
+  sharded: tuple[Var, ...]
+  reads: tuple[Var, ...]
+  outside_readers: dict[Var, tuple[int, ...]]
+  program_outputs: dict[Var, tuple[int, ...]]
+
+
+class _Graph:
+  """Producers and readers of every variable of a jaxpr."""
+
+  def __init__(self, jaxpr: Jaxpr):
+    self.jaxpr = jaxpr
+    self.producer: dict[Var, int] = {}
+    self.readers: dict[Var, list[int]] = collections.defaultdict(list)
+    for i, eqn in enumerate(jaxpr.eqns):
+      for v in eqn.outvars:
+        self.producer[v] = i
+      for v in eqn.invars:
+        if not compat.is_literal(v) and i not in self.readers[v]:
+          self.readers[v].append(i)
+    self.outputs: dict[Var, list[int]] = collections.defaultdict(list)
+    for pos, v in enumerate(jaxpr.outvars):
+      if not compat.is_literal(v):
+        self.outputs[v].append(pos)
+
+
+def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
+                  num_shards: int, min_size: int = 0) -> list[Cluster]:
+  """Finds the weight-update clusters of a flat (call-free) shard_map body.
+
+  Args:
+    jaxpr: the per-replica jaxpr, with calls inlined.
+    facts: its redundancy analysis.
+    axes: the replica mesh axes; a gradient all-reduce runs over exactly these.
+    num_shards: replicas along `axes` (N).
+    min_size: tensors with fewer elements (and at least N) stay whole.
+
+  Returns:
+    The clusters, in the order of their first equation.
+  """
+  graph = _Graph(jaxpr)
+  ctx = Context(facts, frozenset(axes))
+  eqns = jaxpr.eqns
+
+  def big(v) -> bool:
+    return (not compat.is_literal(v)
+            and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
+
+  kind_cache: dict[int, Kind | None] = {}
+
+  def kind(i: int) -> Kind | None:
+    """The shard kind of equation i, if it is redundant, shardable and big."""
+    if i not in kind_cache:
+      eqn = eqns[i]
+      ok = (any(big(v) for v in eqn.outvars)
+            and all(facts.is_redundant(v, ctx.axes) for v in eqn.outvars))
+      kind_cache[i] = shard_kind(eqn, ctx) if ok else None
+    return kind_cache[i]
+
+  seeds = [i for i in range(len(eqns)) if kind(i) is Kind.REDUCE_SCATTER]
+
+  parent: dict[int, int] = {}  # Union-find over cluster equations.
+
+  def find(i: int) -> int:
+    while parent[i] != i:
+      parent[i] = parent[parent[i]]
+      i = parent[i]
+    return i
+
+  def union(a: int, b: int) -> None:
+    parent[find(a)] = find(b)
+
+  def add(new: int, to: int) -> bool:
+    if new in parent:
+      union(new, to)
+      return False
+    parent[new] = new
+    union(new, to)
+    return True
+
+  for i in seeds:
+    parent[i] = i
+  changed = True
+  while changed:  # Each pass adds at least one equation or stops.
+    changed = False
+    for i in list(parent):
+      eqn = eqns[i]
+      # Forward: readers of this equation's big outputs.
+      for v in filter(big, eqn.outvars):
+        for r in graph.readers[v]:
+          if r in parent or kind(r) is not None:
+            changed |= add(r, i)
+      # Backward: producers of big operands that only cluster equations read.
+      for v in filter(big, eqn.invars):
+        p = graph.producer.get(v)
+        if (p is not None and kind(p) is not None and v not in graph.outputs
+            and all(r in parent for r in graph.readers[v])):
+          changed |= add(p, i)
+
+  members: dict[int, list[int]] = collections.defaultdict(list)
+  for i in sorted(parent):
+    members[find(i)].append(i)
+  clusters = [_make_cluster(sorted(m), graph, big, kind, set(seeds))
+              for m in members.values()]
+  return sorted(clusters, key=lambda c: c.eqns[0])
+
+
+def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int]) -> Cluster:
+  eqns = graph.jaxpr.eqns
+  inside = set(idx)
+  sharded = [v for i in idx for v in eqns[i].outvars if big(v)]
+  produced = set(sharded)
+  reads: list[Var] = []
+  for i in idx:
+    for v in eqns[i].invars:
+      if big(v) and v not in produced and v not in reads:
+        reads.append(v)
+  outside = {v: tuple(r for r in graph.readers[v] if r not in inside) for v in sharded}
+  return Cluster(
+      eqns=tuple(idx),
+      kinds={i: kind(i) for i in idx},
+      seeds=tuple(i for i in idx if i in seeds),
+      sharded=tuple(sharded),
+      reads=tuple(reads),
+      outside_readers={v: r for v, r in outside.items() if r},
+      program_outputs={v: tuple(graph.outputs[v]) for v in sharded if v in graph.outputs},
+  )

@@ -1,0 +1,193 @@
+"""The one place wus touches JAX internals (DESIGN.md §4, invariant 4).
+
+Everything else in wus names primitives through the objects exported here and
+reads control-flow equations through the accessors below, never by string.
+Written against jax 0.10.2 (the range pinned in pyproject.toml); when a later
+JAX moves a name, this module is the only one to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info
+from jax._src.lax import parallel as _parallel
+from jax._src.random import prng as _prng
+from jax._src.shard_map import shard_map_p  # noqa: F401  (re-exported)
+from jax.extend import core as _ecore
+from jax.extend.core import primitives as _p
+
+# Types.
+ClosedJaxpr = _ecore.ClosedJaxpr
+Jaxpr = _ecore.Jaxpr
+JaxprEqn = _ecore.JaxprEqn
+Literal = _ecore.Literal
+Var = _ecore.Var
+DropVar = _ecore.DropVar
+Primitive = _ecore.Primitive
+
+# Collectives. With check_vma=True `lax.psum` binds psum_invariant and AD
+# inserts it as the transpose of pvary (DESIGN.md §5).
+psum_p = _p.psum_p
+psum_invariant_p = _parallel.psum_invariant_p
+pmax_p = _p.pmax_p
+pmin_p = _p.pmin_p
+pvary_p = _core.pvary_p
+all_gather_p = _p.all_gather_p
+all_gather_invariant_p = _parallel.all_gather_invariant_p
+reduce_scatter_p = _parallel.reduce_scatter_p
+all_to_all_p = _p.all_to_all_p
+ragged_all_to_all_p = _p.ragged_all_to_all_p
+ppermute_p = _p.ppermute_p
+pbroadcast_p = _parallel.pbroadcast_p
+axis_index_p = _p.axis_index_p
+
+# Control flow and calls.
+cond_p = _p.cond_p
+while_p = _p.while_p
+scan_p = _p.scan_p
+jit_p = _p.jit_p
+closed_call_p = _p.closed_call_p
+remat_p = _p.remat_p
+custom_jvp_call_p = _p.custom_jvp_call_p
+custom_vjp_call_p = _p.custom_vjp_call_p
+
+# Not exported by jax.lax.
+add_any_p = _p.add_jaxvals_p
+random_bits_p = _p.random_bits_p
+random_split_p = _p.random_split_p
+random_fold_in_p = _p.random_fold_in_p
+random_seed_p = _p.random_seed_p
+random_wrap_p = _prng.random_wrap_p
+random_unwrap_p = _prng.random_unwrap_p
+threefry2x32_p = _p.threefry2x32_p
+
+
+# Calls whose inner jaxpr is evaluated as is: (primitive, param holding it).
+# After AD the custom_jvp/custom_vjp rules are dead; evaluating call_jaxpr is
+# exactly what XLA runs.
+CALL_JAXPR_PARAM: dict[Primitive, str] = {
+    jit_p: "jaxpr",
+    closed_call_p: "call_jaxpr",
+    custom_jvp_call_p: "call_jaxpr",
+    custom_vjp_call_p: "call_jaxpr",
+    remat_p: "jaxpr",
+}
+
+
+def call_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr:
+  """The inner jaxpr of a call-like equation, closed (remat holds an open one)."""
+  inner = eqn.params[CALL_JAXPR_PARAM[eqn.primitive]]
+  return inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
+
+
+def cond_branches(eqn: JaxprEqn) -> Sequence[ClosedJaxpr]:
+  return eqn.params["branches"]
+
+
+def while_parts(eqn: JaxprEqn) -> tuple[ClosedJaxpr, int, ClosedJaxpr, int]:
+  """(cond_jaxpr, cond_nconsts, body_jaxpr, body_nconsts) of a while equation."""
+  p = eqn.params
+  return p["cond_jaxpr"], p["cond_nconsts"], p["body_jaxpr"], p["body_nconsts"]
+
+
+def scan_parts(eqn: JaxprEqn) -> tuple[ClosedJaxpr, int, int]:
+  """(jaxpr, num_consts, num_carry) of a scan equation."""
+  p = eqn.params
+  return p["jaxpr"], p["num_consts"], p["num_carry"]
+
+
+def collective_axes(eqn: JaxprEqn) -> tuple[Any, ...]:
+  """The mesh axes a collective runs over, as a tuple of names."""
+  p = eqn.params
+  axes = p.get("axes", p.get("axis_name"))
+  return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+def has_axis_index_groups(eqn: JaxprEqn) -> bool:
+  return eqn.params.get("axis_index_groups") is not None
+
+
+def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
+  """Every jaxpr held in an equation's params, found generically."""
+  yield from _core.jaxprs_in_params(eqn.params)
+
+
+def bind(eqn: JaxprEqn, *args: Any, **new_params: Any) -> list[Any]:
+  """Re-binds `eqn` on `args` (tracers or arrays), as `jax.core.eval_jaxpr` does.
+
+  Args:
+    eqn: the equation to replay.
+    *args: one value per `eqn.invars`.
+    **new_params: params to override (for example a new `shape`).
+
+  Returns:
+    A list with one value per `eqn.outvars`.
+  """
+  params = dict(eqn.primitive.get_bind_params(eqn.params) if not new_params
+                else eqn.primitive.get_bind_params({**eqn.params, **new_params}))
+  name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+  with (_source_info.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager):
+    out = eqn.primitive.bind(*args, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def shard_map_eqn(jaxpr: ClosedJaxpr) -> JaxprEqn:
+  """The single shard_map equation of a traced `jax.shard_map(f)` call.
+
+  Raises:
+    ValueError: if `jaxpr` is not exactly one shard_map equation.
+  """
+  eqns = [e for e in jaxpr.eqns if e.primitive is shard_map_p]
+  if len(eqns) != 1:
+    raise ValueError(f"expected one shard_map equation, found {len(eqns)}")
+  return eqns[0]
+
+
+def shard_map_params(eqn: JaxprEqn) -> tuple[Jaxpr, Any, tuple, tuple, frozenset, bool]:
+  """(body jaxpr, mesh, in_specs, out_specs, manual axes, check_vma)."""
+  p = eqn.params
+  return (p["jaxpr"], p["mesh"], p["in_specs"], p["out_specs"],
+          frozenset(p["newly_manual_axes"]), p["check_vma"])
+
+
+def varying_axes(aval: Any) -> frozenset:
+  """JAX's own varying-manual-axes type of an aval (empty with check_vma=False)."""
+  mat = getattr(aval, "mat", None)
+  return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def match_varying(values: Sequence[Any]) -> list[Any]:
+  """Casts values to the union of their varying axes, as jax.numpy does.
+
+  With check_vma=True a primitive's operands must agree on which manual axes
+  they vary over; a shard (varying) meeting a scalar (invariant) needs the
+  scalar cast with `lax.pcast(..., to="varying")`, which moves no data.
+  """
+  import jax
+  from jax import lax
+  types = [varying_axes(jax.typeof(x)) for x in values]
+  union = frozenset().union(*types)
+  return [x if t == union else lax.pcast(x, tuple(sorted(union - t)), to="varying")
+          for x, t in zip(values, types, strict=True)]
+
+
+def is_literal(atom: Any) -> bool:
+  return isinstance(atom, Literal)
+
+
+def source_line(eqn: JaxprEqn) -> str:
+  """Where in the user's code `eqn` came from, as "file:line (function)"."""
+  return _source_info.summarize(eqn.source_info)
+
+
+def side_effects(eqn: JaxprEqn) -> set:
+  """An equation's effects, without the axis-name bookkeeping of collectives.
+
+  Collectives carry a `NamedAxisEffect` that only records which axis names
+  they use; it is not I/O, state or randomness.
+  """
+  return {e for e in eqn.effects if not isinstance(e, _core.NamedAxisEffect)}

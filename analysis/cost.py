@@ -1,0 +1,89 @@
+"""Whether to shard a weight-update cluster, with the reason (§3.2).
+
+The model is deliberately conservative. Sharding replaces each gradient
+all-reduce with a reduce-scatter (its first half) and adds an all-gather for
+every sharded value someone needs whole (updated weights, outputs that are
+not state). It is taken when
+
+  * every reader of the cluster's shards can run on shards or is allowed to
+    read a whole value (a program output, or computation that differs across
+    replicas), i.e. no redundant operation without a shard rule reads them;
+  * some work besides the all-reduces runs on shards (otherwise nothing is
+    saved); and
+  * the all-gathers move no more bytes than the all-reduces' all-gather
+    phase they replace, so communication does not grow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from wus.analysis import compat
+from wus.analysis.clusters import Cluster
+from wus.analysis.compat import Jaxpr, Var
+from wus.analysis.redundancy import Redundancy
+from wus.analysis.shardable import Kind
+
+
+_COLLECTIVE = (Kind.REDUCE_SCATTER, Kind.SUM_OF_COPIES, Kind.IDENTITY)
+
+
+def nbytes(v: Var) -> int:
+  """Bytes of a whole value of `v` (shape × itemsize)."""
+  return int(v.aval.size) * v.aval.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """The cost model's verdict on one cluster.
+
+  Attributes:
+    shard: whether the cluster runs on shards.
+    reason: why, in words a user can act on.
+    all_reduce_bytes: whole bytes of the gradient all-reduces it replaces.
+    all_gather_bytes: whole bytes it must all-gather per step if sharded.
+  """
+
+  shard: bool
+  reason: str
+  all_reduce_bytes: int
+  all_gather_bytes: int
+
+
+def decide(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
+           state_outputs: set[int]) -> Decision:
+  """Decides one cluster.
+
+  Args:
+    cluster: the cluster.
+    jaxpr: the jaxpr it belongs to.
+    facts: the jaxpr's redundancy analysis.
+    axes: the replica axes.
+    state_outputs: output positions that stay sharded between steps.
+
+  Returns:
+    The decision, with byte counts (whole-tensor bytes, before sharding).
+  """
+  eqns = jaxpr.eqns
+  all_reduce = sum(nbytes(eqns[i].outvars[0]) for i in cluster.seeds)
+  gathered = [v for v in cluster.sharded
+              if v in cluster.outside_readers
+              or any(p not in state_outputs for p in cluster.program_outputs.get(v, ()))]
+  all_gather = sum(nbytes(v) for v in gathered)
+
+  def verdict(shard: bool, reason: str) -> Decision:
+    return Decision(shard, reason, all_reduce, all_gather)
+
+  for v, readers in cluster.outside_readers.items():
+    for r in readers:
+      eqn = eqns[r]
+      if all(facts.is_redundant(o, axes) for o in eqn.outvars):
+        return verdict(False, f"{eqn.primitive} at {compat.source_line(eqn)} reads a "
+                              "sharded value whole and has no shard rule")
+  if all(cluster.kinds[i] in _COLLECTIVE for i in cluster.eqns):
+    return verdict(False, "only computation that differs across replicas reads the "
+                          "all-reduced value: no redundant work to shard")
+  if all_gather > all_reduce:
+    return verdict(False, f"needs {all_gather} B of all-gather, more than the {all_reduce} B "
+                          "all-reduce it replaces")
+  return verdict(True, f"elementwise update on 1/N shards; {len(gathered)} all-gather(s)")

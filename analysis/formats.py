@@ -1,0 +1,95 @@
+"""Sharding formats: how a tensor is cut into one shard per replica (§4.1, Fig. 6).
+
+A format is a sequence of cheap reformatting steps followed by a split:
+
+  1. reshape the logical `shape` to `merged_shape` by merging runs of adjacent
+     dimensions (row-major, so no data moves);
+  2. pad the leading merged dimension up to a multiple of `num_shards`;
+  3. split the leading dimension evenly: replica r holds rows
+     [r * shard_rows, (r + 1) * shard_rows).
+
+Every replica's shard has the same shape, `shard_shape`, and the padding is
+fewer than `num_shards` rows. The data movement itself (pad, slice, reduce-
+scatter, all-gather with the format fused in) lives in `wus.collectives`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardFormat:
+  """The sharding format of one tensor (§4.1).
+
+  Attributes:
+    shape: the logical shape, as the user's program sees it.
+    merged_shape: `shape` with runs of adjacent dimensions merged; same size.
+    num_shards: the number of replicas the leading merged dim is split over.
+  """
+
+  shape: tuple[int, ...]
+  merged_shape: tuple[int, ...]
+  num_shards: int
+
+  def __post_init__(self):
+    if not self.merged_shape or math.prod(self.merged_shape) != math.prod(self.shape):
+      raise ValueError(f"merged shape {self.merged_shape} does not hold {self.shape}")
+    if self.num_shards < 1:
+      raise ValueError(f"num_shards must be positive, got {self.num_shards}")
+
+  @classmethod
+  def flat(cls, shape: tuple[int, ...], num_shards: int) -> ShardFormat:
+    """All dimensions merged into one: the format of elementwise updates."""
+    return cls(tuple(shape), (math.prod(shape),), num_shards)
+
+  @property
+  def shard_rows(self) -> int:
+    """Rows of the leading merged dimension each replica holds."""
+    return -(-self.merged_shape[0] // self.num_shards)
+
+  @property
+  def padding(self) -> int:
+    """Rows of padding appended to the leading merged dimension (< num_shards)."""
+    return self.shard_rows * self.num_shards - self.merged_shape[0]
+
+  @property
+  def padded_shape(self) -> tuple[int, ...]:
+    """Shape of the padded merged tensor; its leading dim splits evenly."""
+    return (self.shard_rows * self.num_shards, *self.merged_shape[1:])
+
+  @property
+  def shard_shape(self) -> tuple[int, ...]:
+    """Shape of one replica's shard."""
+    return (self.shard_rows, *self.merged_shape[1:])
+
+  @property
+  def shard_size(self) -> int:
+    """Elements in one replica's shard."""
+    return math.prod(self.shard_shape)
+
+  def shard_bytes(self, dtype) -> int:
+    """Bytes one replica holds of a tensor of `dtype` in this format."""
+    return self.shard_size * np.dtype(dtype).itemsize
+
+  def __str__(self) -> str:
+    dims = lambda s: "[" + ",".join(map(str, s)) + "]"  # noqa: E731
+    steps = [dims(self.shape)]
+    if self.merged_shape != self.shape:
+      steps.append(dims(self.merged_shape))
+    if self.padding:
+      steps.append(f"pad {self.padding}")
+    steps.append(f"{self.num_shards}x{dims(self.shard_shape)}")
+    return "→".join(steps)
+
+
+def is_shardable_shape(shape: tuple[int, ...], num_shards: int, min_size: int) -> bool:
+  """Whether a tensor is big enough to shard: rank ≥ 1 and ≥ `min_size` elements.
+
+  Scalars and tiny tensors stay replicated (DESIGN.md §3, Formats): their
+  shards would be mostly padding and their collectives pure latency.
+  """
+  return len(shape) >= 1 and math.prod(shape) >= max(min_size, num_shards, 1)

@@ -1,0 +1,257 @@
+"""The Plan: every weight-update cluster, its tensors, format and decision (§3, §4).
+
+`make_plan` runs the passes (clusters, formats, cost) on an analysed jaxpr and
+freezes the result. The Plan is what the rewrite follows and what a user reads
+to learn which tensors are sharded and why the others are not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from wus.analysis import clusters as clusters_lib
+from wus.analysis import compat
+from wus.analysis import cost
+from wus.analysis import formats
+from wus.analysis.compat import Jaxpr, source_line
+from wus.analysis.formats import ShardFormat
+from wus.analysis.redundancy import Redundancy
+from wus.analysis.shardable import Kind
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+  """One tensor a cluster reads or writes.
+
+  Attributes:
+    name: the pytree path of the input or output (`params['w']`), or what
+      produced it.
+    shape: logical shape.
+    dtype: numpy dtype name.
+    role: "gradient" (an all-reduce it replaces), "state" (an input kept
+      sharded between steps), "weight" (an input the step also reads whole,
+      sliced locally), or "output" (a result returned whole).
+    format: its sharding format (None when the cluster stays replicated).
+  """
+
+  name: str
+  shape: tuple[int, ...]
+  dtype: str
+  role: str
+  format: ShardFormat | None
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterPlan:
+  """The decision for one weight-update cluster (§3.2).
+
+  Attributes:
+    index: position in `Plan.clusters`.
+    tensors: the tensors it reads and writes.
+    sharded: whether it runs on shards.
+    reason: why.
+    all_reduce_bytes: whole bytes of its gradient all-reduces.
+    all_gather_bytes: whole bytes it all-gathers per step when sharded.
+  """
+
+  index: int
+  tensors: tuple[TensorPlan, ...]
+  sharded: bool
+  reason: str
+  all_reduce_bytes: int
+  all_gather_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class InputPlan:
+  """How one flat input of the step is passed.
+
+  Attributes:
+    name: pytree path of the argument leaf.
+    shape, dtype: logical shape and numpy dtype name.
+    sharded: whether it is kept sharded between steps (optimizer state).
+    reason: why it is, or why it stays whole.
+  """
+
+  name: str
+  shape: tuple[int, ...]
+  dtype: str
+  sharded: bool
+  reason: str
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The weight-update sharding plan of one step function.
+
+  Attributes:
+    axes: the replica mesh axes the update is sharded over.
+    num_shards: replicas along `axes` (N).
+    inputs: one entry per flat input.
+    clusters: one entry per weight-update cluster.
+    shard_eqns: equation index -> shard kind, for every equation that runs
+      on shards (the rewrite's instructions; valid for the jaxpr the plan was
+      made from).
+    state_inputs: flat input position -> format, for inputs passed sharded.
+    state_outputs: flat output position -> format, for outputs returned sharded.
+    min_size: tensors with fewer elements (or fewer than N) stay whole.
+  """
+
+  axes: tuple
+  num_shards: int
+  min_size: int
+  inputs: tuple[InputPlan, ...]
+  clusters: tuple[ClusterPlan, ...]
+  shard_eqns: Mapping[int, Kind]
+  state_inputs: Mapping[int, ShardFormat]
+  state_outputs: Mapping[int, ShardFormat]
+
+  @property
+  def sharded_bytes(self) -> int:
+    """Whole bytes of the tensors updated on shards."""
+    return sum(t.nbytes for c in self.clusters if c.sharded for t in c.tensors
+               if t.role in ("state", "weight"))
+
+  @property
+  def replicated_bytes(self) -> int:
+    """Whole bytes of the weight-update tensors kept replicated."""
+    return sum(t.nbytes for c in self.clusters if not c.sharded for t in c.tensors
+               if t.role in ("state", "weight"))
+
+  @property
+  def state_bytes(self) -> tuple[int, int]:
+    """(whole bytes, per-replica bytes) of the inputs kept sharded between steps."""
+    whole = sum(self.inputs[k].nbytes for k in self.state_inputs)
+    shard = sum(f.shard_bytes(self.inputs[k].dtype) for k, f in self.state_inputs.items())
+    return whole, shard
+
+  def __str__(self) -> str:
+    lines = [f"wus plan: weight update sharded over {self.axes} (N={self.num_shards})"]
+    for c in self.clusters:
+      verdict = "SHARDED" if c.sharded else "replicated"
+      lines.append(f"cluster {c.index}: {verdict}: {c.reason}")
+      for t in c.tensors:
+        fmt = str(t.format) if t.format is not None else "whole"
+        lines.append(f"    {t.role:9s} {t.name:40s} {t.dtype:9s} {fmt}")
+    lines.append("inputs:")
+    for i in self.inputs:
+      layout = "sharded" if i.sharded else "whole"
+      lines.append(f"    {i.name:40s} {str(list(i.shape)):16s} {i.dtype:9s} {layout}: {i.reason}")
+    whole, shard = self.state_bytes
+    lines.append(f"totals: {self.sharded_bytes} B updated on shards, "
+                 f"{self.replicated_bytes} B kept replicated; state {whole} B whole -> "
+                 f"{shard} B per replica (predicted)")
+    return "\n".join(lines)
+
+
+def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: int,
+              in_names: Sequence[str], out_names: Sequence[str],
+              state_pairs: Mapping[int, int], min_size: int = 0) -> Plan:
+  """Plans the weight-update sharding of a flat shard_map body.
+
+  Args:
+    jaxpr: the per-replica jaxpr, calls inlined.
+    facts: its redundancy analysis.
+    axes: the replica mesh axes (a gradient all-reduce runs over exactly these).
+    num_shards: N, the number of replicas along `axes`.
+    in_names, out_names: a name (pytree path) per flat input / output.
+    state_pairs: output position -> input position for outputs that are the
+      next value of an input (the step's state, matched by pytree structure).
+      Such a pair stays sharded between steps when only the update reads the
+      input.
+    min_size: tensors with fewer elements stay replicated (never below N).
+
+  Returns:
+    The frozen Plan.
+  """
+  axes_set = frozenset(axes)
+  found = clusters_lib.find_clusters(jaxpr, facts, axes_set, num_shards, min_size)
+  invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
+
+  cluster_plans, shard_eqns, state_in, state_out = [], {}, {}, {}
+  input_reason: dict[int, tuple[bool, str]] = {}
+  for idx, c in enumerate(found):
+    members = set(c.eqns)
+    pairs = _state_pairs(c, jaxpr, members, state_pairs, invar_pos)
+    decision = cost.decide(c, jaxpr, facts, axes_set, set(pairs))
+    fmt = (lambda v: ShardFormat.flat(tuple(v.aval.shape), num_shards)) if decision.shard else (lambda v: None)
+    tensors = _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt)
+    cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, decision.reason,
+                                     decision.all_reduce_bytes, decision.all_gather_bytes))
+    for v in c.reads:
+      if v in invar_pos:
+        k = invar_pos[v]
+        if decision.shard and k in pairs.values():
+          input_reason[k] = (True, f"optimizer state: only cluster {idx} reads it")
+        elif decision.shard:
+          input_reason.setdefault(k, (False, f"read whole elsewhere; cluster {idx} slices it locally"))
+        else:
+          input_reason.setdefault(k, (False, f"cluster {idx} stays replicated"))
+    if decision.shard:
+      shard_eqns.update(c.kinds)
+      for out_pos, in_pos in pairs.items():
+        f = fmt(jaxpr.invars[in_pos])
+        state_in[in_pos], state_out[out_pos] = f, f
+
+  inputs = []
+  for k, v in enumerate(jaxpr.invars):
+    sharded, reason = input_reason.get(k, (False, _why_whole(v, facts, axes_set, num_shards, min_size)))
+    inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason))
+  return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(cluster_plans),
+              shard_eqns, state_in, state_out)
+
+
+def _state_pairs(c: clusters_lib.Cluster, jaxpr: Jaxpr, members: set[int],
+                 candidates: Mapping[int, int], invar_pos) -> dict[int, int]:
+  """The (output, input) state pairs this cluster can keep sharded between steps."""
+  readers: dict = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not compat.is_literal(v):
+        readers.setdefault(v, set()).add(i)
+  outvars = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  pairs = {}
+  for out_pos, in_pos in candidates.items():
+    x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
+    if (y in c.program_outputs and x in c.reads and x not in outvars
+        and readers.get(x, set()) <= members
+        and x.aval.shape == y.aval.shape and x.aval.dtype == y.aval.dtype):
+      pairs[out_pos] = in_pos
+  return pairs
+
+
+def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[TensorPlan, ...]:
+  def entry(name, v, role):
+    return TensorPlan(name, tuple(v.aval.shape), v.aval.dtype.name, role, fmt(v))
+
+  state_in = set(pairs.values())
+  out = [entry(f"all-reduce at {source_line(jaxpr.eqns[i])}", jaxpr.eqns[i].outvars[0], "gradient")
+         for i in c.seeds]
+  for v in c.reads:
+    if v in invar_pos:
+      k = invar_pos[v]
+      out.append(entry(in_names[k], v, "state" if k in state_in else "weight"))
+  for v, positions in c.program_outputs.items():
+    for p in positions:
+      if p not in pairs:
+        out.append(entry(out_names[p], v, "output"))
+  return tuple(out)
+
+
+def _why_whole(v, facts: Redundancy, axes: frozenset, num_shards: int, min_size: int) -> str:
+  if not facts.is_redundant(v, axes):
+    return f"not identical across {sorted(axes)} (its in_spec splits it)"
+  if not formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size):
+    return "scalar or tiny: kept replicated"
+  return "not read by a weight update"

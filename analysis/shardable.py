@@ -1,0 +1,132 @@
+"""Which equations of a weight update can run on shards, keyed by primitive (§4.1).
+
+A rule looks at one equation whose outputs are identical on every replica and
+answers with the `Kind` of shard computation that reproduces it exactly, or
+None when it cannot (the tensor must then be whole, DESIGN.md §4 invariant 2).
+`wus.transforms.rewrite` implements each kind. Shards use the flat format
+(`ShardFormat.flat`), so every operation that keeps elements in row-major
+order is local to a shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable
+
+from jax import lax
+
+from wus.analysis import compat
+from wus.analysis.compat import JaxprEqn
+from wus.analysis.redundancy import Redundancy
+
+
+class Kind(enum.Enum):
+  """How an equation runs on shards."""
+
+  ELEMENTWISE = "elementwise"  # Same op on the shards; rank-0 operands broadcast.
+  LAYOUT = "layout"            # Same elements in the same row-major order: the shard is unchanged.
+  REDUCE_UNIT = "reduce over size-1 dims"  # Each output element reduces one input element.
+  BROADCAST = "broadcast scalar"  # A rank-0 operand broadcast to a big shape.
+  REDUCE_SCATTER = "reduce-scatter"  # psum over the replica axes of a value that differs per replica.
+  SUM_OF_COPIES = "psum of equal values"  # psum of a value equal on all replicas: a local sum.
+  IDENTITY = "pmax/pmin of equal values"  # pmax / pmin of a value equal on all replicas.
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What a rule may ask about the program.
+
+  Attributes:
+    facts: the redundancy analysis of the jaxpr.
+    axes: the replica (data-parallel) mesh axes the weight update is sharded over.
+  """
+
+  facts: Redundancy
+  axes: frozenset
+
+
+ShardableRule = Callable[[JaxprEqn, Context], Kind | None]
+shardable_rules: dict[compat.Primitive, ShardableRule] = {}
+
+
+def _shape(atom) -> tuple[int, ...]:
+  return tuple(atom.aval.shape)
+
+
+def _elementwise_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  shape = _shape(eqn.outvars[0])
+  if any(_shape(v) != shape for v in eqn.outvars):
+    return None
+  if all(_shape(v) in (shape, ()) for v in eqn.invars):
+    return Kind.ELEMENTWISE
+  return None
+
+
+def _reshape_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  return Kind.LAYOUT if eqn.params.get("dimensions") is None else None
+
+
+def _broadcast_in_dim_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  operand = _shape(eqn.invars[0])
+  if not operand:
+    return Kind.BROADCAST
+  if math.prod(operand) == math.prod(eqn.params["shape"]):
+    return Kind.LAYOUT  # Only size-1 dims added (broadcast_dimensions increase).
+  return None
+
+
+def _reduce_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  operand = _shape(eqn.invars[0])
+  if all(operand[a] == 1 for a in eqn.params["axes"]):
+    return Kind.REDUCE_UNIT
+  return None
+
+
+def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  if compat.has_axis_index_groups(eqn) or frozenset(compat.collective_axes(eqn)) != ctx.axes:
+    return None
+  if ctx.facts.is_redundant(eqn.invars[0], ctx.axes):
+    return Kind.SUM_OF_COPIES
+  return Kind.REDUCE_SCATTER
+
+
+def _pmax_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  same = frozenset(compat.collective_axes(eqn)) == ctx.axes
+  if same and not compat.has_axis_index_groups(eqn) and ctx.facts.is_redundant(eqn.invars[0], ctx.axes):
+    return Kind.IDENTITY
+  return None
+
+
+for _p in (
+    lax.abs_p, lax.acos_p, lax.acosh_p, lax.add_p, compat.add_any_p, lax.and_p,
+    lax.asin_p, lax.asinh_p, lax.atan2_p, lax.atan_p, lax.atanh_p, lax.cbrt_p,
+    lax.ceil_p, lax.clamp_p, lax.convert_element_type_p, lax.copy_p,
+    lax.cos_p, lax.cosh_p, lax.div_p, lax.eq_p, lax.erf_inv_p, lax.erf_p,
+    lax.erfc_p, lax.exp2_p, lax.exp_p, lax.expm1_p, lax.floor_p, lax.ge_p,
+    lax.gt_p, lax.integer_pow_p, lax.is_finite_p, lax.le_p, lax.log1p_p,
+    lax.log_p, lax.logistic_p, lax.lt_p, lax.max_p, lax.min_p, lax.mul_p,
+    lax.ne_p, lax.neg_p, lax.nextafter_p, lax.not_p, lax.or_p, lax.pow_p,
+    lax.reduce_precision_p, lax.rem_p, lax.round_p, lax.rsqrt_p,
+    lax.select_n_p, lax.sign_p, lax.sin_p, lax.sinh_p, lax.sqrt_p,
+    lax.square_p, lax.sub_p, lax.tan_p, lax.tanh_p, lax.xor_p,
+):
+  shardable_rules[_p] = _elementwise_rule
+shardable_rules[lax.reshape_p] = _reshape_rule
+shardable_rules[lax.squeeze_p] = lambda eqn, ctx: Kind.LAYOUT
+shardable_rules[compat.pvary_p] = lambda eqn, ctx: Kind.LAYOUT  # A shard already varies.
+shardable_rules[lax.broadcast_in_dim_p] = _broadcast_in_dim_rule
+for _p in (lax.reduce_sum_p, lax.reduce_max_p, lax.reduce_min_p, lax.reduce_prod_p,
+           lax.reduce_and_p, lax.reduce_or_p):
+  shardable_rules[_p] = _reduce_rule
+shardable_rules[compat.psum_p] = _psum_rule
+shardable_rules[compat.psum_invariant_p] = _psum_rule
+shardable_rules[compat.pmax_p] = _pmax_rule
+shardable_rules[compat.pmin_p] = _pmax_rule
+
+
+def shard_kind(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  """The kind of shard computation for `eqn`, or None if it must see whole tensors."""
+  rule = shardable_rules.get(eqn.primitive)
+  return None if rule is None else rule(eqn, ctx)

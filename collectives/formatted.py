@@ -1,0 +1,103 @@
+"""Collectives with a sharding format fused in (§5.1, Fig. 9).
+
+`fmt` is a `wus.analysis.formats.ShardFormat` (anything with `shape`,
+`merged_shape`, `num_shards`, `padded_shape`, `shard_rows`). The functions
+marked "per replica" run inside `shard_map`; `axis_name` is a mesh axis name
+or a tuple of them, whose product has `fmt.num_shards` replicas. Replica r
+(`lax.axis_index(axis_name)`) owns rows [r * shard_rows, (r + 1) * shard_rows)
+of the padded merged tensor, the order in which `psum_scatter` and
+`all_gather` (tiled) place shards.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def pad(x: jnp.ndarray, fmt) -> jnp.ndarray:
+  """Reshapes `x` (shape `fmt.shape`) to `fmt.padded_shape`, zero padded."""
+  merged = jnp.reshape(x, fmt.merged_shape)
+  extra = fmt.padded_shape[0] - fmt.merged_shape[0]
+  if not extra:
+    return merged
+  return jnp.pad(merged, [(0, extra)] + [(0, 0)] * (len(fmt.merged_shape) - 1))
+
+
+def unpad(x: jnp.ndarray, fmt) -> jnp.ndarray:
+  """Inverse of `pad`: drops the padding rows and restores `fmt.shape`."""
+  return jnp.reshape(x[:fmt.merged_shape[0]], fmt.shape)
+
+
+def shard(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
+  """Per replica: this replica's shard of a value every replica holds whole.
+
+  A local dynamic slice, no communication (the sharding program of §4.2).
+  Correct only when `x` is identical on every replica of `axis_name`.
+
+  Args:
+    x: shape `fmt.shape`.
+    fmt: the format.
+    axis_name: the replica axes.
+
+  Returns:
+    shape `fmt.shard_shape`, dtype of `x`.
+  """
+  start = lax.axis_index(axis_name) * fmt.shard_rows
+  return lax.dynamic_slice_in_dim(pad(x, fmt), start, fmt.shard_rows, axis=0)
+
+
+def reduce_scatter(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
+  """Per replica: this replica's shard of the sum of `x` over all replicas.
+
+  Replaces `psum(x)` when only the shard is needed (Fig. 3).
+
+  Args:
+    x: shape `fmt.shape`, different on every replica.
+
+  Returns:
+    shape `fmt.shard_shape`, dtype of `x`: rows [r * shard_rows, ...) of the
+    padded sum (padding rows are zero).
+  """
+  return lax.psum_scatter(pad(x, fmt), axis_name, scatter_dimension=0, tiled=True)
+
+
+def all_gather(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
+  """Per replica: the whole tensor from every replica's shard.
+
+  Args:
+    x: shape `fmt.shard_shape`.
+
+  Returns:
+    shape `fmt.shape`, dtype of `x`, identical on every replica.
+  """
+  return unpad(lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying"), fmt)
+
+
+def sum_of_copies(x: jnp.ndarray, num_replicas: int) -> jnp.ndarray:
+  """Per replica: `psum(x)` for an `x` identical on every replica, with no communication.
+
+  An all-reduce of N equal values is a local computation (DESIGN.md §5). Up
+  to `_MAX_UNROLLED` replicas it is summed in rank order, in float32 for
+  16-bit floats, as XLA's all-reduce sums on the CPU, so the result matches it
+  bit for bit there; beyond that, and for integers, it is `x * N`, which
+  differs only in rounding.
+
+  Args:
+    x: any shape and dtype.
+    num_replicas: N, the number of replicas the all-reduce spans.
+
+  Returns:
+    same shape and dtype as `x`.
+  """
+  floating = jnp.issubdtype(x.dtype, jnp.inexact)
+  if not floating or num_replicas > _MAX_UNROLLED:
+    return x * jnp.asarray(num_replicas, x.dtype)
+  wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  acc = wide
+  for _ in range(num_replicas - 1):
+    acc = acc + wide
+  return acc.astype(x.dtype)
+
+
+_MAX_UNROLLED = 32

@@ -1,0 +1,24 @@
+"""Test set-up: 8 simulated CPU devices, and XLA rounding every operation.
+
+Both must be fixed before JAX initializes its backend, so they live here.
+
+Two XLA choices round differently in two different programs computing the
+same elementwise formula (the unmodified step and the rewritten one), because
+they depend on how each program happens to be fused:
+  * `--xla_cpu_max_isa=AVX`: no FMA instructions, so `a * b + c` is never
+    contracted into a fused multiply-add;
+  * `--xla_allow_excess_precision=false`: bfloat16 arithmetic, which the CPU
+    computes in float32, is rounded back to bfloat16 after every operation
+    instead of wherever a fusion happens to end.
+With both, "bit for bit" (DESIGN.md §4, invariant 1) is a strict test of the
+rewrite itself; `test_parity.py` also runs one case with XLA's defaults at a
+tolerance of a few ulps.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX --xla_allow_excess_precision=false").strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)

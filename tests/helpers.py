@@ -1,0 +1,85 @@
+"""Shared test helpers: tree comparison, a tiny data-parallel model, meshes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import wus
+
+
+def assert_trees_equal(a, b, *, rtol: float = 0.0, atol: float = 0.0):
+  """Same structure, then same values (bit for bit unless a tolerance is given)."""
+  assert jax.tree.structure(a) == jax.tree.structure(b), (jax.tree.structure(a), jax.tree.structure(b))
+  for path, x, y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(a),
+                        jax.tree.leaves(b), strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.shape == y.shape and x.dtype == y.dtype, (path[0], x.shape, y.shape, x.dtype, y.dtype)
+    if rtol or atol:
+      np.testing.assert_allclose(x.astype(np.float64), y.astype(np.float64), rtol=rtol,
+                                 atol=atol, err_msg=str(path[0]))
+    else:
+      np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path[0]))
+
+
+def make_params(shapes=None):
+  """Params with a scalar, [7], [3,3,5,7] (not divisible by 8), a big matrix, bf16."""
+  shapes = shapes or {"scalar": (), "v7": (7,), "conv": (3, 3, 5, 7), "big": (1024, 1024),
+                      "bias": (64,)}
+  keys = jax.random.split(jax.random.key(0), len(shapes) + 1)
+  params = {k: 0.1 * jax.random.normal(kk, s) for (k, s), kk in zip(shapes.items(), keys)}
+  params["half"] = (0.1 * jax.random.normal(keys[-1], (96,))).astype(jnp.bfloat16)
+  return params
+
+
+def loss_fn(params, x):
+  """Every leaf gets a gradient that depends on this replica's batch x: [b, 16]."""
+  s = jnp.tanh(x).mean()
+  total = jnp.mean(jnp.tanh(x @ params["big"][:16, :16]))
+  for leaf in jax.tree.leaves(params):
+    total = total + jnp.sum(jnp.sin(leaf.astype(jnp.float32) * s))
+  return total
+
+
+def make_step(tx, axis="data"):
+  """The ordinary per-replica step; `extra` holds an integer leaf that is not trained."""
+  def step(params, opt_state, extra, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    grads = jax.lax.pmean(grads, axis)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    extra = {"counter": extra["counter"] + 1}
+    return optax.apply_updates(params, updates), opt_state, extra, jax.lax.pmean(loss, axis)
+  return step
+
+
+def batches(mesh, n, per_replica=2, axis="data"):
+  num = mesh.shape[axis]
+  out = []
+  for i in range(n):
+    x = jax.random.normal(jax.random.key(100 + i), (num * per_replica, 16))
+    out.append(jax.device_put(x, NamedSharding(mesh, P(axis))))
+  return out
+
+
+def run(step, params, opt_state, extra, data):
+  for b in data:
+    params, opt_state, extra, loss = step(params, opt_state, extra, b)
+  return params, opt_state, extra, loss
+
+
+SPECS = dict(in_specs=(P(), P(), P(), P("data")), out_specs=(P(), P(), P(), P()))
+
+
+def both(tx, mesh, *, check_vma=True, steps=3, params=None, **wus_kw):
+  """Runs the unmodified and the wus step on the same inputs; returns both results and the step."""
+  params = make_params() if params is None else params
+  state = tx.init(params)
+  extra = {"counter": jnp.arange(16, dtype=jnp.int32)}
+  data = batches(mesh, steps)
+  step = make_step(tx)
+  ref = jax.jit(jax.shard_map(step, mesh=mesh, check_vma=check_vma, **SPECS))
+  ws = wus.shard_map(step, mesh=mesh, check_vma=check_vma, **SPECS, **wus_kw)
+  return run(ref, params, state, extra, data), run(ws, params, state, extra, data), ws

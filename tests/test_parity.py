@@ -1,0 +1,76 @@
+"""The rewritten step computes what the unmodified step computes (DESIGN.md §4, invariant 1)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import wus
+from helpers import assert_trees_equal, both
+
+MESH = None
+
+
+def mesh():
+  global MESH
+  if MESH is None:
+    MESH = jax.make_mesh((8,), ("data",))
+  return MESH
+
+
+OPTIMIZERS = [
+    ("sgd", lambda: optax.sgd(0.1)),
+    ("momentum", lambda: optax.sgd(0.1, momentum=0.9)),
+    ("nesterov", lambda: optax.sgd(0.1, momentum=0.9, nesterov=True)),
+    ("adam", lambda: optax.adam(1e-2)),
+    ("adamw", lambda: optax.adamw(1e-2, weight_decay=0.1)),
+    ("rmsprop", lambda: optax.rmsprop(1e-2)),
+    ("adagrad", lambda: optax.adagrad(1e-2)),
+    ("lion", lambda: optax.lion(1e-3)),
+    ("adabelief", lambda: optax.adabelief(1e-2)),
+    ("schedule", lambda: optax.chain(
+        optax.scale_by_adam(mu_dtype=jnp.float32),
+        optax.scale_by_schedule(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)),
+        optax.scale(-1.0))),
+]
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize("name,make_tx", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+def test_matches_unmodified_step(name, make_tx, check_vma):
+  ref, got, step = both(make_tx(), mesh(), check_vma=check_vma)
+  params, state, extra, loss = got
+  assert any(isinstance(x, wus.ShardedArray)
+             for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, wus.ShardedArray))) \
+      or name == "sgd", "optimizer state should stay sharded"
+  assert_trees_equal(ref[0], params)
+  assert_trees_equal(ref[1], wus.unshard(state))
+  assert_trees_equal(ref[2], extra)
+  assert_trees_equal(ref[3], loss)
+
+
+def test_sharded_state_keeps_tree_structure_and_global_layout():
+  ref, (params, state, _, _), step = both(optax.adam(1e-2), mesh())
+  assert jax.tree.structure(wus.unshard(state)) == jax.tree.structure(ref[1])
+  mu = state[0].mu
+  assert isinstance(mu["big"], wus.ShardedArray) and mu["big"].shape == (1024, 1024)
+  assert isinstance(mu["conv"], wus.ShardedArray) and mu["conv"].shape == (3, 3, 5, 7)
+  # Global jax.Array laid out across the mesh: 315 elements -> 8 shards of 40.
+  data = mu["conv"].data
+  assert data.shape == (320,) and len(data.sharding.device_set) == 8
+  assert {s.data.shape for s in data.addressable_shards} == {(40,)}
+  assert not isinstance(state[0].count, wus.ShardedArray)  # Scalars stay whole.
+  assert not isinstance(mu["v7"], wus.ShardedArray)        # Fewer elements than replicas.
+
+
+def test_with_fma_within_rounding():
+  """Without the test's no-FMA flag XLA may contract a*b+c differently per program."""
+  ref, got, _ = both(optax.adam(1e-2), mesh())
+  assert_trees_equal(ref[0], got[0], rtol=1e-6, atol=1e-7)
+
+
+def test_unshard_passes_plain_trees_through():
+  tree = {"a": jnp.ones(3), "b": [1, None]}
+  out = wus.unshard(tree)
+  assert out["a"] is tree["a"] and out["b"] == [1, None]

@@ -1,0 +1,74 @@
+"""The programs of §4.2: shard_state, step and unshard_state.
+
+Without a training loop inside the program, the rewritten step is split from
+the (rare) conversions of state between whole and sharded: the runtime calls
+`shard_program` the first time it sees whole state, then passes sharded state
+straight from one step to the next, and `unshard_program` gives whole arrays
+back when the user asks for them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from wus import collectives
+from wus.analysis.compat import ClosedJaxpr
+from wus.analysis.formats import ShardFormat
+from wus.analysis.plan import Plan
+from wus.transforms.rewrite import rewrite
+
+
+def shard_spec(axes: Sequence[str]) -> P:
+  """The PartitionSpec of a sharded tensor: leading dim split over `axes`."""
+  return P(axes[0] if len(axes) == 1 else tuple(axes))
+
+
+def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequence[P],
+                 out_specs: Sequence[P], axis_names: frozenset,
+                 check_vma: bool) -> Callable[..., tuple]:
+  """The jit-compiled sharded step (sharded state in, sharded state out).
+
+  Args:
+    jaxpr: the flat per-replica jaxpr the Plan was made from.
+    plan: the Plan.
+    mesh: the mesh of the original shard_map.
+    in_specs, out_specs: the original per-input / per-output specs.
+    axis_names: the manual axes of the original shard_map.
+    check_vma: as the original shard_map: the rewrite keeps JAX's types exact
+      (shards vary over the replica axes, gathered values are invariant).
+
+  Returns:
+    A jitted function of one global array per `jaxpr` input; state inputs
+    (`plan.state_inputs`) are padded arrays of shape `format.padded_shape`
+    laid out with `shard_spec(plan.axes)`. It returns one global array per
+    output, state outputs in the same padded layout.
+  """
+  spec = shard_spec(plan.axes)
+  ins = tuple(spec if k in plan.state_inputs else s for k, s in enumerate(in_specs))
+  outs = tuple(spec if k in plan.state_outputs else s for k, s in enumerate(out_specs))
+  body = rewrite(jaxpr, plan)
+  return jax.jit(jax.shard_map(lambda *a: tuple(body(*a)), mesh=mesh, in_specs=ins,
+                               out_specs=outs, check_vma=check_vma, axis_names=axis_names))
+
+
+@functools.lru_cache(maxsize=None)
+def shard_program(fmt: ShardFormat, mesh: Mesh, axes: tuple) -> Callable[[Any], jax.Array]:
+  """Whole tensor (shape `fmt.shape`, the same on every device) -> sharded global array.
+
+  Each device takes its own shard with a local slice: no communication. The
+  result has shape `fmt.padded_shape`, laid out with `shard_spec(axes)`.
+  """
+  return jax.jit(jax.shard_map(functools.partial(collectives.shard, fmt=fmt, axis_name=axes),
+                               mesh=mesh, in_specs=P(), out_specs=shard_spec(axes)))
+
+
+@functools.lru_cache(maxsize=None)
+def unshard_program(fmt: ShardFormat, mesh: Mesh, axes: tuple) -> Callable[[jax.Array], jax.Array]:
+  """Sharded global array -> whole tensor (shape `fmt.shape`) on every device: an all-gather."""
+  return jax.jit(jax.shard_map(functools.partial(collectives.all_gather, fmt=fmt, axis_name=axes),
+                               mesh=mesh, in_specs=shard_spec(axes), out_specs=P()))

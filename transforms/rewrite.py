@@ -1,0 +1,157 @@
+"""The rewrite: evaluate the step's jaxpr and retrace it with the weight update on shards.
+
+An evaluate-and-retrace interpreter (the loop of `jax.core.eval_jaxpr`). Each
+variable may be held whole, as this replica's shard, or both; the other form
+is made on demand: a shard from a whole value that is identical on every
+replica is a local slice (`collectives.shard`), a whole value from a shard is
+an all-gather (`collectives.all_gather`). Equations the Plan puts on shards
+run by the rule for their `Kind` (`shard_rules`); every other equation is
+re-bound unchanged on whole values. A gradient all-reduce becomes a
+reduce-scatter with the padding fused in (Fig. 3).
+
+Before/after for one Adam tensor (N = 8, w: f32[4,3] → flat [12] → pad 4 →
+8 shards of [2]):
+
+  g = psum_invariant[axes=(data,)] dw        g  = psum_scatter(pad(dw))      # [2]
+  m2 = add (mul 0.1 g) (mul 0.9 m)           m2 = add (mul 0.1 g) (mul 0.9 m) # shard of m passed in
+  w2 = add w (mul -lr (div m2 ...))          w2 = add (slice w) (...)         # [2]
+  return w2, m2                              return all_gather(w2), m2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+
+from wus import collectives
+from wus.analysis import compat, formats
+from wus.analysis.compat import ClosedJaxpr, JaxprEqn
+from wus.analysis.formats import ShardFormat
+from wus.analysis.plan import Plan
+from wus.analysis.shardable import Kind
+
+
+class _Held:
+  """A variable's value in the rewritten program: whole, shard, or both."""
+
+  __slots__ = ("whole", "shard")
+
+  def __init__(self, whole=None, shard=None):
+    self.whole, self.shard = whole, shard
+
+
+class _Env:
+  """Variable values, converting between whole and shard on demand."""
+
+  def __init__(self, plan: Plan):
+    self.plan = plan
+    self.held: dict = {}
+
+  def fmt(self, v) -> ShardFormat:
+    return ShardFormat.flat(tuple(v.aval.shape), self.plan.num_shards)
+
+  def big(self, v) -> bool:
+    return (not compat.is_literal(v) and formats.is_shardable_shape(
+        tuple(v.aval.shape), self.plan.num_shards, self.plan.min_size))
+
+  def whole(self, v) -> Any:
+    if compat.is_literal(v):
+      return v.val
+    h = self.held[v]
+    if h.whole is None:
+      h.whole = collectives.all_gather(h.shard, self.fmt(v), self.plan.axes)
+    return h.whole
+
+  def shard(self, v) -> Any:
+    h = self.held[v]
+    if h.shard is None:
+      h.shard = collectives.shard(h.whole, self.fmt(v), self.plan.axes)
+    return h.shard
+
+  def operands(self, eqn: JaxprEqn) -> list[Any]:
+    """What a shard rule reads: shards of big values, small values whole."""
+    return [self.shard(v) if self.big(v) else self.whole(v) for v in eqn.invars]
+
+
+ShardRule = Callable[[JaxprEqn, _Env], list[Any]]
+shard_rules: dict[Kind, ShardRule] = {}
+
+
+def _elementwise(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  # A `sharding` param describes the whole value's layout; shards have none.
+  extra = {"sharding": None} if eqn.params.get("sharding") is not None else {}
+  return compat.bind(eqn, *compat.match_varying(env.operands(eqn)), **extra)
+
+
+def _same_shard(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  return [env.shard(eqn.invars[0])]  # Same elements in the same row-major order.
+
+
+def _reduce_unit(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  # Each output element reduces one input element: reduce a unit dim of the shard.
+  extra = {"out_sharding": None} if "out_sharding" in eqn.params else {}
+  return compat.bind(eqn, env.shard(eqn.invars[0])[:, None], axes=(1,), **extra)
+
+
+def _broadcast(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  scalar = env.whole(eqn.invars[0])
+  return [jnp.broadcast_to(scalar, env.fmt(eqn.outvars[0]).shard_shape)]
+
+
+def _reduce_scatter(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  (v,) = eqn.invars  # Differs across replicas: always held whole.
+  return [collectives.reduce_scatter(env.whole(v), env.fmt(v), env.plan.axes)]
+
+
+def _sum_of_copies(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  return [collectives.sum_of_copies(env.shard(eqn.invars[0]), env.plan.num_shards)]
+
+
+shard_rules[Kind.ELEMENTWISE] = _elementwise
+shard_rules[Kind.LAYOUT] = _same_shard
+shard_rules[Kind.REDUCE_UNIT] = _reduce_unit
+shard_rules[Kind.BROADCAST] = _broadcast
+shard_rules[Kind.REDUCE_SCATTER] = _reduce_scatter
+shard_rules[Kind.SUM_OF_COPIES] = _sum_of_copies
+shard_rules[Kind.IDENTITY] = _same_shard  # pmax / pmin of equal values.
+
+
+def rewrite(jaxpr: ClosedJaxpr, plan: Plan) -> Callable[..., list[Any]]:
+  """The per-replica step with the Plan's weight update on shards.
+
+  Args:
+    jaxpr: the flat per-replica jaxpr the Plan was made from.
+    plan: the Plan.
+
+  Returns:
+    A function to run inside `shard_map` over the same mesh. It takes one
+    value per `jaxpr` input (inputs in `plan.state_inputs` as this replica's
+    shard, shape `format.shard_shape`; the rest whole) and returns one value per
+    output (outputs in `plan.state_outputs` as shards, the rest whole).
+  """
+
+  def step(*args: Any) -> list[Any]:
+    env = _Env(plan)
+    inner = jaxpr.jaxpr
+    for v, c in zip(inner.constvars, jaxpr.consts, strict=True):
+      env.held[v] = _Held(whole=c)
+    for k, (v, x) in enumerate(zip(inner.invars, args, strict=True)):
+      env.held[v] = _Held(shard=x) if k in plan.state_inputs else _Held(whole=x)
+    for i, eqn in enumerate(inner.eqns):
+      kind = plan.shard_eqns.get(i)
+      if kind is None:
+        outs = compat.bind(eqn, *[env.whole(v) for v in eqn.invars])
+        held = [_Held(whole=x) for x in outs]
+      else:
+        outs = shard_rules[kind](eqn, env)
+        held = [_Held(shard=x) if env.big(v) else _Held(whole=x)
+                for v, x in zip(eqn.outvars, outs, strict=True)]
+      for v, h in zip(eqn.outvars, held, strict=True):
+        env.held[v] = h
+    return [env.shard(v) if k in plan.state_outputs else env.whole(v)
+            for k, v in enumerate(inner.outvars)]
+
+  return step
+

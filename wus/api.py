@@ -1,0 +1,277 @@
+"""`wus.shard_map`: a data-parallel step with its weight update sharded (DESIGN.md §1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from wus.analysis import compat, redundancy
+from wus.analysis.compat import ClosedJaxpr
+from wus.analysis.plan import Plan, make_plan
+from wus.errors import StateMismatchError
+from wus.sharded import ShardedArray, is_sharded
+from wus.transforms import inline, programs
+
+
+def shard_map(f: Callable | None = None, /, *, mesh: Mesh, in_specs: Any, out_specs: Any,
+              check_vma: bool = True, axis_names: frozenset = frozenset(),
+              axis_name: str | Sequence[str] | None = None,
+              min_shard_size: int = 0) -> ShardedStep | Callable[[Callable], ShardedStep]:
+  """Like `jax.shard_map`, with the weight update sharded across replicas.
+
+  Swap `jax.shard_map` for `wus.shard_map`; nothing else changes. The step is
+  traced to a jaxpr, the computation every replica repeats after the gradient
+  all-reduce is found (§3), and a rewritten step is compiled in which each
+  replica reduce-scatters the gradients, updates its 1/N shard of every weight
+  and optimizer-state tensor, and all-gathers the new weights (§4). Optimizer
+  state comes back as `wus.ShardedArray` leaves, to pass straight to the next
+  call; `wus.unshard` gives whole arrays.
+
+  Args:
+    f: the per-replica step, as for `jax.shard_map`.
+    mesh, in_specs, out_specs, check_vma, axis_names: as for `jax.shard_map`.
+    axis_name: the data-parallel mesh axis (or axes) to shard the update over;
+      default every manual axis.
+    min_shard_size: tensors with fewer elements stay replicated (tensors with
+      fewer elements than replicas always do).
+
+  Returns:
+    A `ShardedStep`: call it like the jit-compiled `jax.shard_map(f, ...)`.
+    Used as a decorator without `f`, a function that makes one.
+
+  Example:
+    >>> step = wus.shard_map(train_step, mesh=mesh,  # doctest: +SKIP
+    ...     in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
+    >>> params, opt_state, metrics = step(params, opt_state, batch)  # doctest: +SKIP
+  """
+  make = functools.partial(ShardedStep, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                           check_vma=check_vma, axis_names=frozenset(axis_names),
+                           axis_name=axis_name, min_shard_size=min_shard_size)
+  return make if f is None else make(f)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """Everything compiled for one input signature."""
+
+  plan: Plan
+  step: Callable[..., tuple]
+  sources: tuple        # Per step operand: ("arg", leaf index) or ("const", value).
+  state_in: dict        # Arg leaf index -> ShardFormat of inputs passed sharded.
+  in_names: tuple[str, ...]
+  out_tree: Any
+
+
+class ShardedStep:
+  """A data-parallel step whose weight update runs on shards (from `wus.shard_map`)."""
+
+  def __init__(self, f: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any,
+               check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
+               replicated_args: Callable[[int], bool] | None = None):
+    self._f = f
+    self._mesh = mesh
+    self._in_specs, self._out_specs = in_specs, out_specs
+    self._check_vma = check_vma
+    self._axis_names = axis_names
+    self._axis_name = axis_name
+    self._min_size = min_shard_size
+    self._replicated_args = replicated_args  # Annotated replicated inputs (§3.1), for pmap.
+    self._cache: dict = {}
+    functools.update_wrapper(self, f)
+
+  # --- Public. ---------------------------------------------------------------
+
+  def __call__(self, *args):
+    leaves, prog = self._program(args)
+    outs = prog.step(*self._operands(leaves, prog))
+    wrapped = [ShardedArray(x, prog.plan.state_outputs[k], prog.plan.axes)
+               if k in prog.plan.state_outputs else x for k, x in enumerate(outs)]
+    return jax.tree.unflatten(prog.out_tree, wrapped)
+
+  def plan(self, *args) -> Plan:
+    """The Plan for these arguments (whole or sharded state alike)."""
+    return self._program(args)[1].plan
+
+  def lower(self, *args) -> jax.stages.Lowered:
+    """Lowers the steady-state step program (optimizer state already sharded).
+
+    Returns:
+      A `jax.stages.Lowered`; `.compile().memory_analysis()` gives per-device
+      bytes, `.compile().as_text()` the optimized HLO.
+    """
+    leaves, prog = self._program(args)
+    spec = NamedSharding(self._mesh, programs.shard_spec(prog.plan.axes))
+    ops = []
+    for src in prog.sources:
+      if src[0] == "arg" and src[1] in prog.state_in:
+        fmt = prog.state_in[src[1]]
+        ops.append(jax.ShapeDtypeStruct(fmt.padded_shape, leaves[src[1]].dtype, sharding=spec))
+      else:
+        ops.append(src[1] if src[0] == "const" else leaves[src[1]])
+    return prog.step.lower(*ops)
+
+  # --- Runtime. --------------------------------------------------------------
+
+  def _operands(self, leaves: list, prog: _Program) -> list:
+    """The step's operands: sharded state checked, whole state sharded (§4.2)."""
+    ops = []
+    expected = NamedSharding(self._mesh, programs.shard_spec(prog.plan.axes))
+    for src in prog.sources:
+      if src[0] == "const":
+        ops.append(src[1])
+        continue
+      k = src[1]
+      x, fmt = leaves[k], prog.state_in.get(k)
+      if is_sharded(x):
+        _check_state(x, fmt, prog.plan.axes, expected, prog.in_names[k])
+        ops.append(x.data)
+      elif fmt is not None:
+        ops.append(programs.shard_program(fmt, self._mesh, prog.plan.axes)(x))
+      else:
+        ops.append(x)
+    return ops
+
+  def _program(self, args: tuple) -> tuple[list, _Program]:
+    leaves, treedef = jax.tree.flatten(args, is_leaf=is_sharded)
+    key = (treedef, tuple(_signature(x) for x in leaves))
+    if key not in self._cache:
+      self._cache[key] = self._build(args, leaves, treedef)
+    return leaves, self._cache[key]
+
+  def _build(self, args: tuple, leaves: list, treedef) -> _Program:
+    # 1. Trace the user's step exactly as jax.shard_map would.
+    traced = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self._mesh, P()))
+              if is_sharded(x) else x for x in leaves]
+    smap = jax.shard_map(self._f, mesh=self._mesh, in_specs=self._in_specs,
+                         out_specs=self._out_specs, check_vma=self._check_vma,
+                         axis_names=self._axis_names)
+    outer, out_shape = jax.make_jaxpr(smap, return_shape=True)(*jax.tree.unflatten(treedef, traced))
+    eqn = compat.shard_map_eqn(outer)
+    body, mesh, in_specs, out_specs, manual, check_vma = compat.shard_map_params(eqn)
+    if list(outer.jaxpr.outvars) != list(eqn.outvars):
+      raise NotImplementedError("wus.shard_map expects f's outputs to come from shard_map")
+    arg_pos = {v: k for k, v in enumerate(outer.jaxpr.invars)}
+    const_val = dict(zip(outer.jaxpr.constvars, outer.consts, strict=True))
+    sources = tuple(("arg", arg_pos[v]) if v in arg_pos else ("const", const_val[v])
+                    for v in eqn.invars)
+    operand_avals = [traced[s[1]] if s[0] == "arg" else s[1] for s in sources]
+
+    # 2. Inline calls and retrace: the analysis works on one flat jaxpr.
+    flat_outer = jax.make_jaxpr(jax.shard_map(
+        lambda *a: tuple(inline.inlined(ClosedJaxpr(body, ()))(*a)), mesh=mesh,
+        in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=check_vma,
+        axis_names=manual))(*operand_avals)
+    flat = compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0]
+
+    # 3. Analyse and plan.
+    axes = self._replica_axes(mesh, manual)
+    in_rep = []
+    for spec, src in zip(in_specs, sources, strict=True):
+      rep = manual - _spec_axes(spec)
+      if src[0] == "arg" and self._replicated_args and self._replicated_args(src[1]):
+        rep = frozenset(manual)
+      in_rep.append(rep)
+    facts = redundancy.analyze(flat, in_rep, manual)
+    names = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(args, is_leaf=is_sharded)[0]]
+    in_names = [names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
+    out_leaves, out_tree = jax.tree.flatten(out_shape)
+    out_names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    body_pos = {s[1]: k for k, s in enumerate(sources) if s[0] == "arg"}
+    pairs = {o: body_pos[i] for o, i in _match_state(args, out_shape).items() if i in body_pos}
+    plan = make_plan(flat, facts, axes=axes,
+                     num_shards=math.prod(mesh.shape[a] for a in axes),
+                     in_names=in_names, out_names=out_names, state_pairs=pairs,
+                     min_size=self._min_size)
+
+    # 4. Compile the rewritten step.
+    step = programs.step_program(ClosedJaxpr(flat, ()), plan, mesh=mesh, in_specs=in_specs,
+                                 out_specs=out_specs, axis_names=manual, check_vma=check_vma)
+    state_in = {sources[k][1]: fmt for k, fmt in plan.state_inputs.items()}
+    return _Program(plan, step, sources, state_in, tuple(names), out_tree)
+
+  def _replica_axes(self, mesh: Mesh, manual: frozenset) -> tuple:
+    """The data-parallel axes, in mesh order."""
+    if self._axis_name is None:
+      wanted = manual
+    else:
+      wanted = frozenset([self._axis_name] if isinstance(self._axis_name, str) else self._axis_name)
+      if not wanted <= manual:
+        raise ValueError(f"axis_name {sorted(wanted)} must be manual axes of the shard_map; "
+                         f"they are {sorted(manual)}")
+    return tuple(a for a in mesh.axis_names if a in wanted)
+
+
+def _signature(x) -> tuple:
+  """The cache key of one argument leaf: logical shape, dtype, weak type."""
+  if is_sharded(x):
+    return (x.shape, np.dtype(x.dtype), False)
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return (tuple(x.shape), np.dtype(x.dtype), bool(getattr(x, "weak_type", False)))
+  return (type(x), ())
+
+
+def _aval(x) -> tuple:
+  """(shape, dtype) of an argument or output leaf, without touching its data."""
+  dtype = getattr(x, "dtype", None)
+  return tuple(np.shape(x)), np.dtype(dtype if dtype is not None else np.result_type(type(x)))
+
+
+def _spec_axes(spec: P) -> frozenset:
+  """The mesh axes a PartitionSpec splits over."""
+  out = set()
+  for entry in spec:
+    if entry is None:
+      continue
+    out.update(entry if isinstance(entry, tuple) else (entry,))
+  return frozenset(out)
+
+
+def _check_state(x: ShardedArray, fmt, axes: tuple, expected: NamedSharding, name: str) -> None:
+  """Raises StateMismatchError unless `x` is sharded exactly as this step expects."""
+  if fmt is None:
+    raise StateMismatchError(
+        f"argument {name} is sharded state ({x}) but this step reads it whole. "
+        "Pass wus.unshard(state) instead.")
+  if x.format != fmt or x.axes != axes or not x.data.sharding.is_equivalent_to(expected, x.data.ndim):
+    raise StateMismatchError(
+        f"argument {name} was sharded for another mesh or plan ({x}, on "
+        f"{x.data.sharding}); this step expects {fmt} over {axes} on {expected}. "
+        "Pass wus.unshard(state) to re-shard it for this step.")
+
+
+def _match_state(args: tuple, out: Any) -> dict[int, int]:
+  """Pairs output leaves with the input leaves they are the next value of.
+
+  Each top-level argument is matched to the first unmatched top-level output
+  element with the same tree structure, shapes and dtypes, preferring the
+  element at the same position: `(params, opt_state, batch) -> (params,
+  opt_state, metrics)` pairs params and opt_state. Returns flat output leaf
+  position -> flat input leaf position.
+  """
+  def parts(tree) -> list[tuple[Any, tuple, int]]:
+    """(treedef, leaf avals, first flat position) per top-level element."""
+    out, start = [], 0
+    for t in tree:
+      leaves, td = jax.tree.flatten(t, is_leaf=is_sharded)
+      out.append((td, tuple(_aval(x) for x in leaves), start))
+      start += len(leaves)
+    return out
+
+  outs = parts(out if isinstance(out, (tuple, list)) else (out,))
+  pairs, used = {}, set()
+  for a, (td, avals, start) in enumerate(parts(args)):
+    order = ([a] if a < len(outs) else []) + list(range(len(outs)))
+    for o in order:
+      if o not in used and outs[o][:2] == (td, avals) and avals:
+        used.add(o)
+        pairs.update({outs[o][2] + j: start + j for j in range(len(avals))})
+        break
+  return pairs
