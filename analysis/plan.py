@@ -254,4 +254,4 @@ def _why_whole(v, facts: Redundancy, axes: frozenset, num_shards: int, min_size:
     return f"not identical across {sorted(axes)} (its in_spec splits it)"
   if not formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size):
     return "scalar or tiny: kept replicated"
-  return "not read by a weight update"
+  return "read whole by the step; not optimizer state"

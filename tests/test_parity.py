@@ -74,3 +74,38 @@ def test_unshard_passes_plain_trees_through():
   tree = {"a": jnp.ones(3), "b": [1, None]}
   out = wus.unshard(tree)
   assert out["a"] is tree["a"] and out["b"] == [1, None]
+
+
+def _stack(tree, n=8):
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), tree)
+
+
+@pytest.mark.parametrize("name,make_tx", [OPTIMIZERS[1], OPTIMIZERS[3]], ids=["momentum", "adam"])
+def test_pmap_matches_jax_pmap(name, make_tx):
+  from helpers import make_params, make_step
+  tx = make_tx()
+  params = make_params()
+  args = (_stack(params), _stack(tx.init(params)), _stack({"counter": jnp.arange(16, dtype=jnp.int32)}))
+  step = make_step(tx, axis="batch")
+  ref, ws = jax.pmap(step, axis_name="batch"), wus.pmap(step, axis_name="batch", replicated_argnums=(0, 1, 2))
+  a = b = args
+  for i in range(3):
+    x = jax.random.normal(jax.random.key(i), (8, 2, 16))
+    a, b = ref(*a, x)[:3], ws(*b, x)[:3]
+  big = [x for x in jax.tree.leaves(b[1], is_leaf=lambda x: isinstance(x, wus.ShardedArray))
+         if isinstance(x, wus.ShardedArray) and x.format.shape == (1, 1024, 1024)]
+  assert big and big[0].shape == (8, 1024, 1024)  # Sharded, in pmap's stacked layout.
+  assert_trees_equal(a[0], b[0])
+  assert_trees_equal(a[1], wus.unshard(b[1]))
+  assert_trees_equal(a[2], b[2])
+
+
+def test_pmap_rejects_replicated_argument_with_differing_copies():
+  from helpers import make_step
+  tx = optax.sgd(0.1)
+  params = {"w": jnp.arange(8 * 64, dtype=jnp.float32).reshape(8, 64)}  # Copies differ.
+  ws = wus.pmap(lambda p, s, e, x: make_step(tx, "b")(p, s, e, x), axis_name="b",
+                replicated_argnums=(0, 1))
+  with pytest.raises(ValueError, match="per-device copies differ"):
+    ws(params, _stack(tx.init({"w": jnp.zeros(64)})), _stack({"counter": jnp.zeros(16, jnp.int32)}),
+       jnp.ones((8, 2, 16)))

@@ -57,18 +57,26 @@ def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequen
 
 
 @functools.lru_cache(maxsize=None)
-def shard_program(fmt: ShardFormat, mesh: Mesh, axes: tuple) -> Callable[[Any], jax.Array]:
-  """Whole tensor (shape `fmt.shape`, the same on every device) -> sharded global array.
+def shard_program(fmt: ShardFormat, mesh: Mesh, axes: tuple,
+                  spec: P = P()) -> Callable[[Any], jax.Array]:
+  """Whole tensor -> sharded global array (the sharding program of §4.2).
 
-  Each device takes its own shard with a local slice: no communication. The
-  result has shape `fmt.padded_shape`, laid out with `shard_spec(axes)`.
+  Each device takes its own shard of its whole value (shape `fmt.shape`, laid
+  out by `spec` as the step's in_spec lays it out) with a local slice: no
+  communication. The result has shape `fmt.padded_shape`, laid out with
+  `shard_spec(axes)`.
   """
   return jax.jit(jax.shard_map(functools.partial(collectives.shard, fmt=fmt, axis_name=axes),
-                               mesh=mesh, in_specs=P(), out_specs=shard_spec(axes)))
+                               mesh=mesh, in_specs=spec, out_specs=shard_spec(axes)))
 
 
 @functools.lru_cache(maxsize=None)
-def unshard_program(fmt: ShardFormat, mesh: Mesh, axes: tuple) -> Callable[[jax.Array], jax.Array]:
-  """Sharded global array -> whole tensor (shape `fmt.shape`) on every device: an all-gather."""
+def unshard_program(fmt: ShardFormat, mesh: Mesh, axes: tuple,
+                    spec: P = P()) -> Callable[[jax.Array], jax.Array]:
+  """Sharded global array -> the whole tensor (shape `fmt.shape`) on every device.
+
+  An all-gather. `spec` lays the per-device whole values out as the step's
+  out_spec did (P(): one replicated array).
+  """
   return jax.jit(jax.shard_map(functools.partial(collectives.all_gather, fmt=fmt, axis_name=axes),
-                               mesh=mesh, in_specs=shard_spec(axes), out_specs=P()))
+                               mesh=mesh, in_specs=shard_spec(axes), out_specs=spec))

@@ -64,8 +64,9 @@ class _Program:
   plan: Plan
   step: Callable[..., tuple]
   sources: tuple        # Per step operand: ("arg", leaf index) or ("const", value).
-  state_in: dict        # Arg leaf index -> ShardFormat of inputs passed sharded.
+  state_in: dict        # Arg leaf index -> (ShardFormat, whole-value spec) of inputs passed sharded.
   in_names: tuple[str, ...]
+  out_specs: tuple      # Per flat output: its PartitionSpec in the user's program.
   out_tree: Any
 
 
@@ -74,7 +75,7 @@ class ShardedStep:
 
   def __init__(self, f: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any,
                check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
-               replicated_args: Callable[[int], bool] | None = None):
+               replicated_argnums: frozenset = frozenset()):
     self._f = f
     self._mesh = mesh
     self._in_specs, self._out_specs = in_specs, out_specs
@@ -82,7 +83,10 @@ class ShardedStep:
     self._axis_names = axis_names
     self._axis_name = axis_name
     self._min_size = min_shard_size
-    self._replicated_args = replicated_args  # Annotated replicated inputs (§3.1), for pmap.
+    # Arguments declared identical on every replica although their in_spec
+    # splits them (the paper's annotated parameters, §3.1): wus.pmap's
+    # stacked copies.
+    self._replicated_argnums = frozenset(replicated_argnums)
     self._cache: dict = {}
     functools.update_wrapper(self, f)
 
@@ -91,7 +95,7 @@ class ShardedStep:
   def __call__(self, *args):
     leaves, prog = self._program(args)
     outs = prog.step(*self._operands(leaves, prog))
-    wrapped = [ShardedArray(x, prog.plan.state_outputs[k], prog.plan.axes)
+    wrapped = [ShardedArray(x, prog.plan.state_outputs[k], prog.plan.axes, prog.out_specs[k])
                if k in prog.plan.state_outputs else x for k, x in enumerate(outs)]
     return jax.tree.unflatten(prog.out_tree, wrapped)
 
@@ -111,7 +115,7 @@ class ShardedStep:
     ops = []
     for src in prog.sources:
       if src[0] == "arg" and src[1] in prog.state_in:
-        fmt = prog.state_in[src[1]]
+        fmt = prog.state_in[src[1]][0]
         ops.append(jax.ShapeDtypeStruct(fmt.padded_shape, leaves[src[1]].dtype, sharding=spec))
       else:
         ops.append(src[1] if src[0] == "const" else leaves[src[1]])
@@ -128,12 +132,12 @@ class ShardedStep:
         ops.append(src[1])
         continue
       k = src[1]
-      x, fmt = leaves[k], prog.state_in.get(k)
+      x, (fmt, spec) = leaves[k], prog.state_in.get(k, (None, None))
       if is_sharded(x):
-        _check_state(x, fmt, prog.plan.axes, expected, prog.in_names[k])
+        _check_state(x, fmt, spec, prog.plan.axes, expected, prog.in_names[k])
         ops.append(x.data)
       elif fmt is not None:
-        ops.append(programs.shard_program(fmt, self._mesh, prog.plan.axes)(x))
+        ops.append(programs.shard_program(fmt, self._mesh, prog.plan.axes, spec)(x))
       else:
         ops.append(x)
     return ops
@@ -147,7 +151,7 @@ class ShardedStep:
 
   def _build(self, args: tuple, leaves: list, treedef) -> _Program:
     # 1. Trace the user's step exactly as jax.shard_map would.
-    traced = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self._mesh, P()))
+    traced = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self._mesh, x.spec))
               if is_sharded(x) else x for x in leaves]
     smap = jax.shard_map(self._f, mesh=self._mesh, in_specs=self._in_specs,
                          out_specs=self._out_specs, check_vma=self._check_vma,
@@ -172,12 +176,10 @@ class ShardedStep:
 
     # 3. Analyse and plan.
     axes = self._replica_axes(mesh, manual)
-    in_rep = []
-    for spec, src in zip(in_specs, sources, strict=True):
-      rep = manual - _spec_axes(spec)
-      if src[0] == "arg" and self._replicated_args and self._replicated_args(src[1]):
-        rep = frozenset(manual)
-      in_rep.append(rep)
+    arg_of_leaf = [a for a, arg in enumerate(args)
+                   for _ in jax.tree.leaves(arg, is_leaf=is_sharded)]
+    in_rep = [frozenset(manual) if s[0] == "arg" and arg_of_leaf[s[1]] in self._replicated_argnums
+              else manual - _spec_axes(spec) for spec, s in zip(in_specs, sources, strict=True)]
     facts = redundancy.analyze(flat, in_rep, manual)
     names = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(args, is_leaf=is_sharded)[0]]
@@ -194,8 +196,8 @@ class ShardedStep:
     # 4. Compile the rewritten step.
     step = programs.step_program(ClosedJaxpr(flat, ()), plan, mesh=mesh, in_specs=in_specs,
                                  out_specs=out_specs, axis_names=manual, check_vma=check_vma)
-    state_in = {sources[k][1]: fmt for k, fmt in plan.state_inputs.items()}
-    return _Program(plan, step, sources, state_in, tuple(names), out_tree)
+    state_in = {sources[k][1]: (fmt, in_specs[k]) for k, fmt in plan.state_inputs.items()}
+    return _Program(plan, step, sources, state_in, tuple(names), tuple(out_specs), out_tree)
 
   def _replica_axes(self, mesh: Mesh, manual: frozenset) -> tuple:
     """The data-parallel axes, in mesh order."""
@@ -234,13 +236,15 @@ def _spec_axes(spec: P) -> frozenset:
   return frozenset(out)
 
 
-def _check_state(x: ShardedArray, fmt, axes: tuple, expected: NamedSharding, name: str) -> None:
+def _check_state(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedSharding,
+                 name: str) -> None:
   """Raises StateMismatchError unless `x` is sharded exactly as this step expects."""
   if fmt is None:
     raise StateMismatchError(
         f"argument {name} is sharded state ({x}) but this step reads it whole. "
         "Pass wus.unshard(state) instead.")
-  if x.format != fmt or x.axes != axes or not x.data.sharding.is_equivalent_to(expected, x.data.ndim):
+  if (x.format != fmt or x.axes != axes or x.spec != spec
+      or not x.data.sharding.is_equivalent_to(expected, x.data.ndim)):
     raise StateMismatchError(
         f"argument {name} was sharded for another mesh or plan ({x}, on "
         f"{x.data.sharding}); this step expects {fmt} over {axes} on {expected}. "

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from wus.analysis.formats import ShardFormat
 from wus.transforms import programs
@@ -17,24 +19,33 @@ class ShardedArray:
 
   It stands where the user's pytree had a whole array. `data` is a global
   `jax.Array` laid out across the mesh, so it can be saved without gathering;
-  `wus.unshard` gives the whole array back.
+  `wus.unshard` gives the whole array back, laid out as the step's out_spec
+  laid it out (`spec`).
 
   Attributes:
     data: global array, shape `format.padded_shape`, dtype of the tensor,
       leading dim split over `axes` (each device holds `format.shard_shape`).
-    format: how the logical tensor maps to `data` (§4.1).
+    format: how one replica's whole value (shape `format.shape`) maps to
+      `data` (§4.1).
     axes: the mesh axes it is sharded over.
+    spec: the PartitionSpec of the whole value in the user's program: P() for
+      a `wus.shard_map` step, P(axis_name) (stacked copies) for `wus.pmap`.
   """
 
-  __slots__ = ("data", "format", "axes")
+  __slots__ = ("data", "format", "axes", "spec")
 
-  def __init__(self, data: jax.Array, format: ShardFormat, axes: tuple):  # noqa: A002
-    self.data, self.format, self.axes = data, format, tuple(axes)
+  def __init__(self, data: jax.Array, format: ShardFormat, axes: tuple, spec: P = P()):  # noqa: A002
+    self.data, self.format, self.axes, self.spec = data, format, tuple(axes), spec
 
   @property
   def shape(self) -> tuple[int, ...]:
-    """Logical shape, as the user's program sees the tensor."""
-    return self.format.shape
+    """Global shape of the whole value, as the user's program sees it."""
+    mesh = self.data.sharding.mesh
+    shape = list(self.format.shape)
+    for d, entry in enumerate(self.spec):
+      names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+      shape[d] *= math.prod(mesh.shape[n] for n in names)
+    return tuple(shape)
 
   @property
   def dtype(self) -> np.dtype:
@@ -46,17 +57,17 @@ class ShardedArray:
 
   @property
   def size(self) -> int:
-    return int(np.prod(self.format.shape))
+    return math.prod(self.shape)
 
   def tree_flatten(self):
-    return (self.data,), (self.format, self.axes)
+    return (self.data,), (self.format, self.axes, self.spec)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     return cls(children[0], *aux)
 
   def __repr__(self) -> str:
-    return f"ShardedArray({self.dtype}{list(self.shape)}, {self.format}, axes={self.axes})"
+    return f"ShardedArray({self.dtype}{list(self.format.shape)}, {self.format}, axes={self.axes})"
 
 
 def is_sharded(x: Any) -> bool:
@@ -67,8 +78,10 @@ def unshard(tree: Any) -> Any:
   """Whole arrays back from any pytree holding sharded state.
 
   Each `ShardedArray` becomes a `jax.Array` of its logical shape and dtype,
-  replicated on every device of its mesh (one all-gather per tensor). Other
-  leaves, and trees without sharded state, pass through unchanged.
+  laid out as the step returned whole values (replicated on every device for
+  `wus.shard_map` with out_spec P(); stacked copies for `wus.pmap`): one
+  all-gather per tensor. Other leaves, and trees without sharded state, pass
+  through unchanged.
 
   Args:
     tree: any pytree.
@@ -79,5 +92,5 @@ def unshard(tree: Any) -> Any:
   def whole(x):
     if not is_sharded(x):
       return x
-    return programs.unshard_program(x.format, x.data.sharding.mesh, x.axes)(x.data)
+    return programs.unshard_program(x.format, x.data.sharding.mesh, x.axes, x.spec)(x.data)
   return jax.tree.map(whole, tree, is_leaf=is_sharded)
