@@ -8,8 +8,10 @@ not state). It is taken when
   * every reader of the cluster's shards can run on shards or is allowed to
     read a whole value (a program output, or computation that differs across
     replicas), i.e. no redundant operation without a shard rule reads them;
-  * some work besides the all-reduces runs on shards (otherwise nothing is
-    saved); and
+  * it saves something: it reads program inputs (weights, optimizer state) or
+    writes program outputs on shards. Those are the non-fusible tensors whose
+    memory traffic shrinks to 1/N (the gradient itself fuses with its
+    collective); and
   * the all-gathers move no more bytes than the all-reduces' all-gather
     phase they replace, so communication does not grow.
 """
@@ -22,10 +24,6 @@ from wus.analysis import compat
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.redundancy import Redundancy
-from wus.analysis.shardable import Kind
-
-
-_COLLECTIVE = (Kind.REDUCE_SCATTER, Kind.SUM_OF_COPIES, Kind.IDENTITY)
 
 
 def nbytes(v: Var) -> int:
@@ -42,16 +40,19 @@ class Decision:
     reason: why, in words a user can act on.
     all_reduce_bytes: whole bytes of the gradient all-reduces it replaces.
     all_gather_bytes: whole bytes it must all-gather per step if sharded.
+    saved_bytes: predicted bytes of program inputs and outputs each replica
+      no longer reads or writes: (1 - 1/N) of their whole size.
   """
 
   shard: bool
   reason: str
   all_reduce_bytes: int
   all_gather_bytes: int
+  saved_bytes: int
 
 
 def decide(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
-           state_outputs: set[int]) -> Decision:
+           state_outputs: set[int], num_shards: int) -> Decision:
   """Decides one cluster.
 
   Args:
@@ -60,6 +61,7 @@ def decide(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
     facts: the jaxpr's redundancy analysis.
     axes: the replica axes.
     state_outputs: output positions that stay sharded between steps.
+    num_shards: N.
 
   Returns:
     The decision, with byte counts (whole-tensor bytes, before sharding).
@@ -70,9 +72,13 @@ def decide(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
               if v in cluster.outside_readers
               or any(p not in state_outputs for p in cluster.program_outputs.get(v, ()))]
   all_gather = sum(nbytes(v) for v in gathered)
+  inputs = set(jaxpr.invars)
+  io = (sum(nbytes(v) for v in cluster.reads if v in inputs)
+        + sum(nbytes(v) * len(p) for v, p in cluster.program_outputs.items()))
+  saved = io - io // num_shards
 
   def verdict(shard: bool, reason: str) -> Decision:
-    return Decision(shard, reason, all_reduce, all_gather)
+    return Decision(shard, reason, all_reduce, all_gather, saved)
 
   for v, readers in cluster.outside_readers.items():
     for r in readers:
@@ -80,9 +86,9 @@ def decide(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
       if all(facts.is_redundant(o, axes) for o in eqn.outvars):
         return verdict(False, f"{eqn.primitive} at {compat.source_line(eqn)} reads a "
                               "sharded value whole and has no shard rule")
-  if all(cluster.kinds[i] in _COLLECTIVE for i in cluster.eqns):
-    return verdict(False, "only computation that differs across replicas reads the "
-                          "all-reduced value: no redundant work to shard")
+  if not saved:
+    return verdict(False, "reads no weights or optimizer state and returns nothing: "
+                          "only computation that differs across replicas reads its result")
   if all_gather > all_reduce:
     return verdict(False, f"needs {all_gather} B of all-gather, more than the {all_reduce} B "
                           "all-reduce it replaces")

@@ -59,6 +59,8 @@ class ClusterPlan:
     reason: why.
     all_reduce_bytes: whole bytes of its gradient all-reduces.
     all_gather_bytes: whole bytes it all-gathers per step when sharded.
+    saved_bytes: predicted bytes of weights, state and outputs each replica no
+      longer reads or writes per step when sharded.
   """
 
   index: int
@@ -67,6 +69,7 @@ class ClusterPlan:
   reason: str
   all_reduce_bytes: int
   all_gather_bytes: int
+  saved_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,11 +187,12 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   for idx, c in enumerate(found):
     members = set(c.eqns)
     pairs = _state_pairs(c, jaxpr, members, state_pairs, invar_pos)
-    decision = cost.decide(c, jaxpr, facts, axes_set, set(pairs))
+    decision = cost.decide(c, jaxpr, facts, axes_set, set(pairs), num_shards)
     fmt = (lambda v: ShardFormat.flat(tuple(v.aval.shape), num_shards)) if decision.shard else (lambda v: None)
     tensors = _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt)
     cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, decision.reason,
-                                     decision.all_reduce_bytes, decision.all_gather_bytes))
+                                     decision.all_reduce_bytes, decision.all_gather_bytes,
+                                     decision.saved_bytes))
     for v in c.reads:
       if v in invar_pos:
         k = invar_pos[v]

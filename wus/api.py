@@ -248,7 +248,7 @@ def _check_state(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedShardin
     raise StateMismatchError(
         f"argument {name} was sharded for another mesh or plan ({x}, on "
         f"{x.data.sharding}); this step expects {fmt} over {axes} on {expected}. "
-        "Pass wus.unshard(state) to re-shard it for this step.")
+        "Pass wus.unshard(state), placed on this step's mesh, to re-shard it for this step.")
 
 
 def _match_state(args: tuple, out: Any) -> dict[int, int]:

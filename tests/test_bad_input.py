@@ -1,0 +1,82 @@
+"""Bad input: clear errors or a safe (replicated) plan, never a wrong result."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import wus
+from helpers import SPECS, assert_trees_equal, batches, make_params, make_step
+
+
+def test_params_split_by_in_spec_are_not_treated_as_replicated():
+  """Weights passed with P('data') differ per replica: nothing of theirs is sharded."""
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = optax.sgd(1e-2, momentum=0.9)
+  split = NamedSharding(mesh, P("data"))
+  params = jax.device_put({"w": jax.random.normal(jax.random.key(0), (64, 16))}, split)
+  state = jax.device_put(tx.init(params), split)
+
+  def step(params, opt_state, x):
+    grads = jax.lax.pmean(jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"].T)))(params), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  specs = dict(mesh=mesh, in_specs=(P("data"), P("data"), P("data")),
+               out_specs=(P("data"), P("data")),
+               check_vma=False)
+  (x,) = batches(mesh, 1)
+  ws = wus.shard_map(step, **specs)
+  plan = ws.plan(params, state, x)
+  w = next(i for i in plan.inputs if i.name == "[0]['w']")
+  assert not w.sharded and "in_spec splits it" in w.reason
+  assert not any(i.sharded for i in plan.inputs) and not any(c.sharded for c in plan.clusters)
+  ref = jax.jit(jax.shard_map(step, **specs))
+  assert_trees_equal(ref(params, state, x), wus.unshard(ws(params, state, x)))
+
+
+def _adam_setup(mesh):
+  tx = optax.adam(1e-2)
+  params = make_params()
+  return tx, params, tx.init(params), {"counter": jnp.arange(16, dtype=jnp.int32)}
+
+
+def test_state_from_another_mesh_raises_and_unshard_recovers():
+  mesh8 = jax.make_mesh((8,), ("data",))
+  mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  tx, params, state, extra = _adam_setup(mesh8)
+  step = make_step(tx)
+  (b8,) = batches(mesh8, 1)
+  _, sharded8, _, _ = wus.shard_map(step, mesh=mesh8, **SPECS)(params, state, extra, b8)
+  (b4,) = batches(mesh4, 1, per_replica=4)
+  ws4 = wus.shard_map(step, mesh=mesh4, **SPECS)
+  with pytest.raises(wus.StateMismatchError, match=r"wus\.unshard"):
+    ws4(params, sharded8, extra, b4)
+  # Nothing was lost: the state is intact and, whole and on the new mesh,
+  # re-shards for the 4-device step.
+  whole = jax.device_put(wus.unshard(sharded8), NamedSharding(mesh4, P()))
+  got = ws4(params, whole, extra, b4)
+  ref = jax.jit(jax.shard_map(step, mesh=mesh4, **SPECS))(params, whole, extra, b4)
+  assert_trees_equal(ref[1], wus.unshard(got[1]))
+
+
+def test_state_for_another_plan_raises():
+  """State sharded by one step, passed to a step that reads that tensor whole."""
+  mesh = jax.make_mesh((8,), ("data",))
+  tx, params, state, extra = _adam_setup(mesh)
+  step = make_step(tx)
+  (b,) = batches(mesh, 1)
+  _, sharded, _, _ = wus.shard_map(step, mesh=mesh, **SPECS)(params, state, extra, b)
+  whole_step = wus.shard_map(step, mesh=mesh, min_shard_size=10**9, **SPECS)  # Shards nothing.
+  with pytest.raises(wus.StateMismatchError, match="reads it whole"):
+    whole_step(params, sharded, extra, b)
+
+
+def test_axis_name_must_be_a_manual_axis():
+  mesh = jax.make_mesh((8,), ("data",))
+  tx, params, state, extra = _adam_setup(mesh)
+  (b,) = batches(mesh, 1)
+  ws = wus.shard_map(make_step(tx), mesh=mesh, axis_name="model", **SPECS)
+  with pytest.raises(ValueError, match="axis_name"):
+    ws(params, state, extra, b)
