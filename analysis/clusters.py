@@ -93,12 +93,19 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   kind_cache: dict[int, Kind | None] = {}
 
   def kind(i: int) -> Kind | None:
-    """The shard kind of equation i, if it is redundant, shardable and big."""
+    """The shard kind of equation i, if it is redundant, shardable and big.
+
+    Big means a big output, or for a reduction to a scalar a big operand.
+    """
     if i not in kind_cache:
       eqn = eqns[i]
-      ok = (any(big(v) for v in eqn.outvars)
-            and all(facts.is_redundant(v, ctx.axes) for v in eqn.outvars))
-      kind_cache[i] = shard_kind(eqn, ctx) if ok else None
+      k = (shard_kind(eqn, ctx)
+           if all(facts.is_redundant(v, ctx.axes) for v in eqn.outvars) else None)
+      if k is Kind.REDUCE_ALL:
+        k = k if big(eqn.invars[0]) else None
+      elif not any(big(v) for v in eqn.outvars):
+        k = None
+      kind_cache[i] = k
     return kind_cache[i]
 
   seeds = [i for i in range(len(eqns)) if kind(i) is Kind.REDUCE_SCATTER]

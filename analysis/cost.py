@@ -24,6 +24,7 @@ from wus.analysis import compat
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.redundancy import Redundancy
+from wus.analysis.shardable import Kind
 
 
 def nbytes(v: Var) -> int:
@@ -92,4 +93,6 @@ def decide(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   if all_gather > all_reduce:
     return verdict(False, f"needs {all_gather} B of all-gather, more than the {all_reduce} B "
                           "all-reduce it replaces")
-  return verdict(True, f"elementwise update on 1/N shards; {len(gathered)} all-gather(s)")
+  reductions = sum(k is Kind.REDUCE_ALL for k in cluster.kinds.values())
+  partial = f", {reductions} reduction(s) combined by all-reduce" if reductions else ""
+  return verdict(True, f"update on 1/N shards{partial}; {len(gathered)} all-gather(s)")

@@ -28,7 +28,8 @@ class Kind(enum.Enum):
   ELEMENTWISE = "elementwise"  # Same op on the shards; rank-0 operands broadcast.
   LAYOUT = "layout"            # Same elements in the same row-major order: the shard is unchanged.
   REDUCE_UNIT = "reduce over size-1 dims"  # Each output element reduces one input element.
-  BROADCAST = "broadcast scalar"  # A rank-0 operand broadcast to a big shape.
+  REDUCE_ALL = "reduce to a scalar"  # Masked local reduce, then all-reduce the partial results (Fig. 6).
+  BROADCAST = "broadcast scalar"  # A one-element operand broadcast to a big shape.
   REDUCE_SCATTER = "reduce-scatter"  # psum over the replica axes of a value that differs per replica.
   SUM_OF_COPIES = "psum of equal values"  # psum of a value equal on all replicas: a local sum.
   IDENTITY = "pmax/pmin of equal values"  # pmax / pmin of a value equal on all replicas.
@@ -70,7 +71,7 @@ def _reshape_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
 
 def _broadcast_in_dim_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   operand = _shape(eqn.invars[0])
-  if not operand:
+  if math.prod(operand) == 1:
     return Kind.BROADCAST
   if math.prod(operand) == math.prod(eqn.params["shape"]):
     return Kind.LAYOUT  # Only size-1 dims added (broadcast_dimensions increase).
@@ -79,9 +80,17 @@ def _broadcast_in_dim_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
 
 def _reduce_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   operand = _shape(eqn.invars[0])
-  if all(operand[a] == 1 for a in eqn.params["axes"]):
+  axes = tuple(sorted(eqn.params["axes"]))
+  if all(operand[a] == 1 for a in axes):
     return Kind.REDUCE_UNIT
+  if axes == tuple(range(len(operand))) and eqn.primitive in REDUCE_ALL_COMBINE:
+    return Kind.REDUCE_ALL
   return None
+
+
+# Reductions whose partial results combine with an all-reduce, and the
+# identity that masks padding (§4.1).
+REDUCE_ALL_COMBINE = {lax.reduce_sum_p: "sum", lax.reduce_max_p: "max", lax.reduce_min_p: "min"}
 
 
 def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:

@@ -47,6 +47,19 @@ def shard(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
   return lax.dynamic_slice_in_dim(pad(x, fmt), start, fmt.shard_rows, axis=0)
 
 
+def row_mask(fmt, axis_name) -> jnp.ndarray:
+  """Per replica: which rows of this replica's shard are data, not padding.
+
+  Padding sits at the end of the leading merged dim; replica r's rows start at
+  r * shard_rows (`iota + offset` against the true size, Fig. 6).
+
+  Returns:
+    bool [shard_rows] (shape `fmt.shard_shape[:1]`).
+  """
+  start = lax.axis_index(axis_name) * fmt.shard_rows
+  return start + lax.iota(jnp.int32, fmt.shard_rows) < fmt.merged_shape[0]
+
+
 def reduce_scatter(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
   """Per replica: this replica's shard of the sum of `x` over all replicas.
 

@@ -83,3 +83,19 @@ def test_step_without_gradient_all_reduce_is_unchanged():
   assert report.collectives(ws.lower(params, x).compile().as_text()) == \
       report.collectives(ref.lower(params, x).compile().as_text())
   np.testing.assert_array_equal(ref(params, x), ws(params, x))
+
+
+def test_global_norm_clip_adds_one_small_all_reduce_not_one_per_tensor():
+  clip = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  _, plain, _, _ = _compiled(optax.adam(1e-2))
+  _, clipped, plan, _ = _compiled(clip)
+  added = (len(_collective_shapes(clipped.as_text(), "all-reduce"))
+           - len(_collective_shapes(plain.as_text(), "all-reduce")))
+  assert added <= 1
+  sharded = sum(c.sharded for c in plan.clusters)
+  assert sharded == 4
+  # One partial sum per sharded tensor, all in one all-reduce (maybe combined
+  # by XLA with others): at most a few floats more than without clipping.
+  extra = sum(_collective_shapes(clipped.as_text(), "all-reduce")) - \
+      sum(_collective_shapes(plain.as_text(), "all-reduce"))
+  assert 0 < extra <= 4 * (sharded + 1)

@@ -30,16 +30,20 @@ from wus.analysis import compat, formats
 from wus.analysis.compat import ClosedJaxpr, JaxprEqn
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
-from wus.analysis.shardable import Kind
+from wus.analysis.shardable import REDUCE_ALL_COMBINE, Kind
 
 
 class _Held:
-  """A variable's value in the rewritten program: whole, shard, or both."""
+  """A variable's value in the rewritten program: whole, shard, or both.
 
-  __slots__ = ("whole", "shard")
+  `partial` is this replica's part of a reduction still to be all-reduced,
+  as (value, op); the whole value appears when it is first read.
+  """
 
-  def __init__(self, whole=None, shard=None):
-    self.whole, self.shard = whole, shard
+  __slots__ = ("whole", "shard", "partial")
+
+  def __init__(self, whole=None, shard=None, partial=None):
+    self.whole, self.shard, self.partial = whole, shard, partial
 
 
 class _Env:
@@ -48,6 +52,7 @@ class _Env:
   def __init__(self, plan: Plan):
     self.plan = plan
     self.held: dict = {}
+    self.pending: list = []  # Variables holding partial results.
 
   def fmt(self, v) -> ShardFormat:
     return ShardFormat.flat(tuple(v.aval.shape), self.plan.num_shards)
@@ -60,6 +65,8 @@ class _Env:
     if compat.is_literal(v):
       return v.val
     h = self.held[v]
+    if h.partial is not None:
+      self.flush()
     if h.whole is None:
       h.whole = collectives.all_gather(h.shard, self.fmt(v), self.plan.axes)
     return h.whole
@@ -69,6 +76,18 @@ class _Env:
     if h.shard is None:
       h.shard = collectives.shard(h.whole, self.fmt(v), self.plan.axes)
     return h.shard
+
+  def flush(self) -> None:
+    """All-reduces every pending partial result: one collective per op and dtype (§5.2)."""
+    groups: dict = {}
+    for v in self.pending:
+      value, op = self.held[v].partial
+      groups.setdefault((op, value.dtype), []).append(v)
+    for (op, _), vs in groups.items():
+      outs = collectives.all_reduce([self.held[v].partial[0] for v in vs], op, self.plan.axes)
+      for v, x in zip(vs, outs, strict=True):
+        self.held[v].whole, self.held[v].partial = x, None
+    self.pending = []
 
   def operands(self, eqn: JaxprEqn) -> list[Any]:
     """What a shard rule reads: shards of big values, small values whole."""
@@ -95,9 +114,37 @@ def _reduce_unit(eqn: JaxprEqn, env: _Env) -> list[Any]:
   return compat.bind(eqn, env.shard(eqn.invars[0])[:, None], axes=(1,), **extra)
 
 
+def _reduce_all(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  # Mask the padding with the reduction's identity, reduce locally; the partial
+  # results of all replicas are combined by one batched all-reduce (Fig. 6).
+  (v,) = eqn.invars
+  x, fmt = env.shard(v), env.fmt(v)
+  op = REDUCE_ALL_COMBINE[eqn.primitive]
+  if fmt.padding:
+    mask = collectives.row_mask(fmt, env.plan.axes).reshape((-1,) + (1,) * (x.ndim - 1))
+    x = jnp.where(mask, x, _identity(op, x.dtype))
+  extra = {"out_sharding": None} if "out_sharding" in eqn.params else {}
+  (partial,) = compat.bind(eqn, x, axes=tuple(range(x.ndim)), **extra)
+  return [_Partial(partial, op)]
+
+
+class _Partial(tuple):
+  """Marks a rule's output as a partial result: (value, op)."""
+
+  def __new__(cls, value, op):
+    return super().__new__(cls, (value, op))
+
+
+def _identity(op: str, dtype) -> Any:
+  if op == "sum":
+    return jnp.zeros((), dtype)
+  big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
+  return jnp.asarray(-big if op == "max" else big, dtype)
+
+
 def _broadcast(eqn: JaxprEqn, env: _Env) -> list[Any]:
-  scalar = env.whole(eqn.invars[0])
-  return [jnp.broadcast_to(scalar, env.fmt(eqn.outvars[0]).shard_shape)]
+  one = jnp.reshape(env.whole(eqn.invars[0]), ())
+  return [jnp.broadcast_to(one, env.fmt(eqn.outvars[0]).shard_shape)]
 
 
 def _reduce_scatter(eqn: JaxprEqn, env: _Env) -> list[Any]:
@@ -112,6 +159,7 @@ def _sum_of_copies(eqn: JaxprEqn, env: _Env) -> list[Any]:
 shard_rules[Kind.ELEMENTWISE] = _elementwise
 shard_rules[Kind.LAYOUT] = _same_shard
 shard_rules[Kind.REDUCE_UNIT] = _reduce_unit
+shard_rules[Kind.REDUCE_ALL] = _reduce_all
 shard_rules[Kind.BROADCAST] = _broadcast
 shard_rules[Kind.REDUCE_SCATTER] = _reduce_scatter
 shard_rules[Kind.SUM_OF_COPIES] = _sum_of_copies
@@ -139,19 +187,44 @@ def rewrite(jaxpr: ClosedJaxpr, plan: Plan) -> Callable[..., list[Any]]:
       env.held[v] = _Held(whole=c)
     for k, (v, x) in enumerate(zip(inner.invars, args, strict=True)):
       env.held[v] = _Held(shard=x) if k in plan.state_inputs else _Held(whole=x)
-    for i, eqn in enumerate(inner.eqns):
+    for i in _schedule(inner, plan):
+      eqn = inner.eqns[i]
       kind = plan.shard_eqns.get(i)
       if kind is None:
         outs = compat.bind(eqn, *[env.whole(v) for v in eqn.invars])
         held = [_Held(whole=x) for x in outs]
       else:
         outs = shard_rules[kind](eqn, env)
-        held = [_Held(shard=x) if env.big(v) else _Held(whole=x)
+        held = [_Held(partial=x) if isinstance(x, _Partial)
+                else _Held(shard=x) if env.big(v) else _Held(whole=x)
                 for v, x in zip(eqn.outvars, outs, strict=True)]
+        env.pending += [v for v, h in zip(eqn.outvars, held) if h.partial is not None]
       for v, h in zip(eqn.outvars, held, strict=True):
         env.held[v] = h
     return [env.shard(v) if k in plan.state_outputs else env.whole(v)
             for k, v in enumerate(inner.outvars)]
 
   return step
+
+
+def _schedule(jaxpr, plan: Plan) -> list[int]:
+  """An order of the equations that batches the partial-result all-reduces.
+
+  An equation's phase is the number of all-reduces of partial results on its
+  longest input path. Running equations by (phase, position) is a valid order
+  (a reader's phase is at least its producer's) in which every reduction of
+  one phase has run before anything reads a result of that phase, so each
+  phase needs one batched all-reduce. Effectful equations keep their order.
+  """
+  phase: dict = {}
+  keys, last_effect = [], 0
+  for i, eqn in enumerate(jaxpr.eqns):
+    p = max((phase.get(v, 0) for v in eqn.invars if not compat.is_literal(v)), default=0)
+    if compat.side_effects(eqn):
+      p = last_effect = max(p, last_effect)
+    done = p + (plan.shard_eqns.get(i) is Kind.REDUCE_ALL)
+    for v in eqn.outvars:
+      phase[v] = done
+    keys.append((p, i))
+  return [i for _, i in sorted(keys)]
 
