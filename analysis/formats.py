@@ -36,8 +36,9 @@ class ShardFormat:
   num_shards: int
 
   def __post_init__(self):
-    if not self.merged_shape or math.prod(self.merged_shape) != math.prod(self.shape):
-      raise ValueError(f"merged shape {self.merged_shape} does not hold {self.shape}")
+    if not self.merged_shape or not _merges_adjacent(self.shape, self.merged_shape):
+      raise ValueError(f"merged shape {self.merged_shape} is not {self.shape} with runs "
+                       "of adjacent dims merged")
     if self.num_shards < 1:
       raise ValueError(f"num_shards must be positive, got {self.num_shards}")
 
@@ -84,6 +85,19 @@ class ShardFormat:
       steps.append(f"pad {self.padding}")
     steps.append(f"{self.num_shards}x{dims(self.shard_shape)}")
     return "→".join(steps)
+
+
+def _merges_adjacent(shape: tuple[int, ...], merged: tuple[int, ...]) -> bool:
+  """Whether `merged` is `shape` with runs of adjacent dims merged (size-1 dims anywhere)."""
+  dims = [d for d in shape if d != 1]
+  groups = [m for m in merged if m != 1]
+  for m in groups:
+    size = 1
+    while dims and size < m:
+      size *= dims.pop(0)
+    if size != m:
+      return False
+  return not dims and math.prod(merged) == math.prod(shape)
 
 
 def is_shardable_shape(shape: tuple[int, ...], num_shards: int, min_size: int) -> bool:

@@ -181,6 +181,12 @@ def _scatter_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]
   return [ins[0] - axes] * len(eqn.outvars)
 
 
+def _ragged_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
+  # The result is the `output` operand with received rows written where the
+  # offsets and sizes say: it depends on every operand.
+  return [_meet(ins, facts.all_axes) - frozenset(compat.collective_axes(eqn))]
+
+
 def _identity_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   return list(ins)  # pvary changes a type, not a value.
 
@@ -192,9 +198,9 @@ def _axis_index_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[R
 for _p in (compat.psum_p, compat.psum_invariant_p, compat.pmax_p, compat.pmin_p,
            compat.all_gather_p, compat.all_gather_invariant_p, compat.pbroadcast_p):
   redundancy_rules[_p] = _all_reduce_rule
-for _p in (compat.reduce_scatter_p, compat.ppermute_p, compat.all_to_all_p,
-           compat.ragged_all_to_all_p):
+for _p in (compat.reduce_scatter_p, compat.ppermute_p, compat.all_to_all_p):
   redundancy_rules[_p] = _scatter_rule
+redundancy_rules[compat.ragged_all_to_all_p] = _ragged_rule
 redundancy_rules[compat.pvary_p] = _identity_rule
 redundancy_rules[compat.axis_index_p] = _axis_index_rule
 
