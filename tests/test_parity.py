@@ -109,3 +109,20 @@ def test_pmap_rejects_replicated_argument_with_differing_copies():
   with pytest.raises(ValueError, match="per-device copies differ"):
     ws(params, _stack(tx.init({"w": jnp.zeros(64)})), _stack({"counter": jnp.zeros(16, jnp.int32)}),
        jnp.ones((8, 2, 16)))
+
+
+SIX = [OPTIMIZERS[1], OPTIMIZERS[3], ("lars", lambda: optax.lars(0.1)),
+       ("clip_adam", lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))]
+
+
+@pytest.mark.parametrize("name,make_tx", SIX, ids=[n for n, _ in SIX])
+def test_six_replicas(name, make_tx):
+  """A replica count that is not a power of two: every shape pads differently."""
+  six = jax.make_mesh((6,), ("data",), devices=jax.devices()[:6])
+  ref, got, step = both(make_tx(), six)
+  tol = dict(rtol=2e-6, atol=1e-7) if name in ("lars", "clip_adam") else {}
+  assert_trees_equal(ref[0], got[0], **tol)
+  assert_trees_equal(ref[1], wus.unshard(got[1]), **tol)
+  mu = [x for x in jax.tree.leaves(got[1], is_leaf=lambda x: isinstance(x, wus.ShardedArray))
+        if isinstance(x, wus.ShardedArray)]
+  assert mu and all(x.format.num_shards == 6 for x in mu)
