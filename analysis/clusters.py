@@ -95,13 +95,13 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   def kind(i: int) -> Kind | None:
     """The shard kind of equation i, if it is redundant, shardable and big.
 
-    Big means a big output, or for a reduction to a scalar a big operand.
+    Big means a big output, or for a reduction a big operand.
     """
     if i not in kind_cache:
       eqn = eqns[i]
       k = (shard_kind(eqn, ctx)
            if all(facts.is_redundant(v, ctx.axes) for v in eqn.outvars) else None)
-      if k is Kind.REDUCE_ALL:
+      if k in (Kind.REDUCE_ALL, Kind.REDUCE):
         k = k if big(eqn.invars[0]) else None
       elif not any(big(v) for v in eqn.outvars):
         k = None

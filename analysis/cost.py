@@ -13,7 +13,9 @@ not state). It is taken when
     memory traffic shrinks to 1/N (the gradient itself fuses with its
     collective); and
   * the all-gathers move no more bytes than the all-reduces' all-gather
-    phase they replace, so communication does not grow.
+    phase they replace, plus 1/N of it (room for gathering small statistics
+    such as Adafactor's factored second moments), so communication barely
+    grows.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import dataclasses
 from wus.analysis import compat
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
+from wus.analysis.layouts import Layout
 from wus.analysis.redundancy import Redundancy
 from wus.analysis.shardable import Kind
 
@@ -52,12 +55,13 @@ class Decision:
   saved_bytes: int
 
 
-def decide(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
-           state_outputs: set[int], num_shards: int) -> Decision:
+def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
+           axes: frozenset, state_outputs: set[int], num_shards: int) -> Decision:
   """Decides one cluster.
 
   Args:
     cluster: the cluster.
+    layout: its formats.
     jaxpr: the jaxpr it belongs to.
     facts: the jaxpr's redundancy analysis.
     axes: the replica axes.
@@ -69,9 +73,9 @@ def decide(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   """
   eqns = jaxpr.eqns
   all_reduce = sum(nbytes(eqns[i].outvars[0]) for i in cluster.seeds)
-  gathered = [v for v in cluster.sharded
-              if v in cluster.outside_readers
-              or any(p not in state_outputs for p in cluster.program_outputs.get(v, ()))]
+  gathered = [v for v in cluster.sharded if v not in layout.partial and (
+      v in cluster.outside_readers or v in layout.whole_reads
+      or any(p not in state_outputs for p in cluster.program_outputs.get(v, ())))]
   all_gather = sum(nbytes(v) for v in gathered)
   inputs = set(jaxpr.invars)
   io = (sum(nbytes(v) for v in cluster.reads if v in inputs)
@@ -90,9 +94,9 @@ def decide(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   if not saved:
     return verdict(False, "reads no weights or optimizer state and returns nothing: "
                           "only computation that differs across replicas reads its result")
-  if all_gather > all_reduce:
+  if all_gather > all_reduce + all_reduce // num_shards:
     return verdict(False, f"needs {all_gather} B of all-gather, more than the {all_reduce} B "
                           "all-reduce it replaces")
-  reductions = sum(k is Kind.REDUCE_ALL for k in cluster.kinds.values())
-  partial = f", {reductions} reduction(s) combined by all-reduce" if reductions else ""
+  reductions = sum(k in (Kind.REDUCE_ALL, Kind.REDUCE) for k in cluster.kinds.values())
+  partial = f", {reductions} reduction(s)" if reductions else ""
   return verdict(True, f"update on 1/N shards{partial}; {len(gathered)} all-gather(s)")

@@ -107,3 +107,37 @@ def is_shardable_shape(shape: tuple[int, ...], num_shards: int, min_size: int) -
   shards would be mostly padding and their collectives pure latency.
   """
   return len(shape) >= 1 and math.prod(shape) >= max(min_size, num_shards, 1)
+
+
+def nonunit_dims(shape: tuple[int, ...]) -> list[int]:
+  """Positions of the dims of `shape` that are not 1 (size-1 dims never matter to a format)."""
+  return [i for i, d in enumerate(shape) if d != 1]
+
+
+def format_from_bounds(shape: tuple[int, ...], bounds: frozenset, num_shards: int) -> ShardFormat:
+  """The format merging the non-unit dims of `shape` into runs split at `bounds`.
+
+  `bounds` holds positions p in the list of non-unit dims: a boundary between
+  non-unit dims p-1 and p. No bounds is the flat format.
+  """
+  dims = [shape[i] for i in nonunit_dims(shape)]
+  merged, size = [], 1
+  for p, d in enumerate(dims):
+    if p in bounds:
+      merged.append(size)
+      size = 1
+    size *= d
+  merged.append(size)
+  return ShardFormat(tuple(shape), tuple(merged), num_shards)
+
+
+def groups(fmt: ShardFormat) -> list[tuple[int, ...]]:
+  """The logical dims (non-unit) merged into each dim of `fmt.merged_shape`."""
+  out, dims = [], nonunit_dims(fmt.shape)
+  for m in fmt.merged_shape:
+    group, size = [], 1
+    while dims and size < m:
+      size *= fmt.shape[dims[0]]
+      group.append(dims.pop(0))
+    out.append(tuple(group))
+  return out

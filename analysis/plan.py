@@ -16,6 +16,7 @@ from wus.analysis import clusters as clusters_lib
 from wus.analysis import compat
 from wus.analysis import cost
 from wus.analysis import formats
+from wus.analysis import layouts
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.formats import ShardFormat
 from wus.analysis.redundancy import Redundancy
@@ -109,6 +110,8 @@ class Plan:
     state_inputs: flat input position -> format, for inputs passed sharded.
     state_outputs: flat output position -> format, for outputs returned sharded.
     min_size: tensors with fewer elements (or fewer than N) stay whole.
+    formats: the format of every tensor a sharded cluster holds or reads as
+      shards (keyed by the jaxpr's variables).
   """
 
   axes: tuple
@@ -119,6 +122,7 @@ class Plan:
   shard_eqns: Mapping[int, Kind]
   state_inputs: Mapping[int, ShardFormat]
   state_outputs: Mapping[int, ShardFormat]
+  formats: Mapping = dataclasses.field(default_factory=dict, repr=False)
 
   @property
   def sharded_bytes(self) -> int:
@@ -182,13 +186,23 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   found = clusters_lib.find_clusters(jaxpr, facts, axes_set, num_shards, min_size)
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
 
-  cluster_plans, shard_eqns, state_in, state_out = [], {}, {}, {}
+  def big(v) -> bool:
+    return (not compat.is_literal(v)
+            and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
+
+  cluster_plans, shard_eqns, state_in, state_out, all_formats = [], {}, {}, {}, {}
   input_reason: dict[int, tuple[bool, str]] = {}
   for idx, c in enumerate(found):
     members = set(c.eqns)
-    pairs = _state_pairs(c, jaxpr, members, state_pairs, invar_pos)
-    decision = cost.decide(c, jaxpr, facts, axes_set, set(pairs), num_shards)
-    fmt = (lambda v: ShardFormat.flat(tuple(v.aval.shape), num_shards)) if decision.shard else (lambda v: None)
+    layout = layouts.assign(jaxpr, c, num_shards, big)
+    if isinstance(layout, str):
+      decision = cost.Decision(False, layout, 0, 0, 0)
+      layout = layouts.Layout({}, frozenset(), frozenset())
+      pairs = {}
+    else:
+      pairs = _state_pairs(c, layout, jaxpr, members, state_pairs, invar_pos)
+      decision = cost.decide(c, layout, jaxpr, facts, axes_set, set(pairs), num_shards)
+    fmt = layout.formats.get if decision.shard else (lambda v: None)
     tensors = _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt)
     cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, decision.reason,
                                      decision.all_reduce_bytes, decision.all_gather_bytes,
@@ -204,20 +218,20 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
           input_reason.setdefault(k, (False, f"cluster {idx} stays replicated"))
     if decision.shard:
       shard_eqns.update(c.kinds)
+      all_formats.update(layout.formats)
       for out_pos, in_pos in pairs.items():
-        f = fmt(jaxpr.invars[in_pos])
-        state_in[in_pos], state_out[out_pos] = f, f
+        state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
 
   inputs = []
   for k, v in enumerate(jaxpr.invars):
     sharded, reason = input_reason.get(k, (False, _why_whole(v, facts, axes_set, num_shards, min_size)))
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason))
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(cluster_plans),
-              shard_eqns, state_in, state_out)
+              shard_eqns, state_in, state_out, all_formats)
 
 
-def _state_pairs(c: clusters_lib.Cluster, jaxpr: Jaxpr, members: set[int],
-                 candidates: Mapping[int, int], invar_pos) -> dict[int, int]:
+def _state_pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
+                 members: set[int], candidates: Mapping[int, int], invar_pos) -> dict[int, int]:
   """The (output, input) state pairs this cluster can keep sharded between steps."""
   readers: dict = {}
   for i, eqn in enumerate(jaxpr.eqns):
@@ -228,9 +242,10 @@ def _state_pairs(c: clusters_lib.Cluster, jaxpr: Jaxpr, members: set[int],
   pairs = {}
   for out_pos, in_pos in candidates.items():
     x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
-    if (y in c.program_outputs and x in c.reads and x not in outvars
-        and readers.get(x, set()) <= members
-        and x.aval.shape == y.aval.shape and x.aval.dtype == y.aval.dtype):
+    if (y in c.program_outputs and x in c.reads and x not in outvars and y not in layout.partial
+        and x not in layout.whole_reads
+        and readers.get(x, set()) <= members and x.aval.dtype == y.aval.dtype
+        and layout.formats.get(x) == layout.formats.get(y) is not None):
       pairs[out_pos] = in_pos
   return pairs
 

@@ -3,9 +3,9 @@
 A rule looks at one equation whose outputs are identical on every replica and
 answers with the `Kind` of shard computation that reproduces it exactly, or
 None when it cannot (the tensor must then be whole, DESIGN.md §4 invariant 2).
-`wus.transforms.rewrite` implements each kind. Shards use the flat format
-(`ShardFormat.flat`), so every operation that keeps elements in row-major
-order is local to a shard.
+Some kinds constrain the sharding formats of the tensors involved (a reduce
+never lets a reduced dim merge with a kept one); `formats.assign` solves those
+constraints, and `wus.transforms.rewrite` implements each kind.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ class Kind(enum.Enum):
   LAYOUT = "layout"            # Same elements in the same row-major order: the shard is unchanged.
   REDUCE_UNIT = "reduce over size-1 dims"  # Each output element reduces one input element.
   REDUCE_ALL = "reduce to a scalar"  # Masked local reduce, then all-reduce the partial results (Fig. 6).
+  REDUCE = "reduce over some dims"  # Local if the shard dim is kept, else partial results as above.
   BROADCAST = "broadcast scalar"  # A one-element operand broadcast to a big shape.
+  BROADCAST_DIMS = "broadcast along new dims"  # Local from the operand's shard, or from it whole.
   REDUCE_SCATTER = "reduce-scatter"  # psum over the replica axes of a value that differs per replica.
   SUM_OF_COPIES = "psum of equal values"  # psum of a value equal on all replicas: a local sum.
   IDENTITY = "pmax/pmin of equal values"  # pmax / pmin of a value equal on all replicas.
@@ -60,9 +62,15 @@ def _elementwise_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   shape = _shape(eqn.outvars[0])
   if any(_shape(v) != shape for v in eqn.outvars):
     return None
-  if all(_shape(v) in (shape, ()) for v in eqn.invars):
+  if all(_fits(_shape(v), shape) for v in eqn.invars):
     return Kind.ELEMENTWISE
   return None
+
+
+def _fits(operand: tuple[int, ...], out: tuple[int, ...]) -> bool:
+  """Whether lax broadcasts `operand` to `out` implicitly: rank 0, or size-1 dims."""
+  return not operand or (len(operand) == len(out)
+                         and all(a in (b, 1) for a, b in zip(operand, out, strict=True)))
 
 
 def _reshape_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
@@ -75,7 +83,7 @@ def _broadcast_in_dim_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
     return Kind.BROADCAST
   if math.prod(operand) == math.prod(eqn.params["shape"]):
     return Kind.LAYOUT  # Only size-1 dims added (broadcast_dimensions increase).
-  return None
+  return Kind.BROADCAST_DIMS
 
 
 def _reduce_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
@@ -83,14 +91,14 @@ def _reduce_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   axes = tuple(sorted(eqn.params["axes"]))
   if all(operand[a] == 1 for a in axes):
     return Kind.REDUCE_UNIT
-  if axes == tuple(range(len(operand))) and eqn.primitive in REDUCE_ALL_COMBINE:
-    return Kind.REDUCE_ALL
-  return None
+  if eqn.primitive not in REDUCE_COMBINE:
+    return None
+  return Kind.REDUCE_ALL if axes == tuple(range(len(operand))) else Kind.REDUCE
 
 
 # Reductions whose partial results combine with an all-reduce, and the
 # identity that masks padding (§4.1).
-REDUCE_ALL_COMBINE = {lax.reduce_sum_p: "sum", lax.reduce_max_p: "max", lax.reduce_min_p: "min"}
+REDUCE_COMBINE = {lax.reduce_sum_p: "sum", lax.reduce_max_p: "max", lax.reduce_min_p: "min"}
 
 
 def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:

@@ -30,7 +30,7 @@ from wus.analysis import compat, formats
 from wus.analysis.compat import ClosedJaxpr, JaxprEqn
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
-from wus.analysis.shardable import REDUCE_ALL_COMBINE, Kind
+from wus.analysis.shardable import REDUCE_COMBINE, Kind
 
 
 class _Held:
@@ -55,7 +55,7 @@ class _Env:
     self.pending: list = []  # Variables holding partial results.
 
   def fmt(self, v) -> ShardFormat:
-    return ShardFormat.flat(tuple(v.aval.shape), self.plan.num_shards)
+    return self.plan.formats[v]
 
   def big(self, v) -> bool:
     return (not compat.is_literal(v) and formats.is_shardable_shape(
@@ -74,7 +74,7 @@ class _Env:
   def shard(self, v) -> Any:
     h = self.held[v]
     if h.shard is None:
-      h.shard = collectives.shard(h.whole, self.fmt(v), self.plan.axes)
+      h.shard = collectives.shard(self.whole(v), self.fmt(v), self.plan.axes)
     return h.shard
 
   def flush(self) -> None:
@@ -99,9 +99,14 @@ shard_rules: dict[Kind, ShardRule] = {}
 
 
 def _elementwise(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  y = eqn.outvars[0]
+  ins = [env.whole(x) if compat.is_literal(x) or not x.aval.shape else
+         env.shard(x) if x.aval.shape == y.aval.shape else
+         _broadcast_shard(env, x, y, range(len(y.aval.shape)))  # Implicit size-1 broadcast.
+         for x in eqn.invars]
   # A `sharding` param describes the whole value's layout; shards have none.
   extra = {"sharding": None} if eqn.params.get("sharding") is not None else {}
-  return compat.bind(eqn, *compat.match_varying(env.operands(eqn)), **extra)
+  return compat.bind(eqn, *compat.match_varying(ins), **extra)
 
 
 def _same_shard(eqn: JaxprEqn, env: _Env) -> list[Any]:
@@ -110,22 +115,73 @@ def _same_shard(eqn: JaxprEqn, env: _Env) -> list[Any]:
 
 def _reduce_unit(eqn: JaxprEqn, env: _Env) -> list[Any]:
   # Each output element reduces one input element: reduce a unit dim of the shard.
+  x = env.shard(eqn.invars[0])
+  return _bind_reduce(eqn, x[..., None], (x.ndim,))
+
+
+def _bind_reduce(eqn: JaxprEqn, x, axes: tuple[int, ...]) -> Any:
   extra = {"out_sharding": None} if "out_sharding" in eqn.params else {}
-  return compat.bind(eqn, env.shard(eqn.invars[0])[:, None], axes=(1,), **extra)
+  (out,) = compat.bind(eqn, x, axes=tuple(axes), **extra)
+  return out
+
+
+def _masked(env: _Env, v, x, op: str) -> Any:
+  """The shard `x` of `v` with its padding rows set to the identity of `op`."""
+  fmt = env.fmt(v)
+  if not fmt.padding:
+    return x
+  mask = collectives.row_mask(fmt, env.plan.axes).reshape((-1,) + (1,) * (x.ndim - 1))
+  return jnp.where(mask, x, _identity(op, x.dtype))
+
+
+def _reduce(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  # The format keeps reduced and kept dims in separate merged dims. A kept
+  # shard dim makes the reduction local; a reduced one gives partial results.
+  (v,), (y,) = eqn.invars, eqn.outvars
+  op, axes = REDUCE_COMBINE[eqn.primitive], set(eqn.params["axes"])
+  reduced = tuple(k for k, g in enumerate(formats.groups(env.fmt(v))) if g and g[0] in axes)
+  x = env.shard(v)
+  if 0 not in reduced:
+    return [jnp.reshape(_bind_reduce(eqn, x, reduced), env.fmt(y).shard_shape)]
+  partial = _bind_reduce(eqn, _masked(env, v, x, op), reduced)
+  return [_Partial(jnp.reshape(partial, y.aval.shape), op)]
+
+
+def _broadcast_dims(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  (x,), (y,) = eqn.invars, eqn.outvars
+  return [_broadcast_shard(env, x, y, eqn.params["broadcast_dimensions"])]
+
+
+def _broadcast_shard(env: _Env, x, y, dims) -> Any:
+  """y's shard of `x` broadcast to y's shape (x's dim i at y's dim dims[i]).
+
+  Every merged dim of y's format holds dims that all come from x or are all
+  new. With y's shard dim from x, x's shard supplies the rows; otherwise every
+  row is the same and x is read whole.
+  """
+  fy = env.fmt(y)
+  mapped = {dims[i] for i in formats.nonunit_dims(x.aval.shape)}
+  group_dims = formats.groups(fy)
+  from_x = [bool(g) and g[0] in mapped for g in group_dims]
+  if not from_x[0]:
+    source, rows = env.whole(x), 1
+  elif env.big(x):
+    source, rows = env.shard(x), fy.shard_rows
+  else:  # A small x supplies the shard dim: slice its rows locally.
+    merged = tuple(fy.merged_shape[k] for k, f in enumerate(from_x) if f)
+    fx = ShardFormat(tuple(x.aval.shape), merged, fy.num_shards)
+    source, rows = collectives.shard(env.whole(x), fx, env.plan.axes), fy.shard_rows
+  target = [(rows if k == 0 else fy.merged_shape[k]) if f else 1 for k, f in enumerate(from_x)]
+  return jnp.broadcast_to(jnp.reshape(source, target), fy.shard_shape)
 
 
 def _reduce_all(eqn: JaxprEqn, env: _Env) -> list[Any]:
   # Mask the padding with the reduction's identity, reduce locally; the partial
   # results of all replicas are combined by one batched all-reduce (Fig. 6).
   (v,) = eqn.invars
-  x, fmt = env.shard(v), env.fmt(v)
-  op = REDUCE_ALL_COMBINE[eqn.primitive]
-  if fmt.padding:
-    mask = collectives.row_mask(fmt, env.plan.axes).reshape((-1,) + (1,) * (x.ndim - 1))
-    x = jnp.where(mask, x, _identity(op, x.dtype))
-  extra = {"out_sharding": None} if "out_sharding" in eqn.params else {}
-  (partial,) = compat.bind(eqn, x, axes=tuple(range(x.ndim)), **extra)
-  return [_Partial(partial, op)]
+  op = REDUCE_COMBINE[eqn.primitive]
+  x = _masked(env, v, env.shard(v), op)
+  return [_Partial(_bind_reduce(eqn, x, tuple(range(x.ndim))), op)]
 
 
 class _Partial(tuple):
@@ -160,6 +216,8 @@ shard_rules[Kind.ELEMENTWISE] = _elementwise
 shard_rules[Kind.LAYOUT] = _same_shard
 shard_rules[Kind.REDUCE_UNIT] = _reduce_unit
 shard_rules[Kind.REDUCE_ALL] = _reduce_all
+shard_rules[Kind.REDUCE] = _reduce
+shard_rules[Kind.BROADCAST_DIMS] = _broadcast_dims
 shard_rules[Kind.BROADCAST] = _broadcast
 shard_rules[Kind.REDUCE_SCATTER] = _reduce_scatter
 shard_rules[Kind.SUM_OF_COPIES] = _sum_of_copies
@@ -222,7 +280,7 @@ def _schedule(jaxpr, plan: Plan) -> list[int]:
     p = max((phase.get(v, 0) for v in eqn.invars if not compat.is_literal(v)), default=0)
     if compat.side_effects(eqn):
       p = last_effect = max(p, last_effect)
-    done = p + (plan.shard_eqns.get(i) is Kind.REDUCE_ALL)
+    done = p + (plan.shard_eqns.get(i) in (Kind.REDUCE_ALL, Kind.REDUCE))
     for v in eqn.outvars:
       phase[v] = done
     keys.append((p, i))

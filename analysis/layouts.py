@@ -1,0 +1,179 @@
+"""Choosing the sharding format of every tensor of a cluster (§4.1).
+
+Tensors that meet in an elementwise operation share one format. A reduction
+forbids merging a reduced dim with a kept dim: the reduced dims must form
+whole merged dims, so that a kept shard dim makes the reduction local and a
+reduced shard dim makes it a masked partial reduction plus an all-reduce. A
+broadcast along new dims likewise keeps new dims apart from the operand's. A
+reshape that really regroups elements works only on the flat format.
+
+The formats are found by a small fixed point. Tensors are grouped (union-find)
+into classes that must share a format; each class holds the boundaries its
+merged dims must respect (positions in its list of non-unit dims). Relations
+between a tensor and its reduction or broadcast carry boundaries both ways;
+boundaries only ever grow, so the iteration ends. The most merging that
+satisfies every boundary is chosen: with no reductions, that is the flat format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from wus.analysis import compat
+from wus.analysis.clusters import Cluster
+from wus.analysis.compat import Jaxpr, Var
+from wus.analysis.formats import ShardFormat, format_from_bounds, nonunit_dims
+from wus.analysis.shardable import Kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The formats of one cluster.
+
+  Attributes:
+    formats: format of every big tensor the cluster holds or reads as shards.
+    whole_reads: big tensors the cluster reads whole (broadcast along a new
+      leading dim); sharded ones among them need an all-gather.
+    partial: outputs of reductions over the shard dim: whole after their
+      all-reduce, never shards.
+  """
+
+  formats: dict[Var, ShardFormat]
+  whole_reads: frozenset
+  partial: frozenset
+
+
+class _Classes:
+  """Union-find over tensors that share a format, with each class's boundaries."""
+
+  def __init__(self):
+    self.parent: dict[Var, Var] = {}
+    self.bounds: dict[Var, set[int]] = {}
+    self.flat_only: set[Var] = set()
+
+  def add(self, v: Var) -> Var:
+    if v not in self.parent:
+      self.parent[v], self.bounds[v] = v, set()
+    return self.find(v)
+
+  def find(self, v: Var) -> Var:
+    while self.parent[v] is not v:
+      self.parent[v] = self.parent[self.parent[v]]
+      v = self.parent[v]
+    return v
+
+  def union(self, a: Var, b: Var) -> None:
+    a, b = self.add(a), self.add(b)
+    if a is not b:
+      self.parent[a] = b
+      self.bounds[b] |= self.bounds.pop(a)
+      if a in self.flat_only:
+        self.flat_only.add(b)
+
+
+def _signature(v: Var) -> tuple[int, ...]:
+  return tuple(v.aval.shape[i] for i in nonunit_dims(v.aval.shape))
+
+
+def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str:
+  """Chooses a format for every big tensor of `cluster`.
+
+  Args:
+    jaxpr: the jaxpr the cluster belongs to.
+    cluster: the cluster, with the shard kind of each equation.
+    num_shards: N.
+    big: predicate: is this atom a tensor worth sharding.
+
+  Returns:
+    The Layout, or a string saying why no format fits every operation.
+  """
+  classes = _Classes()
+  relations: list[tuple[Var, Var, list[int]]] = []  # (p, q, K): q's dims are p's dims K.
+  whole_reads, partial = set(), set()
+
+  def broadcast(x: Var, y: Var, dims) -> None:
+    """y = x broadcast with x's dim i at y's dim dims[i]."""
+    ny = nonunit_dims(y.aval.shape)
+    mapped = {dims[i] for i in nonunit_dims(x.aval.shape)}
+    from_x = [d in mapped for d in ny]
+    classes.bounds[classes.add(y)] |= {p for p in range(1, len(ny)) if from_x[p] != from_x[p - 1]}
+    if not big(x):
+      return  # Small: read whole (and sliced if it supplies the shard dim).
+    if from_x[0]:
+      relations.append((y, x, [p for p, f in enumerate(from_x) if f]))
+    else:
+      classes.add(x)
+      whole_reads.add(x)
+
+  for i in cluster.eqns:
+    eqn, kind = jaxpr.eqns[i], cluster.kinds[i]
+    ins = [v for v in eqn.invars if big(v)]
+    outs = [v for v in eqn.outvars if big(v)]
+    if kind is Kind.ELEMENTWISE:
+      y = outs[0]
+      for v in outs[1:]:
+        classes.union(v, y)
+      for x in eqn.invars:
+        if compat.is_literal(x) or not x.aval.shape:
+          continue  # Scalars broadcast anywhere.
+        if x.aval.shape == y.aval.shape:
+          classes.union(x, y)
+        else:  # Implicit broadcast of size-1 dims.
+          broadcast(x, y, range(len(y.aval.shape)))
+    elif kind in (Kind.LAYOUT, Kind.REDUCE_UNIT, Kind.REDUCE_SCATTER, Kind.SUM_OF_COPIES,
+                  Kind.IDENTITY):
+      (x,), (y,) = ins, outs
+      if _signature(x) == _signature(y):
+        classes.union(x, y)
+      else:
+        classes.flat_only |= {classes.add(x), classes.add(y)}
+    elif kind is Kind.REDUCE_ALL:
+      classes.add(ins[0])
+    elif kind is Kind.REDUCE:
+      (x,), (y,) = eqn.invars, eqn.outvars
+      axes = set(eqn.params["axes"])
+      reduced = [d in axes for d in nonunit_dims(x.aval.shape)]
+      classes.bounds[classes.add(x)] |= {p for p in range(1, len(reduced))
+                                         if reduced[p] != reduced[p - 1]}
+      if reduced[0]:
+        partial.add(y)  # Whole after its all-reduce; a format only if big.
+        if big(y):
+          classes.add(y)
+      elif not big(y):
+        return (f"a reduction of {x.aval.str_short()} keeps the shard dim but its "
+                f"result {y.aval.str_short()} is too small to shard")
+      else:
+        relations.append((x, y, [p for p, r in enumerate(reduced) if not r]))
+    elif kind is Kind.BROADCAST_DIMS:
+      broadcast(eqn.invars[0], outs[0], eqn.params["broadcast_dimensions"])
+    elif kind is Kind.BROADCAST:
+      classes.add(outs[0])
+
+  _solve(classes, relations)
+  for c in classes.flat_only:
+    if classes.bounds[classes.find(c)]:
+      return (f"a reshape of {c.aval.str_short()} regroups dims that a reduction or "
+              "broadcast must keep apart")
+  formats = {v: format_from_bounds(tuple(v.aval.shape), frozenset(classes.bounds[classes.find(v)]),
+                                   num_shards)
+             for v in classes.parent}
+  return Layout(formats, frozenset(whole_reads), frozenset(partial))
+
+
+def _solve(classes: _Classes, relations) -> None:
+  """Carries boundaries across relations until nothing changes."""
+  changed = True
+  while changed:
+    changed = False
+    for p, q, dims in relations:
+      bp, bq = classes.bounds[classes.find(p)], classes.bounds[classes.find(q)]
+      to_q = {j for j in range(1, len(dims))
+              if any(b in bp for b in range(dims[j - 1] + 1, dims[j] + 1))}
+      to_p = {dims[j] for j in bq if dims[j] == dims[j - 1] + 1}
+      if not (to_q <= bq and to_p <= bp):
+        bq |= to_q
+        bp |= to_p
+        changed = True
+
+
+
