@@ -32,12 +32,15 @@ class Cluster:
     eqns: indices into `jaxpr.eqns` of the equations that run on shards, in order.
     kinds: the shard `Kind` of each equation in `eqns`.
     seeds: indices of its gradient all-reduces (operand differs across replicas).
-    sharded: variables computed as shards (the big outputs of `eqns`).
+    sharded: variables held as shards: the big outputs of `eqns` (and, in a
+      conditional's branch, its big inputs).
     reads: big variables from outside the cluster that it reads as shards.
     outside_readers: for each sharded variable, the indices of equations outside
       the cluster that read it whole.
     program_outputs: for each sharded variable that the jaxpr returns, the
       output positions.
+    nested: for each conditional in `eqns`, one cluster per branch: the
+      branch's equations that run on shards, its big inputs arriving as shards.
   """
 
   eqns: tuple[int, ...]
@@ -47,6 +50,7 @@ class Cluster:
   reads: tuple[Var, ...]
   outside_readers: dict[Var, tuple[int, ...]]
   program_outputs: dict[Var, tuple[int, ...]]
+  nested: dict[int, tuple[Cluster, ...]] = dataclasses.field(default_factory=dict)
 
 
 class _Graph:
@@ -69,7 +73,8 @@ class _Graph:
 
 
 def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
-                  num_shards: int, min_size: int = 0) -> list[Cluster]:
+                  num_shards: int, min_size: int = 0, *,
+                  inputs_sharded: bool = False) -> list[Cluster]:
   """Finds the weight-update clusters of a flat (call-free) shard_map body.
 
   Args:
@@ -78,9 +83,12 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
     axes: the replica mesh axes; a gradient all-reduce runs over exactly these.
     num_shards: replicas along `axes` (N).
     min_size: tensors with fewer elements (and at least N) stay whole.
+    inputs_sharded: a conditional's branch: every big input arrives as a
+      shard and seeds the growth, and everything found is one cluster.
 
   Returns:
-    The clusters, in the order of their first equation.
+    The clusters, in the order of their first equation (with
+    `inputs_sharded`, exactly one, possibly empty).
   """
   graph = _Graph(jaxpr)
   ctx = Context(facts, frozenset(axes))
@@ -109,6 +117,9 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
     return kind_cache[i]
 
   seeds = [i for i in range(len(eqns)) if kind(i) is Kind.REDUCE_SCATTER]
+  if inputs_sharded:
+    seeds += [r for v in jaxpr.invars if big(v) for r in graph.readers[v]
+              if kind(r) is not None and r not in seeds]
 
   parent: dict[int, int] = {}  # Union-find over cluster equations.
 
@@ -131,6 +142,9 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
 
   for i in seeds:
     parent[i] = i
+  if inputs_sharded and seeds:
+    for i in seeds:
+      union(i, seeds[0])
   changed = True
   while changed:  # Each pass adds at least one equation or stops.
     changed = False
@@ -151,15 +165,24 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   members: dict[int, list[int]] = collections.defaultdict(list)
   for i in sorted(parent):
     members[find(i)].append(i)
-  clusters = [_make_cluster(sorted(m), graph, big, kind, set(seeds))
+  if inputs_sharded and not members:
+    members[-1] = []
+
+  def branches(i: int) -> tuple[Cluster, ...]:
+    return tuple(find_clusters(b.jaxpr, facts, axes, num_shards, min_size, inputs_sharded=True)[0]
+                 for b in compat.cond_branches(eqns[i]))
+
+  inputs = [v for v in jaxpr.invars if big(v)] if inputs_sharded else []
+  clusters = [_make_cluster(sorted(m), graph, big, kind, set(seeds), branches, inputs)
               for m in members.values()]
-  return sorted(clusters, key=lambda c: c.eqns[0])
+  return sorted(clusters, key=lambda c: c.eqns[0] if c.eqns else -1)
 
 
-def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int]) -> Cluster:
+def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int], branches,
+                  inputs: list[Var]) -> Cluster:
   eqns = graph.jaxpr.eqns
   inside = set(idx)
-  sharded = [v for i in idx for v in eqns[i].outvars if big(v)]
+  sharded = inputs + [v for i in idx for v in eqns[i].outvars if big(v)]
   produced = set(sharded)
   reads: list[Var] = []
   for i in idx:
@@ -175,4 +198,5 @@ def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int]) -> 
       reads=tuple(reads),
       outside_readers={v: r for v, r in outside.items() if r},
       program_outputs={v: tuple(graph.outputs[v]) for v in sharded if v in graph.outputs},
+      nested={i: branches(i) for i in idx if kind(i) is Kind.COND},
   )

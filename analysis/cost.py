@@ -55,6 +55,15 @@ class Decision:
   saved_bytes: int
 
 
+def _branch_gathers(cluster: Cluster) -> int:
+  """Whole bytes that conditionals' branches all-gather (read whole inside)."""
+  total = 0
+  for subs in cluster.nested.values():
+    for sub in subs:
+      total += sum(nbytes(v) for v in sub.outside_readers) + _branch_gathers(sub)
+  return total
+
+
 def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
            axes: frozenset, state_outputs: set[int], num_shards: int) -> Decision:
   """Decides one cluster.
@@ -76,7 +85,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   gathered = [v for v in cluster.sharded if v not in layout.partial and (
       v in cluster.outside_readers or v in layout.whole_reads
       or any(p not in state_outputs for p in cluster.program_outputs.get(v, ())))]
-  all_gather = sum(nbytes(v) for v in gathered)
+  all_gather = sum(nbytes(v) for v in gathered) + _branch_gathers(cluster)
   inputs = set(jaxpr.invars)
   io = (sum(nbytes(v) for v in cluster.reads if v in inputs)
         + sum(nbytes(v) * len(p) for v, p in cluster.program_outputs.items()))

@@ -105,50 +105,65 @@ def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str
       classes.add(x)
       whole_reads.add(x)
 
-  for i in cluster.eqns:
-    eqn, kind = jaxpr.eqns[i], cluster.kinds[i]
-    ins = [v for v in eqn.invars if big(v)]
-    outs = [v for v in eqn.outvars if big(v)]
-    if kind is Kind.ELEMENTWISE:
-      y = outs[0]
-      for v in outs[1:]:
-        classes.union(v, y)
-      for x in eqn.invars:
-        if compat.is_literal(x) or not x.aval.shape:
-          continue  # Scalars broadcast anywhere.
-        if x.aval.shape == y.aval.shape:
+  def constrain(jaxpr: Jaxpr, cluster: Cluster) -> str | None:
+    for i in cluster.eqns:
+      eqn, kind = jaxpr.eqns[i], cluster.kinds[i]
+      ins = [v for v in eqn.invars if big(v)]
+      outs = [v for v in eqn.outvars if big(v)]
+      if kind is Kind.ELEMENTWISE:
+        y = outs[0]
+        for v in outs[1:]:
+          classes.union(v, y)
+        for x in eqn.invars:
+          if compat.is_literal(x) or not x.aval.shape:
+            continue  # Scalars broadcast anywhere.
+          if x.aval.shape == y.aval.shape:
+            classes.union(x, y)
+          else:  # Implicit broadcast of size-1 dims.
+            broadcast(x, y, range(len(y.aval.shape)))
+      elif kind in (Kind.LAYOUT, Kind.REDUCE_UNIT, Kind.REDUCE_SCATTER, Kind.SUM_OF_COPIES,
+                    Kind.IDENTITY):
+        (x,), (y,) = ins, outs
+        if _signature(x) == _signature(y):
           classes.union(x, y)
-        else:  # Implicit broadcast of size-1 dims.
-          broadcast(x, y, range(len(y.aval.shape)))
-    elif kind in (Kind.LAYOUT, Kind.REDUCE_UNIT, Kind.REDUCE_SCATTER, Kind.SUM_OF_COPIES,
-                  Kind.IDENTITY):
-      (x,), (y,) = ins, outs
-      if _signature(x) == _signature(y):
-        classes.union(x, y)
-      else:
-        classes.flat_only |= {classes.add(x), classes.add(y)}
-    elif kind is Kind.REDUCE_ALL:
-      classes.add(ins[0])
-    elif kind is Kind.REDUCE:
-      (x,), (y,) = eqn.invars, eqn.outvars
-      axes = set(eqn.params["axes"])
-      reduced = [d in axes for d in nonunit_dims(x.aval.shape)]
-      classes.bounds[classes.add(x)] |= {p for p in range(1, len(reduced))
-                                         if reduced[p] != reduced[p - 1]}
-      if reduced[0]:
-        partial.add(y)  # Whole after its all-reduce; a format only if big.
-        if big(y):
-          classes.add(y)
-      elif not big(y):
-        return (f"a reduction of {x.aval.str_short()} keeps the shard dim but its "
-                f"result {y.aval.str_short()} is too small to shard")
-      else:
-        relations.append((x, y, [p for p, r in enumerate(reduced) if not r]))
-    elif kind is Kind.BROADCAST_DIMS:
-      broadcast(eqn.invars[0], outs[0], eqn.params["broadcast_dimensions"])
-    elif kind is Kind.BROADCAST:
-      classes.add(outs[0])
+        else:
+          classes.flat_only |= {classes.add(x), classes.add(y)}
+      elif kind is Kind.REDUCE_ALL:
+        classes.add(ins[0])
+      elif kind is Kind.REDUCE:
+        (x,), (y,) = eqn.invars, eqn.outvars
+        axes = set(eqn.params["axes"])
+        reduced = [d in axes for d in nonunit_dims(x.aval.shape)]
+        classes.bounds[classes.add(x)] |= {p for p in range(1, len(reduced))
+                                           if reduced[p] != reduced[p - 1]}
+        if reduced[0]:
+          partial.add(y)  # Whole after its all-reduce; a format only if big.
+          if big(y):
+            classes.add(y)
+        elif not big(y):
+          return (f"a reduction of {x.aval.str_short()} keeps the shard dim but its "
+                  f"result {y.aval.str_short()} is too small to shard")
+        else:
+          relations.append((x, y, [p for p, r in enumerate(reduced) if not r]))
+      elif kind is Kind.BROADCAST_DIMS:
+        broadcast(eqn.invars[0], outs[0], eqn.params["broadcast_dimensions"])
+      elif kind is Kind.BROADCAST:
+        classes.add(outs[0])
+      elif kind is Kind.COND:
+        for branch, sub in zip(compat.cond_branches(eqn), cluster.nested[i], strict=True):
+          inner = branch.jaxpr
+          for x, v in zip(eqn.invars[1:], inner.invars, strict=True):
+            if big(v):
+              classes.union(x, v)
+          for y, v in zip(eqn.outvars, inner.outvars, strict=True):
+            if big(y):
+              classes.union(y, v)
+          if (why := constrain(inner, sub)) is not None:
+            return why
+    return None
 
+  if (why := constrain(jaxpr, cluster)) is not None:
+    return why
   _solve(classes, relations)
   for c in classes.flat_only:
     if classes.bounds[classes.find(c)]:

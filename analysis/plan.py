@@ -96,6 +96,24 @@ class InputPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class Program:
+  """How the rewrite runs one jaxpr: the step itself, or a branch of a conditional.
+
+  Attributes:
+    shard_eqns: equation index -> shard kind, for every equation that runs on
+      shards (valid for the jaxpr the plan was made from).
+    sharded_in: input position -> format, for inputs that arrive as shards.
+    sharded_out: output position -> format, for outputs returned as shards.
+    bodies: for each conditional in `shard_eqns`, one Program per branch.
+  """
+
+  shard_eqns: Mapping[int, Kind]
+  sharded_in: Mapping[int, ShardFormat]
+  sharded_out: Mapping[int, ShardFormat]
+  bodies: Mapping[int, tuple[Program, ...]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """The weight-update sharding plan of one step function.
 
@@ -104,14 +122,12 @@ class Plan:
     num_shards: replicas along `axes` (N).
     inputs: one entry per flat input.
     clusters: one entry per weight-update cluster.
-    shard_eqns: equation index -> shard kind, for every equation that runs
-      on shards (the rewrite's instructions; valid for the jaxpr the plan was
-      made from).
-    state_inputs: flat input position -> format, for inputs passed sharded.
-    state_outputs: flat output position -> format, for outputs returned sharded.
     min_size: tensors with fewer elements (or fewer than N) stay whole.
+    program: the rewrite's instructions for the step; its `sharded_in` are
+      the inputs kept sharded between steps (optimizer state), its
+      `sharded_out` the outputs returned sharded.
     formats: the format of every tensor a sharded cluster holds or reads as
-      shards (keyed by the jaxpr's variables).
+      shards (keyed by the jaxpr's variables, nested jaxprs included).
   """
 
   axes: tuple
@@ -119,10 +135,22 @@ class Plan:
   min_size: int
   inputs: tuple[InputPlan, ...]
   clusters: tuple[ClusterPlan, ...]
-  shard_eqns: Mapping[int, Kind]
-  state_inputs: Mapping[int, ShardFormat]
-  state_outputs: Mapping[int, ShardFormat]
+  program: Program
   formats: Mapping = dataclasses.field(default_factory=dict, repr=False)
+
+  @property
+  def shard_eqns(self) -> Mapping[int, Kind]:
+    return self.program.shard_eqns
+
+  @property
+  def state_inputs(self) -> Mapping[int, ShardFormat]:
+    """Flat input position -> format, for inputs passed sharded."""
+    return self.program.sharded_in
+
+  @property
+  def state_outputs(self) -> Mapping[int, ShardFormat]:
+    """Flat output position -> format, for outputs returned sharded."""
+    return self.program.sharded_out
 
   @property
   def sharded_bytes(self) -> int:
@@ -190,7 +218,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     return (not compat.is_literal(v)
             and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
 
-  cluster_plans, shard_eqns, state_in, state_out, all_formats = [], {}, {}, {}, {}
+  cluster_plans, shard_eqns, state_in, state_out, all_formats, bodies = [], {}, {}, {}, {}, {}
   input_reason: dict[int, tuple[bool, str]] = {}
   for idx, c in enumerate(found):
     members = set(c.eqns)
@@ -219,6 +247,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     if decision.shard:
       shard_eqns.update(c.kinds)
       all_formats.update(layout.formats)
+      bodies.update(_bodies(jaxpr, c, layout, big))
       for out_pos, in_pos in pairs.items():
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
 
@@ -227,7 +256,24 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     sharded, reason = input_reason.get(k, (False, _why_whole(v, facts, axes_set, num_shards, min_size)))
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason))
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(cluster_plans),
-              shard_eqns, state_in, state_out, all_formats)
+              Program(shard_eqns, state_in, state_out, bodies), all_formats)
+
+
+def _bodies(jaxpr: Jaxpr, c: clusters_lib.Cluster, layout: layouts.Layout,
+            big) -> dict[int, tuple[Program, ...]]:
+  """The branch Programs of the conditionals of a sharded cluster."""
+  out = {}
+  for i, subs in c.nested.items():
+    progs = []
+    for branch, sub in zip(compat.cond_branches(jaxpr.eqns[i]), subs, strict=True):
+      inner = branch.jaxpr
+      progs.append(Program(
+          dict(sub.kinds),
+          {k: layout.formats[v] for k, v in enumerate(inner.invars) if big(v)},
+          {k: layout.formats[v] for k, v in enumerate(inner.outvars) if big(v)},
+          _bodies(inner, sub, layout, big)))
+    out[i] = tuple(progs)
+  return out
 
 
 def _state_pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,

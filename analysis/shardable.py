@@ -32,6 +32,7 @@ class Kind(enum.Enum):
   REDUCE = "reduce over some dims"  # Local if the shard dim is kept, else partial results as above.
   BROADCAST = "broadcast scalar"  # A one-element operand broadcast to a big shape.
   BROADCAST_DIMS = "broadcast along new dims"  # Local from the operand's shard, or from it whole.
+  COND = "conditional"  # Big operands enter every branch as shards; big results leave as shards.
   REDUCE_SCATTER = "reduce-scatter"  # psum over the replica axes of a value that differs per replica.
   SUM_OF_COPIES = "psum of equal values"  # psum of a value equal on all replicas: a local sum.
   IDENTITY = "pmax/pmin of equal values"  # pmax / pmin of a value equal on all replicas.
@@ -141,6 +142,14 @@ shardable_rules[compat.psum_p] = _psum_rule
 shardable_rules[compat.psum_invariant_p] = _psum_rule
 shardable_rules[compat.pmax_p] = _pmax_rule
 shardable_rules[compat.pmin_p] = _pmax_rule
+
+
+def _cond_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  # The predicate is redundant (the outputs are); branches run on shards.
+  return None if compat.side_effects(eqn) else Kind.COND
+
+
+shardable_rules[compat.cond_p] = _cond_rule
 
 
 def shard_kind(eqn: JaxprEqn, ctx: Context) -> Kind | None:

@@ -126,3 +126,14 @@ def test_six_replicas(name, make_tx):
   mu = [x for x in jax.tree.leaves(got[1], is_leaf=lambda x: isinstance(x, wus.ShardedArray))
         if isinstance(x, wus.ShardedArray)]
   assert mu and all(x.format.num_shards == 6 for x in mu)
+
+
+def test_multisteps_update_inside_a_cond_is_sharded():
+  """optax.MultiSteps runs the update inside a cond: branches run on shards."""
+  tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+  ref, got, step = both(tx, mesh(), steps=4)  # Both branches taken.
+  assert_trees_equal(ref[0], got[0])
+  assert_trees_equal(ref[1], wus.unshard(got[1]))
+  acc = got[1].acc_grads["big"]
+  assert isinstance(acc, wus.ShardedArray) and isinstance(got[1].inner_opt_state[0].mu["big"],
+                                                          wus.ShardedArray)

@@ -23,13 +23,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import functools
+
 import jax.numpy as jnp
+from jax import lax
 
 from wus import collectives
 from wus.analysis import compat, formats
 from wus.analysis.compat import ClosedJaxpr, JaxprEqn
 from wus.analysis.formats import ShardFormat
-from wus.analysis.plan import Plan
+from wus.analysis.plan import Plan, Program
 from wus.analysis.shardable import REDUCE_COMBINE, Kind
 
 
@@ -47,12 +50,13 @@ class _Held:
 
 
 class _Env:
-  """Variable values, converting between whole and shard on demand."""
+  """Variable values of one jaxpr, converting between whole and shard on demand."""
 
-  def __init__(self, plan: Plan):
-    self.plan = plan
+  def __init__(self, plan: Plan, program: Program):
+    self.plan, self.program = plan, program
     self.held: dict = {}
     self.pending: list = []  # Variables holding partial results.
+    self.current = -1        # Index of the equation being rewritten.
 
   def fmt(self, v) -> ShardFormat:
     return self.plan.formats[v]
@@ -218,6 +222,20 @@ shard_rules[Kind.REDUCE_UNIT] = _reduce_unit
 shard_rules[Kind.REDUCE_ALL] = _reduce_all
 shard_rules[Kind.REDUCE] = _reduce
 shard_rules[Kind.BROADCAST_DIMS] = _broadcast_dims
+
+
+def _cond(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  # Big operands enter every branch as shards; each branch is rewritten by its
+  # own Program and returns its big results as shards.
+  progs = env.program.bodies[env.current]
+  ops = [env.shard(v) if k in progs[0].sharded_in else env.whole(v)
+         for k, v in enumerate(eqn.invars[1:])]
+  fns = [functools.partial(_run, b, p, env.plan) for b, p in
+         zip(compat.cond_branches(eqn), progs, strict=True)]
+  return lax.switch(env.whole(eqn.invars[0]), [lambda *a, f=f: f(a) for f in fns], *ops)
+
+
+shard_rules[Kind.COND] = _cond
 shard_rules[Kind.BROADCAST] = _broadcast
 shard_rules[Kind.REDUCE_SCATTER] = _reduce_scatter
 shard_rules[Kind.SUM_OF_COPIES] = _sum_of_copies
@@ -237,35 +255,36 @@ def rewrite(jaxpr: ClosedJaxpr, plan: Plan) -> Callable[..., list[Any]]:
     shard, shape `format.shard_shape`; the rest whole) and returns one value per
     output (outputs in `plan.state_outputs` as shards, the rest whole).
   """
-
-  def step(*args: Any) -> list[Any]:
-    env = _Env(plan)
-    inner = jaxpr.jaxpr
-    for v, c in zip(inner.constvars, jaxpr.consts, strict=True):
-      env.held[v] = _Held(whole=c)
-    for k, (v, x) in enumerate(zip(inner.invars, args, strict=True)):
-      env.held[v] = _Held(shard=x) if k in plan.state_inputs else _Held(whole=x)
-    for i in _schedule(inner, plan):
-      eqn = inner.eqns[i]
-      kind = plan.shard_eqns.get(i)
-      if kind is None:
-        outs = compat.bind(eqn, *[env.whole(v) for v in eqn.invars])
-        held = [_Held(whole=x) for x in outs]
-      else:
-        outs = shard_rules[kind](eqn, env)
-        held = [_Held(partial=x) if isinstance(x, _Partial)
-                else _Held(shard=x) if env.big(v) else _Held(whole=x)
-                for v, x in zip(eqn.outvars, outs, strict=True)]
-        env.pending += [v for v, h in zip(eqn.outvars, held) if h.partial is not None]
-      for v, h in zip(eqn.outvars, held, strict=True):
-        env.held[v] = h
-    return [env.shard(v) if k in plan.state_outputs else env.whole(v)
-            for k, v in enumerate(inner.outvars)]
-
-  return step
+  return lambda *args: _run(jaxpr, plan.program, plan, args)
 
 
-def _schedule(jaxpr, plan: Plan) -> list[int]:
+def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
+  """Evaluates `jaxpr` by `program` under the current trace (the interpreter loop)."""
+  env = _Env(plan, program)
+  inner = jaxpr.jaxpr
+  for v, c in zip(inner.constvars, jaxpr.consts, strict=True):
+    env.held[v] = _Held(whole=c)
+  for k, (v, x) in enumerate(zip(inner.invars, args, strict=True)):
+    env.held[v] = _Held(shard=x) if k in program.sharded_in else _Held(whole=x)
+  for i in _schedule(inner, program):
+    eqn, env.current = inner.eqns[i], i
+    kind = program.shard_eqns.get(i)
+    if kind is None:
+      outs = compat.bind(eqn, *[env.whole(v) for v in eqn.invars])
+      held = [_Held(whole=x) for x in outs]
+    else:
+      outs = shard_rules[kind](eqn, env)
+      held = [_Held(partial=x) if isinstance(x, _Partial)
+              else _Held(shard=x) if env.big(v) else _Held(whole=x)
+              for v, x in zip(eqn.outvars, outs, strict=True)]
+      env.pending += [v for v, h in zip(eqn.outvars, held) if h.partial is not None]
+    for v, h in zip(eqn.outvars, held, strict=True):
+      env.held[v] = h
+  return [env.shard(v) if k in program.sharded_out else env.whole(v)
+          for k, v in enumerate(inner.outvars)]
+
+
+def _schedule(jaxpr, program: Program) -> list[int]:
   """An order of the equations that batches the partial-result all-reduces.
 
   An equation's phase is the number of all-reduces of partial results on its
@@ -280,7 +299,7 @@ def _schedule(jaxpr, plan: Plan) -> list[int]:
     p = max((phase.get(v, 0) for v in eqn.invars if not compat.is_literal(v)), default=0)
     if compat.side_effects(eqn):
       p = last_effect = max(p, last_effect)
-    done = p + (plan.shard_eqns.get(i) in (Kind.REDUCE_ALL, Kind.REDUCE))
+    done = p + (program.shard_eqns.get(i) in (Kind.REDUCE_ALL, Kind.REDUCE))
     for v in eqn.outvars:
       phase[v] = done
     keys.append((p, i))
