@@ -8,6 +8,7 @@ JAX moves a name, this module is the only one to change.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -128,11 +129,18 @@ def bind(eqn: JaxprEqn, *args: Any, **new_params: Any) -> list[Any]:
   """
   params = dict(eqn.primitive.get_bind_params(eqn.params) if not new_params
                 else eqn.primitive.get_bind_params({**eqn.params, **new_params}))
+  with source_of(eqn):
+    out = eqn.primitive.bind(*args, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def source_of(eqn: JaxprEqn):
+  """Attributes equations traced in this context to `eqn`'s place in user code."""
   name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
   with (_source_info.user_context(eqn.source_info.traceback, name_stack=name_stack),
         eqn.ctx.manager):
-    out = eqn.primitive.bind(*args, **params)
-  return list(out) if eqn.primitive.multiple_results else [out]
+    yield
 
 
 def shard_map_eqn(jaxpr: ClosedJaxpr) -> JaxprEqn:

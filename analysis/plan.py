@@ -97,14 +97,15 @@ class InputPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-  """How the rewrite runs one jaxpr: the step itself, or a branch of a conditional.
+  """How the rewrite runs one jaxpr: the step, a conditional's branch, a loop body.
 
   Attributes:
     shard_eqns: equation index -> shard kind, for every equation that runs on
       shards (valid for the jaxpr the plan was made from).
     sharded_in: input position -> format, for inputs that arrive as shards.
     sharded_out: output position -> format, for outputs returned as shards.
-    bodies: for each conditional in `shard_eqns`, one Program per branch.
+    bodies: for each conditional in `shard_eqns`, one Program per branch; for
+      each loop, its body's Program.
   """
 
   shard_eqns: Mapping[int, Kind]
@@ -210,29 +211,74 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   Returns:
     The frozen Plan.
   """
-  axes_set = frozenset(axes)
-  found = clusters_lib.find_clusters(jaxpr, facts, axes_set, num_shards, min_size)
-  invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
-
   def big(v) -> bool:
     return (not compat.is_literal(v)
             and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
 
+  ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, big)
+  planned = _plan(jaxpr, ctx, state_pairs, in_names, out_names)
+  inputs = []
+  for k, v in enumerate(jaxpr.invars):
+    sharded, reason = planned.input_reason.get(
+        k, (False, _why_whole(v, facts, ctx.axes, num_shards, min_size)))
+    inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason))
+  return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
+              planned.program, planned.formats)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+  facts: Redundancy
+  axes: frozenset
+  num_shards: int
+  min_size: int
+  big: object
+
+
+@dataclasses.dataclass
+class _Planned:
+  """The plan of one jaxpr (the step, or a loop body)."""
+
+  program: Program
+  clusters: list
+  input_reason: dict
+  formats: dict
+
+
+def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out_names,
+          label: str = "") -> _Planned:
+  """Clusters, formats and decisions of one jaxpr; loops inside are planned first."""
+  found = clusters_lib.find_clusters(jaxpr, ctx.facts, ctx.axes, ctx.num_shards, ctx.min_size)
+  invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   cluster_plans, shard_eqns, state_in, state_out, all_formats, bodies = [], {}, {}, {}, {}, {}
   input_reason: dict[int, tuple[bool, str]] = {}
-  for idx, c in enumerate(found):
+
+  for i, loop in _plan_loops(jaxpr, ctx, in_names, label).items():
+    shard_eqns[i], bodies[i] = Kind.LOOP, (loop.program,)
+    cluster_plans += loop.clusters
+    all_formats.update(loop.formats)
+    all_formats.update({jaxpr.eqns[i].outvars[k]: f for k, f in loop.carries.items()})
+    for out_pos, in_pos in state_pairs.items():
+      fmt = _loop_state(jaxpr, i, loop, jaxpr.outvars[out_pos], jaxpr.invars[in_pos])
+      if fmt is not None:
+        state_in[in_pos] = state_out[out_pos] = all_formats[jaxpr.invars[in_pos]] = fmt
+        input_reason[in_pos] = (True, f"state of the loop at {source_line(jaxpr.eqns[i])}, "
+                                      "sharded between steps")
+
+  for c in found:
+    idx = len(cluster_plans)
     members = set(c.eqns)
-    layout = layouts.assign(jaxpr, c, num_shards, big)
+    layout = layouts.assign(jaxpr, c, ctx.num_shards, ctx.big)
     if isinstance(layout, str):
       decision = cost.Decision(False, layout, 0, 0, 0)
       layout = layouts.Layout({}, frozenset(), frozenset())
       pairs = {}
     else:
       pairs = _state_pairs(c, layout, jaxpr, members, state_pairs, invar_pos)
-      decision = cost.decide(c, layout, jaxpr, facts, axes_set, set(pairs), num_shards)
+      decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards)
     fmt = layout.formats.get if decision.shard else (lambda v: None)
     tensors = _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt)
-    cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, decision.reason,
+    cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, label + decision.reason,
                                      decision.all_reduce_bytes, decision.all_gather_bytes,
                                      decision.saved_bytes))
     for v in c.reads:
@@ -247,16 +293,72 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     if decision.shard:
       shard_eqns.update(c.kinds)
       all_formats.update(layout.formats)
-      bodies.update(_bodies(jaxpr, c, layout, big))
+      bodies.update(_bodies(jaxpr, c, layout, ctx.big))
       for out_pos, in_pos in pairs.items():
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
+  return _Planned(Program(shard_eqns, state_in, state_out, bodies), cluster_plans,
+                  input_reason, all_formats)
 
-  inputs = []
-  for k, v in enumerate(jaxpr.invars):
-    sharded, reason = input_reason.get(k, (False, _why_whole(v, facts, axes_set, num_shards, min_size)))
-    inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason))
-  return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(cluster_plans),
-              Program(shard_eqns, state_in, state_out, bodies), all_formats)
+
+@dataclasses.dataclass
+class _Loop:
+  """A loop whose body runs the weight update on shards (§4.2)."""
+
+  program: Program
+  carries: dict           # Carry position -> format, for carries held as shards.
+  first_carry: int        # Operand position of carry 0 in the loop equation.
+  clusters: list
+  formats: dict
+
+
+def _plan_loops(jaxpr: Jaxpr, ctx: _Ctx, in_names, label: str) -> dict[int, _Loop]:
+  """Plans the body of every while / scan of `jaxpr` whose body shards something.
+
+  Carried state (optimizer state) stays sharded across iterations: it is
+  sharded before the loop and gathered after it only where read whole (Fig. 4
+  left). Carries the loop condition reads stay whole.
+  """
+  invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
+  loops = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    if eqn.primitive is compat.scan_p:
+      body, num_consts, num_carry = compat.scan_parts(eqn)
+      first, cond_reads = num_consts, set()
+    elif eqn.primitive is compat.while_p:
+      cond, cond_nconsts, body, num_consts = compat.while_parts(eqn)
+      num_carry = len(body.jaxpr.outvars)
+      first = cond_nconsts + num_consts
+      read = {v for e in cond.jaxpr.eqns for v in e.invars if not compat.is_literal(v)}
+      cond_reads = {k for k, v in enumerate(cond.jaxpr.invars[cond_nconsts:]) if v in read}
+    else:
+      continue
+    inner = body.jaxpr
+    names = [_outer_name(op, invar_pos, in_names, f"loop input {k}")
+             for k, op in enumerate(eqn.invars[first - num_consts:])]
+    pairs = {k: num_consts + k for k in range(num_carry) if k not in cond_reads}
+    where = f"loop at {source_line(eqn)}: "
+    planned = _plan(inner, ctx, pairs, names, names[num_consts:num_consts + num_carry]
+                    + [f"loop output {k}" for k in range(len(inner.outvars) - num_carry)],
+                    label + where)
+    if planned.program.shard_eqns:
+      carries = {k - num_consts: f for k, f in planned.program.sharded_in.items()}
+      loops[i] = _Loop(planned.program, carries, first, planned.clusters, planned.formats)
+  return loops
+
+
+def _outer_name(v, invar_pos, in_names, default: str) -> str:
+  return in_names[invar_pos[v]] if not compat.is_literal(v) and v in invar_pos else default
+
+
+def _loop_state(jaxpr: Jaxpr, i: int, loop: _Loop, y, x):
+  """The format of (x in, y out) if they are a loop carry kept sharded between steps."""
+  eqn = jaxpr.eqns[i]
+  for k, fmt in loop.carries.items():
+    if (eqn.outvars[k] is y and eqn.invars[loop.first_carry + k] is x
+        and all(x not in e.invars for j, e in enumerate(jaxpr.eqns) if j != i)
+        and x not in jaxpr.outvars):
+      return fmt
+  return None
 
 
 def _bodies(jaxpr: Jaxpr, c: clusters_lib.Cluster, layout: layouts.Layout,

@@ -33,6 +33,7 @@ class Kind(enum.Enum):
   BROADCAST = "broadcast scalar"  # A one-element operand broadcast to a big shape.
   BROADCAST_DIMS = "broadcast along new dims"  # Local from the operand's shard, or from it whole.
   COND = "conditional"  # Big operands enter every branch as shards; big results leave as shards.
+  LOOP = "loop"  # The body runs by its own plan; carried state stays sharded (§4.2).
   REDUCE_SCATTER = "reduce-scatter"  # psum over the replica axes of a value that differs per replica.
   SUM_OF_COPIES = "psum of equal values"  # psum of a value equal on all replicas: a local sum.
   IDENTITY = "pmax/pmin of equal values"  # pmax / pmin of a value equal on all replicas.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,3 +85,32 @@ def both(tx, mesh, *, check_vma=True, steps=3, params=None, **wus_kw):
   ref = jax.jit(jax.shard_map(step, mesh=mesh, check_vma=check_vma, **SPECS))
   ws = wus.shard_map(step, mesh=mesh, check_vma=check_vma, **SPECS, **wus_kw)
   return run(ref, params, state, extra, data), run(ws, params, state, extra, data), ws
+
+
+def hlo_computations(hlo: str) -> dict[str, list[str]]:
+  """Optimized HLO text split into computations: name -> instruction lines."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if head:
+      name = head.group(1)
+      comps[name] = []
+    elif name is not None and line.strip() and line.strip() != "}":
+      comps[name].append(line)
+  return comps
+
+
+def loop_bodies(hlo: str) -> set[str]:
+  """Names of the computations that are while-loop bodies."""
+  return set(re.findall(r"body=%?([\w.\-]+)", hlo))
+
+
+def collective_bytes(lines, kind: str) -> list[int]:
+  """Result bytes of each `kind` instruction (e.g. "all-gather") among HLO lines."""
+  from wus.harness.report import shape_bytes
+  out = []
+  for line in lines:
+    m = re.match(r"\s*(?:ROOT )?%\S+ = (\(.*?\)|\S+) " + kind + r"(?:-start)?\(", line)
+    if m:
+      out.append(shape_bytes(m.group(1)))
+  return out

@@ -51,7 +51,8 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]
       inner = compat.call_jaxpr(eqn)
       outs = _eval(inner.jaxpr, inner.consts, ins)
     elif eqn.primitive in _CONTROL:
-      outs = _CONTROL[eqn.primitive](eqn, ins)
+      with compat.source_of(eqn):
+        outs = _CONTROL[eqn.primitive](eqn, ins)
     else:
       outs = compat.bind(eqn, *ins)
     for v, x in zip(eqn.outvars, outs, strict=True):

@@ -93,6 +93,12 @@ class _Env:
         self.held[v].whole, self.held[v].partial = x, None
     self.pending = []
 
+  def shard_as(self, v, fmt: ShardFormat) -> Any:
+    """The shard of `v` in `fmt`, which may differ from the plan's format for `v`."""
+    if self.plan.formats.get(v) == fmt:
+      return self.shard(v)
+    return collectives.shard(self.whole(v), fmt, self.plan.axes)
+
   def operands(self, eqn: JaxprEqn) -> list[Any]:
     """What a shard rule reads: shards of big values, small values whole."""
     return [self.shard(v) if self.big(v) else self.whole(v) for v in eqn.invars]
@@ -236,6 +242,45 @@ def _cond(eqn: JaxprEqn, env: _Env) -> list[Any]:
 
 
 shard_rules[Kind.COND] = _cond
+
+
+def _loop(eqn: JaxprEqn, env: _Env) -> list[_Held]:
+  # Carries the body's Program holds as shards enter as shards (sliced before
+  # the loop) and leave as shards; they are gathered after the loop only where
+  # something reads them whole (Fig. 4).
+  (prog,) = env.program.bodies[env.current]
+  if eqn.primitive is compat.scan_p:
+    body, num_consts, num_carry = compat.scan_parts(eqn)
+    first = num_consts
+  else:
+    cond, cond_nconsts, body, num_consts = compat.while_parts(eqn)
+    num_carry, first = len(body.jaxpr.outvars), cond_nconsts + num_consts
+
+  def sharded(k: int) -> ShardFormat | None:
+    return prog.sharded_in.get(num_consts + k) if 0 <= k < num_carry else None
+
+  ops = [env.shard_as(v, sharded(pos - first)) if sharded(pos - first) else env.whole(v)
+         for pos, v in enumerate(eqn.invars)]
+  run_body = functools.partial(_run, body, prog, env.plan)
+  if eqn.primitive is compat.scan_p:
+    consts, init, xs = ops[:first], ops[first:first + num_carry], ops[first + num_carry:]
+
+    def step(carry, x):
+      out = run_body([*consts, *carry, *x])
+      return out[:num_carry], out[num_carry:]
+
+    carry, ys = lax.scan(step, list(init), list(xs), length=eqn.params["length"],
+                         reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+    outs = [*carry, *ys]
+  else:
+    cond_consts, body_consts, init = ops[:cond_nconsts], ops[cond_nconsts:first], ops[first:]
+    whole = Program({}, {}, {})  # The condition reads only whole carries.
+    outs = lax.while_loop(lambda c: _run(cond, whole, env.plan, [*cond_consts, *c])[0],
+                          lambda c: run_body([*body_consts, *c]), list(init))
+  return [_Held(shard=x) if sharded(k) else _Held(whole=x) for k, x in enumerate(outs)]
+
+
+shard_rules[Kind.LOOP] = _loop
 shard_rules[Kind.BROADCAST] = _broadcast
 shard_rules[Kind.REDUCE_SCATTER] = _reduce_scatter
 shard_rules[Kind.SUM_OF_COPIES] = _sum_of_copies
@@ -273,8 +318,9 @@ def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
       outs = compat.bind(eqn, *[env.whole(v) for v in eqn.invars])
       held = [_Held(whole=x) for x in outs]
     else:
-      outs = shard_rules[kind](eqn, env)
-      held = [_Held(partial=x) if isinstance(x, _Partial)
+      with compat.source_of(eqn):
+        outs = shard_rules[kind](eqn, env)
+      held = [x if isinstance(x, _Held) else _Held(partial=x) if isinstance(x, _Partial)
               else _Held(shard=x) if env.big(v) else _Held(whole=x)
               for v, x in zip(eqn.outvars, outs, strict=True)]
       env.pending += [v for v, h in zip(eqn.outvars, held) if h.partial is not None]
