@@ -103,7 +103,7 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   def kind(i: int) -> Kind | None:
     """The shard kind of equation i, if it is redundant, shardable and big.
 
-    Big means a big output, or for a reduction a big operand.
+    Big means a big output, or for a reduction or a conditional a big operand.
     """
     if i not in kind_cache:
       eqn = eqns[i]
@@ -111,6 +111,8 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
            if all(facts.is_redundant(v, ctx.axes) for v in eqn.outvars) else None)
       if k in (Kind.REDUCE_ALL, Kind.REDUCE):
         k = k if big(eqn.invars[0]) else None
+      elif k is Kind.COND:
+        k = k if any(big(v) for v in [*eqn.invars, *eqn.outvars]) else None
       elif not any(big(v) for v in eqn.outvars):
         k = None
       kind_cache[i] = k

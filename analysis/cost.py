@@ -55,17 +55,24 @@ class Decision:
   saved_bytes: int
 
 
-def _branch_gathers(cluster: Cluster) -> int:
-  """Whole bytes that conditionals' branches all-gather (read whole inside)."""
+def _branch_gathers(cluster: Cluster, rare: set[int]) -> int:
+  """Whole bytes that conditionals' branches all-gather (read whole inside).
+
+  A conditional in `rare` runs every k steps (§3.2): what it gathers is
+  amortized and not counted.
+  """
   total = 0
-  for subs in cluster.nested.values():
+  for i, subs in cluster.nested.items():
+    if i in rare:
+      continue
     for sub in subs:
-      total += sum(nbytes(v) for v in sub.outside_readers) + _branch_gathers(sub)
+      total += sum(nbytes(v) for v in sub.outside_readers) + _branch_gathers(sub, set())
   return total
 
 
 def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
-           axes: frozenset, state_outputs: set[int], num_shards: int) -> Decision:
+           axes: frozenset, state_outputs: set[int], num_shards: int,
+           rare: set[int] = frozenset()) -> Decision:
   """Decides one cluster.
 
   Args:
@@ -76,6 +83,8 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
     axes: the replica axes.
     state_outputs: output positions that stay sharded between steps.
     num_shards: N.
+    rare: conditionals of `jaxpr` whose predicate follows the loop counter
+      (taken every k steps, §3.2 frequency analysis).
 
   Returns:
     The decision, with byte counts (whole-tensor bytes, before sharding).
@@ -85,7 +94,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   gathered = [v for v in cluster.sharded if v not in layout.partial and (
       v in cluster.outside_readers or v in layout.whole_reads
       or any(p not in state_outputs for p in cluster.program_outputs.get(v, ())))]
-  all_gather = sum(nbytes(v) for v in gathered) + _branch_gathers(cluster)
+  all_gather = sum(nbytes(v) for v in gathered) + _branch_gathers(cluster, rare)
   inputs = set(jaxpr.invars)
   io = (sum(nbytes(v) for v in cluster.reads if v in inputs)
         + sum(nbytes(v) * len(p) for v, p in cluster.program_outputs.items()))
@@ -97,7 +106,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   for v, readers in cluster.outside_readers.items():
     for r in readers:
       eqn = eqns[r]
-      if all(facts.is_redundant(o, axes) for o in eqn.outvars):
+      if not compat.side_effects(eqn) and all(facts.is_redundant(o, axes) for o in eqn.outvars):
         return verdict(False, f"{eqn.primitive} at {compat.source_line(eqn)} reads a "
                               "sharded value whole and has no shard rule")
   if not saved:

@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import jax.numpy as jnp
+from jax import lax
 
 from wus.analysis import clusters as clusters_lib
 from wus.analysis import compat
@@ -129,6 +131,8 @@ class Plan:
       `sharded_out` the outputs returned sharded.
     formats: the format of every tensor a sharded cluster holds or reads as
       shards (keyed by the jaxpr's variables, nested jaxprs included).
+    gather_dtypes: sharded tensors whose whole value is only ever read in a
+      narrower float: their all-gather moves that dtype (Fig. 7).
   """
 
   axes: tuple
@@ -138,6 +142,7 @@ class Plan:
   clusters: tuple[ClusterPlan, ...]
   program: Program
   formats: Mapping = dataclasses.field(default_factory=dict, repr=False)
+  gather_dtypes: Mapping = dataclasses.field(default_factory=dict, repr=False)
 
   @property
   def shard_eqns(self) -> Mapping[int, Kind]:
@@ -223,7 +228,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
         k, (False, _why_whole(v, facts, ctx.axes, num_shards, min_size)))
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason))
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
-              planned.program, planned.formats)
+              planned.program, planned.formats, planned.gather_dtypes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,20 +248,28 @@ class _Planned:
   clusters: list
   input_reason: dict
   formats: dict
+  gather_dtypes: dict
 
 
 def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out_names,
-          label: str = "") -> _Planned:
-  """Clusters, formats and decisions of one jaxpr; loops inside are planned first."""
+          label: str = "", in_loop: bool = False, counters: frozenset = frozenset()) -> _Planned:
+  """Clusters, formats and decisions of one jaxpr; loops inside are planned first.
+
+  `counters` are a loop body's inputs that count iterations: a conditional
+  whose predicate depends on one is taken every k steps (§3.2).
+  """
   found = clusters_lib.find_clusters(jaxpr, ctx.facts, ctx.axes, ctx.num_shards, ctx.min_size)
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
+  rare = _rare_conds(jaxpr, counters)
   cluster_plans, shard_eqns, state_in, state_out, all_formats, bodies = [], {}, {}, {}, {}, {}
+  gather_dtypes: dict = {}
   input_reason: dict[int, tuple[bool, str]] = {}
 
   for i, loop in _plan_loops(jaxpr, ctx, in_names, label).items():
     shard_eqns[i], bodies[i] = Kind.LOOP, (loop.program,)
     cluster_plans += loop.clusters
     all_formats.update(loop.formats)
+    gather_dtypes.update(loop.gather_dtypes)
     all_formats.update({jaxpr.eqns[i].outvars[k]: f for k, f in loop.carries.items()})
     for out_pos, in_pos in state_pairs.items():
       fmt = _loop_state(jaxpr, i, loop, jaxpr.outvars[out_pos], jaxpr.invars[in_pos])
@@ -274,8 +287,21 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       layout = layouts.Layout({}, frozenset(), frozenset())
       pairs = {}
     else:
-      pairs = _state_pairs(c, layout, jaxpr, members, state_pairs, invar_pos)
-      decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards)
+      narrow = {} if in_loop else None
+      pairs = _state_pairs(c, layout, jaxpr, members, state_pairs, invar_pos, narrow)
+      decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards,
+                             rare)
+      if rare & set(c.nested) and decision.shard:
+        decision = dataclasses.replace(decision, reason=decision.reason + "; " + ", ".join(
+            f"the conditional at {source_line(jaxpr.eqns[i])} follows the loop counter: it "
+            "gathers what it reads whole inside its branch, off the frequent path (§3.2)"
+            for i in sorted(rare & set(c.nested))))
+      if narrow and decision.shard:
+        gather_dtypes.update(narrow)
+        decision = dataclasses.replace(decision, reason=decision.reason + "; " + ", ".join(
+            f"{in_names[invar_pos[v]]} kept sharded across iterations and all-gathered in "
+            f"{d.name} before the forward pass reads it (Fig. 4 right, Fig. 7)"
+            for v, d in narrow.items()))
     fmt = layout.formats.get if decision.shard else (lambda v: None)
     tensors = _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt)
     cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, label + decision.reason,
@@ -297,7 +323,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       for out_pos, in_pos in pairs.items():
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
   return _Planned(Program(shard_eqns, state_in, state_out, bodies), cluster_plans,
-                  input_reason, all_formats)
+                  input_reason, all_formats, gather_dtypes)
 
 
 @dataclasses.dataclass
@@ -306,9 +332,11 @@ class _Loop:
 
   program: Program
   carries: dict           # Carry position -> format, for carries held as shards.
+  read_whole: set         # Carries also read whole in the body (weights, Fig. 4 right).
   first_carry: int        # Operand position of carry 0 in the loop equation.
   clusters: list
   formats: dict
+  gather_dtypes: dict
 
 
 def _plan_loops(jaxpr: Jaxpr, ctx: _Ctx, in_names, label: str) -> dict[int, _Loop]:
@@ -337,13 +365,42 @@ def _plan_loops(jaxpr: Jaxpr, ctx: _Ctx, in_names, label: str) -> dict[int, _Loo
              for k, op in enumerate(eqn.invars[first - num_consts:])]
     pairs = {k: num_consts + k for k in range(num_carry) if k not in cond_reads}
     where = f"loop at {source_line(eqn)}: "
+    counters = frozenset(inner.invars[num_consts + k] for k in range(num_carry)
+                         if _counts(inner, num_consts + k, k))
     planned = _plan(inner, ctx, pairs, names, names[num_consts:num_consts + num_carry]
                     + [f"loop output {k}" for k in range(len(inner.outvars) - num_carry)],
-                    label + where)
+                    label + where, in_loop=True, counters=counters)
     if planned.program.shard_eqns:
       carries = {k - num_consts: f for k, f in planned.program.sharded_in.items()}
-      loops[i] = _Loop(planned.program, carries, first, planned.clusters, planned.formats)
+      read_whole = {k for k in carries if inner.invars[num_consts + k] in planned.gather_dtypes}
+      loops[i] = _Loop(planned.program, carries, read_whole, first, planned.clusters,
+                       planned.formats, planned.gather_dtypes)
   return loops
+
+
+def _counts(body: Jaxpr, in_pos: int, out_pos: int) -> bool:
+  """Whether carry `in_pos` -> `out_pos` of a loop body is `i + 1` (an iteration counter)."""
+  x, y = body.invars[in_pos], body.outvars[out_pos]
+  for eqn in body.eqns:
+    if y in eqn.outvars and eqn.primitive is lax.add_p:
+      a, b = eqn.invars
+      return ((a is x and compat.is_literal(b) and b.val == 1)
+              or (b is x and compat.is_literal(a) and a.val == 1))
+  return False
+
+
+def _rare_conds(jaxpr: Jaxpr, counters: frozenset) -> set[int]:
+  """Conditionals whose predicate depends on an iteration counter (§3.2)."""
+  if not counters:
+    return set()
+  depends = set(counters)
+  rare = set()
+  for i, eqn in enumerate(jaxpr.eqns):
+    if any(v in depends for v in eqn.invars if not compat.is_literal(v)):
+      depends.update(eqn.outvars)
+      if eqn.primitive is compat.cond_p and eqn.invars[0] in depends:
+        rare.add(i)
+  return rare
 
 
 def _outer_name(v, invar_pos, in_names, default: str) -> str:
@@ -351,10 +408,14 @@ def _outer_name(v, invar_pos, in_names, default: str) -> str:
 
 
 def _loop_state(jaxpr: Jaxpr, i: int, loop: _Loop, y, x):
-  """The format of (x in, y out) if they are a loop carry kept sharded between steps."""
+  """The format of (x in, y out) if they are a loop carry kept sharded between steps.
+
+  Weights the body reads whole (Fig. 4 right) leave the step whole: the user
+  reads them too.
+  """
   eqn = jaxpr.eqns[i]
   for k, fmt in loop.carries.items():
-    if (eqn.outvars[k] is y and eqn.invars[loop.first_carry + k] is x
+    if (k not in loop.read_whole and eqn.outvars[k] is y and eqn.invars[loop.first_carry + k] is x
         and all(x not in e.invars for j, e in enumerate(jaxpr.eqns) if j != i)
         and x not in jaxpr.outvars):
       return fmt
@@ -379,8 +440,16 @@ def _bodies(jaxpr: Jaxpr, c: clusters_lib.Cluster, layout: layouts.Layout,
 
 
 def _state_pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
-                 members: set[int], candidates: Mapping[int, int], invar_pos) -> dict[int, int]:
-  """The (output, input) state pairs this cluster can keep sharded between steps."""
+                 members: set[int], candidates: Mapping[int, int], invar_pos,
+                 narrow: dict | None = None) -> dict[int, int]:
+  """The (output, input) state pairs this cluster can keep sharded between steps.
+
+  A pair qualifies when only the cluster reads the input. With `narrow` (a
+  loop body), an input that is also read whole, but only ever converted to a
+  narrower float first (the forward pass of mixed-precision training),
+  qualifies too: it is all-gathered in that dtype where read (Fig. 4 right,
+  Fig. 7), and `narrow` records input -> dtype.
+  """
   readers: dict = {}
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:
@@ -390,12 +459,42 @@ def _state_pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
   pairs = {}
   for out_pos, in_pos in candidates.items():
     x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
-    if (y in c.program_outputs and x in c.reads and x not in outvars and y not in layout.partial
-        and x not in layout.whole_reads
-        and readers.get(x, set()) <= members and x.aval.dtype == y.aval.dtype
-        and layout.formats.get(x) == layout.formats.get(y) is not None):
+    if not (y in c.program_outputs and x in c.reads and x not in outvars
+            and y not in layout.partial and x not in layout.whole_reads
+            and x.aval.dtype == y.aval.dtype
+            and layout.formats.get(x) == layout.formats.get(y) is not None):
+      continue
+    if readers.get(x, set()) <= members:
       pairs[out_pos] = in_pos
+    elif narrow is not None and (dtype := _narrowed(jaxpr, x, members, readers)) is not None:
+      pairs[out_pos] = in_pos
+      narrow[x] = dtype
   return pairs
+
+
+def _narrowed(jaxpr: Jaxpr, x, members: set[int], readers: dict):
+  """The one narrower float dtype every whole reader of `x` converts it to, if any.
+
+  A small dataflow precision pass: follows `x` through pvary (a type change)
+  from each reader outside the cluster until a convert_element_type.
+  """
+  found, stack = set(), [x]
+  while stack:
+    v = stack.pop()
+    for i in readers.get(v, ()):
+      eqn = jaxpr.eqns[i]
+      if v is x and i in members:
+        continue  # The update reads the shard.
+      if eqn.primitive is lax.convert_element_type_p:
+        new = np.dtype(eqn.params["new_dtype"])
+        if not (jnp.issubdtype(new, jnp.floating) and new.itemsize < x.aval.dtype.itemsize):
+          return None
+        found.add(new)
+      elif eqn.primitive is compat.pvary_p:
+        stack.extend(eqn.outvars)
+      else:
+        return None
+  return found.pop() if len(found) == 1 else None
 
 
 def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[TensorPlan, ...]:

@@ -146,8 +146,9 @@ shardable_rules[compat.pmin_p] = _pmax_rule
 
 
 def _cond_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
-  # The predicate is redundant (the outputs are); branches run on shards.
-  return None if compat.side_effects(eqn) else Kind.COND
+  # The predicate is redundant (the outputs are); branches run on shards and
+  # gather inside only what they read whole (a callback of the full state).
+  return Kind.COND
 
 
 shardable_rules[compat.cond_p] = _cond_rule

@@ -86,3 +86,80 @@ def test_optimizer_state_gathered_after_the_loop_only():
   big = 1024 * 1024 * 4
   assert sorted(inside)[-1] == big and inside.count(big) == 1  # The weight, once per step.
   assert outside.count(big) == 2  # mu and nu of `big`, once per call.
+
+
+def _mixed_precision_loss(params, x):
+  """The forward pass reads every weight converted to bfloat16 (Fig. 7)."""
+  p = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+  h = jnp.tanh(x.astype(jnp.bfloat16) @ p["w"]).astype(jnp.float32)
+  return jnp.mean(h) + jnp.sum(jnp.sin(p["conv"].astype(jnp.float32) * jnp.tanh(x).mean()))
+
+
+def test_weights_sharded_across_iterations_and_gathered_in_bfloat16():
+  """Fig. 4 right + Fig. 7: the weight stays sharded in the loop; its gather moves bf16."""
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = optax.adam(1e-2)
+
+  def train(params, opt_state, xs):
+    def body(c, x):
+      p, s = c
+      g = jax.lax.pmean(jax.grad(_mixed_precision_loss)(p, x), "data")
+      u, s = tx.update(g, s, p)
+      return (optax.apply_updates(p, u), s), None
+    return jax.lax.scan(body, (params, opt_state), xs)[0]
+
+  params = {"w": 0.1 * jax.random.normal(jax.random.key(1), (16, 1024)),
+            "conv": 0.1 * jax.random.normal(jax.random.key(2), (3, 3, 5, 7))}
+  state = tx.init(params)
+  xs = jax.device_put(jax.random.normal(jax.random.key(5), (K, 16, 16)),
+                      NamedSharding(mesh, P(None, "data")))
+  kw = dict(mesh=mesh, in_specs=(P(), P(), P(None, "data")), out_specs=(P(), P()))
+  ref, ws = jax.jit(jax.shard_map(train, **kw)), wus.shard_map(train, **kw)
+  a, b = ref(params, state, xs), ws(params, state, xs)
+  assert_trees_equal(a[0], b[0])  # Weights come back whole ...
+  assert_trees_equal(a[1], wus.unshard(b[1]))  # ... optimizer state sharded.
+  plan = ws.plan(params, state, xs)
+  assert all("Fig. 4 right" in c.reason for c in plan.clusters if c.sharded)
+  # The lowered program gathers the weights in bf16 inside the loop (XLA's CPU
+  # backend then widens bf16 collectives to f32; GPU and TPU keep them bf16).
+  lowered = ws.lower(params, state, xs).as_text()
+  gathers = [line for line in lowered.splitlines() if "stablehlo.all_gather" in line]
+  assert any("-> tensor<16384xbf16>" in g for g in gathers)  # w, inside the loop.
+  assert any("-> tensor<16384xf32>" in g for g in gathers)   # w, once after it.
+
+
+def test_conditional_on_the_loop_counter_gathers_inside_its_branch():
+  """§3.2: a summary of the full state every 2 steps pays its gather in its branch."""
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = optax.adam(1e-2)
+
+  def train(params, opt_state, xs):
+    def body(i, c):
+      p, s, summary = c
+      g = jax.lax.pmean(jax.grad(loss_fn)(p, xs[i]), "data")
+      u, s = tx.update(g, s, p)
+      summary = jax.lax.cond(i % 2 == 1, lambda s: jnp.sort(s[0].mu["big"].ravel())[-4:],
+                             lambda s: summary, s)  # sort: no shard rule, reads mu whole.
+      return optax.apply_updates(p, u), s, summary
+    return jax.lax.fori_loop(0, K, body, (params, opt_state, jnp.zeros(4)))
+
+  params = make_params()
+  state = tx.init(params)
+  xs = jax.device_put(jax.random.normal(jax.random.key(5), (K, 16, 16)),
+                      NamedSharding(mesh, P(None, "data")))
+  kw = dict(mesh=mesh, in_specs=(P(), P(), P(None, "data")), out_specs=(P(), P(), P()))
+  ref, ws = jax.jit(jax.shard_map(train, **kw)), wus.shard_map(train, **kw)
+  a, b = ref(params, state, xs), ws(params, state, xs)
+  assert_trees_equal(a[0], b[0])
+  assert_trees_equal(a[1], wus.unshard(b[1]))
+  assert_trees_equal(a[2], b[2])
+  plan = ws.plan(params, state, xs)
+  assert any(c.sharded and "follows the loop counter" in c.reason for c in plan.clusters)
+  hlo = ws.lower(params, state, xs).compile().as_text()
+  comps, bodies = hlo_computations(hlo), loop_bodies(hlo)
+  big = 1024 * 1024 * 4
+  in_body = [n for name in bodies for n in collective_bytes(comps[name], "all-gather")]
+  elsewhere = [n for name in comps if name not in bodies
+               for n in collective_bytes(comps[name], "all-gather")]
+  assert in_body.count(big) == 1  # The weight, every step.
+  assert elsewhere.count(big) == 1  # mu, in the branch taken every other step.

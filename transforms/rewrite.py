@@ -72,7 +72,10 @@ class _Env:
     if h.partial is not None:
       self.flush()
     if h.whole is None:
-      h.whole = collectives.all_gather(h.shard, self.fmt(v), self.plan.axes)
+      # Only ever read converted to a narrower float: gather that (Fig. 7).
+      narrow = self.plan.gather_dtypes.get(v)
+      shard = h.shard if narrow is None else h.shard.astype(narrow)
+      h.whole = collectives.all_gather(shard, self.fmt(v), self.plan.axes)
     return h.whole
 
   def shard(self, v) -> Any:
