@@ -1,4 +1,4 @@
-"""Byte-level text data: loading, a held-out split, and batches on the mesh.
+"""Byte-level text: loading, a held-out split, random windows.
 
 The default corpus is Python's own standard library: the `.py` files under
 `sysconfig.get_paths()["stdlib"]` (without `site-packages`), in sorted path
@@ -10,9 +10,7 @@ the same Python version.
 import pathlib
 import sysconfig
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 STDLIB_PREFIX_BYTES = 8 << 20  # 8 MiB of the standard library is plenty
 
@@ -34,14 +32,23 @@ def stdlib_text(max_bytes: int = STDLIB_PREFIX_BYTES) -> bytes:
   return b"".join(chunks)[:max_bytes]
 
 
-def load_tokens(path: str | None = None) -> np.ndarray:
-  """Byte tokens of the file at `path`, or of `stdlib_text()` if `path` is None.
+def load_tokens(path: str | pathlib.Path | None = None) -> np.ndarray:
+  """Byte tokens of a file, of the files under a folder, or of `stdlib_text()`.
+
+  Args:
+    path: a file (memory-mapped, so only the bytes used are read), a folder
+      (its files in sorted path order, concatenated), or None.
 
   Returns:
     uint8 [num_bytes]: the bytes, each a token id in [0, 256).
   """
-  text = pathlib.Path(path).read_bytes() if path else stdlib_text()
-  return np.frombuffer(text, np.uint8)
+  if path is None:
+    return np.frombuffer(stdlib_text(), np.uint8)
+  path = pathlib.Path(path)
+  if path.is_file():
+    return np.memmap(path, np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+  files = sorted(f for f in path.rglob("*") if f.is_file())
+  return np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8)
 
 
 def split(tokens: np.ndarray, eval_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
@@ -58,41 +65,29 @@ def split(tokens: np.ndarray, eval_fraction: float = 0.1) -> tuple[np.ndarray, n
   return tokens[:num_train], tokens[num_train:]
 
 
-def windows(tokens: np.ndarray, *, seed: int, step: int, batch_size: int,
-            seq_len: int) -> np.ndarray:
-  """Random contiguous windows of `tokens`, a pure function of (seed, step).
+def window_starts(num_tokens: int, *, seed: int, step: int, batch_size: int,
+                  seq_len: int) -> np.ndarray:
+  """Start offsets of random windows of a text, a pure function of (seed, step).
 
   Args:
-    tokens: uint8 [num_bytes], `num_bytes > seq_len`.
+    num_tokens: length of the text, `num_tokens > seq_len`.
     seed: data seed, non-negative.
     step: training step, non-negative; each step draws its own windows.
     batch_size: number of windows (the global batch).
     seq_len: model input length; each window has `seq_len + 1` tokens.
 
   Returns:
-    int32 [batch_size, seq_len + 1].
+    int64 [batch_size], each in [0, num_tokens - seq_len).
 
   Raises:
-    ValueError: if `tokens` is not longer than `seq_len`.
+    ValueError: if the text is not longer than `seq_len`.
   """
-  if len(tokens) <= seq_len:
-    raise ValueError(f"The text has {len(tokens)} bytes; need more than seq_len={seq_len}.")
+  if num_tokens <= seq_len:
+    raise ValueError(f"The text has {num_tokens} bytes; need more than seq_len={seq_len}.")
   rng = np.random.default_rng((seed, step))
-  starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
-  return tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+  return rng.integers(0, num_tokens - seq_len, size=batch_size)
 
 
-def on_mesh(batch: np.ndarray, mesh: Mesh, axis_name: str = "data") -> jax.Array:
-  """Places `batch` on `mesh`, its leading dim split over `axis_name`.
-
-  Args:
-    batch: [global_batch, ...], `global_batch` divisible by the axis size.
-    mesh: the device mesh.
-    axis_name: the data-parallel mesh axis.
-
-  Returns:
-    The same values as a global jax.Array with sharding
-    NamedSharding(mesh, P(axis_name)): each device holds
-    [global_batch / mesh.shape[axis_name], ...].
-  """
-  return jax.device_put(batch, NamedSharding(mesh, P(axis_name)))
+def gather_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
+  """The windows of `tokens` at `starts`: int32 [len(starts), seq_len + 1]."""
+  return np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], np.int32)

@@ -1,4 +1,4 @@
-"""A decoder-only Transformer language model over bytes, and its loss.
+"""A decoder-only Transformer language model over bytes.
 
 The architecture follows the Flax lm1b example (pre-LayerNorm decoder blocks,
 causal self-attention, a learned position embedding, output logits tied to the
@@ -11,7 +11,6 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 VOCAB_SIZE = 256  # byte-level tokens
 
@@ -89,22 +88,6 @@ class TransformerLM(nn.Module):
       x = DecoderBlock(cfg)(x, mask)
     # Tied output embedding, scaled as in the lm1b example.
     return embed.attend(nn.LayerNorm()(x)) / jnp.sqrt(cfg.emb_dim)
-
-
-def loss(model: TransformerLM, params, batch: jax.Array) -> jax.Array:
-  """Next-token cross-entropy.
-
-  Args:
-    model: the language model.
-    params: its parameters (the "params" collection).
-    batch: int32 [batch, length + 1] token windows; the model reads the first
-      `length` tokens and predicts the last `length`.
-
-  Returns:
-    float32 scalar: cross-entropy in nats, mean over all predicted tokens.
-  """
-  logits = model.apply({"params": params}, batch[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
 def init(model: TransformerLM, seed: int):

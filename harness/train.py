@@ -1,234 +1,180 @@
-r"""`wus-train`: trains a byte-level Transformer LM with and without wus, and compares.
+r"""`wus-train`: trains a model with and without wus, and compares.
 
-The same data-parallel step, on the same data from the same seed, is compiled
-twice: with `jax.jit(jax.shard_map(...))` ("replicated": every replica updates
-every weight) and with `wus.shard_map(...)` ("wus": the weight update is sharded
-across replicas). At the end it prints, all measured: the two loss curves, the
-step times, the per-device memory of each compiled step, and the collectives in
-each compiled step.
+The same data-parallel step, on the same data from the same seed, runs in
+each mode of --modes: "replicated" (`jax.jit(jax.shard_map(...))`: every
+replica updates every weight) and "wus" (`wus.shard_map(...)`: the weight
+update is sharded across replicas, optimizer state stays sharded). Each mode
+shows a progress bar; at the end it prints, all measured: the loss curves,
+held-out loss and accuracy, step times and throughput, per-device memory of
+the state and of the compiled step, and the collectives in each compiled step.
+With --output_dir, each mode checkpoints there and resumes from its latest
+checkpoint.
 
-Example:
-  wus-train --steps=20 --modes=replicated --output_dir=/tmp/wus
+Examples:
+  wus-train                                      # Transformer LM on stdlib bytes
+  wus-train --model=resnet_small --modes=wus     # ResNet + LARS on the digits
+  wus-train --model=resnet_small --modes=wus --output_dir=/tmp/run   # resumable
+  # Two processes of 4 devices (the other one with --process_id=1):
+  wus-train --modes=wus --num_devices=4 --num_processes=2 --process_id=0 \
+      --coordinator_address=127.0.0.1:12355
 """
 
-import dataclasses
-import functools
 import json
-import pathlib
-import statistics
 import sys
-import time
 
 import jax
 import numpy as np
-import optax
-import tqdm
-from absl import app, flags
-from jax.sharding import NamedSharding, PartitionSpec as P
+from absl import app
 
-import wus
-from wus.harness import data, models, report
-
-MODES = ("replicated", "wus")
-AXIS_NAME = "data"
-SPECS = {"in_specs": (P(), P(), P(AXIS_NAME)), "out_specs": (P(), P(), P())}
-
-FLAGS = flags.FLAGS
-flags.DEFINE_string("text_file", None, "Train on the bytes of this file instead of the "
-                    "Python standard library's .py sources.")
-flags.DEFINE_integer("steps", 100, "Training steps per mode.", lower_bound=2)
-flags.DEFINE_integer("batch_size", 4, "Sequences per replica per step; the global batch "
-                     "is batch_size * num_devices.", lower_bound=1)
-flags.DEFINE_integer("seq_len", 128, "Tokens (bytes) per sequence fed to the model.",
-                     lower_bound=1)
-flags.DEFINE_enum("model", "small", list(models.CONFIGS), "Transformer size: small (2 "
-                  "layers, width 128) or base (6 layers, width 512, as in the Flax WMT "
-                  "example).")
-flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate.")
-flags.DEFINE_integer("num_devices", 8, "Data-parallel replicas: simulated CPU devices, "
-                     "one mesh axis named 'data'.", lower_bound=1)
-flags.DEFINE_integer("seed", 0, "Seed of the parameter initialization and of the data "
-                     "order; both modes use it.", lower_bound=0)
-flags.DEFINE_multi_enum("modes", list(MODES), MODES, "Modes to run; replicated runs first "
-                        "when both are given.")
-flags.DEFINE_string("output_dir", None, "If set, write results.json here: per mode the "
-                    "losses, step times, memory and collectives.")
+from wus.harness import checkpoint, cli, datasets, errors, loop, optim, report, steps, tasks
+from wus.harness.config import RunConfig
 
 
-def make_train_step(loss_fn, tx: optax.GradientTransformation):
-  """The per-replica data-parallel step, to be mapped over the 'data' axis.
+def build(config: RunConfig):
+  """(dataset, task, optimizer, schedule) of `config`.
 
-  Args:
-    loss_fn: (params, batch) -> float32 scalar, the mean loss of a batch.
-    tx: the optimizer.
-
-  Returns:
-    train_step(params, opt_state, batch) -> (params, opt_state, loss), where
-    batch is this replica's share and loss is the float32 mean over replicas.
+  Raises:
+    errors.InputError: the data cannot be read.
   """
-
-  def train_step(params, opt_state, batch):
-    # Differentiate at a per-replica ("varying") copy of the weights, so that the
-    # gradients are this replica's own and `pmean` is their one all-reduce. At the
-    # replicated `params` themselves (check_vma=True), AD would already sum the
-    # gradients over replicas, and `pmean` would all-reduce them a second time.
-    local_params = jax.lax.pcast(params, AXIS_NAME, to="varying")
-    loss, grads = jax.value_and_grad(loss_fn)(local_params, batch)
-    grads = jax.lax.pmean(grads, AXIS_NAME)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXIS_NAME)
-
-  return train_step
+  kind = tasks.MODELS[config.model][0]
+  dataset = datasets.load(config.data, kind, seq_len=config.seq_len,
+                          image_size=config.image_size, seed=config.seed)
+  task = tasks.make(config.model, num_classes=dataset.num_classes, seq_len=config.seq_len,
+                    axis_name=steps.AXIS_NAME)
+  tx, schedule = optim.make(config.optimizer, **config.optimizer_hyperparameters())
+  return dataset, task, tx, schedule
 
 
-def map_step(mode: str, train_step, mesh: jax.sharding.Mesh):
-  """`train_step` mapped over `mesh` and compiled, the plain JAX way or by wus."""
-  if mode == "replicated":
-    return jax.jit(jax.shard_map(train_step, mesh=mesh, **SPECS))
-  return wus.shard_map(train_step, mesh=mesh, **SPECS)
+def open_checkpoints(config: RunConfig, task: tasks.Task) -> checkpoint.Checkpointer:
+  """The checkpoints of `config` in `<output_dir>/checkpoints`, for `task` and the optimizer.
 
-
-def train(step, params, opt_state, batches, num_steps: int, desc: str):
-  """Runs `num_steps` steps with a progress bar; times each call.
-
-  Args:
-    step: the mapped step, (params, opt_state, batch) -> (params, opt_state,
-      loss).
-    params, opt_state: the initial state.
-    batches: step index -> that step's global batch on the mesh.
-    num_steps: number of steps.
-    desc: label of the progress bar.
-
-  Returns:
-    (params, opt_state, losses, seconds): the final state; the loss of each
-    step; the wall time of each call in seconds, from the call until its outputs
-    are ready (the first includes compilation).
+  Raises:
+    errors.InputError: they are of another model or optimizer.
   """
-  losses, seconds = [], []
-  with tqdm.trange(num_steps, desc=desc, unit="step") as bar:
-    for i in bar:
-      batch = batches(i)
-      start = time.perf_counter()
-      params, opt_state, loss = jax.block_until_ready(step(params, opt_state, batch))
-      seconds.append(time.perf_counter() - start)
-      losses.append(float(loss))
-      bar.set_postfix(loss=f"{losses[-1]:.4f}")
-  return params, opt_state, losses, seconds
+  return checkpoint.Checkpointer(config.output_dir / "checkpoints",
+                                 {**task.identity(), "optimizer": config.optimizer},
+                                 max_to_keep=config.keep_checkpoints)
 
 
-def run_mode(mode: str, mesh, model: models.TransformerLM, tx, batches, eval_batch,
-             num_steps: int, seed: int) -> dict:
-  """Trains in one mode from a fresh initialization, then measures it.
+def fit(config: RunConfig) -> loop.Result:
+  """Loads the data, builds model and optimizer, and trains (`loop.train`).
 
-  Args:
-    mode: one of MODES.
-    mesh: the mesh, with one axis named AXIS_NAME.
-    model: the language model.
-    tx: the optimizer.
-    batches: step index -> int32 [global_batch, seq_len + 1] on the mesh.
-    eval_batch: a held-out batch like those of `batches`.
-    num_steps: training steps.
-    seed: parameter-initialization seed.
+  JAX must be set up for `config` (`cli.setup_jax`). With `config.output_dir`,
+  resumes from and saves to `<output_dir>/checkpoints` and writes
+  `summary.json` there (first process only).
 
-  Returns:
-    A JSON-ready dict: "losses" (per step), "step_seconds" (per call),
-    "median_step_seconds" (over calls after the first), "eval_loss" (of the
-    final parameters on `eval_batch`), "memory" (report.memory of the compiled
-    steady-state step), "opt_state_bytes" (per device, after training) and
-    "collectives" ({kind: {"count", "bytes"}} in the compiled step).
+  Raises:
+    errors.InputError: the data cannot be read or the checkpoints there are
+      of another model or optimizer.
   """
-  loss_fn = functools.partial(models.loss, model)
-  params = models.init(model, seed)
-  params, opt_state = jax.device_put((params, tx.init(params)), NamedSharding(mesh, P()))
-  step = map_step(mode, make_train_step(loss_fn, tx), mesh)
-  params, opt_state, losses, seconds = train(step, params, opt_state, batches, num_steps,
-                                             mode)
-  evaluate = jax.jit(jax.shard_map(lambda p, b: jax.lax.pmean(loss_fn(p, b), AXIS_NAME),
-                                   mesh=mesh, in_specs=(P(), P(AXIS_NAME)), out_specs=P()))
-  compiled = step.lower(params, opt_state, batches(0)).compile()
-  return {
-      "losses": losses,
-      "step_seconds": seconds,
-      "median_step_seconds": statistics.median(seconds[1:]),
-      "eval_loss": float(evaluate(params, eval_batch)),
-      "memory": report.memory(compiled),
-      "opt_state_bytes": report.bytes_per_device(opt_state),
-      "collectives": {kind: {"count": count, "bytes": size}
-                      for kind, (count, size) in report.collectives(compiled.as_text()).items()},
-  }
+  dataset, task, tx, schedule = build(config)
+  mesh = jax.make_mesh((jax.device_count(),), (steps.AXIS_NAME,))
+  checkpointer = open_checkpoints(config, task) if config.output_dir else None
+  first = jax.process_index() == 0
+  if first:
+    print(f"{config.mode}: {config.model} on {dataset.description}; "
+          f"{jax.device_count()} devices in {jax.process_count()} process(es)", file=sys.stderr)
+  try:
+    result = loop.train(config, task=task, dataset=dataset, tx=tx, schedule=schedule,
+                        mesh=mesh, checkpointer=checkpointer, log_enabled=first)
+  finally:
+    if checkpointer:
+      checkpointer.close()
+  if config.output_dir and first:
+    (config.output_dir / "summary.json").write_text(json.dumps(result.summary, indent=2))
+  return result
 
 
 def format_results(results: dict[str, dict]) -> str:
-  """The printed summary of `run_mode` results, keyed by mode.
+  """The printed summary of `loop.train` summaries, keyed by mode.
 
-  With two modes (replicated, wus), adds the difference of their losses and the
-  ratio wus/replicated of each time and memory figure.
+  With two modes (replicated, wus), adds the difference of their losses and
+  the ratio wus/replicated of each time and memory figure.
   """
   modes = list(results)
   both = len(modes) == 2
-  losses = np.array([results[m]["losses"] for m in modes])  # [num_modes, num_steps]
+  start = max(results[m]["start_step"] for m in modes)
+  stop = min(results[m]["final_step"] for m in modes)
+  # [num_modes, num_steps]: updates start+1..stop, run by every mode.
+  losses = np.array([results[m]["losses"][start - results[m]["start_step"]:
+                                          stop - results[m]["start_step"]] for m in modes])
   num_steps = losses.shape[1]
   loss_headers = ["step", *(f"{m} loss" for m in modes)]
-  loss_rows = [[i, *map(float, losses[:, i])]
-               for i in sorted({*range(0, num_steps, max(1, num_steps // 10)), num_steps - 1})]
-  summary_headers = ["", *modes]
+  loss_rows = [[start + i + 1, *map(float, losses[:, i])]
+               for i in sorted({*range(0, num_steps, max(1, num_steps // 10)), num_steps - 1})
+               if num_steps]
+
+  def row(label, value):
+    return [label, *(value(results[m]) for m in modes)]
+
   summary_rows = [
-      ["median step time (ms)", *(1e3 * results[m]["median_step_seconds"] for m in modes)],
-      ["first call, incl. compile (s)", *(results[m]["step_seconds"][0] for m in modes)],
-      ["optimizer state (bytes)", *(results[m]["opt_state_bytes"] for m in modes)],
-      *([f"compiled step {k} (bytes)", *(results[m]["memory"][k] for m in modes)]
-        for k in results[modes[0]]["memory"]),
+      row("held-out loss", lambda r: r["eval"]["loss"]),
+      row("held-out accuracy", lambda r: r["eval"]["accuracy"]),
+      row("median step time (ms)", lambda r: 1e3 * r["step_seconds"] if r["step_seconds"]
+          else "-"),
+      row("throughput (examples/s)", lambda r: r["examples_per_second"] or "-"),
+      row("first step, incl. compile (s)", lambda r: r["first_step_seconds"] or "-"),
+      row("optimizer state, whole (bytes)", lambda r: r["opt_state_bytes"]),
+      *(row(f"{k} per device (bytes)", lambda r, k=k: r["state_bytes_per_device"][k])
+        for k in results[modes[0]]["state_bytes_per_device"]),
+      *(row(f"compiled step {k} (bytes)", lambda r, k=k: r.get("memory", {}).get(k, "-"))
+        for k in ("argument", "output", "alias", "temp")),
   ]
-  held_out = "Held-out loss of the final parameters: " + ", ".join(
-      f"{m} {results[m]['eval_loss']:.4f}" for m in modes)
+  summary_headers = ["", *modes]
+  notes = []
   if both:
     loss_headers.append(f"{modes[1]} - {modes[0]}")
-    for row in loss_rows:
-      row.append(row[2] - row[1])
-    held_out += ("\nmax |difference| of training loss over all steps: "
-                 f"{np.abs(losses[1] - losses[0]).max():.3g}")
+    for r in loss_rows:
+      r.append(r[2] - r[1])
+    if num_steps:
+      notes.append("max |difference| of training loss over all steps: "
+                   f"{np.abs(losses[1] - losses[0]).max():.3g}")
     summary_headers.append(f"{modes[1]}/{modes[0]}")
-    for row in summary_rows:
-      row.append(row[2] / row[1] if row[1] else "-")
+    for r in summary_rows:
+      numbers = all(isinstance(v, (int, float)) for v in r[1:]) and r[1]
+      r.append(r[2] / r[1] if numbers else "-")
 
-  fields = [(m, field) for m in modes for field in ("count", "bytes")]
-  collective_rows = [[kind, *(results[m]["collectives"][kind][field] for m, field in fields)]
-                     for kind in report.COLLECTIVE_KINDS]
-  return "\n\n".join([
-      "Training loss (nats per byte)", report.table(loss_headers, loss_rows), held_out,
-      "Time (median over calls after the first) and per-device memory",
-      report.table(summary_headers, summary_rows),
-      "Collectives in the compiled step (from its optimized HLO; bytes per device)",
-      report.table(["kind", *(f"{m} {field}" for m, field in fields)], collective_rows),
-  ])
+  parts = []
+  if num_steps:
+    parts += [f"Training loss, updates {start + 1}-{stop}", report.table(loss_headers, loss_rows),
+              *notes]
+  parts += ["Held-out metrics, time (median over updates after the first) and per-device "
+            "memory", report.table(summary_headers, summary_rows)]
+  if all("collectives" in results[m] for m in modes):
+    fields = [(m, f) for m in modes for f in ("count", "bytes")]
+    parts += ["Collectives in the compiled step (from its optimized HLO; bytes per device)",
+              report.table(["kind", *(f"{m} {f}" for m, f in fields)],
+                           [[kind, *(results[m]["collectives"][kind][f] for m, f in fields)]
+                            for kind in report.COLLECTIVE_KINDS])]
+  return "\n\n".join(parts)
 
 
 def main(argv):
+  cli.quiet_logs()
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  jax.config.update("jax_num_cpu_devices", FLAGS.num_devices)
-  mesh = jax.make_mesh((FLAGS.num_devices,), (AXIS_NAME,))
-  config = dataclasses.replace(models.CONFIGS[FLAGS.model], max_len=FLAGS.seq_len)
-  train_tokens, eval_tokens = data.split(data.load_tokens(FLAGS.text_file))
-  sample = functools.partial(data.windows, seed=FLAGS.seed, seq_len=FLAGS.seq_len,
-                             batch_size=FLAGS.batch_size * FLAGS.num_devices)
-  results = {
-      mode: run_mode(mode, mesh, models.TransformerLM(config), optax.adam(FLAGS.learning_rate),
-                     lambda i: data.on_mesh(sample(train_tokens, step=i), mesh),
-                     data.on_mesh(sample(eval_tokens, step=0), mesh), FLAGS.steps, FLAGS.seed)
-      for mode in MODES if mode in FLAGS.modes
-  }
-  print(format_results(results))
-  if FLAGS.output_dir:
-    path = pathlib.Path(FLAGS.output_dir) / "results.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    flag_values = {f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
-    path.write_text(json.dumps({"flags": flag_values, "modes": results}, indent=2))
-    print(f"\nWrote {path}")
+    sys.exit(f"wus-train: error: unexpected arguments {argv[1:]}; flags are --name=value")
+  try:
+    configs = cli.configs_from_flags()
+    cli.setup_jax(configs[0])
+    results = {c.mode: fit(c).summary for c in configs}
+  except errors.InputError as e:
+    sys.exit(f"wus-train: error: {e}")
+  if jax.process_index() == 0:
+    print(format_results(results))
+    if configs[0].output_dir:
+      path = configs[0].output_dir.parent / "results.json"
+      path.write_text(json.dumps({"flags": cli.flag_values(), "modes": results}, indent=2))
+      print(f"\nWrote {path}")
 
 
 def run():
   """Entry point of the `wus-train` console script."""
+  # --help shows the docstring of __main__ and the flags of the module named
+  # sys.argv[0]; for a console script, that is a generated wrapper.
+  main_module = sys.modules["__main__"]
+  main_module.__doc__ = main_module.__doc__ or __doc__
+  for flag in cli.FLAGS.get_key_flags_for_module(cli.__name__):
+    cli.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
   app.run(main)
 
 

@@ -1,37 +1,59 @@
-"""Smoke test of the wus-train loop, replicated mode, at a tiny size."""
+"""Tests of wus.harness.train: the printed comparison, and the CLI's one-line errors."""
 
-import math
+import pytest
+from absl.testing import flagsaver
 
-import jax
-import optax
-
-from wus.harness import data, models, report, train
-
-NUM_DEVICES = 8
+from wus.harness import cli, report, train
 
 
-def test_run_mode_replicated_trains_and_measures():
-  mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
-  config = models.TransformerConfig(num_layers=1, emb_dim=16, num_heads=2, mlp_dim=32,
-                                    max_len=8)
-  train_tokens, eval_tokens = data.split(data.load_tokens()[:10_000])
+def summary(losses, start_step=0, **overrides):
+  return {
+      "start_step": start_step, "final_step": start_step + len(losses), "global_batch": 64,
+      "losses": losses, "step_seconds": 0.02, "first_step_seconds": 5.0,
+      "examples_per_second": 3200.0, "eval": {"loss": 0.5, "accuracy": 0.9},
+      "state_bytes_per_device": {"params": 100, "model_state": 0, "opt_state": 200},
+      "opt_state_bytes": 200, "memory": {"argument": 300, "output": 300, "alias": 0, "temp": 10},
+      "collectives": {kind: {"count": 0, "bytes": 0} for kind in report.COLLECTIVE_KINDS},
+      **overrides,
+  }
 
-  def batch(tokens, step):
-    return data.on_mesh(data.windows(tokens, seed=0, step=step, batch_size=NUM_DEVICES,
-                                     seq_len=8), mesh)
 
-  result = train.run_mode("replicated", mesh, models.TransformerLM(config), optax.adam(1e-2),
-                          lambda step: batch(train_tokens, step), batch(eval_tokens, 0),
-                          num_steps=3, seed=0)
+def test_format_results_compares_two_modes():
+  text = train.format_results({
+      "replicated": summary([2.0, 1.5, 1.0]),
+      "wus": summary([2.0, 1.5, 1.25], state_bytes_per_device={
+          "params": 100, "model_state": 0, "opt_state": 25}),
+  })
+  assert "| 3    | 1.000           | 1.250    | 0.2500           |" in text
+  assert "max |difference| of training loss over all steps: 0.25" in text
+  assert "| opt_state per device (bytes)   | 200        | 25     | 0.1250         |" in text
+  assert "| model_state per device (bytes) | 0          | 0      | -              |" in text
 
-  assert len(result["losses"]) == len(result["step_seconds"]) == 3
-  assert all(math.isfinite(x) for x in [*result["losses"], result["eval_loss"]])
-  params = models.init(models.TransformerLM(config), seed=0)
-  param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  assert result["opt_state_bytes"] == 2 * param_bytes + 4  # Adam's mu, nu and int32 count
-  # One all-reduce: the gradients (and the loss, combined into it by XLA).
-  assert result["collectives"]["all-reduce"] == {"count": 1, "bytes": param_bytes + 4}
-  assert all(result["collectives"][kind]["count"] == 0
-             for kind in report.COLLECTIVE_KINDS if kind != "all-reduce")
-  assert result["memory"]["argument"] >= 3 * param_bytes
-  assert "replicated loss" in train.format_results({"replicated": result})
+
+def test_format_results_of_one_resumed_mode_shows_its_updates():
+  text = train.format_results({"wus": summary([1.0, 0.5], start_step=10)})
+  assert "Training loss, updates 11-12" in text
+  assert "| 12   | 0.5000   |" in text
+
+
+def test_format_results_when_nothing_was_left_to_train():
+  done = summary([], start_step=20, step_seconds=None, first_step_seconds=None,
+                 examples_per_second=None)
+  del done["memory"], done["collectives"]
+  text = train.format_results({"wus": done})
+  assert "Training loss" not in text and "| median step time (ms)          | -      |" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data=/no/such/file.npz", "--model=resnet_small"],
+     "wus-train: error: --data=/no/such/file.npz: no such file or directory"),
+    (["positional"], "wus-train: error: unexpected arguments ['positional']"),
+])
+def test_main_reports_bad_input_in_one_line(args, message):
+  with flagsaver.flagsaver():
+    cli.FLAGS.unparse_flags()
+    argv = cli.FLAGS(["wus-train", *args])
+    with pytest.raises(SystemExit) as exit_info:
+      train.main(argv)
+  cli.FLAGS.unparse_flags()
+  assert str(exit_info.value.code).startswith(message)

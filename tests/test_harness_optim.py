@@ -1,0 +1,40 @@
+"""Tests of wus.harness.optim: the schedules and what LARS decays."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from wus.harness import optim
+
+
+def test_lars_schedule_warms_up_then_decays_polynomially():
+  schedule = optim.lars_schedule(2.0, warmup_steps=10, total_steps=110)
+  assert float(schedule(0)) == 0.0
+  assert float(schedule(5)) == pytest.approx(1.0)
+  assert float(schedule(10)) == pytest.approx(2.0)
+  assert float(schedule(60)) == pytest.approx(2.0 * 0.5**2)  # power 2, halfway
+  assert float(schedule(110)) == pytest.approx(0.0)
+
+
+def test_rsqrt_schedule_warms_up_then_decays_with_inverse_square_root():
+  schedule = optim.rsqrt_schedule(1e-3, warmup_steps=100)
+  assert float(schedule(50)) == pytest.approx(5e-4)
+  assert float(schedule(100)) == pytest.approx(1e-3)
+  assert float(schedule(400)) == pytest.approx(5e-4)
+
+
+def test_lars_leaves_biases_and_scales_out_of_weight_decay():
+  tx, _ = optim.lars(learning_rate=1.0, warmup_steps=0, total_steps=10, weight_decay=0.1,
+                     momentum=0.0)
+  params = {"kernel": jnp.ones((3, 4)), "bias": jnp.ones(4)}
+  grads = {"kernel": jnp.zeros((3, 4)), "bias": jnp.zeros(4)}
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_array_equal(updates["bias"], 0)
+  assert np.all(np.asarray(updates["kernel"]) < 0)
+
+
+def test_make_by_name():
+  tx, schedule = optim.make("adam", learning_rate=1e-3, warmup_steps=4, b1=0.9, b2=0.98,
+                            eps=1e-9)
+  assert float(schedule(4)) == pytest.approx(1e-3)
+  assert "mu" in tx.init({"w": jnp.ones(2)})[0]._fields
