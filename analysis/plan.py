@@ -278,6 +278,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         input_reason[in_pos] = (True, f"state of the loop at {source_line(jaxpr.eqns[i])}, "
                                       "sharded between steps")
 
+  readers = _readers(jaxpr)
   for c in found:
     idx = len(cluster_plans)
     members = set(c.eqns)
@@ -288,7 +289,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       pairs = {}
     else:
       narrow = {} if in_loop else None
-      pairs = _state_pairs(c, layout, jaxpr, members, state_pairs, invar_pos, narrow)
+      pairs = _state_pairs(c, layout, jaxpr, members, state_pairs, invar_pos, readers, narrow)
       decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards,
                              rare)
       if rare & set(c.nested) and decision.shard:
@@ -439,8 +440,18 @@ def _bodies(jaxpr: Jaxpr, c: clusters_lib.Cluster, layout: layouts.Layout,
   return out
 
 
+def _readers(jaxpr: Jaxpr) -> dict:
+  """Variable -> the indices of the equations of `jaxpr` that read it."""
+  readers: dict = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not compat.is_literal(v):
+        readers.setdefault(v, set()).add(i)
+  return readers
+
+
 def _state_pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
-                 members: set[int], candidates: Mapping[int, int], invar_pos,
+                 members: set[int], candidates: Mapping[int, int], invar_pos, readers: dict,
                  narrow: dict | None = None) -> dict[int, int]:
   """The (output, input) state pairs this cluster can keep sharded between steps.
 
@@ -448,13 +459,8 @@ def _state_pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
   loop body), an input that is also read whole, but only ever converted to a
   narrower float first (the forward pass of mixed-precision training),
   qualifies too: it is all-gathered in that dtype where read (Fig. 4 right,
-  Fig. 7), and `narrow` records input -> dtype.
+  Fig. 7), and `narrow` records input -> dtype. `readers` is `_readers(jaxpr)`.
   """
-  readers: dict = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if not compat.is_literal(v):
-        readers.setdefault(v, set()).add(i)
   outvars = {v for v in jaxpr.outvars if not compat.is_literal(v)}
   pairs = {}
   for out_pos, in_pos in candidates.items():

@@ -1,5 +1,7 @@
 """A training loop inside the step (§4.2, Fig. 4): state sharded across iterations."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -120,12 +122,16 @@ def test_weights_sharded_across_iterations_and_gathered_in_bfloat16():
   assert_trees_equal(a[1], wus.unshard(b[1]))  # ... optimizer state sharded.
   plan = ws.plan(params, state, xs)
   assert all("Fig. 4 right" in c.reason for c in plan.clusters if c.sharded)
-  # The lowered program gathers the weights in bf16 inside the loop (XLA's CPU
-  # backend then widens bf16 collectives to f32; GPU and TPU keep them bf16).
-  lowered = ws.lower(params, state, xs).as_text()
-  gathers = [line for line in lowered.splitlines() if "stablehlo.all_gather" in line]
-  assert any("-> tensor<16384xbf16>" in g for g in gathers)  # w, inside the loop.
-  assert any("-> tensor<16384xf32>" in g for g in gathers)   # w, once after it.
+  # The compiled program gathers w in 16 bits inside the loop (its bf16 bits,
+  # which XLA cannot widen back to f32), and once in f32 after it.
+  hlo = ws.lower(params, state, xs).compile().as_text()
+  comps, bodies = hlo_computations(hlo), loop_bodies(hlo)
+  gathers = {where: [re.match(r"\s*%\S+ = (\S+) all-gather", line).group(1)
+                     for name in comps if (name in bodies) == (where == "loop")
+                     for line in comps[name] if " all-gather(" in line]
+             for where in ("loop", "after")}
+  assert "u16[16384]{0}" in gathers["loop"] and not any("f32[16384]" in g for g in gathers["loop"])
+  assert "f32[16384]{0}" in gathers["after"]
 
 
 def test_conditional_on_the_loop_counter_gathers_inside_its_branch():

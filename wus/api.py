@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +24,8 @@ from wus.transforms import inline, programs
 def shard_map(f: Callable | None = None, /, *, mesh: Mesh, in_specs: Any, out_specs: Any,
               check_vma: bool = True, axis_names: frozenset = frozenset(),
               axis_name: str | Sequence[str] | None = None,
-              min_shard_size: int = 0) -> ShardedStep | Callable[[Callable], ShardedStep]:
+              min_shard_size: int = 0,
+              donate_argnums: int | Sequence[int] = ()) -> ShardedStep | Callable[[Callable], ShardedStep]:
   """Like `jax.shard_map`, with the weight update sharded across replicas.
 
   Swap `jax.shard_map` for `wus.shard_map`; nothing else changes. The step is
@@ -41,6 +43,10 @@ def shard_map(f: Callable | None = None, /, *, mesh: Mesh, in_specs: Any, out_sp
       default every manual axis.
     min_shard_size: tensors with fewer elements stay replicated (tensors with
       fewer elements than replicas always do).
+    donate_argnums: positional arguments whose buffers the step may reuse for
+      its outputs, as for `jax.jit(jax.shard_map(f, ...), donate_argnums=...)`:
+      a donated argument (sharded state included) must not be used after the
+      call. Whole state that the call shards first is not donated itself.
 
   Returns:
     A `ShardedStep`: call it like the jit-compiled `jax.shard_map(f, ...)`.
@@ -53,7 +59,8 @@ def shard_map(f: Callable | None = None, /, *, mesh: Mesh, in_specs: Any, out_sp
   """
   make = functools.partial(ShardedStep, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                            check_vma=check_vma, axis_names=frozenset(axis_names),
-                           axis_name=axis_name, min_shard_size=min_shard_size)
+                           axis_name=axis_name, min_shard_size=min_shard_size,
+                           donate_argnums=_argnums(donate_argnums))
   return make if f is None else make(f)
 
 
@@ -68,6 +75,7 @@ class _Program:
   in_names: tuple[str, ...]
   out_specs: tuple      # Per flat output: its PartitionSpec in the user's program.
   out_tree: Any
+  timings: dict         # Seconds: "trace", "analysis" (inline, plan); "rewrite" once lowered.
 
 
 class ShardedStep:
@@ -75,7 +83,8 @@ class ShardedStep:
 
   def __init__(self, f: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any,
                check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
-               replicated_argnums: frozenset = frozenset()):
+               replicated_argnums: frozenset = frozenset(),
+               donate_argnums: frozenset = frozenset()):
     self._f = f
     self._mesh = mesh
     self._in_specs, self._out_specs = in_specs, out_specs
@@ -87,6 +96,7 @@ class ShardedStep:
     # splits them (the paper's annotated parameters, §3.1): wus.pmap's
     # stacked copies.
     self._replicated_argnums = frozenset(replicated_argnums)
+    self._donate_argnums = frozenset(donate_argnums)
     self._cache: dict = {}
     functools.update_wrapper(self, f)
 
@@ -102,6 +112,17 @@ class ShardedStep:
   def plan(self, *args) -> Plan:
     """The Plan for these arguments (whole or sharded state alike)."""
     return self._program(args)[1].plan
+
+  def timings(self, *args) -> dict[str, float]:
+    """Seconds wus spends on these arguments' program, beside XLA's compile time.
+
+    Returns:
+      {"trace": tracing `f` to a jaxpr, as `jax.jit` does too; "analysis":
+      inlining calls, the redundancy analysis and the Plan; "rewrite": the
+      rewrite interpreter emitting the sharded step, present once the step
+      has been called or lowered}.
+    """
+    return dict(self._program(args)[1].timings)
 
   def lower(self, *args) -> jax.stages.Lowered:
     """Lowers the steady-state step program (optimizer state already sharded).
@@ -150,6 +171,7 @@ class ShardedStep:
     return leaves, self._cache[key]
 
   def _build(self, args: tuple, leaves: list, treedef) -> _Program:
+    start = time.perf_counter()
     # 1. Trace the user's step exactly as jax.shard_map would.
     traced = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self._mesh, x.spec))
               if is_sharded(x) else x for x in leaves]
@@ -167,6 +189,7 @@ class ShardedStep:
                     for v in eqn.invars)
     operand_avals = [traced[s[1]] if s[0] == "arg" else s[1] for s in sources]
 
+    traced_at = time.perf_counter()
     # 2. Inline calls and retrace: the analysis works on one flat jaxpr.
     flat_outer = jax.make_jaxpr(jax.shard_map(
         lambda *a: tuple(inline.inlined(ClosedJaxpr(body, ()))(*a)), mesh=mesh,
@@ -194,10 +217,15 @@ class ShardedStep:
                      min_size=self._min_size)
 
     # 4. Compile the rewritten step.
+    timings = {"trace": traced_at - start, "analysis": time.perf_counter() - traced_at}
+    donated = [k for k, s in enumerate(sources)
+               if s[0] == "arg" and arg_of_leaf[s[1]] in self._donate_argnums]
     step = programs.step_program(ClosedJaxpr(flat, ()), plan, mesh=mesh, in_specs=in_specs,
-                                 out_specs=out_specs, axis_names=manual, check_vma=check_vma)
+                                 out_specs=out_specs, axis_names=manual, check_vma=check_vma,
+                                 donate_argnums=donated, timings=timings)
     state_in = {sources[k][1]: (fmt, in_specs[k]) for k, fmt in plan.state_inputs.items()}
-    return _Program(plan, step, sources, state_in, tuple(names), tuple(out_specs), out_tree)
+    return _Program(plan, step, sources, state_in, tuple(names), tuple(out_specs), out_tree,
+                    timings)
 
   def _replica_axes(self, mesh: Mesh, manual: frozenset) -> tuple:
     """The data-parallel axes, in mesh order."""
@@ -211,11 +239,15 @@ class ShardedStep:
     return tuple(a for a in mesh.axis_names if a in wanted)
 
 
+def _argnums(argnums: int | Sequence[int]) -> frozenset:
+  return frozenset([argnums] if isinstance(argnums, int) else argnums)
+
+
 def _signature(x) -> tuple:
   """The cache key of one argument leaf: logical shape, dtype, weak type."""
   if is_sharded(x):
     return (x.shape, np.dtype(x.dtype), False)
-  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+  if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
     return (tuple(x.shape), np.dtype(x.dtype), bool(getattr(x, "weak_type", False)))
   return (type(x), ())
 

@@ -22,7 +22,8 @@ from wus.sharded import is_sharded
 
 def pmap(f: Callable, axis_name: str, *, in_axes: int | None | Sequence[int | None] = 0,
          out_axes: int = 0, devices: Sequence[jax.Device] | None = None,
-         replicated_argnums: Sequence[int] = (), min_shard_size: int = 0) -> Callable:
+         replicated_argnums: Sequence[int] = (), min_shard_size: int = 0,
+         donate_argnums: int | Sequence[int] = ()) -> Callable:
   """Like `jax.pmap`, with the weight update sharded across devices.
 
   Data-parallel pmap code keeps one copy of the weights and optimizer state
@@ -44,6 +45,8 @@ def pmap(f: Callable, axis_name: str, *, in_axes: int | None | Sequence[int | No
       identical (weights, optimizer state). The first call checks it and
       raises ValueError if they differ.
     min_shard_size: tensors with fewer elements stay replicated.
+    donate_argnums: positional arguments whose buffers the step may reuse for
+      its outputs, as for `jax.pmap`.
 
   Returns:
     A function called like the `jax.pmap` of `f`.
@@ -55,15 +58,19 @@ def pmap(f: Callable, axis_name: str, *, in_axes: int | None | Sequence[int | No
     raise NotImplementedError("wus.pmap supports out_axes=0 only; use jax.pmap otherwise")
   devices = list(devices if devices is not None else jax.local_devices())
   mesh = Mesh(np.array(devices), (axis_name,), axis_types=(AxisType.Auto,))
-  return _Pmapped(f, axis_name, in_axes, mesh, frozenset(replicated_argnums), min_shard_size)
+  donate = frozenset([donate_argnums] if isinstance(donate_argnums, int) else donate_argnums)
+  return _Pmapped(f, axis_name, in_axes, mesh, frozenset(replicated_argnums), min_shard_size,
+                  donate)
 
 
 class _Pmapped:
   """The callable `wus.pmap` returns."""
 
-  def __init__(self, f, axis_name, in_axes, mesh, replicated_argnums, min_shard_size):
+  def __init__(self, f, axis_name, in_axes, mesh, replicated_argnums, min_shard_size,
+               donate_argnums):
     self._f, self._axis, self._in_axes, self._mesh = f, axis_name, in_axes, mesh
     self._replicated_argnums = replicated_argnums
+    self._donate_argnums = donate_argnums
     self._min_size = min_shard_size
     self._steps: dict[tuple, ShardedStep] = {}
     self._checked: set = set()
@@ -88,7 +95,8 @@ class _Pmapped:
           body, mesh=self._mesh, in_specs=tuple(spec if ax == 0 else P() for ax in in_axes),
           out_specs=spec, check_vma=False, axis_names=frozenset(), axis_name=self._axis,
           min_shard_size=self._min_size,
-          replicated_argnums=frozenset(a for a in self._replicated_argnums if in_axes[a] == 0))
+          replicated_argnums=frozenset(a for a in self._replicated_argnums if in_axes[a] == 0),
+          donate_argnums=self._donate_argnums)
     return self._steps[in_axes]
 
   def _place(self, args: tuple, in_axes: tuple) -> tuple:
