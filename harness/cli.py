@@ -25,9 +25,11 @@ def _defaults(field: str) -> str:
 
 flags.DEFINE_enum("model", "transformer_small", list(tasks.MODELS),
                   "Model: a byte-level Transformer LM (base: 6 layers, width 512, as in the "
-                  "Flax WMT example; small: 2 layers, width 128) or a ResNet with batch norm "
+                  "Flax WMT example; small: 2 layers, width 128), a ResNet with batch norm "
                   "averaged across replicas (resnet50; resnet_small: 2 stages of basic "
-                  "blocks, 16 and 32 filters, for tiny images).")
+                  "blocks, 16 and 32 filters, for tiny images), or an MLP image classifier "
+                  "(mlp_large: 3 hidden layers of 4096, weight-update bound; mlp_small: 2 "
+                  "of 1024).")
 flags.DEFINE_multi_enum("modes", list(steps.MODES), steps.MODES,
                         "Modes to run, one after the other on the same data from the same "
                         "seed: replicated (jax.shard_map, every replica updates every weight) "

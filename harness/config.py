@@ -16,6 +16,10 @@ MODEL_DEFAULTS = {
                          "steps": 100, "batch_size": 4, "weight_decay": 0.0},
     "transformer_small": {"data": "stdlib", "optimizer": "adam", "learning_rate": 2e-3,
                           "steps": 100, "batch_size": 4, "weight_decay": 0.0},
+    "mlp_large": {"data": "synthetic", "optimizer": "adam", "learning_rate": 1e-4,
+                  "steps": 20, "batch_size": 2, "weight_decay": 0.0},
+    "mlp_small": {"data": "digits", "optimizer": "adam", "learning_rate": 1e-3,
+                  "steps": 100, "batch_size": 16, "weight_decay": 0.0},
 }
 
 

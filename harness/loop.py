@@ -87,8 +87,8 @@ def measure(train_step, state: steps.TrainState, batch, seconds: list[float]) ->
   if seconds:
     compiled = train_step.lower(*state, batch).compile()
     out["memory"] = report.memory(compiled)
-    out["collectives"] = {kind: {"count": count, "bytes": size} for kind, (count, size)
-                          in report.collectives(compiled.as_text()).items()}
+    out["collectives"] = {kind: c._asdict()
+                          for kind, c in report.collectives(compiled.as_text()).items()}
   return out
 
 

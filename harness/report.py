@@ -11,6 +11,8 @@ import numbers
 import re
 from collections.abc import Sequence
 
+from typing import NamedTuple
+
 import jax
 
 COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
@@ -21,15 +23,59 @@ COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
 # <shape> is an array shape `f32[8,125]{1,0}` or a tuple of them, possibly nested
 # once: `(f32[1,125]{1,0}, /*index=5*/f32[1,125]{1,0})`.
 _COLLECTIVE_RE = re.compile(
-    r"\s*(?:ROOT )?%[\w.\-]+ = (?P<shape>\((?:[^()]|\([^()]*\))*\)|\S+) "
-    r"(?P<kind>" + "|".join(COLLECTIVE_KINDS) + r")(?P<async>-start|-done)?\(")
+    r"\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\((?:[^()]|\([^()]*\))*\)|\S+) "
+    r"(?P<kind>" + "|".join(COLLECTIVE_KINDS) + r")(?P<async>-start|-done)?\(%?(?P<operand>[\w.\-]*)")
 # One array shape inside <shape>: element type and dims, e.g. `bf16[8,125]`.
 _ARRAY_RE = re.compile(r"\b(?P<dtype>pred|[a-z]+\d+\w*)\[(?P<dims>[\d,]*)\]")
+# The size of a collective's groups: `replica_groups={{0,1,2,3},{4,5,6,7}}` (the
+# first group's members) or the iota form `replica_groups=[2,4]<=[8]` (2 groups
+# of 4). `replica_groups={}` means one group of every device of the program,
+# whose count the module header gives: `num_partitions=8`, `replica_count=1`.
+_GROUP_RE = re.compile(r"replica_groups=(?:\{\{(?P<members>[\d,]*)\}|\[\d+,(?P<size>\d+)\]<=)")
+_DEVICES_RE = re.compile(r"\b(?P<key>num_partitions|replica_count)=(?P<n>\d+)")
+
+# Bytes each device sends for one array of a collective's result (`elements` of
+# `itemsize` bytes), in groups of `g` devices, by the bandwidth-optimal ring
+# algorithms. A ring splits each array into g chunks of ceil(elements / g); an
+# all-reduce is a reduce-scatter then an all-gather of those chunks, 2 (g - 1)
+# chunks in all. A reduce-scatter's result is one chunk; an all-gather's result
+# is g chunks, one of them its own.
+_WIRE = {
+    "all-reduce": lambda elements, itemsize, g: 2 * (g - 1) * -(-elements // g) * itemsize,
+    "reduce-scatter": lambda elements, itemsize, g: (g - 1) * elements * itemsize,
+    "all-gather": lambda elements, itemsize, g: (g - 1) * elements / g * itemsize,
+    "all-to-all": lambda elements, itemsize, g: (g - 1) * elements / g * itemsize,
+    "collective-permute": lambda elements, itemsize, g: elements * itemsize,
+}
+
+
+class Collectives(NamedTuple):
+  """The collectives of one kind in a program.
+
+  count: instructions (one inside a loop body counts once).
+  bytes: sum of their result sizes, per device.
+  wire_bytes: bytes each device sends for them, by the ring algorithms, per
+    result array of n elements in groups of g devices: all-reduce
+    2 (g-1) ceil(n/g), reduce-scatter (g-1) n, all-gather and all-to-all
+    (g-1) n/g elements, collective-permute n. A model of a network, computed
+    from the HLO: on simulated CPU devices nothing is sent, and the
+    collectives are memory copies.
+  """
+
+  count: int
+  bytes: int
+  wire_bytes: int
 
 
 def _bits(dtype: str) -> int:
   """Bit width of an HLO element type: pred=8, s32=32, bf16=16, f8e4m3fn=8."""
   return 8 if dtype == "pred" else int(re.match(r"[a-z]+(\d+)", dtype).group(1))
+
+
+def _arrays(shape: str) -> list[tuple[int, int]]:
+  """(elements, bits per element) of each array in an HLO shape string."""
+  return [(math.prod(int(d) for d in m["dims"].split(",") if d), _bits(m["dtype"]))
+          for m in _ARRAY_RE.finditer(shape)]
 
 
 def shape_bytes(shape: str) -> int:
@@ -38,36 +84,126 @@ def shape_bytes(shape: str) -> int:
   >>> shape_bytes("(f32[1000]{0}, bf16[8,125]{1,0})")
   6000
   """
-  total = 0
-  for m in _ARRAY_RE.finditer(shape):
-    dims = [int(d) for d in m["dims"].split(",") if d]
-    total += math.prod(dims) * _bits(m["dtype"]) // 8
-  return total
+  return sum(elements * bits // 8 for elements, bits in _arrays(shape))
 
 
-def collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
+# The first line of a computation: `[ENTRY ]%name (params) -> shape {`.
+_COMPUTATION_RE = re.compile(r"^(?P<entry>ENTRY )?%?(?P<name>[\w.\-]+) .*\{$")
+# Computations an instruction calls, and how often per call of the instruction.
+_WHILE_RE = re.compile(r"condition=%?(?P<cond>[\w.\-]+), body=%?(?P<body>[\w.\-]+)")
+_TRIP_COUNT_RE = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+_CALLED_RE = re.compile(r"(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
+                        r"|branch_computations=\{([^}]*)\}")
+
+
+def computations(hlo_text: str) -> dict[str, list[str]]:
+  """Optimized HLO text split into computations: name -> instruction lines (ENTRY last)."""
+  comps, name = {}, None
+  for line in hlo_text.splitlines():
+    head = _COMPUTATION_RE.match(line)
+    if head:
+      name = head["name"]
+      comps[name] = []
+    elif name is not None and line.strip() and line.strip() != "}":
+      comps[name].append(line)
+  return comps
+
+
+def _calls(comps: dict[str, list[str]]):
+  """Yields (caller, callee, runs of callee per run of caller, callee is a loop's)."""
+  for name, lines in comps.items():
+    for line in lines:
+      loop = _WHILE_RE.search(line)
+      if loop:
+        trips = _TRIP_COUNT_RE.search(line)
+        n = int(trips["n"]) if trips else 1
+        yield name, loop["body"], n, True
+        yield name, loop["cond"], n + 1, True
+      for one, many in _CALLED_RE.findall(line):
+        for callee in [one] if one else re.findall(r"%?([\w.\-]+)", many):
+          yield name, callee, 1, False
+
+
+def in_loops(hlo_text: str) -> set[str]:
+  """The computations that run inside a while loop (its body and what it calls)."""
+  comps = computations(hlo_text)
+  inside = set()
+  for name in reversed(list(comps)):  # Callers are printed after their callees.
+    for caller, callee, _, loop in _calls({name: comps[name]}):
+      if loop or caller in inside:
+        inside.add(callee)
+  return inside
+
+
+def executions(hlo_text: str) -> dict[str, int]:
+  """How many times each computation runs per run of the program.
+
+  The entry computation runs once; a while loop's body runs its known trip
+  count times per run of the loop (once if XLA does not know it) and its
+  condition once more; a conditional's branches each count as running
+  whenever the conditional does (an upper bound); other called computations
+  (fusions, reductions) run when their caller does.
+  """
+  comps = computations(hlo_text)
+  runs = {name: 0 for name in comps}
+  entry = next((m["name"] for line in hlo_text.splitlines()
+                if (m := _COMPUTATION_RE.match(line)) and m["entry"]), None)
+  if entry is None:
+    return {name: 1 for name in comps}
+  runs[entry] = 1
+  for name in reversed(list(comps)):  # Callers are printed after their callees.
+    for _, callee, n, _ in _calls({name: comps[name]}):
+      runs[callee] = runs.get(callee, 0) + runs[name] * n
+  return runs
+
+
+def collectives(hlo_text: str, *, per_run: bool = False,
+                only: set[str] | None = None) -> dict[str, Collectives]:
   """Collective instructions in optimized HLO text, per kind.
 
-  Counts every instruction in every computation of the module once (a
-  collective inside a loop body counts once, not once per iteration). An async
-  pair `<kind>-start` / `<kind>-done` is one collective, counted at its `-done`,
-  whose shape is the collective's result (the `-start` shape also holds the
-  operands and context buffers).
+  An async pair `<kind>-start` / `<kind>-done` is one collective, counted at
+  its `-done`, whose shape is the collective's result (the `-start` shape also
+  holds the operands and context buffers); its groups are read from the
+  `-start`.
 
   Args:
     hlo_text: `Compiled.as_text()`.
+    per_run: count each collective as many times as it runs per run of the
+      program (`executions`: a loop body's per iteration; a conditional's as
+      if its branch were taken); else each instruction once.
+    only: if given, count only the collectives of these computations (e.g.
+      `in_loops(hlo_text)`).
 
   Returns:
-    {kind: (count, bytes)} for each kind in COLLECTIVE_KINDS, where bytes is the
-    sum of the result shapes' sizes, per device.
+    {kind: Collectives(count, bytes, wire_bytes)} for each kind in
+    COLLECTIVE_KINDS; bytes per device.
   """
-  found = {kind: (0, 0) for kind in COLLECTIVE_KINDS}
+  header = dict((m["key"], int(m["n"])) for m in _DEVICES_RE.finditer(hlo_text.split("\n", 1)[0]))
+  everyone = header.get("num_partitions", 1) * header.get("replica_count", 1)
+  runs = executions(hlo_text) if per_run else {}
+  found = {kind: Collectives(0, 0, 0) for kind in COLLECTIVE_KINDS}
+  start_groups = {}  # -start name -> its group size
+  computation = None
   for line in hlo_text.splitlines():
+    head = _COMPUTATION_RE.match(line)
+    if head:
+      computation = head["name"]
     m = _COLLECTIVE_RE.match(line)
-    if not m or m["async"] == "-start":
+    if not m or (only is not None and computation not in only):
       continue
-    count, size = found[m["kind"]]
-    found[m["kind"]] = (count + 1, size + shape_bytes(m["shape"]))
+    g = _GROUP_RE.search(line)
+    group = (int(g["size"]) if g["size"] else len(g["members"].split(","))) if g else everyone
+    if m["async"] == "-start":
+      start_groups[m["name"]] = group
+      continue
+    if m["async"] == "-done":
+      group = start_groups.get(m["operand"], everyone)
+    times = runs.get(computation, 1) if per_run else 1
+    arrays = _arrays(m["shape"])
+    wire = sum(_WIRE[m["kind"]](elements, bits / 8, group) for elements, bits in arrays)
+    count, total, sent = found[m["kind"]]
+    found[m["kind"]] = Collectives(count + times, total + times * shape_bytes(m["shape"]),
+                                   sent + times * round(wire))
   return found
 
 
@@ -75,17 +211,22 @@ def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
   """Per-device bytes of a compiled program, from `memory_analysis()`.
 
   Returns:
-    {"argument", "output", "alias", "temp"}: bytes per device of the inputs,
-    the outputs, the outputs that alias (reuse) input buffers, and the scratch
-    space XLA allocates while the program runs.
+    {"argument", "output", "alias", "temp", "total"}: bytes per device of the
+    inputs, the outputs, the outputs that alias (reuse) input buffers, the
+    scratch space XLA allocates while the program runs, and all the program
+    allocates, argument + output - alias + temp: its peak if all were live at
+    once. (`peak_memory_in_bytes` is not used: the CPU backend leaves the
+    temporaries out of it.)
   """
   stats = compiled.memory_analysis()
-  return {
+  out = {
       "argument": stats.argument_size_in_bytes,
       "output": stats.output_size_in_bytes,
       "alias": stats.alias_size_in_bytes,
       "temp": stats.temp_size_in_bytes,
   }
+  out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+  return out
 
 
 def bytes_per_device(tree) -> int:

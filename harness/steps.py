@@ -35,6 +35,39 @@ class TrainState(NamedTuple):
   opt_state: Any
 
 
+def local_gradients(task: tasks.Task, params, model_state, batch,
+                    compute_dtype=None) -> tuple[Any, Any, dict]:
+  """This replica's gradients, before any all-reduce (inside a shard_map over AXIS_NAME).
+
+  Args:
+    task: the model.
+    params, model_state: as in `TrainState`.
+    batch: this replica's share of the batch.
+    compute_dtype: if given (e.g. jnp.bfloat16), the forward and backward
+      pass read the weights converted to it (mixed precision); the gradients
+      are still of the float32 weights.
+
+  Returns:
+    (grads, model_state, metrics): gradients of this replica's mean loss, shaped
+    like `params` and varying over AXIS_NAME; the updated model state; this
+    replica's metrics.
+  """
+  # Differentiate at a per-replica ("varying") copy of the weights so that the
+  # gradients are this replica's own and the caller's all-reduce is their one
+  # all-reduce (with check_vma=True, AD at the replicated params would already
+  # sum them).
+  local_params = jax.lax.pcast(params, AXIS_NAME, to="varying")
+
+  def loss(params, model_state, batch):
+    if compute_dtype is not None:
+      params = jax.tree.map(lambda w: w.astype(compute_dtype), params)
+    return task.loss(params, model_state, batch)
+
+  (_, (model_state, metrics)), grads = jax.value_and_grad(loss, has_aux=True)(
+      local_params, model_state, batch)
+  return grads, model_state, metrics
+
+
 def make_train_step(task: tasks.Task, tx: optax.GradientTransformation):
   """The per-replica step: (params, model_state, opt_state, batch) -> (..., metrics).
 
@@ -43,12 +76,7 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation):
   """
 
   def train_step(params, model_state, opt_state, batch):
-    # Differentiate at a per-replica ("varying") copy of the weights so that the
-    # gradients are this replica's own and `pmean` is their one all-reduce (with
-    # check_vma=True, AD at the replicated params would already sum them).
-    local_params = jax.lax.pcast(params, AXIS_NAME, to="varying")
-    (_, (model_state, metrics)), grads = jax.value_and_grad(task.loss, has_aux=True)(
-        local_params, model_state, batch)
+    grads, model_state, metrics = local_gradients(task, params, model_state, batch)
     grads = jax.lax.pmean(grads, AXIS_NAME)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
@@ -67,13 +95,15 @@ def map_train_step(mode: str, train_step, mesh: Mesh):
 
   Returns:
     (params, model_state, opt_state, batch) -> (params, model_state, opt_state,
-    metrics), with the global batch split over AXIS_NAME. Both results have
+    metrics), with the global batch split over AXIS_NAME; the state
+    arguments are donated (do not use them after the call). Both results have
     `.lower(*args)` for the compiled program.
   """
   specs = {"in_specs": (P(), P(), P(), P(AXIS_NAME)), "out_specs": (P(), P(), P(), P())}
+  donate = (0, 1, 2)  # The state is updated in place, as MLPerf-style loops do.
   if mode == "replicated":
-    return jax.jit(jax.shard_map(train_step, mesh=mesh, **specs))
-  return wus.shard_map(train_step, mesh=mesh, **specs)
+    return jax.jit(jax.shard_map(train_step, mesh=mesh, **specs), donate_argnums=donate)
+  return wus.shard_map(train_step, mesh=mesh, donate_argnums=donate, **specs)
 
 
 def make_eval_step(task: tasks.Task, mesh: Mesh):

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from wus.harness import models, resnet
+from wus.harness import mlp, models, resnet
 
 IMAGES, TEXT = "images", "text"
 # Model name -> (kind of data, config). The transformers are byte-level LMs.
@@ -34,6 +34,8 @@ MODELS = {
     "resnet_small": (IMAGES, resnet.CONFIGS["resnet_small"]),
     "transformer_base": (TEXT, models.CONFIGS["base"]),
     "transformer_small": (TEXT, models.CONFIGS["small"]),
+    "mlp_large": (IMAGES, mlp.CONFIGS["large"]),
+    "mlp_small": (IMAGES, mlp.CONFIGS["small"]),
 }
 
 
@@ -77,19 +79,20 @@ class Task(abc.ABC):
 
 
 class ImageClassifier(Task):
-  """A ResNet on {"image", "label"} batches; batch norm averaged over `axis_name`."""
+  """A ResNet (batch norm averaged over `axis_name`) or an MLP on {"image", "label"} batches."""
 
-  def __init__(self, name: str, config: resnet.ResNetConfig, num_classes: int,
+  def __init__(self, name: str, config: resnet.ResNetConfig | mlp.MLPConfig, num_classes: int,
                axis_name: str):
     self.name = name
-    self.module = resnet.ResNet(config, num_classes, axis_name)
+    self.module = (mlp.MLP(config, num_classes) if isinstance(config, mlp.MLPConfig)
+                   else resnet.ResNet(config, num_classes, axis_name))
 
   def identity(self):
     return {**super().identity(), "num_classes": self.module.num_classes}
 
   def init(self, seed, batch):
-    variables = self.module.init(jax.random.key(seed), batch["image"][:1], train=False)
-    return variables["params"], {"batch_stats": variables["batch_stats"]}
+    variables = dict(self.module.init(jax.random.key(seed), batch["image"][:1], train=False))
+    return variables.pop("params"), variables
 
   def loss(self, params, model_state, batch):
     logits, model_state = self.module.apply({"params": params, **model_state}, batch["image"],

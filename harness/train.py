@@ -118,7 +118,7 @@ def format_results(results: dict[str, dict]) -> str:
       *(row(f"{k} per device (bytes)", lambda r, k=k: r["state_bytes_per_device"][k])
         for k in results[modes[0]]["state_bytes_per_device"]),
       *(row(f"compiled step {k} (bytes)", lambda r, k=k: r.get("memory", {}).get(k, "-"))
-        for k in ("argument", "output", "alias", "temp")),
+        for k in ("argument", "output", "alias", "temp", "total")),
   ]
   summary_headers = ["", *modes]
   notes = []
@@ -141,8 +141,9 @@ def format_results(results: dict[str, dict]) -> str:
   parts += ["Held-out metrics, time (median over updates after the first) and per-device "
             "memory", report.table(summary_headers, summary_rows)]
   if all("collectives" in results[m] for m in modes):
-    fields = [(m, f) for m in modes for f in ("count", "bytes")]
-    parts += ["Collectives in the compiled step (from its optimized HLO; bytes per device)",
+    fields = [(m, f) for m in modes for f in ("count", "bytes", "wire_bytes")]
+    parts += ["Collectives in the compiled step (from its optimized HLO; bytes per device: "
+              "result sizes, and sent by ring algorithms on a network)",
               report.table(["kind", *(f"{m} {f}" for m, f in fields)],
                            [[kind, *(results[m]["collectives"][kind][f] for m, f in fields)]
                             for kind in report.COLLECTIVE_KINDS])]

@@ -89,15 +89,8 @@ def both(tx, mesh, *, check_vma=True, steps=3, params=None, **wus_kw):
 
 def hlo_computations(hlo: str) -> dict[str, list[str]]:
   """Optimized HLO text split into computations: name -> instruction lines."""
-  comps, name = {}, None
-  for line in hlo.splitlines():
-    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-    if head:
-      name = head.group(1)
-      comps[name] = []
-    elif name is not None and line.strip() and line.strip() != "}":
-      comps[name].append(line)
-  return comps
+  from wus.harness.report import computations
+  return computations(hlo)
 
 
 def loop_bodies(hlo: str) -> set[str]:

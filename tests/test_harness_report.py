@@ -1,6 +1,7 @@
 """Tests of wus.harness.report on tiny programs whose bytes are known by hand."""
 
 import doctest
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from wus.harness import report
 
 NUM_DEVICES = 8
-NO_COLLECTIVES = {kind: (0, 0) for kind in report.COLLECTIVE_KINDS}
+NO_COLLECTIVES = {kind: (0, 0, 0) for kind in report.COLLECTIVE_KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -27,30 +28,38 @@ def _compile(f, mesh, x, in_spec, out_spec):
 
 
 @pytest.mark.parametrize(
-    "f, x, in_spec, out_spec, kind, nbytes",
+    "f, x, in_spec, out_spec, kind, nbytes, wire",
     [
-        # f32[1000] on each device, summed: the result is f32[1000].
+        # f32[1000] on each device, summed: the result is f32[1000]; a ring
+        # all-reduce sends 7 of 8 blocks of 500 bytes twice.
         (lambda x: lax.psum(x, "data"), jnp.ones(1000, jnp.float32), P(), P(),
-         "all-reduce", 1000 * 4),
-        # f32[8000] on each device, summed and split: each keeps f32[1000].
+         "all-reduce", 1000 * 4, 2 * 7 * 500),
+        # f32[8000] on each device, summed and split: each keeps f32[1000] and
+        # sends the 7 other blocks.
         (lambda x: lax.psum_scatter(x, "data", tiled=True), jnp.ones(8000, jnp.float32),
-         P(), P("data"), "reduce-scatter", 1000 * 4),
-        # f32[1000] on each device, gathered: each gets f32[8000].
+         P(), P("data"), "reduce-scatter", 1000 * 4, 7 * 4000),
+        # f32[1000] on each device, gathered: each gets f32[8000], sending its
+        # own block to 7 others (along a ring: 7 blocks).
         (lambda x: lax.all_gather(x, "data", tiled=True), jnp.ones(8000, jnp.float32),
-         P("data"), P(), "all-gather", 8000 * 4),
+         P("data"), P(), "all-gather", 8000 * 4, 7 * 4000),
+        # Sums within groups of 4 devices (axis_index_groups): 2 x 3 blocks of 1000.
+        (lambda x: lax.psum(x, "data", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]]),
+         jnp.ones(1000, jnp.float32), P(), P(), "all-reduce", 1000 * 4, 2 * 3 * 1000),
         # s32[1000] on each device, shifted by one device.
         (lambda x: lax.ppermute(x, "data", [(i, (i + 1) % NUM_DEVICES)
                                             for i in range(NUM_DEVICES)]),
-         jnp.ones(8000, jnp.int32), P("data"), P("data"), "collective-permute", 1000 * 4),
+         jnp.ones(8000, jnp.int32), P("data"), P("data"), "collective-permute", 1000 * 4,
+         1000 * 4),
         # f32[8,125] on each device, row i sent to device i: the CPU compiler
         # emits one all-to-all whose result is a tuple of 8 f32[1,125].
         (lambda x: lax.all_to_all(x, "data", 0, 0, tiled=True),
-         jnp.ones((64, 125), jnp.float32), P("data"), P("data"), "all-to-all", 1000 * 4),
+         jnp.ones((64, 125), jnp.float32), P("data"), P("data"), "all-to-all", 1000 * 4,
+         7 * 500),
     ],
-    ids=["psum", "psum_scatter", "all_gather", "ppermute", "all_to_all"])
-def test_collectives_of_compiled_program(mesh, f, x, in_spec, out_spec, kind, nbytes):
+    ids=["psum", "psum_scatter", "all_gather", "psum_groups", "ppermute", "all_to_all"])
+def test_collectives_of_compiled_program(mesh, f, x, in_spec, out_spec, kind, nbytes, wire):
   hlo_text = _compile(f, mesh, x, in_spec, out_spec).as_text()
-  assert report.collectives(hlo_text) == {**NO_COLLECTIVES, kind: (1, nbytes)}
+  assert report.collectives(hlo_text) == {**NO_COLLECTIVES, kind: (1, nbytes, wire)}
 
 
 def test_collectives_of_program_without_any():
@@ -62,11 +71,13 @@ def test_collectives_of_program_without_any():
 # compiler emits neither): each -start/-done pair is one collective whose bytes
 # are the -done result. The fusion's metadata mentions a collective; it is none.
 ASYNC_HLO = """\
+HloModule jit_step, is_scheduled=true, num_partitions=8
+
 ENTRY %main (p: bf16[1024], q: f32[10], r: s32[3]) -> (bf16[8192], f32[10], s32[3], f32[4]) {
   %p = bf16[1024]{0} parameter(0)
-  %ag-start = (bf16[1024]{0}, bf16[8192]{0}) all-gather-start(%p), channel_id=1, dimensions={0}
+  %ag-start = (bf16[1024]{0}, bf16[8192]{0}) all-gather-start(%p), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  %ar-start = (f32[10]{0}, s32[3]{0}) all-reduce-start(%q, %r), channel_id=2, replica_groups={}, to_apply=%add
   %ag-done = bf16[8192]{0} all-gather-done(%ag-start)
-  %ar-start = (f32[10]{0}, s32[3]{0}) all-reduce-start(%q, %r), channel_id=2, to_apply=%add
   %ar-done = (f32[10]{0}, s32[3]{0}) all-reduce-done(%ar-start)
   %fusion = f32[4]{0} fusion(%q), kind=kLoop, calls=%f, metadata={op_name="x all-reduce(y)"}
   %cp-start = (f32[4]{0}, f32[4]{0}, u32[], u32[]) collective-permute-start(%fusion), channel_id=3
@@ -79,9 +90,9 @@ ENTRY %main (p: bf16[1024], q: f32[10], r: s32[3]) -> (bf16[8192], f32[10], s32[
 def test_collectives_of_async_pairs():
   assert report.collectives(ASYNC_HLO) == {
       **NO_COLLECTIVES,
-      "all-gather": (1, 8192 * 2),
-      "all-reduce": (1, 10 * 4 + 3 * 4),
-      "collective-permute": (1, 4 * 4),
+      "all-gather": (1, 8192 * 2, 3 * 8192 * 2 // 4),         # groups of 4
+      "all-reduce": (1, 10 * 4 + 3 * 4, 2 * 7 * (2 * 4 + 1 * 4)),  # 8 devices: chunks of 2 and 1
+      "collective-permute": (1, 4 * 4, 4 * 4),
   }
 
 
@@ -101,12 +112,15 @@ def test_memory_per_device(mesh):
   # Each device reads its f32[1000] shard, writes an f32[1000] result.
   compiled = _compile(lambda x: lax.psum(x, "data"), mesh, jnp.ones(8000, jnp.float32),
                       P("data"), P("data"))
-  assert report.memory(compiled) == {"argument": 4000, "output": 4000, "alias": 0, "temp": 0}
+  assert report.memory(compiled) == {"argument": 4000, "output": 4000, "alias": 0, "temp": 0,
+                                     "total": 8000}
 
 
 def test_memory_counts_donated_output_as_alias():
   compiled = jax.jit(lambda x: x * 2, donate_argnums=0).lower(jnp.ones(1000)).compile()
-  assert report.memory(compiled) == {"argument": 4000, "output": 4000, "alias": 4000, "temp": 0}
+  # The output is written over the donated input: one buffer in all.
+  assert report.memory(compiled) == {"argument": 4000, "output": 4000, "alias": 4000, "temp": 0,
+                                     "total": 4000}
 
 
 def test_bytes_per_device(mesh):
@@ -131,3 +145,17 @@ def test_table_aligns_columns():
       "| 0    | 5.932 |",
       "| 100  | 2.500 |",
   ]
+
+
+def test_collectives_per_run_count_loop_iterations(mesh):
+  def f(x):
+    x = lax.fori_loop(0, 4, lambda i, x: lax.psum(x, "data") * 0.5, x)
+    return lax.psum(x, "data")
+
+  hlo_text = _compile(f, mesh, jnp.ones(1000, jnp.float32), P(), P()).as_text()
+  assert report.collectives(hlo_text)["all-reduce"] == (2, 2 * 4000, 2 * 7000)
+  assert report.collectives(hlo_text, per_run=True)["all-reduce"] == (5, 5 * 4000, 5 * 7000)
+  runs = report.executions(hlo_text)
+  assert sorted(runs[b] for b in re.findall(r"body=%?([\w.\-]+)", hlo_text)) == [4]
+  inside = report.collectives(hlo_text, per_run=True, only=report.in_loops(hlo_text))
+  assert inside["all-reduce"] == (4, 4 * 4000, 4 * 7000)

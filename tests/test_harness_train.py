@@ -12,8 +12,10 @@ def summary(losses, start_step=0, **overrides):
       "losses": losses, "step_seconds": 0.02, "first_step_seconds": 5.0,
       "examples_per_second": 3200.0, "eval": {"loss": 0.5, "accuracy": 0.9},
       "state_bytes_per_device": {"params": 100, "model_state": 0, "opt_state": 200},
-      "opt_state_bytes": 200, "memory": {"argument": 300, "output": 300, "alias": 0, "temp": 10},
-      "collectives": {kind: {"count": 0, "bytes": 0} for kind in report.COLLECTIVE_KINDS},
+      "opt_state_bytes": 200, "memory": {"argument": 300, "output": 300, "alias": 0, "temp": 10,
+                                              "total": 310},
+      "collectives": {kind: {"count": 0, "bytes": 0, "wire_bytes": 0}
+                      for kind in report.COLLECTIVE_KINDS},
       **overrides,
   }
 
