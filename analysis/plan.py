@@ -84,6 +84,8 @@ class InputPlan:
     shape, dtype: logical shape and numpy dtype name.
     sharded: whether it is kept sharded between steps (optimizer state).
     reason: why it is, or why it stays whole.
+    state: whether an output is its next value (the step's state: weights,
+      optimizer state), whether or not it is sharded.
   """
 
   name: str
@@ -91,6 +93,7 @@ class InputPlan:
   dtype: str
   sharded: bool
   reason: str
+  state: bool = False
 
   @property
   def nbytes(self) -> int:
@@ -177,6 +180,11 @@ class Plan:
     shard = sum(f.shard_bytes(self.inputs[k].dtype) for k, f in self.state_inputs.items())
     return whole, shard
 
+  @property
+  def whole_state_bytes(self) -> int:
+    """Bytes of the step's state (inputs with a next value) each replica keeps whole."""
+    return sum(i.nbytes for i in self.inputs if i.state and not i.sharded)
+
   def __str__(self) -> str:
     lines = [f"wus plan: weight update sharded over {self.axes} (N={self.num_shards})"]
     for c in self.clusters:
@@ -190,15 +198,17 @@ class Plan:
       layout = "sharded" if i.sharded else "whole"
       lines.append(f"    {i.name:40s} {str(list(i.shape)):16s} {i.dtype:9s} {layout}: {i.reason}")
     whole, shard = self.state_bytes
-    lines.append(f"totals: {self.sharded_bytes} B updated on shards, "
-                 f"{self.replicated_bytes} B kept replicated; state {whole} B whole -> "
-                 f"{shard} B per replica (predicted)")
+    lines.append(f"totals: weight update {self.sharded_bytes} B on shards, "
+                 f"{self.replicated_bytes} B in replicated clusters; state sharded "
+                 f"{whole} B -> {shard} B per replica (predicted), state kept whole "
+                 f"{self.whole_state_bytes} B (weights, tiny tensors: see inputs)")
     return "\n".join(lines)
 
 
 def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: int,
               in_names: Sequence[str], out_names: Sequence[str],
-              state_pairs: Mapping[int, int], min_size: int = 0) -> Plan:
+              state_pairs: Mapping[int, int], min_size: int = 0,
+              split_reason: str = "its in_spec splits it") -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -212,6 +222,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
       Such a pair stays sharded between steps when only the update reads the
       input.
     min_size: tensors with fewer elements stay replicated (never below N).
+    split_reason: why an input that differs across replicas does (shown in
+      the Plan; `wus.pmap` points at replicated_argnums).
 
   Returns:
     The frozen Plan.
@@ -223,10 +235,12 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, big)
   planned = _plan(jaxpr, ctx, state_pairs, in_names, out_names)
   inputs = []
+  state = set(state_pairs.values())
   for k, v in enumerate(jaxpr.invars):
     sharded, reason = planned.input_reason.get(
-        k, (False, _why_whole(v, facts, ctx.axes, num_shards, min_size)))
-    inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason))
+        k, (False, _why_whole(v, facts, ctx, bool(planned.clusters), split_reason)))
+    inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
+                            k in state))
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               planned.program, planned.formats, planned.gather_dtypes)
 
@@ -297,12 +311,10 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
             f"the conditional at {source_line(jaxpr.eqns[i])} follows the loop counter: it "
             "gathers what it reads whole inside its branch, off the frequent path (§3.2)"
             for i in sorted(rare & set(c.nested))))
-      if narrow and decision.shard:
+      if in_loop and decision.shard:
         gather_dtypes.update(narrow)
-        decision = dataclasses.replace(decision, reason=decision.reason + "; " + ", ".join(
-            f"{in_names[invar_pos[v]]} kept sharded across iterations and all-gathered in "
-            f"{d.name} before the forward pass reads it (Fig. 4 right, Fig. 7)"
-            for v, d in narrow.items()))
+        decision = dataclasses.replace(decision, reason=decision.reason + "; " + _placements(
+            c, jaxpr, members, state_pairs, pairs, narrow, invar_pos, in_names, readers))
     fmt = layout.formats.get if decision.shard else (lambda v: None)
     tensors = _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt)
     cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, label + decision.reason,
@@ -478,6 +490,35 @@ def _state_pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
   return pairs
 
 
+def _placements(c, jaxpr: Jaxpr, members: set[int], carries: Mapping[int, int],
+                pairs: Mapping[int, int], narrow: dict, invar_pos, in_names,
+                readers: dict) -> str:
+  """Where each carried weight of a loop body's cluster is all-gathered, and why (Fig. 4).
+
+  The choice is by bytes per iteration: gathering right before the forward
+  pass (Fig. 4 right) moves the dtype the forward pass reads, gathering at the
+  end of the iteration (Fig. 4 left) moves the weight's own dtype. Right wins
+  only when the forward pass reads a narrower float (Fig. 7); at equal bytes,
+  left keeps the carried weight whole, as the user's loop has it.
+  """
+  out = []
+  for in_pos in sorted(set(carries.values())):
+    x = jaxpr.invars[in_pos]
+    if x not in c.reads or readers.get(x, set()) <= members:
+      continue  # Not this cluster's, or optimizer state only the update reads.
+    whole = x.aval.size * x.aval.dtype.itemsize
+    if x in narrow:
+      out.append(f"{in_names[in_pos]} kept sharded across iterations and all-gathered in "
+                 f"{narrow[x].name} right before the forward pass reads it: "
+                 f"{x.aval.size * narrow[x].itemsize} B per iteration instead of {whole} B "
+                 "(Fig. 4 right, Fig. 7)")
+    elif in_pos not in pairs.values():
+      out.append(f"{in_names[in_pos]} all-gathered at the end of each iteration ({whole} B, "
+                 f"{x.aval.dtype.name}): the forward pass reads it whole in that dtype, so "
+                 "gathering before it would move as many bytes (Fig. 4 left)")
+  return ", ".join(out) or "no carried weight is read whole: nothing gathered in the loop"
+
+
 def _narrowed(jaxpr: Jaxpr, x, members: set[int], readers: dict):
   """The one narrower float dtype every whole reader of `x` converts it to, if any.
 
@@ -521,9 +562,13 @@ def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[Tens
   return tuple(out)
 
 
-def _why_whole(v, facts: Redundancy, axes: frozenset, num_shards: int, min_size: int) -> str:
-  if not facts.is_redundant(v, axes):
-    return f"not identical across {sorted(axes)} (its in_spec splits it)"
-  if not formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size):
-    return "scalar or tiny: kept replicated"
-  return "read whole by the step; not optimizer state"
+def _why_whole(v, facts: Redundancy, ctx: _Ctx, any_cluster: bool, split_reason: str) -> str:
+  """Why an input no cluster decided on stays whole."""
+  if not facts.is_redundant(v, ctx.axes):
+    return f"not identical across {sorted(ctx.axes)} ({split_reason})"
+  if not ctx.big(v):
+    return f"scalar or tiny (< {max(ctx.num_shards, ctx.min_size)} elements): kept replicated"
+  if not any_cluster:
+    return (f"the step has no gradient all-reduce over exactly {sorted(ctx.axes)}, so no "
+            "weight update to shard (pass axis_name= the data-parallel axes)")
+  return "no weight-update cluster reads it (read whole only, e.g. by the forward pass)"

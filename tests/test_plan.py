@@ -1,8 +1,10 @@
 """The Plan names every cluster's tensors and decision; unsupported updates stay replicated."""
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, batches, both, make_params
@@ -78,3 +80,106 @@ def test_update_the_rules_cannot_shard_stays_replicated_and_exact(name, make_tx,
   big = [c for c in plan.clusters if any(t.shape == (1024, 1024) for t in c.tensors)]
   assert big and not any(c.sharded for c in big)
   assert any(why in c.reason for c in big), [c.reason for c in big]
+
+
+def _dp_step(tx):
+  """A step on a 2-D (data, model) mesh whose gradient all-reduce is over "data" only."""
+  def step(params, opt_state, x):
+    loss = lambda p: jnp.sum(jnp.tanh(x @ p["w"])) + jnp.sum(p["b"] * x.mean())
+    grads = jax.lax.pmean(jax.grad(loss)(jax.lax.pcast(params, "data", to="varying")), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return step
+
+
+def test_default_axis_name_is_the_gradient_all_reduce_axis_on_a_2d_mesh():
+  """On a (data, model) mesh the gradients are all-reduced over "data" only: the
+  default shards over "data" (N=4), not over both axes (which finds nothing)."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  tx = optax.adam(1e-2)
+  params = {"w": 0.1 * jnp.ones((64, 33)), "b": jnp.ones((3,))}
+  kw = dict(mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  ref = jax.jit(jax.shard_map(_dp_step(tx), **kw))
+  step = wus.shard_map(_dp_step(tx), **kw)
+  a = b = (params, tx.init(params))
+  for i in range(3):
+    x = jax.device_put(jax.random.normal(jax.random.key(i), (8, 64)), NamedSharding(mesh, P("data")))
+    a, b = ref(*a, x), step(*b, x)
+  assert_trees_equal(a, wus.unshard(b))
+  plan = step.plan(*b, x)
+  assert plan.axes == ("data",) and plan.num_shards == 4
+  assert {i.name for i in plan.inputs if i.sharded} == {"[1][0].mu['w']", "[1][0].nu['w']"}
+  # Forcing both axes finds no gradient all-reduce over them, and the Plan says so.
+  both_axes = wus.shard_map(_dp_step(tx), **kw, axis_name=("data", "model")).plan(*a, x)
+  assert not both_axes.clusters and not any(i.sharded for i in both_axes.inputs)
+  w = next(i for i in both_axes.inputs if i.name == "[1][0].mu['w']")
+  assert "no gradient all-reduce over exactly ['data', 'model']" in w.reason and "axis_name" in w.reason
+
+
+def test_totals_count_state_kept_whole():
+  """Tiny state (the count, a [3] bias) and weights stay whole: the totals say how much."""
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = optax.adam(1e-2)
+  params = {"w": jnp.ones((64, 32)), "b": jnp.ones((3,))}
+  step = wus.shard_map(_dp_step(tx), mesh=mesh, in_specs=(P(), P(), P("data")),
+                       out_specs=(P(), P()))
+  x = jax.device_put(jnp.ones((16, 64)), NamedSharding(mesh, P("data")))
+  plan = step.plan(params, tx.init(params), x)
+  whole = 64 * 32 * 4 + 3 * 4 + 4 + 2 * 3 * 4  # w, b, count, mu['b'], nu['b'].
+  assert plan.whole_state_bytes == whole and f"state kept whole {whole} B" in str(plan)
+  assert plan.state_bytes == (2 * 64 * 32 * 4, 2 * 64 * 32 * 4 // 8)
+  assert not next(i for i in plan.inputs if i.name == "[2]").state
+
+
+def test_state_leaf_whose_dtype_changes_stays_unpaired_and_the_rest_shards():
+  """An optimizer whose update returns one state leaf in another dtype: that leaf
+  is not the next value of its input, but the other leaves still shard on the
+  first call (state is matched leaf by leaf within the pytree)."""
+  def halve_dtype():
+    init = lambda params: {"scale": jnp.float32(1.0), "m": jax.tree.map(jnp.zeros_like, params)}
+    def update(grads, state, params=None):
+      m = jax.tree.map(lambda m, g: 0.9 * m + g, state["m"], grads)
+      return (jax.tree.map(lambda m: -0.1 * m, m),
+              {"scale": state["scale"].astype(jnp.bfloat16), "m": m})
+    return optax.GradientTransformation(init, update)
+
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = halve_dtype()
+  params = {"w": jnp.ones((64, 32)), "b": jnp.ones((3,))}
+  step = wus.shard_map(_dp_step(tx), mesh=mesh, in_specs=(P(), P(), P("data")),
+                       out_specs=(P(), P()))
+  x = jax.device_put(jnp.ones((16, 64)), NamedSharding(mesh, P("data")))
+  plan = step.plan(params, tx.init(params), x)
+  assert [i.name for i in plan.inputs if i.sharded] == ["[1]['m']['w']"]
+  assert not next(i for i in plan.inputs if i.name == "[1]['scale']").state
+  _, state = step(params, tx.init(params), x)
+  assert isinstance(state["m"]["w"], wus.ShardedArray) and state["scale"].dtype == jnp.bfloat16
+
+
+def test_pmap_plan_points_at_replicated_argnums():
+  """Undeclared per-device copies are not assumed equal; the Plan says how to declare them."""
+  tx = optax.sgd(0.1, momentum=0.9)
+  def step(params, opt_state, x):
+    grads = jax.lax.pmean(jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p)))(params), "batch")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  params = jnp.ones((8, 64, 32))
+  state = jax.tree.map(lambda a: jnp.broadcast_to(a, (8, *a.shape)), tx.init(params[0]))
+  x = jnp.ones((8, 2, 64))
+  plan = wus.pmap(step, axis_name="batch").plan(params, state, x)
+  assert not any(i.sharded for i in plan.inputs)
+  assert all("replicated_argnums" in i.reason for i in plan.inputs)
+  declared = wus.pmap(step, axis_name="batch", replicated_argnums=(0, 1)).plan(params, state, x)
+  assert any(i.sharded for i in declared.inputs)
+
+
+def test_loop_plan_says_where_each_weight_is_gathered():
+  """In a training loop the Plan names the placement of every weight's all-gather
+  (Fig. 4): float32 weights read whole in float32 are gathered at the end of
+  each iteration (left), since gathering before the forward pass moves as many bytes."""
+  from test_loops import _setup
+  params, state, xs, _, step = _setup(_mesh(), optax.adam(1e-2), "fori")
+  reasons = [c.reason for c in step.plan(params, state, xs).clusters if c.sharded]
+  big = [r for r in reasons if "['big']" in r]
+  assert len(big) == 1 and "end of each iteration (4194304 B, float32)" in big[0]
+  assert "Fig. 4 left" in big[0] and not any("Fig. 4 right" in r for r in reasons)

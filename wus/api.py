@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -39,8 +40,10 @@ def shard_map(f: Callable | None = None, /, *, mesh: Mesh, in_specs: Any, out_sp
   Args:
     f: the per-replica step, as for `jax.shard_map`.
     mesh, in_specs, out_specs, check_vma, axis_names: as for `jax.shard_map`.
-    axis_name: the data-parallel mesh axis (or axes) to shard the update over;
-      default every manual axis.
+    axis_name: the data-parallel mesh axis (or axes) to shard the update over.
+      Default: the axes of the gradient all-reduces (the all-reduces whose
+      operands have the shape of a state input, most bytes first), which on a
+      1-D mesh is its one axis; every manual axis if the step has none.
     min_shard_size: tensors with fewer elements stay replicated (tensors with
       fewer elements than replicas always do).
     donate_argnums: positional arguments whose buffers the step may reuse for
@@ -84,7 +87,8 @@ class ShardedStep:
   def __init__(self, f: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any,
                check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
                replicated_argnums: frozenset = frozenset(),
-               donate_argnums: frozenset = frozenset()):
+               donate_argnums: frozenset = frozenset(),
+               split_reason: str = "its in_spec splits it"):
     self._f = f
     self._mesh = mesh
     self._in_specs, self._out_specs = in_specs, out_specs
@@ -97,6 +101,7 @@ class ShardedStep:
     # stacked copies.
     self._replicated_argnums = frozenset(replicated_argnums)
     self._donate_argnums = frozenset(donate_argnums)
+    self._split_reason = split_reason
     self._cache: dict = {}
     functools.update_wrapper(self, f)
 
@@ -198,7 +203,6 @@ class ShardedStep:
     flat = compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0]
 
     # 3. Analyse and plan.
-    axes = self._replica_axes(mesh, manual)
     arg_of_leaf = [a for a, arg in enumerate(args)
                    for _ in jax.tree.leaves(arg, is_leaf=is_sharded)]
     in_rep = [frozenset(manual) if s[0] == "arg" and arg_of_leaf[s[1]] in self._replicated_argnums
@@ -211,10 +215,11 @@ class ShardedStep:
     out_names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     body_pos = {s[1]: k for k, s in enumerate(sources) if s[0] == "arg"}
     pairs = {o: body_pos[i] for o, i in _match_state(args, out_shape).items() if i in body_pos}
+    axes = self._replica_axes(mesh, manual, flat, [flat.invars[i] for i in pairs.values()])
     plan = make_plan(flat, facts, axes=axes,
                      num_shards=math.prod(mesh.shape[a] for a in axes),
                      in_names=in_names, out_names=out_names, state_pairs=pairs,
-                     min_size=self._min_size)
+                     min_size=self._min_size, split_reason=self._split_reason)
 
     # 4. Compile the rewritten step.
     timings = {"trace": traced_at - start, "analysis": time.perf_counter() - traced_at}
@@ -227,16 +232,34 @@ class ShardedStep:
     return _Program(plan, step, sources, state_in, tuple(names), tuple(out_specs), out_tree,
                     timings)
 
-  def _replica_axes(self, mesh: Mesh, manual: frozenset) -> tuple:
+  def _replica_axes(self, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
     """The data-parallel axes, in mesh order."""
     if self._axis_name is None:
-      wanted = manual
+      wanted = _gradient_axes(jaxpr, {tuple(v.aval.shape) for v in state}) or manual
     else:
       wanted = frozenset([self._axis_name] if isinstance(self._axis_name, str) else self._axis_name)
       if not wanted <= manual:
         raise ValueError(f"axis_name {sorted(wanted)} must be manual axes of the shard_map; "
                          f"they are {sorted(manual)}")
     return tuple(a for a in mesh.axis_names if a in wanted)
+
+
+def _gradient_axes(jaxpr, state_shapes: set) -> frozenset | None:
+  """The axes of the all-reduces of state-shaped values, most bytes first (or None)."""
+  moved: collections.Counter = collections.Counter()
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if (eqn.primitive in (compat.psum_p, compat.psum_invariant_p)
+          and not compat.has_axis_index_groups(eqn)):
+        for v in eqn.invars:
+          if tuple(v.aval.shape) in state_shapes:
+            moved[frozenset(compat.collective_axes(eqn))] += v.aval.size * v.aval.dtype.itemsize
+      for sub in compat.sub_jaxprs(eqn):
+        visit(sub)
+
+  visit(jaxpr)
+  return max(moved, key=moved.__getitem__) if moved else None
 
 
 def _argnums(argnums: int | Sequence[int]) -> frozenset:
@@ -287,10 +310,12 @@ def _match_state(args: tuple, out: Any) -> dict[int, int]:
   """Pairs output leaves with the input leaves they are the next value of.
 
   Each top-level argument is matched to the first unmatched top-level output
-  element with the same tree structure, shapes and dtypes, preferring the
-  element at the same position: `(params, opt_state, batch) -> (params,
-  opt_state, metrics)` pairs params and opt_state. Returns flat output leaf
-  position -> flat input leaf position.
+  element with the same tree structure, preferring one whose leaves all have
+  the same shapes and dtypes, then the element at the same position:
+  `(params, opt_state, batch) -> (params, opt_state, metrics)` pairs params
+  and opt_state. Within a matched element, leaves pair where shape and dtype
+  agree (a hyperparameter whose dtype the update changes stays unpaired).
+  Returns flat output leaf position -> flat input leaf position.
   """
   def parts(tree) -> list[tuple[Any, tuple, int]]:
     """(treedef, leaf avals, first flat position) per top-level element."""
@@ -303,11 +328,15 @@ def _match_state(args: tuple, out: Any) -> dict[int, int]:
 
   outs = parts(out if isinstance(out, (tuple, list)) else (out,))
   pairs, used = {}, set()
-  for a, (td, avals, start) in enumerate(parts(args)):
-    order = ([a] if a < len(outs) else []) + list(range(len(outs)))
-    for o in order:
-      if o not in used and outs[o][:2] == (td, avals) and avals:
+  for exact in (True, False):
+    for a, (td, avals, start) in enumerate(parts(args)):
+      if not avals or start in pairs.values():
+        continue
+      for o in ([a] if a < len(outs) else []) + list(range(len(outs))):
+        if o in used or outs[o][0] != td or (exact and outs[o][1] != avals):
+          continue
         used.add(o)
-        pairs.update({outs[o][2] + j: start + j for j in range(len(avals))})
+        pairs.update({outs[o][2] + j: start + j for j, (x, y) in enumerate(zip(avals, outs[o][1]))
+                      if x == y})
         break
   return pairs

@@ -96,7 +96,9 @@ class _Pmapped:
           out_specs=spec, check_vma=False, axis_names=frozenset(), axis_name=self._axis,
           min_shard_size=self._min_size,
           replicated_argnums=frozenset(a for a in self._replicated_argnums if in_axes[a] == 0),
-          donate_argnums=self._donate_argnums)
+          donate_argnums=self._donate_argnums,
+          split_reason="mapped, and its copies are not declared equal: add it to "
+                       "replicated_argnums if they are")
     return self._steps[in_axes]
 
   def _place(self, args: tuple, in_axes: tuple) -> tuple:
