@@ -5,20 +5,21 @@ averages, optimizer state) and a JSON record of what it is: the model and
 optimizer it belongs to (`identity`) and the sharding format of every tensor
 that was saved sharded.
 
-Saving. A `wus.ShardedArray` is saved as its `.data`, the global array that
-wus keeps laid out across the mesh: Orbax writes each device's rows from the
-process that holds them, so nothing is gathered, on one process or several.
-`.data` is the tensor's logical elements in row-major order (its `merged_shape`
-rows) followed by fewer than N rows of padding (§4.1); the record keeps the
-logical `shape` and `merged_shape`. Whole arrays are saved as they are.
+Saving. A `wus.ShardedArray`'s `.data` is the tensor's logical elements in
+row-major order as `merged_shape` rows, followed by fewer than N rows of
+padding (§4.1), laid out across the mesh. It is saved in its logical,
+unpadded size: an array of shape `merged_shape` on disk, which each process
+writes from the rows its own devices hold, clipped at `merged_shape[0]`
+(`_LogicalRowsHandler`), so nothing is gathered, on one process or several.
+A jax.Array cannot hold those rows itself (it must split evenly over the
+devices), hence the handler. The record keeps the logical `shape` and
+`merged_shape`. Whole arrays are saved as they are.
 
-Restoring. Each saved-sharded tensor is read back as exactly its logical
-elements, with Orbax truncating the padding rows (`ArrayRestoreArgs` with the
-unpadded `global_shape`), and reshaped to its logical shape. All state comes
-back whole and replicated on the new mesh, as a freshly initialized run's
-state is, whatever the device count it was saved from; the step shards it
-again for its own N on its first call. The padding, whose size depends on N,
-is never read.
+Restoring. Each saved-sharded tensor is read back as its `merged_shape` array
+and reshaped to its logical shape. All state comes back whole and replicated
+on the new mesh, as a freshly initialized run's state is, whatever the device
+count it was saved from; the step shards it again for its own N on its first
+call.
 
 Atomicity. Orbax's CheckpointManager writes a step into a temporary folder
 (`<step>.orbax-checkpoint-tmp-<time>`) and renames it when complete, so a
@@ -29,25 +30,137 @@ save).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 from typing import Any
 
 import flax.serialization
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from jax.sharding import NamedSharding
 
 import wus
 from wus.harness import errors
 
-_ITEMS = {"state": ocp.PyTreeCheckpointHandler, "meta": ocp.JsonCheckpointHandler}
+
+class _LogicalRows:
+  """A `wus.ShardedArray`'s `.data`, to be saved as its first `rows` rows only."""
+
+  __slots__ = ("data", "rows")
+
+  def __init__(self, data: jax.Array, rows: int):
+    self.data, self.rows = data, rows
+
+
+class _LogicalRowsHandler(ocp.type_handlers.ArrayHandler):
+  """Saves a `_LogicalRows` as an array of shape `(rows, *data.shape[1:])`.
+
+  Each process writes the rows of its own devices' shards that lie below
+  `rows`, into the chunks (one per shard) of one zarr array, as Orbax's
+  ArrayHandler writes a jax.Array's shards; it reads back as a jax.Array.
+  """
+
+  async def serialize(self, values, infos, args=None):
+    del args  # no per-array save options are used
+    # Copied off the devices now: the caller may reuse (donate) the arrays.
+    pieces = [self._own_rows(v) for v in values]
+    return [ocp.future.CommitFutureAwaitingContractedSignals(
+        self._write(values, infos, pieces), name="logical_rows")]
+
+  @staticmethod
+  def _own_rows(value: _LogicalRows) -> list[tuple[int, np.ndarray]]:
+    """(first row, rows below `value.rows`) of each shard on this process, on the host."""
+    own = []
+    for shard in value.data.addressable_shards:
+      start = shard.index[0].start or 0
+      if shard.replica_id == 0 and start < value.rows:
+        own.append((start, np.asarray(shard.data)[:value.rows - start]))
+    return own
+
+  @staticmethod
+  async def _write(values, infos, pieces) -> None:
+    for value, info, own in zip(values, infos, pieces, strict=True):
+      await info.await_path_creation()
+      data = value.data
+      spec = ts.Spec(ocp.type_handlers.get_json_tspec_write(
+          info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=(value.rows, *data.shape[1:]),
+          local_shape=data.sharding.shard_shape(data.shape), dtype=data.dtype,
+          process_index=jax.process_index() if info.is_ocdbt_checkpoint else None))
+      if jax.process_index() == 0:  # creates the array, as Orbax's primary host does
+        await ts.open(spec, create=True, open=True, context=info.ts_context)
+      store = await ts.open(spec, open=True, assume_metadata=True, context=info.ts_context)
+      await asyncio.gather(*(store[start:start + len(rows)].write(rows) for start, rows in own))
+
+
+def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
+  """Orbax's standard type handlers and `_LogicalRowsHandler`.
+
+  Neither array handler writes a sharding file (every restore names its
+  sharding) nor Orbax's per-array metadata (which knows no `_LogicalRows`).
+  `_LogicalRows` comes first, so that the type name "jax.Array" they share
+  reads back with the plain ArrayHandler.
+  """
+  handlers = {t: ocp.type_handlers.get_type_handler(t)
+              for t in ocp.type_handlers.supported_types()}
+  handlers[jax.Array] = ocp.type_handlers.ArrayHandler(enable_write_sharding_file=False)
+  return ocp.type_handlers.create_type_handler_registry(
+      (_LogicalRows, _LogicalRowsHandler(enable_write_sharding_file=False)), *handlers.items())
 
 
 def _manager(directory: pathlib.Path, **options) -> ocp.CheckpointManager:
-  return ocp.CheckpointManager(directory.absolute(),
-                               options=ocp.CheckpointManagerOptions(**options),
-                               item_handlers={k: h() for k, h in _ITEMS.items()})
+  return ocp.CheckpointManager(
+      directory.absolute(), options=ocp.CheckpointManagerOptions(**options),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
+                     "meta": ocp.JsonCheckpointHandler()})
+
+
+def _read_meta(manager: ocp.CheckpointManager, directory: pathlib.Path, step: int) -> dict:
+  """The JSON record {"identity", "formats"} of checkpoint `step`.
+
+  Raises:
+    errors.InputError: it is missing or unreadable.
+  """
+  try:
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  except (KeyError, ValueError, OSError) as e:  # no meta item; not JSON; no file
+    meta = repr(e)
+  if not (isinstance(meta, dict) and isinstance(meta.get("identity"), dict) and
+          isinstance(meta.get("formats"), dict)):
+    raise errors.InputError(
+        f"the checkpoint at step {step} in {directory} has no readable record of its model "
+        f"and optimizer (meta: {meta}); it is damaged or was not written by wus-train: move "
+        "it away to resume from an earlier one, or use another --output_dir")
+  return meta
+
+
+def check(directory: pathlib.Path, identity: dict) -> dict:
+  """Checks that the latest checkpoint in `directory`, if any, is of `identity`.
+
+  Changes nothing on disk. Every process must call it (Orbax synchronizes
+  processes when it opens a folder).
+
+  Returns:
+    `identity` as it reads back from JSON.
+
+  Raises:
+    errors.InputError: the latest checkpoint is of another identity, or its
+      record is missing or unreadable.
+  """
+  identity = json.loads(json.dumps(identity))
+  with _manager(directory, create=False) as peek:
+    step = peek.latest_step()
+    saved = None if step is None else _read_meta(peek, directory, step)["identity"]
+  if saved is not None and saved != identity:
+    diff = ", ".join(f"{k}: {saved.get(k)!r} here, {identity.get(k)!r} in this run"
+                     for k in sorted(saved.keys() | identity.keys())
+                     if saved.get(k) != identity.get(k))
+    raise errors.InputError(
+        f"the checkpoint at step {step} in {directory} is of another model or optimizer "
+        f"({diff}); use another --output_dir, or the flags it was trained with")
+  return identity
 
 
 class Checkpointer:
@@ -60,34 +173,17 @@ class Checkpointer:
     max_to_keep: how many of the latest checkpoints to keep.
 
   Raises:
-    errors.InputError: `directory` holds a checkpoint of another identity.
-      Nothing in `directory` has been changed then.
+    errors.InputError: the latest checkpoint in `directory` is of another
+      identity or has no readable record (`check`). Nothing in `directory`
+      has been changed then.
   """
 
   def __init__(self, directory: pathlib.Path, identity: dict, *, max_to_keep: int):
-    self._identity = json.loads(json.dumps(identity))  # as it reads back from JSON
-    # Look before writing anything: this manager changes nothing. Every process
-    # opens it (Orbax synchronizes processes in the constructor), whether or not
-    # another process has already created `directory`.
-    with _manager(directory, create=False) as peek:
-      step = peek.latest_step()
-      if step is not None:
-        self._check(directory, step, self._meta(peek, step)["identity"])
+    # Look before writing anything, with a manager that changes nothing.
+    self._identity = check(directory, identity)
+    self._directory = directory
     self._manager = _manager(directory, max_to_keep=max_to_keep, create=True,
                              cleanup_tmp_directories=True)
-
-  def _check(self, directory: pathlib.Path, step: int, saved: dict) -> None:
-    if saved != self._identity:
-      diff = ", ".join(f"{k}: {saved.get(k)!r} here, {self._identity.get(k)!r} in this run"
-                       for k in sorted(saved.keys() | self._identity.keys())
-                       if saved.get(k) != self._identity.get(k))
-      raise errors.InputError(
-          f"the checkpoint at step {step} in {directory} is of another model or optimizer "
-          f"({diff}); use another --output_dir, or the flags it was trained with")
-
-  @staticmethod
-  def _meta(manager: ocp.CheckpointManager, step: int) -> dict:
-    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def latest_step(self) -> int | None:
     """The step of the newest complete checkpoint, or None."""
@@ -105,7 +201,7 @@ class Checkpointer:
       if isinstance(x, wus.ShardedArray):
         formats[jax.tree_util.keystr(path)] = {"shape": x.format.shape,
                                                "merged_shape": x.format.merged_shape}
-        return x.data
+        return _LogicalRows(x.data, x.format.merged_shape[0])
       return x
 
     arrays = jax.tree_util.tree_map_with_path(unwrap, flax.serialization.to_state_dict(state),
@@ -128,9 +224,10 @@ class Checkpointer:
       shapes with `sharding`.
 
     Raises:
-      errors.InputError: the checkpoint's tensors do not fit `target`.
+      errors.InputError: the checkpoint's tensors do not fit `target`, or its
+        record is missing or unreadable.
     """
-    formats = self._meta(self._manager, step)["formats"]
+    formats = _read_meta(self._manager, self._directory, step)["formats"]
     template = flax.serialization.to_state_dict(target)
 
     def restore_args(path, x):
@@ -139,8 +236,7 @@ class Checkpointer:
         raise errors.InputError(f"checkpoint step {step}: {jax.tree_util.keystr(path)} has "
                                 f"shape {fmt['shape']}, this run expects {x.shape}")
       shape = tuple(fmt["merged_shape"]) if fmt else tuple(x.shape)
-      return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=x.dtype,
-                                  strict=fmt is None)
+      return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=x.dtype)
 
     args = jax.tree_util.tree_map_with_path(restore_args, template)
     abstract = jax.tree.map(lambda x, a: jax.ShapeDtypeStruct(a.global_shape, x.dtype,

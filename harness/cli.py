@@ -82,7 +82,8 @@ flags.DEFINE_integer("keep_checkpoints", 3, "How many of the latest checkpoints 
                      lower_bound=1)
 flags.DEFINE_string("output_dir", None, "If set: per mode, a folder <output_dir>/<mode> with "
                     "checkpoints/ (a run resumes from the latest), metrics.jsonl, tensorboard/ "
-                    "and summary.json; and results.json comparing the modes.")
+                    "and summary.json (of the latest run); and results.json comparing the "
+                    "modes, a list with one record per run (a resumed run appends its own).")
 flags.DEFINE_integer("num_devices", 8, "Simulated CPU devices of this process; the mesh has "
                      "one axis 'data' over the devices of all processes.", lower_bound=1)
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 when running "
@@ -121,8 +122,8 @@ def configs_from_flags() -> list[config_lib.RunConfig]:
   if num_processes > 1 and not address:
     raise errors.InputError("--num_processes > 1 needs --coordinator_address (host:port of "
                             "process 0)")
-  output_dir = pathlib.Path(FLAGS.output_dir) if FLAGS.output_dir else None
-  return [config_lib.RunConfig.for_model(
+  output_dir = _output_dir(FLAGS.output_dir)
+  configs = [config_lib.RunConfig.for_model(
       FLAGS.model, mode=mode, data=FLAGS.data, optimizer=FLAGS.optimizer,
       learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
       weight_decay=FLAGS.weight_decay, steps=FLAGS.steps, batch_size=FLAGS.batch_size,
@@ -134,6 +135,52 @@ def configs_from_flags() -> list[config_lib.RunConfig]:
       output_dir=output_dir / mode if output_dir else None, num_devices=FLAGS.num_devices,
       coordinator_address=address, num_processes=num_processes, process_id=process_id)
       for mode in steps.MODES if mode in FLAGS.modes]
+  _warn_ignored_flags(configs[0])
+  return configs
+
+
+def _output_dir(flag: str | None) -> pathlib.Path | None:
+  """--output_dir as a path, or None if unset.
+
+  Raises:
+    errors.InputError: it, or the nearest of its parents that exists, is not a
+      folder.
+  """
+  if not flag:
+    return None
+  path = pathlib.Path(flag)
+  existing = next(p for p in (path, *path.parents) if p.exists())
+  if not existing.is_dir():
+    raise errors.InputError(f"--output_dir={flag}: {existing} is a file, not a folder; give a "
+                            "folder (it is created if missing)")
+  return path
+
+
+# Flags that only some runs read: name -> whether `config` (of a model reading
+# data of `kind`) reads it.
+_READ_BY = {
+    "momentum": lambda config, kind: config.optimizer == "lars",
+    "weight_decay": lambda config, kind: config.optimizer == "lars",
+    "beta1": lambda config, kind: config.optimizer == "adam",
+    "beta2": lambda config, kind: config.optimizer == "adam",
+    "adam_eps": lambda config, kind: config.optimizer == "adam",
+    "seq_len": lambda config, kind: kind == tasks.TEXT,
+    "image_size": lambda config, kind: kind == tasks.IMAGES and (
+        config.data == "synthetic" or pathlib.Path(config.data).is_dir()),
+    "checkpoint_every": lambda config, kind: config.output_dir is not None,
+    "keep_checkpoints": lambda config, kind: config.output_dir is not None,
+}
+
+
+def _warn_ignored_flags(config: config_lib.RunConfig) -> None:
+  """Logs one warning naming the flags given that `config` does not read."""
+  kind = tasks.MODELS[config.model][0]
+  ignored = [f"--{name}" for name, reads in _READ_BY.items()
+             if FLAGS[name].present and not reads(config, kind)]
+  if ignored:
+    context = (f"--model={config.model}, --optimizer={config.optimizer}, --data={config.data}"
+               + ("" if config.output_dir else ", no --output_dir"))
+    logging.warning("ignoring %s: not read in this run (%s)", ", ".join(ignored), context)
 
 
 def flag_values() -> dict:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+import zipfile
+import zlib
 
 import numpy as np
 
@@ -194,18 +196,32 @@ def _digits() -> Dataset:
                         "scikit-learn digits")
 
 
+def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
+  """Every array of the .npz file `path`, read into memory.
+
+  Raises:
+    errors.InputError: it is not a readable .npz file (e.g. truncated).
+  """
+  try:
+    with np.load(path) as arrays:
+      return {name: arrays[name] for name in arrays.files}
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+    raise errors.InputError(f"--data={path}: cannot read it as a .npz file of arrays ({e}); "
+                            "is it complete? Write it with numpy.savez") from None
+
+
 def _npz(path: pathlib.Path) -> Dataset:
-  with np.load(path) as arrays:
-    if not {"images", "labels"} <= set(arrays.files):
-      raise errors.InputError(f"--data={path}: a .npz needs arrays 'images' and 'labels'; "
-                              f"it has {sorted(arrays.files)}")
-    images, labels = arrays["images"], arrays["labels"]
-    held_out = {"eval_images", "eval_labels"} & set(arrays.files)
-    if len(held_out) == 1:
-      raise errors.InputError(f"--data={path}: has {held_out.pop()} but not its pair; a "
-                              "held-out split needs both eval_images and eval_labels")
-    eval_images, eval_labels = ((arrays["eval_images"], arrays["eval_labels"].astype(np.int32))
-                                if held_out else (None, None))
+  arrays = _read_npz(path)
+  if not {"images", "labels"} <= arrays.keys():
+    raise errors.InputError(f"--data={path}: a .npz needs arrays 'images' and 'labels'; "
+                            f"it has {sorted(arrays)}")
+  images, labels = arrays["images"], arrays["labels"]
+  held_out = {"eval_images", "eval_labels"} & arrays.keys()
+  if len(held_out) == 1:
+    raise errors.InputError(f"--data={path}: has {held_out.pop()} but not its pair; a "
+                            "held-out split needs both eval_images and eval_labels")
+  eval_images, eval_labels = ((arrays["eval_images"], arrays["eval_labels"].astype(np.int32))
+                              if held_out else (None, None))
   if images.ndim not in (3, 4) or len(images) != len(labels):
     raise errors.InputError(f"--data={path}: 'images' must be [n, h, w] or [n, h, w, c] and "
                             f"'labels' [n]; got {images.shape} and {labels.shape}")

@@ -32,11 +32,14 @@ class Log:
       an existing `metrics.jsonl` (written after the checkpoint that is resumed
       from) are dropped, so the file reads as one uninterrupted run.
     enabled: False on every process but the first.
+    label: names the run (e.g. its mode) on the progress bar and on each
+      printed evaluation line.
   """
 
   def __init__(self, directory: pathlib.Path | None, *, total_steps: int, start_step: int,
-               enabled: bool):
+               enabled: bool, label: str = ""):
     self._enabled = enabled
+    self._prefix = f"{label} " if label else ""
     self._file = self._tensorboard = None
     if enabled and directory is not None:
       path = directory / "metrics.jsonl"
@@ -46,7 +49,7 @@ class Log:
       self._file = path.open("a")
       self._tensorboard = tensorboardX.SummaryWriter(str(directory / "tensorboard"),
                                                      purge_step=start_step + 1)
-    self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step",
+    self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step", desc=label or None,
                           disable=not enabled, dynamic_ncols=True)
 
   def _write(self, record: dict) -> None:
@@ -69,8 +72,8 @@ class Log:
     """Held-out metrics after `step` updates."""
     self._write({"kind": "eval", "step": step, **{f"eval_{k}": v for k, v in metrics.items()}})
     if self._enabled:
-      self._bar.write(f"step {step}: " + ", ".join(f"held-out {k} {v:.4f}"
-                                                   for k, v in metrics.items()))
+      self._bar.write(f"{self._prefix}step {step}: " +
+                      ", ".join(f"held-out {k} {v:.4f}" for k, v in metrics.items()))
 
   def close(self) -> None:
     self._bar.close()

@@ -144,7 +144,7 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
                                 max_examples=config.eval_examples, sharding=batch_sharding)
   learning_rate = jax.jit(schedule)  # the rate update i uses, for the log
   log = logs.Log(config.output_dir if log_enabled else None, total_steps=config.steps,
-                 start_step=start, enabled=log_enabled)
+                 start_step=start, enabled=log_enabled, label=config.mode)
 
   losses, seconds, batch, held_out = [], [], None, None
   for i in range(start, config.steps):

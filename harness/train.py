@@ -8,7 +8,8 @@ shows a progress bar; at the end it prints, all measured: the loss curves,
 held-out loss and accuracy, step times and throughput, per-device memory of
 the state and of the compiled step, and the collectives in each compiled step.
 With --output_dir, each mode checkpoints there and resumes from its latest
-checkpoint.
+checkpoint; every mode's checkpoints are checked before the first one trains.
+`results.json` there keeps one record per run: a resumed run appends its own.
 
 Examples:
   wus-train                                      # Transformer LM on stdlib bytes
@@ -20,6 +21,7 @@ Examples:
 """
 
 import json
+import pathlib
 import sys
 
 import jax
@@ -45,29 +47,37 @@ def build(config: RunConfig):
   return dataset, task, tx, schedule
 
 
+def identity(config: RunConfig, task: tasks.Task) -> dict:
+  """What a checkpoint of `config` records and checks: the model and the optimizer."""
+  return {**task.identity(), "optimizer": config.optimizer}
+
+
 def open_checkpoints(config: RunConfig, task: tasks.Task) -> checkpoint.Checkpointer:
   """The checkpoints of `config` in `<output_dir>/checkpoints`, for `task` and the optimizer.
 
   Raises:
-    errors.InputError: they are of another model or optimizer.
+    errors.InputError: they are of another model or optimizer, or unreadable.
   """
-  return checkpoint.Checkpointer(config.output_dir / "checkpoints",
-                                 {**task.identity(), "optimizer": config.optimizer},
+  return checkpoint.Checkpointer(config.output_dir / "checkpoints", identity(config, task),
                                  max_to_keep=config.keep_checkpoints)
 
 
-def fit(config: RunConfig) -> loop.Result:
+def fit(config: RunConfig, built=None) -> loop.Result:
   """Loads the data, builds model and optimizer, and trains (`loop.train`).
 
   JAX must be set up for `config` (`cli.setup_jax`). With `config.output_dir`,
   resumes from and saves to `<output_dir>/checkpoints` and writes
-  `summary.json` there (first process only).
+  `summary.json` there (first process only; the summary of this call).
+
+  Args:
+    config: the run.
+    built: `build(config)`, if already done.
 
   Raises:
     errors.InputError: the data cannot be read or the checkpoints there are
-      of another model or optimizer.
+      of another model or optimizer, or unreadable.
   """
-  dataset, task, tx, schedule = build(config)
+  dataset, task, tx, schedule = built or build(config)
   mesh = jax.make_mesh((jax.device_count(),), (steps.AXIS_NAME,))
   checkpointer = open_checkpoints(config, task) if config.output_dir else None
   first = jax.process_index() == 0
@@ -83,6 +93,42 @@ def fit(config: RunConfig) -> loop.Result:
   if config.output_dir and first:
     (config.output_dir / "summary.json").write_text(json.dumps(result.summary, indent=2))
   return result
+
+
+def fit_modes(configs: list[RunConfig]) -> dict[str, dict]:
+  """`fit` of each config (one per mode, same data, model and optimizer), in order.
+
+  Every mode's checkpoints are checked before the first mode trains, so a bad
+  one stops the run before any training and before anything is written.
+
+  Returns:
+    {mode: summary}.
+
+  Raises:
+    errors.InputError: as `fit`.
+  """
+  built = build(configs[0])
+  for config in configs:
+    if config.output_dir:
+      checkpoint.check(config.output_dir / "checkpoints", identity(config, built[1]))
+  return {config.mode: fit(config, built).summary for config in configs}
+
+
+def append_record(path: pathlib.Path, record: dict) -> None:
+  """Appends `record` to the JSON list in `path` (created if missing).
+
+  A file that is not such a list (an older single record, or unreadable) is
+  kept: a record becomes the list's first element; an unreadable file is
+  renamed to `<name>.unreadable`.
+  """
+  records = []
+  if path.exists():
+    try:
+      records = json.loads(path.read_text())
+    except json.JSONDecodeError:
+      path.rename(path.with_name(path.name + ".unreadable"))
+    records = records if isinstance(records, list) else [records]
+  path.write_text(json.dumps([*records, record], indent=2))
 
 
 def format_results(results: dict[str, dict]) -> str:
@@ -157,15 +203,15 @@ def main(argv):
   try:
     configs = cli.configs_from_flags()
     cli.setup_jax(configs[0])
-    results = {c.mode: fit(c).summary for c in configs}
+    results = fit_modes(configs)
   except errors.InputError as e:
     sys.exit(f"wus-train: error: {e}")
   if jax.process_index() == 0:
     print(format_results(results))
     if configs[0].output_dir:
       path = configs[0].output_dir.parent / "results.json"
-      path.write_text(json.dumps({"flags": cli.flag_values(), "modes": results}, indent=2))
-      print(f"\nWrote {path}")
+      append_record(path, {"flags": cli.flag_values(), "modes": results})
+      print(f"\nAppended this run's results to {path}")
 
 
 def run():

@@ -144,6 +144,22 @@ def test_two_processes_equal_one(reference, tmp_path):
   np.testing.assert_allclose(losses, ref.summary["losses"], rtol=1e-4)
 
 
+def snapshot(root):
+  return {str(p): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+          for p in sorted(root.rglob("*"))}
+
+
+def first_error_line(tmp_path, **flags) -> str:
+  """The first stderr line of `wus-train` with `flags`, which must fail with status 1,
+  without a traceback, changing nothing under tmp_path."""
+  before = snapshot(tmp_path)
+  proc = subprocess.run(cli(tmp_path, **flags), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1, proc.stderr
+  assert "Traceback" not in proc.stderr, proc.stderr
+  assert snapshot(tmp_path) == before
+  return proc.stderr.strip().splitlines()[0]
+
+
 @pytest.mark.parametrize("flags, message", [
     ({"model": "transformer_small"}, "wus-train: error: the checkpoint at step 20 in "),
     ({"optimizer": "adam"}, "'lars' here, 'adam' in this run"),
@@ -156,14 +172,19 @@ def test_bad_input_is_one_line_and_leaves_checkpoints_intact(reference, tmp_path
                                                              message):
   ref_dir, _ = reference
   shutil.copytree(ref_dir, tmp_path / "wus")
+  assert message in first_error_line(tmp_path, **flags)
 
-  def snapshot():
-    return {str(p): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
-            for p in sorted(tmp_path.rglob("*"))}
 
-  before = snapshot()
-  proc = subprocess.run(cli(tmp_path, **flags), capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 1
-  assert "Traceback" not in proc.stderr
-  assert message in proc.stderr.strip().splitlines()[0], proc.stderr
-  assert snapshot() == before
+def test_unreadable_data_or_checkpoint_record_is_one_line_and_left_intact(reference, tmp_path):
+  ref_dir, _ = reference
+  shutil.copytree(ref_dir, tmp_path / "wus")
+  data = tmp_path / "digits.npz"
+  np.savez(data, images=np.zeros((50, 8, 8), np.uint8), labels=np.zeros(50, np.int64))
+  data.write_bytes(data.read_bytes()[:100])
+  assert first_error_line(tmp_path, data=data).startswith(
+      f"wus-train: error: --data={data}: cannot read it as a .npz file")
+
+  shutil.rmtree(tmp_path / "wus" / "checkpoints" / str(FLAGS["steps"]) / "meta")
+  assert first_error_line(tmp_path).startswith(
+      f"wus-train: error: the checkpoint at step {FLAGS['steps']} in "
+      f"{tmp_path / 'wus' / 'checkpoints'} has no readable record")

@@ -1,6 +1,7 @@
 """Tests of wus.harness.checkpoint: sharded state saved in place, restored whole."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -15,30 +16,51 @@ from wus.harness import checkpoint, errors
 IDENTITY = {"model": "toy", "config": {"width": 7}}
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  return jax.make_mesh((8,), ("data",))
+TX = optax.adam(0.1)
 
 
-@pytest.fixture(scope="module")
-def trained(mesh):
-  """{"params", "opt_state"} after one wus step: Adam's moments of w [3, 7] are sharded."""
-  tx = optax.adam(0.1)
-  params = {"w": jnp.arange(21.0).reshape(3, 7), "b": jnp.ones(5)}
+def mesh_of(num_devices):
+  return jax.make_mesh((num_devices,), ("data",), devices=jax.devices()[:num_devices])
 
+
+def wus_step(mesh, state):
+  """{"params", "opt_state"} after one wus step on `mesh` from whole `state`."""
   def step(params, opt_state, x):
     local = jax.lax.pcast(params, "data", to="varying")
     grads = jax.grad(lambda p: sum(jnp.sum(jnp.sin(v) * x.mean()) for v in jax.tree.leaves(p)))(
         local)
-    updates, opt_state = tx.update(jax.lax.pmean(grads, "data"), opt_state, params)
+    updates, opt_state = TX.update(jax.lax.pmean(grads, "data"), opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
   mapped = wus.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
   x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
-  params, opt_state = mapped(*jax.device_put((params, tx.init(params)),
+  params, opt_state = mapped(*jax.device_put((state["params"], state["opt_state"]),
                                              NamedSharding(mesh, P())), x)
-  assert isinstance(opt_state[0].mu["w"], wus.ShardedArray)
   return {"params": params, "opt_state": opt_state}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return mesh_of(8)
+
+
+@pytest.fixture(scope="module")
+def trained(mesh):
+  """After one wus step on 8 devices: Adam's moments of w [2, 5] are sharded, 10 elements
+  as 8 x 2 rows (6 rows of padding)."""
+  params = {"w": jnp.arange(10.0).reshape(2, 5), "b": jnp.ones(5)}
+  state = wus_step(mesh, {"params": params, "opt_state": TX.init(params)})
+  mu = state["opt_state"][0].mu["w"]
+  assert isinstance(mu, wus.ShardedArray) and mu.data.shape == (16,)
+  return state
+
+
+def saved_shapes(directory, step):
+  """{keystr: shape} of the arrays of checkpoint `step`, as Orbax's metadata records them."""
+  with checkpoint._manager(directory, create=False) as manager:
+    tree = manager.item_metadata(step)["state"].tree
+  return {jax.tree_util.keystr(k): tuple(v.shape)
+          for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def snapshot(directory):
@@ -46,31 +68,58 @@ def snapshot(directory):
           for p in sorted(directory.rglob("*"))}
 
 
-def test_sharded_state_round_trips_whole(tmp_path, mesh, trained):
-  saver = checkpoint.Checkpointer(tmp_path, IDENTITY, max_to_keep=2)
-  saver.save(1, trained)
+def save(directory, step, state):
+  saver = checkpoint.Checkpointer(directory, IDENTITY, max_to_keep=2)
+  saver.save(step, state)
   saver.close()
 
+
+def load(directory, step, like, mesh):
+  loader = checkpoint.Checkpointer(directory, IDENTITY, max_to_keep=2)
+  restored = loader.restore(step, jax.eval_shape(lambda: wus.unshard(like)),
+                            NamedSharding(mesh, P()))
+  loader.close()
+  return restored
+
+
+def test_sharded_state_round_trips_whole(tmp_path, mesh, trained):
+  save(tmp_path, 1, trained)
   meta = json.loads((tmp_path / "1" / "meta" / "metadata").read_text())
   assert meta["identity"] == IDENTITY
-  assert meta["formats"]["['opt_state']['0']['mu']['w']"] == {"shape": [3, 7],
-                                                               "merged_shape": [21]}
+  assert meta["formats"]["['opt_state']['0']['mu']['w']"] == {"shape": [2, 5],
+                                                               "merged_shape": [10]}
   assert "['params']['w']" not in meta["formats"]
 
-  loader = checkpoint.Checkpointer(tmp_path, IDENTITY, max_to_keep=2)
-  assert loader.latest_step() == 1
-  replicated = NamedSharding(mesh, P())
-  target = jax.eval_shape(lambda: wus.unshard(trained))
-  restored = loader.restore(1, target, replicated)
-  loader.close()
+  restored = load(tmp_path, 1, trained, mesh)
   assert_trees_equal(restored, wus.unshard(trained))
+  replicated = NamedSharding(mesh, P())
   assert all(x.sharding.is_equivalent_to(replicated, x.ndim) for x in jax.tree.leaves(restored))
 
 
+def test_sharded_state_is_saved_unpadded(tmp_path, trained):
+  save(tmp_path, 1, trained)
+  shapes = saved_shapes(tmp_path, 1)
+  # Sharded: the 10 logical elements (merged_shape), not the 16 padded rows of `.data`.
+  assert shapes["['opt_state']['0']['mu']['w']"] == shapes["['opt_state']['0']['nu']['w']"] == (10,)
+  assert shapes["['params']['w']"] == (2, 5)  # whole arrays as they are
+
+
+def test_restores_exactly_at_other_device_counts(tmp_path, trained):
+  """Saved at 8 devices, restored and sharded again at 4 (2 padding rows), saved, and
+  restored at 8: each restore gives exactly what was saved."""
+  save(tmp_path / "at8", 1, trained)
+  at4 = load(tmp_path / "at8", 1, trained, mesh_of(4))
+  assert_trees_equal(at4, wus.unshard(trained))
+
+  trained4 = wus_step(mesh_of(4), at4)
+  assert trained4["opt_state"][0].mu["w"].data.shape == (12,)
+  save(tmp_path / "at4", 2, trained4)
+  assert saved_shapes(tmp_path / "at4", 2)["['opt_state']['0']['mu']['w']"] == (10,)
+  assert_trees_equal(load(tmp_path / "at4", 2, trained4, mesh_of(8)), wus.unshard(trained4))
+
+
 def test_checkpoint_of_another_identity_is_refused_untouched(tmp_path, trained):
-  saver = checkpoint.Checkpointer(tmp_path, IDENTITY, max_to_keep=2)
-  saver.save(3, trained)
-  saver.close()
+  save(tmp_path, 3, trained)
   before = snapshot(tmp_path)
   with pytest.raises(errors.InputError, match=r"step 3 .* of another model or optimizer "
                      r"\(config: \{'width': 7\} here, \{'width': 8\} in this run\)"):
@@ -79,9 +128,7 @@ def test_checkpoint_of_another_identity_is_refused_untouched(tmp_path, trained):
 
 
 def test_an_unfinished_save_is_ignored_and_cleaned_up(tmp_path, trained):
-  saver = checkpoint.Checkpointer(tmp_path, IDENTITY, max_to_keep=2)
-  saver.save(1, trained)
-  saver.close()
+  save(tmp_path, 1, trained)
   unfinished = tmp_path / "2.orbax-checkpoint-tmp-1234"  # as a save killed midway leaves it
   (unfinished / "state").mkdir(parents=True)
   (unfinished / "state" / "junk").write_bytes(b"\0" * 10)
@@ -94,11 +141,33 @@ def test_an_unfinished_save_is_ignored_and_cleaned_up(tmp_path, trained):
 
 
 def test_tensor_of_another_shape_is_refused(tmp_path, mesh, trained):
-  saver = checkpoint.Checkpointer(tmp_path, IDENTITY, max_to_keep=2)
-  saver.save(1, trained)
-  saver.close()
+  save(tmp_path, 1, trained)
   target = jax.eval_shape(lambda: wus.unshard(trained))
-  target["opt_state"][0].mu["w"] = jax.ShapeDtypeStruct((7, 3), jnp.float32)
-  with pytest.raises(errors.InputError, match=r"has shape \[3, 7\], this run expects \(7, 3\)"):
+  target["opt_state"][0].mu["w"] = jax.ShapeDtypeStruct((5, 2), jnp.float32)
+  with pytest.raises(errors.InputError, match=r"has shape \[2, 5\], this run expects \(5, 2\)"):
     checkpoint.Checkpointer(tmp_path, IDENTITY, max_to_keep=2).restore(
         1, target, NamedSharding(mesh, P()))
+
+
+@pytest.mark.parametrize("damage", [
+    lambda meta: shutil.rmtree(meta),
+    lambda meta: (meta / "metadata").write_text('{"identity": {"model"'),
+    lambda meta: (meta / "metadata").write_text('{"identity": [], "formats": {}}'),
+], ids=["missing", "truncated", "identity_not_a_record"])
+def test_checkpoint_without_a_readable_record_is_refused_untouched(tmp_path, trained, damage):
+  save(tmp_path, 1, trained)
+  save(tmp_path, 2, trained)
+  damage(tmp_path / "2" / "meta")
+  before = snapshot(tmp_path)
+  with pytest.raises(errors.InputError, match=r"the checkpoint at step 2 in .* has no readable "
+                     r"record of its model and optimizer \(meta: .*\); it is damaged"):
+    checkpoint.Checkpointer(tmp_path, IDENTITY, max_to_keep=2)
+  assert snapshot(tmp_path) == before
+
+
+def test_check_looks_without_writing(tmp_path, trained):
+  assert checkpoint.check(tmp_path / "none", IDENTITY) == IDENTITY
+  assert not (tmp_path / "none").exists()
+  save(tmp_path, 1, trained)
+  with pytest.raises(errors.InputError, match="of another model or optimizer"):
+    checkpoint.check(tmp_path, {**IDENTITY, "model": "other"})

@@ -1,6 +1,7 @@
 """Tests of wus.harness.cli: flags to RunConfigs, model defaults, environment."""
 
 import pathlib
+from unittest import mock
 
 import pytest
 from absl.testing import flagsaver
@@ -62,3 +63,37 @@ def test_inconsistent_processes(parse, monkeypatch, args, env, match):
     monkeypatch.setenv(k, v)
   with pytest.raises(errors.InputError, match=match):
     parse(*args)
+
+
+@pytest.mark.parametrize("where", [".", "below"])
+def test_output_dir_must_be_a_folder(parse, tmp_path, where):
+  file = tmp_path / "a_file"
+  file.write_text("")
+  flag = str(file if where == "." else file / "run")
+  with pytest.raises(errors.InputError, match=rf"--output_dir={flag}: {file} is a file, not a "
+                     "folder"):
+    parse(f"--output_dir={flag}")
+
+
+def test_a_new_output_dir_is_fine(parse, tmp_path):
+  (run,) = parse("--modes=wus", f"--output_dir={tmp_path / 'new' / 'run'}")
+  assert run.output_dir == tmp_path / "new" / "run" / "wus"
+  assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("args, ignored", [
+    (["--model=transformer_small", "--momentum=0.5", "--beta1=0.8", "--image_size=16"],
+     ["--momentum", "--image_size"]),
+    (["--model=resnet_small", "--adam_eps=1e-6", "--seq_len=64", "--weight_decay=0.1",
+      "--checkpoint_every=5"], ["--adam_eps", "--seq_len", "--checkpoint_every"]),
+    (["--model=resnet_small", "--data=synthetic", "--image_size=16", "--optimizer=adam",
+      "--beta2=0.99", "--output_dir=/tmp/x", "--keep_checkpoints=2"], []),
+])
+def test_flags_the_run_does_not_read_are_warned_about(parse, args, ignored):
+  with mock.patch.object(cli.logging, "warning") as warning:
+    parse(*args)
+  if ignored:
+    warning.assert_called_once()
+    assert warning.call_args.args[1] == ", ".join(ignored)
+  else:
+    warning.assert_not_called()

@@ -42,3 +42,10 @@ def test_other_processes_write_nothing(tmp_path):
   log.train(1, {"loss": 1.0}, learning_rate=0.1, seconds=0.01)
   log.close()
   assert not list(tmp_path.iterdir())
+
+
+def test_printed_evaluations_name_the_run(capsys):
+  log = logs.Log(None, total_steps=2, start_step=0, enabled=True, label="wus")
+  log.eval(2, {"loss": 2.0, "accuracy": 0.5})
+  log.close()
+  assert "wus step 2: held-out loss 2.0000, held-out accuracy 0.5000\n" in capsys.readouterr().out

@@ -1,10 +1,13 @@
 """Tests of wus.harness.optim: the schedules and what LARS decays."""
 
+import collections
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from wus.harness import optim
+from wus.harness import optim, tasks
 
 
 def test_lars_schedule_warms_up_then_decays_polynomially():
@@ -38,3 +41,23 @@ def test_make_by_name():
                             eps=1e-9)
   assert float(schedule(4)) == pytest.approx(1e-3)
   assert "mu" in tx.init({"w": jnp.ones(2)})[0]._fields
+
+
+def test_lars_on_a_resnet_decays_and_scales_kernels_only():
+  """MLPerf's LARS: kernels get weight decay and the trust ratio; biases and batch-norm
+  scales and offsets get neither (their update is -learning_rate * gradient)."""
+  task = tasks.make("resnet_small", num_classes=10, seq_len=1, axis_name="data")
+  params, _ = task.init(0, {"image": np.zeros((1, 8, 8, 1), np.float32)})
+  tx, schedule = optim.lars(learning_rate=0.5, warmup_steps=0, total_steps=10,
+                            weight_decay=0.1, momentum=0.0)
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  plain = dict(jax.tree_util.tree_flatten_with_path(
+      jax.tree.map(lambda g: -float(schedule(0)) * g, grads))[0])
+
+  counts = collections.Counter()
+  for path, update in jax.tree_util.tree_flatten_with_path(updates)[0]:
+    name = path[-1].key
+    counts[name] += 1
+    assert np.allclose(update, plain[path], rtol=1e-6) == (name != "kernel"), path
+  assert counts.keys() == {"kernel", "bias", "scale"} and min(counts.values()) > 1, counts

@@ -1,9 +1,12 @@
-"""Tests of wus.harness.train: the printed comparison, and the CLI's one-line errors."""
+"""Tests of wus.harness.train: the printed comparison, the CLI's one-line errors, results."""
 
+import json
+
+import numpy as np
 import pytest
 from absl.testing import flagsaver
 
-from wus.harness import cli, report, train
+from wus.harness import checkpoint, cli, report, train
 
 
 def summary(losses, start_step=0, **overrides):
@@ -46,16 +49,74 @@ def test_format_results_when_nothing_was_left_to_train():
   assert "Training loss" not in text and "| median step time (ms)          | -      |" in text
 
 
+def main_error(*args) -> str:
+  """What `wus-train` with `args` exits with (it must exit)."""
+  with flagsaver.flagsaver():
+    cli.FLAGS.unparse_flags()
+    argv = cli.FLAGS(["wus-train", *args])
+    try:
+      with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    finally:
+      cli.FLAGS.unparse_flags()
+  return str(exit_info.value.code)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data=/no/such/file.npz", "--model=resnet_small"],
      "wus-train: error: --data=/no/such/file.npz: no such file or directory"),
     (["positional"], "wus-train: error: unexpected arguments ['positional']"),
 ])
 def test_main_reports_bad_input_in_one_line(args, message):
-  with flagsaver.flagsaver():
-    cli.FLAGS.unparse_flags()
-    argv = cli.FLAGS(["wus-train", *args])
-    with pytest.raises(SystemExit) as exit_info:
-      train.main(argv)
-  cli.FLAGS.unparse_flags()
-  assert str(exit_info.value.code).startswith(message)
+  assert main_error(*args).startswith(message)
+
+
+def test_main_reports_a_file_as_output_dir(tmp_path):
+  (tmp_path / "out").write_text("not a folder")
+  assert main_error(f"--output_dir={tmp_path / 'out'}").startswith(
+      f"wus-train: error: --output_dir={tmp_path / 'out'}: {tmp_path / 'out'} is a file, not "
+      "a folder; give a folder")
+
+
+@pytest.mark.parametrize("damage", [
+    lambda data: data[:len(data) // 2],  # truncated
+    lambda data: data[:-200] + bytes(200),  # end overwritten: zip directory lost
+    lambda data: b"images,labels\n1,2\n",  # not a .npz at all
+], ids=["truncated", "overwritten", "not_npz"])
+def test_main_reports_an_unreadable_npz_in_one_line(tmp_path, damage):
+  path = tmp_path / "data.npz"
+  np.savez(path, images=np.zeros((50, 8, 8), np.uint8), labels=np.zeros(50, np.int64))
+  path.write_bytes(damage(path.read_bytes()))
+  message = main_error("--model=resnet_small", f"--data={path}")
+  assert message.startswith(f"wus-train: error: --data={path}: cannot read it as a .npz "
+                            "file of arrays ("), message
+  assert "\n" not in message
+
+
+def test_a_bad_checkpoint_of_the_second_mode_stops_the_run_before_training(tmp_path,
+                                                                           monkeypatch):
+  saver = checkpoint.Checkpointer(tmp_path / "wus" / "checkpoints", {"model": "other"},
+                                  max_to_keep=1)
+  saver.save(3, {"w": np.ones(2, np.float32)})
+  saver.close()
+  trained = []
+  monkeypatch.setattr(train.loop, "train", lambda *args, **kwargs: trained.append(args))
+  message = main_error("--model=resnet_small", f"--output_dir={tmp_path}",
+                       "--modes=replicated", "--modes=wus")
+  assert message.startswith("wus-train: error: the checkpoint at step 3 in "
+                            f"{tmp_path / 'wus' / 'checkpoints'} is of another model"), message
+  assert not trained and not (tmp_path / "replicated").exists()
+
+
+def test_results_are_appended_to_earlier_records(tmp_path):
+  path = tmp_path / "results.json"
+  train.append_record(path, {"run": 1})
+  train.append_record(path, {"run": 2})
+  assert json.loads(path.read_text()) == [{"run": 1}, {"run": 2}]
+  path.write_text(json.dumps({"run": 0}))  # a single record, as older versions wrote
+  train.append_record(path, {"run": 1})
+  assert json.loads(path.read_text()) == [{"run": 0}, {"run": 1}]
+  path.write_text("{unreadable")
+  train.append_record(path, {"run": 1})
+  assert json.loads(path.read_text()) == [{"run": 1}]
+  assert (tmp_path / "results.json.unreadable").read_text() == "{unreadable"
