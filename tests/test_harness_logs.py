@@ -1,12 +1,29 @@
 """Tests of wus.harness.logs: the metrics file, TensorBoard events, resuming."""
 
 import json
+import struct
+
+from tensorboardX.proto import event_pb2
 
 from wus.harness import logs
 
 
 def read(path):
   return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_scalars(directory):
+  """(tag, step, value) of every scalar in TensorBoard event files (TFRecord framing:
+  8-byte length, 4-byte CRC, the Event proto, 4-byte CRC)."""
+  out = []
+  for path in sorted(directory.glob("events.out.tfevents.*")):
+    data, pos = path.read_bytes(), 0
+    while pos < len(data):
+      (n,) = struct.unpack("<Q", data[pos:pos + 8])
+      event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+      pos += 16 + n
+      out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+  return out
 
 
 def test_metrics_file_and_tensorboard(tmp_path):
@@ -22,7 +39,11 @@ def test_metrics_file_and_tensorboard(tmp_path):
       {"kind": "train", "step": 2, "loss": 1.5, "accuracy": 0.5, "learning_rate": 0.2,
        "step_seconds": 0.01},
   ]
-  assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+  scalars = read_scalars(tmp_path / "tensorboard")
+  assert ("train/loss", 1, 2.5) in scalars and ("eval/eval_accuracy", 1, 0.5) in scalars
+  assert ("train/learning_rate", 2, 0.20000000298023224) in scalars
+  assert {t for t, _, _ in scalars} == {"train/loss", "train/accuracy", "train/learning_rate",
+                                        "train/step_seconds", "eval/eval_loss", "eval/eval_accuracy"}
 
 
 def test_resuming_drops_records_after_the_checkpoint(tmp_path):
