@@ -147,22 +147,36 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   if inputs_sharded and seeds:
     for i in seeds:
       union(i, seeds[0])
-  changed = True
-  while changed:  # Each pass adds at least one equation or stops.
-    changed = False
-    for i in list(parent):
+  def grow(todo: list[int]) -> None:
+    # Each equation is grown from once. A producer that fails the backward test
+    # passes it when the last of its readers joins, and is found from that one.
+    while todo:
+      i = todo.pop()
       eqn = eqns[i]
       # Forward: readers of this equation's big outputs.
       for v in filter(big, eqn.outvars):
         for r in graph.readers[v]:
-          if r in parent or kind(r) is not None:
-            changed |= add(r, i)
+          if kind(r) is not None and add(r, i):
+            todo.append(r)
       # Backward: producers of big operands that only cluster equations read.
       for v in filter(big, eqn.invars):
         p = graph.producer.get(v)
         if (p is not None and kind(p) is not None and v not in graph.outputs
-            and all(r in parent for r in graph.readers[v])):
-          changed |= add(p, i)
+            and all(r in parent for r in graph.readers[v]) and add(p, i)):
+          todo.append(p)
+
+  grow(list(seeds))
+  # Reductions of big tensors that the update reads only through small values
+  # (LARS and LAMB's ‖w‖, §4.1): growth through big tensors misses them, so
+  # every replica would reduce the whole weight. Each joins the first cluster
+  # its result reaches, and grows backward from there (`w * w` on the shard).
+  if parent:
+    for i in range(len(eqns)):
+      if i not in parent and kind(i) in (Kind.REDUCE_ALL, Kind.REDUCE):
+        member = _reached_member(i, graph, parent, facts, ctx.axes)
+        if member is not None:
+          add(i, member)
+          grow([i])
 
   members: dict[int, list[int]] = collections.defaultdict(list)
   for i in sorted(parent):
@@ -178,6 +192,25 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   clusters = [_make_cluster(sorted(m), graph, big, kind, set(seeds), branches, inputs)
               for m in members.values()]
   return sorted(clusters, key=lambda c: c.eqns[0] if c.eqns else -1)
+
+
+def _reached_member(start: int, graph: _Graph, members, facts: Redundancy, axes: frozenset,
+                    limit: int = 64) -> int | None:
+  """The first cluster equation that `start`'s outputs reach through equations
+  every replica repeats (a norm's sqrt, a trust ratio), or None; looks at
+  `limit` equations at most."""
+  seen, todo = {start}, [start]
+  while todo and len(seen) <= limit:
+    for v in graph.jaxpr.eqns[todo.pop(0)].outvars:
+      for r in graph.readers[v]:
+        if r in members:
+          return r
+        eqn = graph.jaxpr.eqns[r]
+        if (r not in seen and not compat.side_effects(eqn)
+            and all(facts.is_redundant(o, axes) for o in eqn.outvars)):
+          seen.add(r)
+          todo.append(r)
+  return None
 
 
 def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int], branches,

@@ -14,6 +14,9 @@ from typing import Any
 
 from jax._src import core as _core
 from jax._src import source_info_util as _source_info
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax
+from jax._src.lax import slicing as _slicing
 from jax._src.lax import parallel as _parallel
 from jax._src.random import prng as _prng
 from jax._src.shard_map import shard_map_p  # noqa: F401  (re-exported)
@@ -127,11 +130,57 @@ def bind(eqn: JaxprEqn, *args: Any, **new_params: Any) -> list[Any]:
   Returns:
     A list with one value per `eqn.outvars`.
   """
+  if not new_params and (out := _stage(eqn, args)) is not None:
+    return out
   params = dict(eqn.primitive.get_bind_params(eqn.params) if not new_params
                 else eqn.primitive.get_bind_params({**eqn.params, **new_params}))
   with source_of(eqn):
     out = eqn.primitive.bind(*args, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# Primitives whose jaxpr staging rule is `default_process_primitive` (jax 0.10:
+# the rules exist for dynamic shapes only).
+_PLAIN_STAGING = frozenset({_lax.broadcast_in_dim_p, _lax.reshape_p, _lax.iota_p,
+                            _slicing.dynamic_slice_p})
+
+
+def _stage(eqn: JaxprEqn, args: Sequence[Any]) -> list[Any] | None:
+  """`bind` under a jaxpr trace when every operand has the equation's own type.
+
+  The outputs then have the equation's types too, so the equation is staged as
+  `DynamicJaxprTrace.default_process_primitive` stages it, without abstract
+  evaluation: a replayed equation costs a fraction of a bind. Literal operands
+  must be passed as their `.val`. None (bind instead) under any other trace,
+  for other operand types, effects, a primitive with its own staging rule, or
+  a type of JAX's hijax layer.
+  """
+  trace = _core.trace_ctx.trace
+  if (not isinstance(trace, _pe.DynamicJaxprTrace) or side_effects(eqn)
+      or (eqn.primitive in _pe.custom_staging_rules and eqn.primitive not in _PLAIN_STAGING)
+      or eqn.primitive.is_high(*[v.aval for v in eqn.invars], **eqn.params)):
+    return None
+  src = eqn.source_info.replace(
+      name_stack=_source_info.current_name_stack() + eqn.source_info.name_stack)
+  tracers = []
+  for v, x in zip(eqn.invars, args, strict=True):
+    if isinstance(v, Literal) and x is v.val:
+      tracers.append(_pe.DynamicJaxprTracer(trace, v.aval, v, src))
+    elif isinstance(x, _pe.DynamicJaxprTracer) and x._trace is trace and x.aval == v.aval:
+      tracers.append(x)
+    else:
+      return None
+  out_avals = [v.aval for v in eqn.outvars]
+  if _pe.try_constant_folding(eqn.primitive, tracers, eqn.params, out_avals) is not None:
+    return None
+  staged, outs = trace.make_eqn(tracers, out_avals, eqn.primitive, eqn.params, eqn.effects,
+                                src, eqn.ctx)
+  if eqn.primitive in _pe.forwarding_rules:
+    forwarded, staged = _pe.forwarding_rules[eqn.primitive](staged)
+    outs = [t if k is None else tracers[k] for k, t in zip(forwarded, outs, strict=True)]
+  if staged is not None:
+    trace.frame.add_eqn(staged)
+  return outs
 
 
 @contextlib.contextmanager
@@ -168,19 +217,37 @@ def varying_axes(aval: Any) -> frozenset:
   return frozenset(mat.varying) if mat is not None else frozenset()
 
 
-def match_varying(values: Sequence[Any]) -> list[Any]:
+def match_varying(values: Sequence[Any], keys: Sequence[Any] | None = None,
+                  cache: dict | None = None) -> list[Any]:
   """Casts values to the union of their varying axes, as jax.numpy does.
 
   With check_vma=True a primitive's operands must agree on which manual axes
   they vary over; a shard (varying) meeting a scalar (invariant) needs the
   scalar cast with `lax.pcast(..., to="varying")`, which moves no data.
+
+  Args:
+    values: the operands.
+    keys: optionally a hashable key per value (None: not cached) naming what
+      it is, for example its jaxpr variable.
+    cache: with `keys`, casts made so far under the current trace, by key and
+      axes; each value is cast once.
   """
   import jax
   from jax import lax
   types = [varying_axes(jax.typeof(x)) for x in values]
   union = frozenset().union(*types)
-  return [x if t == union else lax.pcast(x, tuple(sorted(union - t)), to="varying")
-          for x, t in zip(values, types, strict=True)]
+  out = []
+  for x, t, key in zip(values, types, keys or [None] * len(values), strict=True):
+    axes = tuple(sorted(union - t))
+    if not axes:
+      out.append(x)
+    elif key is None or cache is None:
+      out.append(lax.pcast(x, axes, to="varying"))
+    else:
+      if (key, axes) not in cache:
+        cache[key, axes] = lax.pcast(x, axes, to="varying")
+      out.append(cache[key, axes])
+  return out
 
 
 def is_literal(atom: Any) -> bool:

@@ -293,6 +293,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
                                       "sharded between steps")
 
   readers = _readers(jaxpr)
+  clustered = {i for c in found for i in c.eqns}
   for c in found:
     idx = len(cluster_plans)
     members = set(c.eqns)
@@ -317,6 +318,13 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
             c, jaxpr, members, state_pairs, pairs, narrow, invar_pos, in_names, readers))
     fmt = layout.formats.get if decision.shard else (lambda v: None)
     tensors = _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt)
+    if not decision.shard:
+      # The update goes on past the equation that stopped the cluster: name
+      # what it reads and returns there as kept whole with this cluster.
+      rest, rest_pairs = _continued(jaxpr, c, clustered, readers, state_pairs, ctx)
+      tensors += _tensors(rest, jaxpr, rest_pairs, in_names, out_names, invar_pos, fmt)
+      for v in rest.reads:
+        input_reason.setdefault(invar_pos[v], (False, f"cluster {idx} stays replicated"))
     cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, label + decision.reason,
                                      decision.all_reduce_bytes, decision.all_gather_bytes,
                                      decision.saved_bytes))
@@ -560,6 +568,50 @@ def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[Tens
       if p not in pairs:
         out.append(entry(out_names[p], v, "output"))
   return tuple(out)
+
+
+def _continued(jaxpr: Jaxpr, c: clusters_lib.Cluster, clustered: set[int], readers: dict,
+               state_pairs: Mapping[int, int], ctx: _Ctx) -> tuple[clusters_lib.Cluster, dict]:
+  """The rest of a replicated cluster's weight update, which no cluster holds.
+
+  Growth stops at an equation with no shard rule (a matmul with the weight, a
+  product); the equations after it that every replica still repeats (all
+  outputs identical across `ctx.axes`, no side effects), with the ones of that
+  kind that feed them (the momentum of the same tensor), continue the same
+  update. Returned as a cluster with no seeds or equations, only the big
+  inputs they read (`reads`) and the outputs they return (`program_outputs`),
+  so that the Plan lists them with the cluster that keeps them whole; and the
+  pairs of `state_pairs` whose input only this update reads (state, not weight).
+  """
+  def repeated(i: int) -> bool:
+    eqn = jaxpr.eqns[i]
+    return (i not in clustered and not compat.side_effects(eqn)
+            and all(ctx.facts.is_redundant(o, ctx.axes) for o in eqn.outvars))
+
+  producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+  seen: set[int] = set()
+  todo = [r for v in c.sharded for r in readers.get(v, ())]
+  while todo:
+    i = todo.pop()
+    if i in seen or not repeated(i):
+      continue
+    seen.add(i)
+    eqn = jaxpr.eqns[i]
+    todo += [r for v in eqn.outvars for r in readers.get(v, ())]
+    todo += [producer[v] for v in eqn.invars if not compat.is_literal(v) and v in producer]
+  inputs = set(jaxpr.invars) - set(c.reads)
+  reads = {v: None for r in sorted(seen) for v in jaxpr.eqns[r].invars
+           if not compat.is_literal(v) and v in inputs and ctx.big(v)}
+  made = {v for r in seen for v in jaxpr.eqns[r].outvars}
+  outputs: dict = {}
+  for p, v in enumerate(jaxpr.outvars):
+    if v in made and ctx.big(v) and v not in c.program_outputs:
+      outputs.setdefault(v, []).append(p)
+  update = seen | set(c.eqns)
+  pairs = {o: k for o, k in state_pairs.items()
+           if jaxpr.invars[k] in reads and readers.get(jaxpr.invars[k], set()) <= update}
+  return (clusters_lib.Cluster((), {}, (), (), tuple(reads), {},
+                               {v: tuple(p) for v, p in outputs.items()}), pairs)
 
 
 def _why_whole(v, facts: Redundancy, ctx: _Ctx, any_cluster: bool, split_reason: str) -> str:

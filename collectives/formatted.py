@@ -43,8 +43,9 @@ def shard(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
   Returns:
     shape `fmt.shard_shape`, dtype of `x`.
   """
-  start = lax.axis_index(axis_name) * fmt.shard_rows
-  return lax.dynamic_slice_in_dim(pad(x, fmt), start, fmt.shard_rows, axis=0)
+  start = _replica(axis_name) * fmt.shard_rows
+  return lax.dynamic_slice_in_dim(pad(x, fmt), start, fmt.shard_rows, axis=0,
+                                  allow_negative_indices=False)
 
 
 def row_mask(fmt, axis_name) -> jnp.ndarray:
@@ -56,8 +57,15 @@ def row_mask(fmt, axis_name) -> jnp.ndarray:
   Returns:
     bool [shard_rows] (shape `fmt.shard_shape[:1]`).
   """
-  start = lax.axis_index(axis_name) * fmt.shard_rows
+  start = _replica(axis_name) * fmt.shard_rows
   return start + lax.iota(jnp.int32, fmt.shard_rows) < fmt.merged_shape[0]
+
+
+def _replica(axis_name):
+  """This replica's index along `axis_name` (a name, or a tuple of names, major first)."""
+  if isinstance(axis_name, (tuple, list)) and len(axis_name) == 1:
+    axis_name = axis_name[0]  # One axis: no index arithmetic to trace.
+  return lax.axis_index(axis_name)
 
 
 def reduce_scatter(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -46,15 +47,27 @@ def loss_fn(params, x):
   return total
 
 
-def make_step(tx, axis="data"):
+def make_step(tx, axis="data", loss=loss_fn):
   """The ordinary per-replica step; `extra` holds an integer leaf that is not trained."""
   def step(params, opt_state, extra, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    loss_value, grads = jax.value_and_grad(loss)(params, batch)
     grads = jax.lax.pmean(grads, axis)
     updates, opt_state = tx.update(grads, opt_state, params)
     extra = {"counter": extra["counter"] + 1}
-    return optax.apply_updates(params, updates), opt_state, extra, jax.lax.pmean(loss, axis)
+    return optax.apply_updates(params, updates), opt_state, extra, jax.lax.pmean(loss_value, axis)
   return step
+
+
+@functools.cache
+def mesh(n: int = 8):
+  """A 1-D "data" mesh over the first n devices (n = 6: not a power of two)."""
+  return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def sharded_leaves(tree) -> list:
+  """The `wus.ShardedArray` leaves of a tree."""
+  return [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, wus.ShardedArray))
+          if isinstance(x, wus.ShardedArray)]
 
 
 def batches(mesh, n, per_replica=2, axis="data"):
@@ -75,12 +88,21 @@ def run(step, params, opt_state, extra, data):
 SPECS = dict(in_specs=(P(), P(), P(), P("data")), out_specs=(P(), P(), P(), P()))
 
 
+def inputs(tx, mesh, *, steps=3, params=None):
+  """(params, optimizer state, extra, [batch per step]) for `make_step(tx)` on `mesh`."""
+  params = make_params() if params is None else params
+  return params, tx.init(params), {"counter": jnp.arange(16, dtype=jnp.int32)}, batches(mesh, steps)
+
+
+def first_args(tx, mesh, **kw):
+  """The arguments of the first step (whole state): what `step.plan` and `step.lower` take."""
+  params, state, extra, data = inputs(tx, mesh, **kw)
+  return params, state, extra, data[0]
+
+
 def both(tx, mesh, *, check_vma=True, steps=3, params=None, **wus_kw):
   """Runs the unmodified and the wus step on the same inputs; returns both results and the step."""
-  params = make_params() if params is None else params
-  state = tx.init(params)
-  extra = {"counter": jnp.arange(16, dtype=jnp.int32)}
-  data = batches(mesh, steps)
+  params, state, extra, data = inputs(tx, mesh, steps=steps, params=params)
   step = make_step(tx)
   ref = jax.jit(jax.shard_map(step, mesh=mesh, check_vma=check_vma, **SPECS))
   ws = wus.shard_map(step, mesh=mesh, check_vma=check_vma, **SPECS, **wus_kw)
@@ -98,12 +120,24 @@ def loop_bodies(hlo: str) -> set[str]:
   return set(re.findall(r"body=%?([\w.\-]+)", hlo))
 
 
-def collective_bytes(lines, kind: str) -> list[int]:
-  """Result bytes of each `kind` instruction (e.g. "all-gather") among HLO lines."""
-  from wus.harness.report import shape_bytes
+def collective_shapes(lines, kind: str) -> list[str]:
+  """Result shape of each `kind` instruction (e.g. "all-gather") among HLO lines:
+  an array `f32[9]{0}` or, for collectives XLA combined, a tuple `(f32[9]{0}, f32[])`."""
   out = []
   for line in lines:
     m = re.match(r"\s*(?:ROOT )?%\S+ = (\(.*?\)|\S+) " + kind + r"(?:-start)?\(", line)
     if m:
-      out.append(shape_bytes(m.group(1)))
+      out.append(m.group(1))
   return out
+
+
+def collective_bytes(lines, kind: str) -> list[int]:
+  """Result bytes of each `kind` instruction (e.g. "all-gather") among HLO lines."""
+  from wus.harness.report import shape_bytes
+  return [shape_bytes(s) for s in collective_shapes(lines, kind)]
+
+
+def collective_arrays(lines, kind: str) -> list[str]:
+  """The arrays `kind` instructions reduce or move, tuples taken apart: ["f32[9]", "f32[]"]."""
+  return [a for shape in collective_shapes(lines, kind)
+          for a in re.findall(r"\b[a-z]+\d*\[[\d,]*\]", shape)]

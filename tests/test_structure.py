@@ -1,15 +1,15 @@
 """What the compiled wus step does: collectives from its HLO, memory from memory_analysis (§4.2)."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import wus
-from helpers import SPECS, assert_trees_equal, batches, make_params, make_step, run
+from helpers import (SPECS, assert_trees_equal, batches, collective_arrays, collective_bytes,
+                     first_args, make_params, make_step, mesh, run)
 from wus.harness import report
 
 N = 8
@@ -30,12 +30,7 @@ def _compiled(tx, check_vma=True):
 
 def _collective_shapes(hlo: str, kind: str) -> list[int]:
   """Result bytes of every `kind` instruction in optimized HLO text."""
-  out = []
-  for line in hlo.splitlines():
-    m = re.match(r"\s*(?:ROOT )?%\S+ = (\(.*?\)|\S+) " + kind + r"(?:-start)?\(", line)
-    if m:
-      out.append(report.shape_bytes(m.group(1)))
-  return out
+  return collective_bytes(hlo.splitlines(), kind)
 
 
 def test_gradients_reduce_scattered_and_weights_all_gathered():
@@ -85,20 +80,60 @@ def test_step_without_gradient_all_reduce_is_unchanged():
   np.testing.assert_array_equal(ref(params, x), ws(params, x))
 
 
-def test_global_norm_clip_adds_one_small_all_reduce_not_one_per_tensor():
-  clip = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
-  _, plain, _, _ = _compiled(optax.adam(1e-2))
-  _, clipped, plan, _ = _compiled(clip)
-  added = (len(_collective_shapes(clipped.as_text(), "all-reduce"))
-           - len(_collective_shapes(plain.as_text(), "all-reduce")))
-  assert added <= 1
-  sharded = sum(c.sharded for c in plan.clusters)
-  assert sharded == 4
-  # One partial sum per sharded tensor, all in one all-reduce (maybe combined
-  # by XLA with others): at most a few floats more than without clipping.
-  extra = sum(_collective_shapes(clipped.as_text(), "all-reduce")) - \
-      sum(_collective_shapes(plain.as_text(), "all-reduce"))
-  assert 0 < extra <= 4 * (sharded + 1)
+def _elementwise_loss(params, x):
+  """Every leaf's gradient is elementwise in it: no gradient stays whole (no slice, no pad)."""
+  s = jnp.tanh(x).mean()
+  return sum(jnp.sum(jnp.sin(w.astype(jnp.float32) * s)) for w in jax.tree.leaves(params))
+
+
+BATCHED = {"clip_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+           "lars": lambda: optax.lars(0.1)}
+
+
+def _small(name: str, leaves: int) -> tuple[str, str, jax.stages.Lowered]:
+  """(wus step lowered to StableHLO, the same compiled, the unmodified step lowered)
+  for `leaves` float32 weights and make_params's bfloat16 one, all big enough to shard."""
+  shapes = {"big": (32, 33), "conv": (3, 3, 5, 7), "v": (130,), "m": (40, 17)}
+  shapes.update({f"x{i}": (19 + i, 11) for i in range(leaves - len(shapes))})
+  tx = BATCHED[name]()
+  args = first_args(tx, mesh(8), params=make_params(shapes))
+  step = make_step(tx, loss=_elementwise_loss)
+  lowered = wus.shard_map(step, mesh=mesh(8), **SPECS).lower(*args)
+  ref = jax.jit(jax.shard_map(step, mesh=mesh(8), **SPECS)).lower(*args)
+  return lowered.as_text(), lowered.compile().as_text(), ref
+
+
+@pytest.mark.parametrize("leaves", [4, 8])
+def test_global_norm_clip_adds_one_small_all_reduce_not_one_per_tensor(leaves):
+  """clip_by_global_norm before adam: the partial sums of squares of every sharded
+  tensor travel in one all-reduce of `leaves + 1` floats (§4.1, §5.2). XLA's
+  all-reduce combiner would merge per-tensor all-reduces into one tuple-shaped
+  instruction, so the compiled HLO is checked array by array, and the lowered
+  program (what wus emits, before XLA combines anything) op by op."""
+  lowered, hlo, ref = _small("clip_adam", leaves)
+  n = leaves + 1  # The bfloat16 leaf too.
+  assert lowered.count("stablehlo.all_reduce") == 2  # The loss's pmean, the norm.
+  assert sorted(collective_arrays(hlo.splitlines(), "all-reduce")) == sorted(["f32[]", f"f32[{n}]"])
+  # No gradient is all-reduced: each is reduce-scattered. The unmodified step
+  # all-reduces every gradient (each weight has its own shape) and the loss.
+  assert len(collective_arrays(hlo.splitlines(), "reduce-scatter")) == n
+  ref_hlo = ref.compile().as_text()
+  assert len(set(collective_arrays(ref_hlo.splitlines(), "all-reduce"))) >= n + 1
+
+
+def test_per_tensor_norms_take_as_many_all_reduces_for_4_or_8_tensors():
+  """LARS: each tensor's trust ratio reads its own norms; all tensors' partial
+  sums of one phase share one all-reduce, so the count does not grow with the
+  number of tensors. optax's safe_norm sums twice, the second sum reading the
+  first norm (`where(norm <= 0, 1, x)`): two phases, two all-reduces of
+  2 * (`leaves` + 1) floats, the gradients' and the weights' norms (‖w‖ runs
+  on the shards of w too)."""
+  for leaves in (4, 8):
+    lowered, hlo, _ = _small("lars", leaves)
+    n = 2 * (leaves + 1)
+    assert lowered.count("stablehlo.all_reduce") == 3, leaves  # Loss, two norm phases.
+    assert sorted(collective_arrays(hlo.splitlines(), "all-reduce")) == \
+        sorted(["f32[]", f"f32[{n}]", f"f32[{n}]"])
 
 
 def test_donated_state_is_updated_in_place():

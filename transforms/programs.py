@@ -21,6 +21,7 @@ from wus import collectives
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
+from wus.transforms import gc_pause
 from wus.transforms.rewrite import rewrite
 
 
@@ -61,7 +62,8 @@ def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequen
 
   def timed_body(*args):
     start = time.perf_counter()
-    out = tuple(body(*args))
+    with gc_pause.paused():
+      out = tuple(body(*args))
     if timings is not None:
       timings["rewrite"] = time.perf_counter() - start
     return out

@@ -26,6 +26,7 @@ from typing import Any
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from wus import collectives
@@ -56,6 +57,7 @@ class _Env:
     self.plan, self.program = plan, program
     self.held: dict = {}
     self.pending: list = []  # Variables holding partial results.
+    self.casts: dict = {}    # Whole values cast to varying (compat.match_varying).
     self.current = -1        # Index of the equation being rewritten.
 
   def fmt(self, v) -> ShardFormat:
@@ -117,9 +119,17 @@ def _elementwise(eqn: JaxprEqn, env: _Env) -> list[Any]:
          env.shard(x) if x.aval.shape == y.aval.shape else
          _broadcast_shard(env, x, y, range(len(y.aval.shape)))  # Implicit size-1 broadcast.
          for x in eqn.invars]
+  # Scalars meeting shards are cast to varying once per variable or literal value.
+  keys = [_literal_key(x) if compat.is_literal(x) else x if x.aval.shape in ((), y.aval.shape)
+          else None for x in eqn.invars]
   # A `sharding` param describes the whole value's layout; shards have none.
   extra = {"sharding": None} if eqn.params.get("sharding") is not None else {}
-  return compat.bind(eqn, *compat.match_varying(ins), **extra)
+  return compat.bind(eqn, *compat.match_varying(ins, keys, env.casts), **extra)
+
+
+def _literal_key(atom) -> tuple:
+  """A key for a literal's value and type (-0.0 and 0.0 differ)."""
+  return ("literal", np.asarray(atom.val).tobytes(), atom.aval)
 
 
 def _same_shard(eqn: JaxprEqn, env: _Env) -> list[Any]:

@@ -19,7 +19,7 @@ from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Plan, make_plan
 from wus.errors import StateMismatchError
 from wus.sharded import ShardedArray, is_sharded
-from wus.transforms import inline, programs
+from wus.transforms import gc_pause, inline, programs
 
 
 def shard_map(f: Callable | None = None, /, *, mesh: Mesh, in_specs: Any, out_specs: Any,
@@ -172,7 +172,8 @@ class ShardedStep:
     leaves, treedef = jax.tree.flatten(args, is_leaf=is_sharded)
     key = (treedef, tuple(_signature(x) for x in leaves))
     if key not in self._cache:
-      self._cache[key] = self._build(args, leaves, treedef)
+      with gc_pause.paused():
+        self._cache[key] = self._build(args, leaves, treedef)
     return leaves, self._cache[key]
 
   def _build(self, args: tuple, leaves: list, treedef) -> _Program:
