@@ -100,7 +100,8 @@ def _reduce_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
 
 # Reductions whose partial results combine with an all-reduce, and the
 # identity that masks padding (§4.1).
-REDUCE_COMBINE = {lax.reduce_sum_p: "sum", lax.reduce_max_p: "max", lax.reduce_min_p: "min"}
+REDUCE_COMBINE = {lax.reduce_sum_p: "sum", lax.reduce_max_p: "max", lax.reduce_min_p: "min",
+                  lax.reduce_and_p: "and", lax.reduce_or_p: "or"}
 
 
 def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:

@@ -7,7 +7,10 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 from jax import lax
 
-_ALL_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+_ALL_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin,
+               # Booleans travel as int32: all is the min, any the max.
+               "and": lambda x, axes: lax.pmin(x.astype(jnp.int32), axes).astype(x.dtype),
+               "or": lambda x, axes: lax.pmax(x.astype(jnp.int32), axes).astype(x.dtype)}
 
 
 def all_reduce(values: Sequence[jnp.ndarray], op: str, axis_name) -> list[jnp.ndarray]:
@@ -19,7 +22,7 @@ def all_reduce(values: Sequence[jnp.ndarray], op: str, axis_name) -> list[jnp.nd
 
   Args:
     values: tensors of one dtype, any shapes.
-    op: "sum", "max" or "min".
+    op: "sum", "max", "min", or for booleans "and" (all) or "or" (any).
     axis_name: the replica axes.
 
   Returns:

@@ -7,7 +7,8 @@ import optax
 import pytest
 
 import wus
-from helpers import assert_trees_equal, both, first_args, mesh, sharded_leaves
+from helpers import (SPECS, assert_trees_equal, both, first_args, inputs, make_step, mesh, run,
+                     sharded_leaves)
 from test_plan import REDUCING
 
 
@@ -133,3 +134,24 @@ def test_multisteps_update_inside_a_cond_is_sharded(n):
   assert isinstance(acc, wus.ShardedArray) and isinstance(got[1].inner_opt_state[0].mu["big"],
                                                           wus.ShardedArray)
   assert acc.format.num_shards == n
+
+
+@pytest.mark.parametrize("n", [8, 6])
+def test_apply_if_finite_skips_the_step_only_one_shard_sees(n):
+  """`optax.apply_if_finite`: all(isfinite(g)) per tensor is a masked local
+  reduce_and on the shard, combined across replicas (as an all-reduce min).
+  The one NaN of step 2 sits in rows of `big` that a single replica's shard
+  holds, so a shard-local answer would update on the other replicas."""
+  tx = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3)
+  params, state, extra, data = inputs(tx, mesh(n), steps=4)
+  bad = np.array(data[1])
+  bad[0, 0] = np.inf  # Replica 0's first example.
+  data[1] = jax.device_put(bad, data[1].sharding)
+  step = make_step(tx)
+  ref = jax.jit(jax.shard_map(step, mesh=mesh(n), **SPECS))
+  ws = wus.shard_map(step, mesh=mesh(n), **SPECS)
+  want, got = run(ref, params, state, extra, data), run(ws, params, state, extra, data)
+  assert int(want[1].total_notfinite) == 1  # The reference skipped step 2.
+  assert_trees_equal(want[0], got[0])
+  assert_trees_equal(want[1], wus.unshard(got[1]))
+  assert isinstance(got[1].inner_state[0].mu["big"], wus.ShardedArray)

@@ -217,6 +217,8 @@ class _Partial(tuple):
 def _identity(op: str, dtype) -> Any:
   if op == "sum":
     return jnp.zeros((), dtype)
+  if op in ("and", "or"):
+    return jnp.asarray(op == "and", dtype)
   big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
   return jnp.asarray(-big if op == "max" else big, dtype)
 
