@@ -92,14 +92,20 @@ def all_gather(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
   Returns:
     shape `fmt.shape`, dtype of `x`, identical on every replica.
   """
+  return unpad(gather(x, axis_name, tiled=True), fmt)
+
+
+def gather(x: jnp.ndarray, axis_name, *, tiled: bool) -> jnp.ndarray:
+  """Per replica: `lax.all_gather(x, axis_name, axis=0, tiled=tiled)`, invariant.
+
+  A narrow float moves as its bits: XLA may otherwise widen the transfer back
+  to float32 (the CPU backend does, moving a convert across the collective),
+  and the narrow gather of Fig. 7 would move float32 again.
+  """
   if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
-    # Gather the bits of a narrow float: XLA may otherwise widen the transfer
-    # back to float32 (the CPU backend does, moving a convert across the
-    # collective), and the narrow gather of Fig. 7 would move float32 again.
     bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-    whole = lax.all_gather(bits, axis_name, axis=0, tiled=True, to="invarying")
-    return unpad(lax.bitcast_convert_type(whole, x.dtype), fmt)
-  return unpad(lax.all_gather(x, axis_name, axis=0, tiled=True, to="invarying"), fmt)
+    return lax.bitcast_convert_type(gather(bits, axis_name, tiled=tiled), x.dtype)
+  return lax.all_gather(x, axis_name, axis=0, tiled=tiled, to="invarying")
 
 
 def sum_of_copies(x: jnp.ndarray, num_replicas: int) -> jnp.ndarray:

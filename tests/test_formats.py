@@ -181,3 +181,45 @@ def test_reduce_scatter_is_the_shard_of_the_psum(fmt, dtype, seed):
   total = collectives.pad(xs.sum(0, dtype=xs.dtype), fmt)
   np.testing.assert_allclose(np.asarray(want).reshape(fmt.padded_shape), total, rtol=1e-5,
                              atol=1e-5)
+
+
+# --- Batched collectives (§5.2). ------------------------------------------------------
+
+@given(st.lists(st.integers(0, 100), max_size=30), st.integers(1, 120))
+def test_buckets_keep_every_tensor_once_in_order_within_the_limit(sizes, limit):
+  got = collectives.batched.buckets(sizes, limit)
+  assert sorted(k for b in got for k in b) == list(range(len(sizes)))
+  for b in got:
+    assert b == sorted(b)
+    assert len(b) == 1 or sum(sizes[k] for k in b) <= limit
+    assert len(b) == 1 or all(sizes[k] < limit for k in b)  # A big tensor travels alone.
+
+
+@compiled
+@given(st.integers(2, 8).flatmap(lambda n: st.lists(
+    shard_formats(max_shards=n).map(lambda f: ShardFormat(f.shape, f.merged_shape, n)),
+    min_size=1, max_size=4)), DTYPES, st.integers(0, 2**32 - 1))
+def test_batched_collectives_equal_one_collective_per_tensor(fmts, dtype, seed):
+  """One reduce-scatter and one all-gather for all tensors: bit for bit what
+  the single-tensor collectives give, each replica's part holding its shard of
+  every tensor."""
+  n = fmts[0].num_shards
+  xs = [random_array((n, *f.shape), dtype, seed + k) for k, f in enumerate(fmts)]
+
+  def f(*xs):
+    xs = [x[0] for x in xs]
+    one = [collectives.reduce_scatter(x, f, "data") for x, f in zip(xs, fmts)]
+    batched = collectives.batched.reduce_scatter(xs, fmts, "data")
+    whole = [collectives.all_gather(s, f, "data") for s, f in zip(one, fmts)]
+    gathered = collectives.batched.all_gather(batched, fmts, "data")
+    return [s[None] for s in one + batched], whole + gathered
+
+  spec = NamedSharding(mesh(n), P("data"))
+  shards, wholes = jax.jit(jax.shard_map(
+      f, mesh=mesh(n), in_specs=P("data"),
+      out_specs=([P("data")] * 2 * len(fmts), [P()] * 2 * len(fmts))))(
+          *[jax.device_put(x, spec) for x in xs])
+  k = len(fmts)
+  for a, b in zip(shards[:k] + wholes[:k], shards[k:] + wholes[k:]):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert_bitwise_equal(b, a)

@@ -135,8 +135,8 @@ def test_weights_sharded_across_iterations_and_gathered_in_bfloat16(n, make_tx, 
   plan = ws.plan(params, state, xs)
   assert all("Fig. 4 right" in c.reason for c in plan.clusters if c.sharded), plan
   # The compiled program gathers w in 16 bits inside the loop (its bf16 bits,
-  # which XLA cannot widen back to f32), and once in f32 after it: [16384] at
-  # N = 8, padded to a multiple of N at N = 6.
+  # which XLA cannot widen back to f32), and once in f32 after it, batched
+  # with conv (§5.2): [16384] at N = 8, padded to a multiple of N at N = 6.
   fmt, = {x.format for x in sharded_leaves(b[1]) if x.format.shape == (16, 1024)}
   padded = ",".join(map(str, fmt.padded_shape))
   hlo = ws.lower(params, state, xs).compile().as_text()
@@ -146,8 +146,11 @@ def test_weights_sharded_across_iterations_and_gathered_in_bfloat16(n, make_tx, 
                      for line in comps[name] if " all-gather(" in line]
              for where in ("loop", "after")}
   assert any(g.startswith(f"u16[{padded}]") for g in gathers["loop"]), (padded, gathers)
-  assert not any(g.startswith(f"f32[{padded}]") for g in gathers["loop"])
-  assert any(g.startswith(f"f32[{padded}]") for g in gathers["after"])
+  size = math.prod(fmt.padded_shape)
+  f32 = {where: [math.prod(map(int, re.match(r"f32\[([\d,]+)\]", g).group(1).split(",")))
+                 for g in gathers[where] if g.startswith("f32[")] for where in gathers}
+  assert not any(elements >= size for elements in f32["loop"]), gathers
+  assert any(elements >= size for elements in f32["after"]), gathers
 
 
 @REPLICAS

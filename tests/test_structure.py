@@ -1,5 +1,8 @@
 """What the compiled wus step does: collectives from its HLO, memory from memory_analysis (§4.2)."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,8 +43,14 @@ def test_gradients_reduce_scattered_and_weights_all_gathered():
   assert {t.name for c in sharded for t in c.tensors if t.role == "state"} == {
       f"[1][0].{m}['{k}']" for m in ("mu", "nu") for k in ("big", "conv", "bias", "half")}
   text = ws.as_text()
-  assert len(_collective_shapes(text, "reduce-scatter")) >= len(sharded)
-  assert len(_collective_shapes(text, "all-gather")) >= len(sharded)
+  # Every sharded gradient is reduce-scattered and every weight all-gathered;
+  # the small ones share collectives (§5.2), so there are fewer than tensors.
+  def nbytes(role):
+    return sum(math.prod(t.shape) * np.dtype(t.dtype).itemsize
+               for c in sharded for t in c.tensors if t.role == role)
+  scattered, gathered = (_collective_shapes(text, k) for k in ("reduce-scatter", "all-gather"))
+  assert 1 <= len(scattered) < len(sharded) and N * sum(scattered) >= nbytes("gradient")
+  assert 1 <= len(gathered) < len(sharded) and sum(gathered) >= nbytes("output")
   # The 4 MiB gradient of `big` is reduce-scattered (each device gets 512 KiB)
   # and no longer all-reduced; what is still all-reduced is small (the loss,
   # tensors kept whole, the [16,16] cotangent of `big[:16, :16]`, whose pad
@@ -90,13 +99,17 @@ BATCHED = {"clip_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), opta
            "lars": lambda: optax.lars(0.1)}
 
 
+def _shapes(leaves: int) -> dict:
+  shapes = {"big": (32, 33), "conv": (3, 3, 5, 7), "v": (130,), "m": (40, 17)}
+  shapes.update({f"x{i}": (19 + i, 11) for i in range(leaves - len(shapes))})
+  return shapes
+
+
 def _small(name: str, leaves: int) -> tuple[str, str, jax.stages.Lowered]:
   """(wus step lowered to StableHLO, the same compiled, the unmodified step lowered)
   for `leaves` float32 weights and make_params's bfloat16 one, all big enough to shard."""
-  shapes = {"big": (32, 33), "conv": (3, 3, 5, 7), "v": (130,), "m": (40, 17)}
-  shapes.update({f"x{i}": (19 + i, 11) for i in range(leaves - len(shapes))})
   tx = BATCHED[name]()
-  args = first_args(tx, mesh(8), params=make_params(shapes))
+  args = first_args(tx, mesh(8), params=make_params(_shapes(leaves)))
   step = make_step(tx, loss=_elementwise_loss)
   lowered = wus.shard_map(step, mesh=mesh(8), **SPECS).lower(*args)
   ref = jax.jit(jax.shard_map(step, mesh=mesh(8), **SPECS)).lower(*args)
@@ -114,9 +127,14 @@ def test_global_norm_clip_adds_one_small_all_reduce_not_one_per_tensor(leaves):
   n = leaves + 1  # The bfloat16 leaf too.
   assert lowered.count("stablehlo.all_reduce") == 2  # The loss's pmean, the norm.
   assert sorted(collective_arrays(hlo.splitlines(), "all-reduce")) == sorted(["f32[]", f"f32[{n}]"])
-  # No gradient is all-reduced: each is reduce-scattered. The unmodified step
-  # all-reduces every gradient (each weight has its own shape) and the loss.
-  assert len(collective_arrays(hlo.splitlines(), "reduce-scatter")) == n
+  # No gradient is all-reduced: all are reduce-scattered, in one batched
+  # collective (§5.2) whose shard holds one shard of each, padding less than
+  # N elements per tensor. The unmodified step all-reduces every gradient
+  # (each weight has its own shape) and the loss.
+  (scattered,) = collective_arrays(hlo.splitlines(), "reduce-scatter")
+  shard = int(re.fullmatch(r"f32\[1,(\d+)\]", scattered).group(1))
+  sizes = sum(math.prod(s) for s in _shapes(leaves).values()) + 96  # The bfloat16 leaf.
+  assert sizes <= 8 * shard < sizes + 8 * n
   ref_hlo = ref.compile().as_text()
   assert len(set(collective_arrays(ref_hlo.splitlines(), "all-reduce"))) >= n + 1
 

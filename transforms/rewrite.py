@@ -41,13 +41,15 @@ class _Held:
   """A variable's value in the rewritten program: whole, shard, or both.
 
   `partial` is this replica's part of a reduction still to be all-reduced,
-  as (value, op); the whole value appears when it is first read.
+  as (value, op); the whole value appears when it is first read. `summand`
+  is this replica's addend of a gradient all-reduce still to be
+  reduce-scattered; the shard appears when it is first read.
   """
 
-  __slots__ = ("whole", "shard", "partial")
+  __slots__ = ("whole", "shard", "partial", "summand")
 
-  def __init__(self, whole=None, shard=None, partial=None):
-    self.whole, self.shard, self.partial = whole, shard, partial
+  def __init__(self, whole=None, shard=None, partial=None, summand=None):
+    self.whole, self.shard, self.partial, self.summand = whole, shard, partial, summand
 
 
 class _Env:
@@ -57,6 +59,7 @@ class _Env:
     self.plan, self.program = plan, program
     self.held: dict = {}
     self.pending: list = []  # Variables holding partial results.
+    self.summands: list = []  # Variables waiting for their reduce-scatter.
     self.casts: dict = {}    # Whole values cast to varying (compat.match_varying).
     self.current = -1        # Index of the equation being rewritten.
 
@@ -73,6 +76,8 @@ class _Env:
     h = self.held[v]
     if h.partial is not None:
       self.flush()
+    if h.whole is None and h.shard is None:
+      self.scatter()
     if h.whole is None:
       # Only ever read converted to a narrower float: gather that (Fig. 7).
       narrow = self.plan.gather_dtypes.get(v)
@@ -82,6 +87,8 @@ class _Env:
 
   def shard(self, v) -> Any:
     h = self.held[v]
+    if h.summand is not None:
+      self.scatter()
     if h.shard is None:
       h.shard = collectives.shard(self.whole(v), self.fmt(v), self.plan.axes)
     return h.shard
@@ -97,6 +104,37 @@ class _Env:
       for v, x in zip(vs, outs, strict=True):
         self.held[v].whole, self.held[v].partial = x, None
     self.pending = []
+
+  def scatter(self) -> None:
+    """Reduce-scatters every waiting gradient, in buckets by dtype (§5.2)."""
+    groups: dict = {}
+    for v in self.summands:
+      groups.setdefault(self.held[v].summand.dtype, []).append(v)
+    for vs in groups.values():
+      for bucket in collectives.batched.buckets([v.aval.size * v.aval.dtype.itemsize
+                                                 for v in vs]):
+        vs_b = [vs[k] for k in bucket]
+        outs = collectives.batched.reduce_scatter([self.held[v].summand for v in vs_b],
+                                                  [self.fmt(v) for v in vs_b], self.plan.axes)
+        for v, x in zip(vs_b, outs, strict=True):
+          self.held[v].shard, self.held[v].summand = x, None
+    self.summands = []
+
+  def gather(self, vs: list) -> None:
+    """Gives each of `vs` (held as shards) its whole value, in buckets by dtype (§5.2)."""
+    groups: dict = {}
+    for v in vs:
+      narrow = self.plan.gather_dtypes.get(v)
+      shard = self.shard(v) if narrow is None else self.shard(v).astype(narrow)
+      groups.setdefault(shard.dtype, []).append((v, shard))
+    for pairs in groups.values():
+      for bucket in collectives.batched.buckets([x.size * x.dtype.itemsize * self.fmt(v).num_shards
+                                                 for v, x in pairs]):
+        vs_b = [pairs[k][0] for k in bucket]
+        outs = collectives.batched.all_gather([pairs[k][1] for k in bucket],
+                                              [self.fmt(v) for v in vs_b], self.plan.axes)
+        for v, x in zip(vs_b, outs, strict=True):
+          self.held[v].whole = x
 
   def shard_as(self, v, fmt: ShardFormat) -> Any:
     """The shard of `v` in `fmt`, which may differ from the plan's format for `v`."""
@@ -229,8 +267,11 @@ def _broadcast(eqn: JaxprEqn, env: _Env) -> list[Any]:
 
 
 def _reduce_scatter(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  # Waits for its first reader, which reduce-scatters every waiting gradient
+  # together (`_Env.scatter`).
   (v,) = eqn.invars  # Differs across replicas: always held whole.
-  return [collectives.reduce_scatter(env.whole(v), env.fmt(v), env.plan.axes)]
+  env.summands.append(eqn.outvars[0])
+  return [_Held(summand=env.whole(v))]
 
 
 def _sum_of_copies(eqn: JaxprEqn, env: _Env) -> list[Any]:
@@ -341,28 +382,39 @@ def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
       env.pending += [v for v, h in zip(eqn.outvars, held) if h.partial is not None]
     for v, h in zip(eqn.outvars, held, strict=True):
       env.held[v] = h
+  # The weights the step returns whole are all-gathered together.
+  env.gather(list(dict.fromkeys(
+      v for k, v in enumerate(inner.outvars) if k not in program.sharded_out
+      and not compat.is_literal(v) and env.held[v].whole is None
+      and (env.held[v].shard is not None or env.held[v].summand is not None))))
   return [env.shard(v) if k in program.sharded_out else env.whole(v)
           for k, v in enumerate(inner.outvars)]
 
 
 def _schedule(jaxpr, program: Program) -> list[int]:
-  """An order of the equations that batches the partial-result all-reduces.
+  """An order of the equations that batches the collectives of the update (§5.2).
 
-  An equation's phase is the number of all-reduces of partial results on its
-  longest input path. Running equations by (phase, position) is a valid order
-  (a reader's phase is at least its producer's) in which every reduction of
-  one phase has run before anything reads a result of that phase, so each
-  phase needs one batched all-reduce. Effectful equations keep their order.
+  An equation's level counts, on its longest input path, the all-reduces of
+  partial results (two levels each) and whether the weight update has begun
+  (one level): level 2p is phase p before the update, 2p + 1 its update.
+  Running equations by (level, position) is a valid order (a reader's level
+  is at least its producer's) in which every gradient all-reduce runs before
+  the update reads any (one batched reduce-scatter) and every reduction of
+  one phase before anything reads a result of that phase (one batched
+  all-reduce per phase). Effectful equations keep their order.
   """
-  phase: dict = {}
+  level: dict = {}
   keys, last_effect = [], 0
   for i, eqn in enumerate(jaxpr.eqns):
-    p = max((phase.get(v, 0) for v in eqn.invars if not compat.is_literal(v)), default=0)
+    p = max((level.get(v, 0) for v in eqn.invars if not compat.is_literal(v)), default=0)
+    kind = program.shard_eqns.get(i)
+    if kind is not None and kind is not Kind.REDUCE_SCATTER:
+      p |= 1
     if compat.side_effects(eqn):
       p = last_effect = max(p, last_effect)
-    done = p + (program.shard_eqns.get(i) in (Kind.REDUCE_ALL, Kind.REDUCE))
+    done = p + (kind in (Kind.REDUCE_ALL, Kind.REDUCE))
     for v in eqn.outvars:
-      phase[v] = done
+      level[v] = done
     keys.append((p, i))
   return [i for _, i in sorted(keys)]
 
