@@ -78,11 +78,14 @@ class _Env:
       self.flush()
     if h.whole is None and h.shard is None:
       self.scatter()
+    if h.whole is None and v in self.plan.gather_dtypes:
+      # Weights kept sharded across a loop's iterations, read by the forward
+      # pass in a narrower float: gathered in it (Fig. 4 right, Fig. 7), all
+      # together at the first read (§5.2).
+      self.gather([u for u, held in self.held.items() if u in self.plan.gather_dtypes
+                   and held.whole is None and held.shard is not None])
     if h.whole is None:
-      # Only ever read converted to a narrower float: gather that (Fig. 7).
-      narrow = self.plan.gather_dtypes.get(v)
-      shard = h.shard if narrow is None else h.shard.astype(narrow)
-      h.whole = collectives.all_gather(shard, self.fmt(v), self.plan.axes)
+      h.whole = collectives.all_gather(h.shard, self.fmt(v), self.plan.axes)
     return h.whole
 
   def shard(self, v) -> Any:
