@@ -205,9 +205,7 @@ def _reached_member(start: int, graph: _Graph, members, facts: Redundancy, axes:
       for r in graph.readers[v]:
         if r in members:
           return r
-        eqn = graph.jaxpr.eqns[r]
-        if (r not in seen and not compat.side_effects(eqn)
-            and all(facts.is_redundant(o, axes) for o in eqn.outvars)):
+        if r not in seen and facts.repeats(graph.jaxpr.eqns[r], axes):
           seen.add(r)
           todo.append(r)
   return None

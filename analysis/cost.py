@@ -106,7 +106,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   for v, readers in cluster.outside_readers.items():
     for r in readers:
       eqn = eqns[r]
-      if not compat.side_effects(eqn) and all(facts.is_redundant(o, axes) for o in eqn.outvars):
+      if facts.repeats(eqn, axes):
         return verdict(False, f"{eqn.primitive} at {compat.source_line(eqn)} reads a "
                               "sharded value whole and has no shard rule")
   if not saved:

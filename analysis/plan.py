@@ -583,17 +583,12 @@ def _continued(jaxpr: Jaxpr, c: clusters_lib.Cluster, clustered: set[int], reade
   so that the Plan lists them with the cluster that keeps them whole; and the
   pairs of `state_pairs` whose input only this update reads (state, not weight).
   """
-  def repeated(i: int) -> bool:
-    eqn = jaxpr.eqns[i]
-    return (i not in clustered and not compat.side_effects(eqn)
-            and all(ctx.facts.is_redundant(o, ctx.axes) for o in eqn.outvars))
-
   producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
   seen: set[int] = set()
   todo = [r for v in c.sharded for r in readers.get(v, ())]
   while todo:
     i = todo.pop()
-    if i in seen or not repeated(i):
+    if i in seen or i in clustered or not ctx.facts.repeats(jaxpr.eqns[i], ctx.axes):
       continue
     seen.add(i)
     eqn = jaxpr.eqns[i]

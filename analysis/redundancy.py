@@ -51,6 +51,12 @@ class Redundancy:
     """Whether `atom` is identical on every replica of the mesh axes `axes`."""
     return axes <= self.of(atom)
 
+  def repeats(self, eqn: JaxprEqn, axes: frozenset) -> bool:
+    """Whether every replica of `axes` runs `eqn` to the same end: all its
+    outputs identical across them, and no side effects (§3.1)."""
+    return (not compat.side_effects(eqn)
+            and all(self.is_redundant(v, axes) for v in eqn.outvars))
+
 
 RedundancyRule = Callable[[JaxprEqn, list[Rep], Redundancy], list[Rep]]
 redundancy_rules: dict[compat.Primitive, RedundancyRule] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -33,23 +34,26 @@ def all_reduce(values: Sequence[jnp.ndarray], op: str, axis_name) -> list[jnp.nd
   """
   flat = jnp.concatenate([jnp.ravel(v) for v in values])
   out = _ALL_REDUCE[op](flat, axis_name)
-  parts, start = [], 0
-  for v in values:
-    parts.append(jnp.reshape(out[start:start + v.size], v.shape))
-    start += v.size
-  return parts
+  return [jnp.reshape(part, v.shape) for part, v in zip(_cut(out, [v.size for v in values]),
+                                                         values)]
 
 
-# Tensors of at most this many bytes (whole) share a collective, in buckets of
-# at most this size; larger ones keep their own, which needs no copy (§5.2).
+# Tensors under this many bytes (whole) share collectives, in buckets of at
+# most this size; larger ones keep their own, which needs no copy (§5.2).
 BUCKET_BYTES = 4 * 2 ** 20
 
 
 def buckets(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[list[int]]:
   """Groups positions 0..len(sizes)-1 into buckets of at most `limit` bytes.
 
-  Tensors of `limit` bytes or more get a bucket of their own; the others
-  fill buckets in order.
+  Args:
+    sizes: bytes of each tensor.
+    limit: bytes per bucket.
+
+  Returns:
+    Lists of positions, each in increasing order, every position in exactly
+    one. Tensors of `limit` bytes or more get a bucket of their own; the
+    others fill buckets in order.
   """
   out: list[list[int]] = []
   current: list[int] = []
@@ -67,54 +71,76 @@ def buckets(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[list[int]]:
 
 
 def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name) -> list[jnp.ndarray]:
-  """Per replica: `formatted.reduce_scatter` of several tensors in one collective.
+  """Per replica: `formatted.reduce_scatter` of many tensors in few collectives.
 
-  Each padded tensor is viewed as [N, its shard's elements] (replica r's rows
-  are row r), the views are concatenated along the second dim and
+  Tensors of one dtype share a collective, in buckets of `BUCKET_BYTES`. In
+  one, each padded tensor is viewed as [N, its shard's elements] (replica r's
+  rows are row r), the views are concatenated along the second dim and
   reduce-scattered over the first, so that this replica's part of the result
   holds its shard of every tensor (§5.2, Fig. 10). Every element sums the
   same values in the same order as the single-tensor collective.
 
   Args:
-    values: tensors of one dtype, shapes `fmt.shape`, different on every replica.
+    values: tensors of shapes `fmt.shape`, different on every replica.
     fmts: a `ShardFormat` per tensor, all with the same `num_shards` (N).
     axis_name: the replica axes.
 
   Returns:
-    One shard per tensor: shape `fmt.shard_shape`, dtype of the values.
+    One shard per tensor: shape `fmt.shard_shape`, dtype of its value.
   """
-  if len(values) == 1:
-    return [formatted.reduce_scatter(values[0], fmts[0], axis_name)]
-  rows = [jnp.reshape(formatted.pad(x, f), (f.num_shards, -1)) for x, f in zip(values, fmts)]
-  mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), axis_name, scatter_dimension=0,
-                          tiled=True)[0]
-  return _split(mine, fmts, lambda part, f: jnp.reshape(part, f.shard_shape))
+  def one(values, fmts):
+    if len(values) == 1:
+      return [formatted.reduce_scatter(values[0], fmts[0], axis_name)]
+    rows = [jnp.reshape(formatted.pad(x, f), (f.num_shards, -1)) for x, f in zip(values, fmts)]
+    mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), axis_name, scatter_dimension=0,
+                            tiled=True)[0]
+    return [jnp.reshape(part, f.shard_shape)
+            for part, f in zip(_cut(mine, [math.prod(f.shard_shape) for f in fmts]), fmts)]
+  return _bucketed(one, values, fmts)
 
 
 def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name) -> list[jnp.ndarray]:
-  """Per replica: `formatted.all_gather` of several shards in one collective.
+  """Per replica: `formatted.all_gather` of many shards in few collectives.
+
+  Shards of one dtype share a collective, in buckets of `BUCKET_BYTES` (of
+  whole tensors); each replica contributes its shards concatenated (§5.2).
 
   Args:
-    shards: one dtype, shapes `fmt.shard_shape`.
+    shards: shapes `fmt.shard_shape`.
     fmts: a `ShardFormat` per shard, all with the same `num_shards` (N).
     axis_name: the replica axes.
 
   Returns:
-    The whole tensors: shapes `fmt.shape`, identical on every replica.
+    The whole tensors: shapes `fmt.shape`, dtypes of the shards, identical on
+    every replica.
   """
-  if len(shards) == 1:
-    return [formatted.all_gather(shards[0], fmts[0], axis_name)]
-  flat = jnp.concatenate([jnp.ravel(s) for s in shards])
-  every = formatted.gather(flat, axis_name, tiled=False)  # [N, total]: replica r's shards in row r.
-  return _split(every, fmts, lambda part, f: formatted.unpad(
-      jnp.reshape(part, f.padded_shape), f), axis=1)
+  def one(shards, fmts):
+    if len(shards) == 1:
+      return [formatted.all_gather(shards[0], fmts[0], axis_name)]
+    flat = jnp.concatenate([jnp.ravel(s) for s in shards])
+    every = formatted.gather(flat, axis_name, tiled=False)  # [N, total]: replica r's in row r.
+    return [formatted.unpad(jnp.reshape(part, f.padded_shape), f) for part, f in
+            zip(_cut(every, [math.prod(f.shard_shape) for f in fmts], axis=1), fmts)]
+  return _bucketed(one, shards, fmts)
 
 
-def _split(x: jnp.ndarray, fmts: Sequence, finish, axis: int = 0) -> list[jnp.ndarray]:
-  """Cuts `x` along `axis` into one part per format (shard sizes), each `finish`ed."""
-  out, start = [], 0
-  for f in fmts:
-    size = math.prod(f.shard_shape)
-    out.append(finish(lax.slice_in_dim(x, start, start + size, axis=axis), f))
-    start += size
+def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence) -> list[jnp.ndarray]:
+  """`collective(values, fmts)` per bucket of one dtype; results in the order given."""
+  by_dtype: dict = {}
+  for k, x in enumerate(values):
+    by_dtype.setdefault(x.dtype, []).append(k)
+  out: list = [None] * len(values)
+  for ks in by_dtype.values():
+    sizes = [math.prod(fmts[k].shape) * values[k].dtype.itemsize for k in ks]
+    for bucket in buckets(sizes):
+      group = [ks[b] for b in bucket]
+      for k, y in zip(group, collective([values[k] for k in group], [fmts[k] for k in group]),
+                      strict=True):
+        out[k] = y
   return out
+
+
+def _cut(x: jnp.ndarray, sizes: Sequence[int], axis: int = 0) -> list[jnp.ndarray]:
+  """`x` cut along `axis` into consecutive parts of `sizes`."""
+  starts = [0, *itertools.accumulate(sizes)]
+  return [lax.slice_in_dim(x, a, b, axis=axis) for a, b in zip(starts, starts[1:])]

@@ -101,6 +101,15 @@ def gather(x: jnp.ndarray, axis_name, *, tiled: bool) -> jnp.ndarray:
   A narrow float moves as its bits: XLA may otherwise widen the transfer back
   to float32 (the CPU backend does, moving a convert across the collective),
   and the narrow gather of Fig. 7 would move float32 again.
+
+  Args:
+    x: any shape and dtype, this replica's part.
+    axis_name: the replica axes (N replicas).
+    tiled: concatenate the parts along dim 0 (shape [N * x.shape[0], ...])
+      rather than stack them (shape [N, *x.shape]).
+
+  Returns:
+    Every replica's `x`, dtype of `x`, identical on every replica.
   """
   if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
     bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))

@@ -15,17 +15,25 @@ import wus
 
 
 def assert_trees_equal(a, b, *, rtol: float = 0.0, atol: float = 0.0):
-  """Same structure, then same values (bit for bit unless a tolerance is given)."""
+  """Same structure, then same values (bit for bit unless a tolerance is given).
+
+  Typed PRNG keys compare by their key data."""
   assert jax.tree.structure(a) == jax.tree.structure(b), (jax.tree.structure(a), jax.tree.structure(b))
   for path, x, y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(a),
                         jax.tree.leaves(b), strict=True):
-    x, y = np.asarray(x), np.asarray(y)
+    x, y = _numpy(x), _numpy(y)
     assert x.shape == y.shape and x.dtype == y.dtype, (path[0], x.shape, y.shape, x.dtype, y.dtype)
     if rtol or atol:
       np.testing.assert_allclose(x.astype(np.float64), y.astype(np.float64), rtol=rtol,
                                  atol=atol, err_msg=str(path[0]))
     else:
       np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path[0]))
+
+
+def _numpy(x) -> np.ndarray:
+  if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  return np.asarray(x)
 
 
 def make_params(shapes=None):

@@ -109,35 +109,21 @@ class _Env:
     self.pending = []
 
   def scatter(self) -> None:
-    """Reduce-scatters every waiting gradient, in buckets by dtype (§5.2)."""
-    groups: dict = {}
-    for v in self.summands:
-      groups.setdefault(self.held[v].summand.dtype, []).append(v)
-    for vs in groups.values():
-      for bucket in collectives.batched.buckets([v.aval.size * v.aval.dtype.itemsize
-                                                 for v in vs]):
-        vs_b = [vs[k] for k in bucket]
-        outs = collectives.batched.reduce_scatter([self.held[v].summand for v in vs_b],
-                                                  [self.fmt(v) for v in vs_b], self.plan.axes)
-        for v, x in zip(vs_b, outs, strict=True):
-          self.held[v].shard, self.held[v].summand = x, None
-    self.summands = []
+    """Reduce-scatters every waiting gradient, batched (§5.2)."""
+    vs, self.summands = self.summands, []
+    outs = collectives.batched.reduce_scatter([self.held[v].summand for v in vs],
+                                              [self.fmt(v) for v in vs], self.plan.axes)
+    for v, x in zip(vs, outs, strict=True):
+      self.held[v].shard, self.held[v].summand = x, None
 
   def gather(self, vs: list) -> None:
-    """Gives each of `vs` (held as shards) its whole value, in buckets by dtype (§5.2)."""
-    groups: dict = {}
-    for v in vs:
-      narrow = self.plan.gather_dtypes.get(v)
-      shard = self.shard(v) if narrow is None else self.shard(v).astype(narrow)
-      groups.setdefault(shard.dtype, []).append((v, shard))
-    for pairs in groups.values():
-      for bucket in collectives.batched.buckets([x.size * x.dtype.itemsize * self.fmt(v).num_shards
-                                                 for v, x in pairs]):
-        vs_b = [pairs[k][0] for k in bucket]
-        outs = collectives.batched.all_gather([pairs[k][1] for k in bucket],
-                                              [self.fmt(v) for v in vs_b], self.plan.axes)
-        for v, x in zip(vs_b, outs, strict=True):
-          self.held[v].whole = x
+    """Gives each of `vs` (held as shards) its whole value, batched (§5.2); in
+    the narrower float of `plan.gather_dtypes` where it has one (Fig. 7)."""
+    narrow = self.plan.gather_dtypes
+    shards = [self.shard(v) if v not in narrow else self.shard(v).astype(narrow[v]) for v in vs]
+    outs = collectives.batched.all_gather(shards, [self.fmt(v) for v in vs], self.plan.axes)
+    for v, x in zip(vs, outs, strict=True):
+      self.held[v].whole = x
 
   def shard_as(self, v, fmt: ShardFormat) -> Any:
     """The shard of `v` in `fmt`, which may differ from the plan's format for `v`."""
@@ -180,7 +166,7 @@ def _same_shard(eqn: JaxprEqn, env: _Env) -> list[Any]:
 def _reduce_unit(eqn: JaxprEqn, env: _Env) -> list[Any]:
   # Each output element reduces one input element: reduce a unit dim of the shard.
   x = env.shard(eqn.invars[0])
-  return _bind_reduce(eqn, x[..., None], (x.ndim,))
+  return [_bind_reduce(eqn, x[..., None], (x.ndim,))]
 
 
 def _bind_reduce(eqn: JaxprEqn, x, axes: tuple[int, ...]) -> Any:

@@ -270,16 +270,16 @@ def _argnums(argnums: int | Sequence[int]) -> frozenset:
 def _signature(x) -> tuple:
   """The cache key of one argument leaf: logical shape, dtype, weak type."""
   if is_sharded(x):
-    return (x.shape, np.dtype(x.dtype), False)
+    return (x.shape, x.dtype, False)
   if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
-    return (tuple(x.shape), np.dtype(x.dtype), bool(getattr(x, "weak_type", False)))
+    return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)))
   return (type(x), ())
 
 
 def _aval(x) -> tuple:
   """(shape, dtype) of an argument or output leaf, without touching its data."""
   dtype = getattr(x, "dtype", None)
-  return tuple(np.shape(x)), np.dtype(dtype if dtype is not None else np.result_type(type(x)))
+  return tuple(np.shape(x)), dtype if dtype is not None else np.result_type(type(x))
 
 
 def _spec_axes(spec: P) -> frozenset:

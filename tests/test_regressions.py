@@ -1,0 +1,91 @@
+"""Steps as users write them that once crashed or mismatched: each test fails without its fix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import wus
+from helpers import assert_trees_equal, mesh, sharded_leaves
+
+
+def _dense_step(tx):
+  """A Dense layer with a bias: AD of the broadcast bias under check_vma emits
+  reshape -> psum_invariant -> reduce_sum over a size-1 dim."""
+  def loss(params, x):
+    return jnp.mean(jnp.tanh(x @ params["w"] + params["b"]) ** 2)
+
+  def step(params, opt_state, x):
+    grads = jax.lax.pmean(jax.grad(loss)(params, x), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return step
+
+
+def _dense_inputs(m, steps=3):
+  k = jax.random.split(jax.random.key(0), 2 + steps)
+  params = {"w": 0.1 * jax.random.normal(k[0], (24, 40)), "b": 0.1 * jax.random.normal(k[1], (40,))}
+  xs = [jax.device_put(jax.random.normal(kk, (2 * m.shape["data"], 24)), NamedSharding(m, P("data")))
+        for kk in k[2:]]
+  return params, xs
+
+
+def _compare(step, params, state, xs, m, check_vma=True):
+  kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P()), check_vma=check_vma)
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  a = b = (params, state)
+  for x in xs:
+    a, b = ref(*a, x), ws(*b, x)
+  assert_trees_equal(a[0], b[0])
+  assert_trees_equal(a[1], wus.unshard(b[1]))
+  return b
+
+
+@pytest.mark.parametrize("n", [8, 6])
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize("name,make_tx", [("sgd", lambda: optax.sgd(0.1)),
+                                          ("adam", lambda: optax.adam(1e-2))])
+def test_dense_layer_with_bias(name, make_tx, check_vma, n):
+  tx = make_tx()
+  params, xs = _dense_inputs(mesh(n))
+  _, state = _compare(_dense_step(tx), params, tx.init(params), xs, mesh(n), check_vma)
+  if name == "adam":
+    assert {x.format.shape for x in sharded_leaves(state)} == {(24, 40), (40,)}
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+def test_optimizer_state_holding_a_typed_key_passes_through(check_vma):
+  """optax.noisy_sgd keeps a `jax.random.key` in its state: not a weight."""
+  tx = optax.noisy_sgd(0.1, key=jax.random.key(1))
+  params, xs = _dense_inputs(mesh())
+  _, state = _compare(_dense_step(tx), params, tx.init(params), xs, mesh(), check_vma)
+  key = state[0].rng_key
+  assert not isinstance(key, wus.ShardedArray) and jax.dtypes.issubdtype(key.dtype,
+                                                                         jax.dtypes.prng_key)
+
+
+def test_typed_key_as_a_step_argument():
+  """Dropout keys passed to the step (as the Flax examples do)."""
+  m, tx = mesh(), optax.adam(1e-2)
+  params, xs = _dense_inputs(m)
+
+  def step(params, opt_state, key, x):
+    key = jax.random.fold_in(key, jax.lax.axis_index("data"))
+    def loss(p):
+      keep = jax.random.bernoulli(key, 0.9, x.shape)
+      return jnp.mean(jnp.tanh(jnp.where(keep, x, 0.0) @ p["w"] + p["b"]) ** 2)
+    grads = jax.lax.pmean(jax.grad(loss)(params), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  kw = dict(mesh=m, in_specs=(P(), P(), P(), P("data")), out_specs=(P(), P()))
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  a = b = (params, tx.init(params))
+  for i, x in enumerate(xs):
+    key = jax.random.key(i)
+    a, b = ref(*a, key, x), ws(*b, key, x)
+  assert_trees_equal(a[0], b[0])
+  assert_trees_equal(a[1], wus.unshard(b[1]))
+  assert sharded_leaves(b[1])
