@@ -1,6 +1,7 @@
 """Bad input: clear errors or a safe (replicated) plan, never a wrong result."""
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import optax
 import pytest
@@ -80,3 +81,53 @@ def test_axis_name_must_be_a_manual_axis():
   ws = wus.shard_map(make_step(tx), mesh=mesh, axis_name="model", **SPECS)
   with pytest.raises(ValueError, match="axis_name"):
     ws(params, state, extra, b)
+
+
+def test_donated_sharded_state_passed_again_raises():
+  mesh = jax.make_mesh((8,), ("data",))
+  tx, params, state, extra = _adam_setup(mesh)
+  (b,) = batches(mesh, 1)
+  ws = wus.shard_map(make_step(tx), mesh=mesh, donate_argnums=(1,), **SPECS)
+  _, sharded, _, _ = ws(params, state, extra, b)
+  ws(params, sharded, extra, b)  # Donates `sharded`.
+  with pytest.raises(ValueError, match=r"argument \[1\]\[0\]\.count was donated|was donated"):
+    ws(params, sharded, extra, b)
+
+
+def test_sharded_state_used_as_an_array_says_to_unshard():
+  mesh = jax.make_mesh((8,), ("data",))
+  tx, params, state, extra = _adam_setup(mesh)
+  (b,) = batches(mesh, 1)
+  _, sharded, _, _ = wus.shard_map(make_step(tx), mesh=mesh, **SPECS)(params, state, extra, b)
+  mu = sharded[0].mu["big"]
+  for use in (lambda: 0.5 * mu, lambda: jnp.sum(mu), lambda: mu[0], lambda: np.asarray(mu)):
+    with pytest.raises(TypeError, match=r"wus\.unshard"):
+      use()
+  with pytest.raises(TypeError, match=r"wus\.unshard"):
+    tx.update(params, sharded, params)  # A plain optax update on sharded state.
+
+
+def test_unshard_gathers_a_tree_in_one_program():
+  """40 sharded leaves: one program (one dispatch), not one per leaf (a per-leaf
+  dispatch of 80 all-gather programs aborts XLA:CPU's rendezvous)."""
+  from wus.transforms import programs
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = optax.adam(1e-2)
+  params = {f"w{i}": jnp.full((64 + i,), float(i)) for i in range(20)}
+  def loss(p, x):
+    return sum(jnp.sum(jnp.sin(v * jnp.mean(x))) for v in p.values())
+  def step(p, s, x):
+    grads = jax.lax.pmean(jax.grad(loss)(p, x), "data")
+    u, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, u), s
+  (b,) = batches(mesh, 1)
+  ws = wus.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  ref = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P())))
+  _, sharded = ws(params, tx.init(params), b)
+  assert len(jax.tree.leaves(sharded)) == 41 and len(
+      [x for x in jax.tree.leaves(sharded, is_leaf=lambda x: isinstance(x, wus.ShardedArray))
+       if isinstance(x, wus.ShardedArray)]) == 40
+  before = programs.unshard_program.cache_info().misses
+  whole = wus.unshard(sharded)
+  assert programs.unshard_program.cache_info().misses == before + 1
+  assert_trees_equal(ref(params, tx.init(params), b)[1], whole)

@@ -156,8 +156,9 @@ def test_state_leaf_whose_dtype_changes_stays_unpaired_and_the_rest_shards():
   assert isinstance(state["m"]["w"], wus.ShardedArray) and state["scale"].dtype == jnp.bfloat16
 
 
-def test_pmap_plan_points_at_replicated_argnums():
-  """Undeclared per-device copies are not assumed equal; the Plan says how to declare them."""
+def test_pmap_finds_equal_copies_and_says_which_differ():
+  """wus.pmap compares per-device copies itself: equal ones are sharded, differing
+  ones stay whole with the reason in the Plan."""
   tx = optax.sgd(0.1, momentum=0.9)
   def step(params, opt_state, x):
     grads = jax.lax.pmean(jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p)))(params), "batch")
@@ -165,12 +166,14 @@ def test_pmap_plan_points_at_replicated_argnums():
     return optax.apply_updates(params, updates), opt_state
   params = jnp.ones((8, 64, 32))
   state = jax.tree.map(lambda a: jnp.broadcast_to(a, (8, *a.shape)), tx.init(params[0]))
-  x = jnp.ones((8, 2, 64))
-  plan = wus.pmap(step, axis_name="batch").plan(params, state, x)
-  assert not any(i.sharded for i in plan.inputs)
-  assert all("replicated_argnums" in i.reason for i in plan.inputs)
-  declared = wus.pmap(step, axis_name="batch", replicated_argnums=(0, 1)).plan(params, state, x)
-  assert any(i.sharded for i in declared.inputs)
+  x = jax.random.normal(jax.random.key(0), (8, 2, 64))  # Differs per device.
+  assert any(i.sharded for i in wus.pmap(step, axis_name="batch").plan(params, state, x).inputs)
+  differ = state.at[3, 0, 0].set(1.0) if hasattr(state, "at") else jax.tree.map(
+      lambda a: a.at[3, 0, 0].set(1.0), state)
+  plan = wus.pmap(step, axis_name="batch").plan(params, differ, x)
+  momentum = [i for i in plan.inputs if i.shape == (1, 64, 32) and i.name.startswith("[1]")]
+  assert momentum and not any(i.sharded for i in momentum)
+  assert all("per-device copies differ" in i.reason for i in momentum), str(plan)
 
 
 def test_loop_plan_says_where_each_weight_is_gathered():

@@ -74,26 +74,50 @@ def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequen
 
 
 @functools.lru_cache(maxsize=None)
-def shard_program(fmt: ShardFormat, mesh: Mesh, axes: tuple,
-                  spec: P = P()) -> Callable[[Any], jax.Array]:
-  """Whole tensor -> sharded global array (the sharding program of §4.2).
+def shard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
+                  specs: tuple[P, ...]) -> Callable[..., list[jax.Array]]:
+  """Whole tensors -> sharded global arrays (the sharding program of §4.2).
 
-  Each device takes its own shard of its whole value (shape `fmt.shape`, laid
-  out by `spec` as the step's in_spec lays it out) with a local slice: no
-  communication. The result has shape `fmt.padded_shape`, laid out with
-  `shard_spec(axes)`.
+  One program for all of a step's state. Each device takes its own shard of
+  its whole value (shape `fmt.shape`, laid out by `spec` as the step's in_spec
+  lays it out) with a local slice: no communication.
+
+  Args:
+    fmts: a format per tensor.
+    mesh: the step's mesh.
+    axes: the replica axes.
+    specs: a PartitionSpec per tensor (P(): one replicated array).
+
+  Returns:
+    A function of one array per format returning, per tensor, a global array
+    of shape `fmt.padded_shape` laid out with `shard_spec(axes)`.
   """
-  return jax.jit(jax.shard_map(functools.partial(collectives.shard, fmt=fmt, axis_name=axes),
-                               mesh=mesh, in_specs=spec, out_specs=shard_spec(axes)))
+  def body(*xs):
+    return [collectives.shard(x, f, axes) for x, f in zip(xs, fmts, strict=True)]
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                               out_specs=[shard_spec(axes)] * len(fmts)))
 
 
 @functools.lru_cache(maxsize=None)
-def unshard_program(fmt: ShardFormat, mesh: Mesh, axes: tuple,
-                    spec: P = P()) -> Callable[[jax.Array], jax.Array]:
-  """Sharded global array -> the whole tensor (shape `fmt.shape`) on every device.
+def unshard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
+                    specs: tuple[P, ...]) -> Callable[..., list[jax.Array]]:
+  """Sharded global arrays -> the whole tensors on every device, in one program.
 
-  An all-gather. `spec` lays the per-device whole values out as the step's
-  out_spec did (P(): one replicated array).
+  The all-gathers are batched (§5.2, `collectives.batched.all_gather`), so a
+  tree of many tensors costs a few collectives and one dispatch.
+
+  Args:
+    fmts: a format per tensor.
+    mesh: the mesh the arrays are laid out on.
+    axes: the replica axes they are sharded over.
+    specs: per tensor, the PartitionSpec of the per-device whole values (the
+      step's out_spec; P(): one replicated array).
+
+  Returns:
+    A function of one global array per format (shape `fmt.padded_shape`)
+    returning the whole arrays (each device's value of shape `fmt.shape`).
   """
-  return jax.jit(jax.shard_map(functools.partial(collectives.all_gather, fmt=fmt, axis_name=axes),
-                               mesh=mesh, in_specs=shard_spec(axes), out_specs=spec))
+  def body(*shards):
+    return collectives.batched.all_gather(list(shards), list(fmts), axes)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(shard_spec(axes),) * len(fmts),
+                               out_specs=list(specs)))

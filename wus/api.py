@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +27,8 @@ def shard_map(f: Callable | None = None, /, *, mesh: Mesh, in_specs: Any, out_sp
               check_vma: bool = True, axis_names: frozenset = frozenset(),
               axis_name: str | Sequence[str] | None = None,
               min_shard_size: int = 0,
-              donate_argnums: int | Sequence[int] = ()) -> ShardedStep | Callable[[Callable], ShardedStep]:
+              donate_argnums: int | Sequence[int] = (),
+              donate_argnames: str | Sequence[str] = ()) -> ShardedStep | Callable[[Callable], ShardedStep]:
   """Like `jax.shard_map`, with the weight update sharded across replicas.
 
   Swap `jax.shard_map` for `wus.shard_map`; nothing else changes. The step is
@@ -49,7 +51,9 @@ def shard_map(f: Callable | None = None, /, *, mesh: Mesh, in_specs: Any, out_sp
     donate_argnums: positional arguments whose buffers the step may reuse for
       its outputs, as for `jax.jit(jax.shard_map(f, ...), donate_argnums=...)`:
       a donated argument (sharded state included) must not be used after the
-      call. Whole state that the call shards first is not donated itself.
+      call (passing it again raises ValueError). Whole state that the call
+      shards first is not donated itself.
+    donate_argnames: the same by parameter name of `f`, as for `jax.jit`.
 
   Returns:
     A `ShardedStep`: call it like the jit-compiled `jax.shard_map(f, ...)`.
@@ -60,11 +64,32 @@ def shard_map(f: Callable | None = None, /, *, mesh: Mesh, in_specs: Any, out_sp
     ...     in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
     >>> params, opt_state, metrics = step(params, opt_state, batch)  # doctest: +SKIP
   """
-  make = functools.partial(ShardedStep, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                           check_vma=check_vma, axis_names=frozenset(axis_names),
-                           axis_name=axis_name, min_shard_size=min_shard_size,
-                           donate_argnums=_argnums(donate_argnums))
+  def make(f: Callable) -> ShardedStep:
+    return ShardedStep(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
+                       axis_names=frozenset(axis_names), axis_name=axis_name,
+                       min_shard_size=min_shard_size,
+                       donate_argnums=donated_positions(f, donate_argnums, donate_argnames))
   return make if f is None else make(f)
+
+
+def donated_positions(f: Callable, argnums: int | Sequence[int],
+                      argnames: str | Sequence[str]) -> frozenset:
+  """Positions of `f`'s donated parameters, from numbers and names (as `jax.jit`).
+
+  Raises:
+    ValueError: a name that is not a positional parameter of `f`.
+  """
+  names = [argnames] if isinstance(argnames, str) else list(argnames)
+  out = set(_argnums(argnums))
+  if names:
+    params = [p.name for p in inspect.signature(f).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for name in names:
+      if name not in params:
+        raise ValueError(f"donate_argnames: {name!r} is not a positional parameter of "
+                         f"{getattr(f, '__name__', f)} (its parameters: {params})")
+      out.add(params.index(name))
+  return frozenset(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +102,7 @@ class _Program:
   state_in: dict        # Arg leaf index -> (ShardFormat, whole-value spec) of inputs passed sharded.
   in_names: tuple[str, ...]
   out_specs: tuple      # Per flat output: its PartitionSpec in the user's program.
+  out_replicated: tuple  # Per flat output: identical on every replica of the plan's axes.
   out_tree: Any
   timings: dict         # Seconds: "trace", "analysis" (inline, plan); "rewrite" once lowered.
 
@@ -86,7 +112,6 @@ class ShardedStep:
 
   def __init__(self, f: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any,
                check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
-               replicated_argnums: frozenset = frozenset(),
                donate_argnums: frozenset = frozenset(),
                split_reason: str = "its in_spec splits it"):
     self._f = f
@@ -96,10 +121,6 @@ class ShardedStep:
     self._axis_names = axis_names
     self._axis_name = axis_name
     self._min_size = min_shard_size
-    # Arguments declared identical on every replica although their in_spec
-    # splits them (the paper's annotated parameters, §3.1): wus.pmap's
-    # stacked copies.
-    self._replicated_argnums = frozenset(replicated_argnums)
     self._donate_argnums = frozenset(donate_argnums)
     self._split_reason = split_reason
     self._cache: dict = {}
@@ -108,15 +129,30 @@ class ShardedStep:
   # --- Public. ---------------------------------------------------------------
 
   def __call__(self, *args):
-    leaves, prog = self._program(args)
+    return self.call(args)[0]
+
+  def call(self, args: tuple, replicated: frozenset = frozenset()) -> tuple[Any, list[bool]]:
+    """Runs the step; also says which flat outputs are identical on every replica.
+
+    Args:
+      args: the positional arguments.
+      replicated: flat leaf positions (`jax.tree.leaves(args, is_leaf=
+        wus.sharded.is_sharded)`) whose values are identical on every replica
+        although their in_spec splits them (the paper's annotated parameters,
+        §3.1: `wus.pmap`'s equal per-device copies).
+
+    Returns:
+      (the outputs, a bool per flat output leaf).
+    """
+    leaves, prog = self._program(args, replicated)
     outs = prog.step(*self._operands(leaves, prog))
     wrapped = [ShardedArray(x, prog.plan.state_outputs[k], prog.plan.axes, prog.out_specs[k])
                if k in prog.plan.state_outputs else x for k, x in enumerate(outs)]
-    return jax.tree.unflatten(prog.out_tree, wrapped)
+    return jax.tree.unflatten(prog.out_tree, wrapped), list(prog.out_replicated)
 
-  def plan(self, *args) -> Plan:
+  def plan(self, *args, replicated: frozenset = frozenset()) -> Plan:
     """The Plan for these arguments (whole or sharded state alike)."""
-    return self._program(args)[1].plan
+    return self._program(args, replicated)[1].plan
 
   def timings(self, *args) -> dict[str, float]:
     """Seconds wus spends on these arguments' program, beside XLA's compile time.
@@ -129,14 +165,14 @@ class ShardedStep:
     """
     return dict(self._program(args)[1].timings)
 
-  def lower(self, *args) -> jax.stages.Lowered:
+  def lower(self, *args, replicated: frozenset = frozenset()) -> jax.stages.Lowered:
     """Lowers the steady-state step program (optimizer state already sharded).
 
     Returns:
       A `jax.stages.Lowered`; `.compile().memory_analysis()` gives per-device
       bytes, `.compile().as_text()` the optimized HLO.
     """
-    leaves, prog = self._program(args)
+    leaves, prog = self._program(args, replicated)
     spec = NamedSharding(self._mesh, programs.shard_spec(prog.plan.axes))
     ops = []
     for src in prog.sources:
@@ -150,33 +186,46 @@ class ShardedStep:
   # --- Runtime. --------------------------------------------------------------
 
   def _operands(self, leaves: list, prog: _Program) -> list:
-    """The step's operands: sharded state checked, whole state sharded (§4.2)."""
-    ops = []
+    """The step's operands: sharded state checked, whole state sharded (§4.2).
+
+    Raises:
+      ValueError: an argument's buffer was donated to an earlier call.
+      StateMismatchError: sharded state made for another mesh or plan.
+    """
+    ops: list = []
     expected = NamedSharding(self._mesh, programs.shard_spec(prog.plan.axes))
+    whole_state = []  # (operand position, leaf, format, spec): sharded by one program.
     for src in prog.sources:
       if src[0] == "const":
         ops.append(src[1])
         continue
       k = src[1]
       x, (fmt, spec) = leaves[k], prog.state_in.get(k, (None, None))
+      check_alive(x, prog.in_names[k])
       if is_sharded(x):
         _check_state(x, fmt, spec, prog.plan.axes, expected, prog.in_names[k])
         ops.append(x.data)
       elif fmt is not None:
-        ops.append(programs.shard_program(fmt, self._mesh, prog.plan.axes, spec)(x))
+        whole_state.append((len(ops), x, fmt, spec))
+        ops.append(None)
       else:
         ops.append(x)
+    if whole_state:
+      pos, xs, fmts, specs = zip(*whole_state, strict=True)
+      shards = programs.shard_program(fmts, self._mesh, prog.plan.axes, specs)(*xs)
+      for p, x in zip(pos, shards, strict=True):
+        ops[p] = x
     return ops
 
-  def _program(self, args: tuple) -> tuple[list, _Program]:
+  def _program(self, args: tuple, replicated: frozenset = frozenset()) -> tuple[list, _Program]:
     leaves, treedef = jax.tree.flatten(args, is_leaf=is_sharded)
-    key = (treedef, tuple(_signature(x) for x in leaves))
+    key = (treedef, tuple(_signature(x) for x in leaves), frozenset(replicated))
     if key not in self._cache:
       with gc_pause.paused():
-        self._cache[key] = self._build(args, leaves, treedef)
+        self._cache[key] = self._build(args, leaves, treedef, frozenset(replicated))
     return leaves, self._cache[key]
 
-  def _build(self, args: tuple, leaves: list, treedef) -> _Program:
+  def _build(self, args: tuple, leaves: list, treedef, replicated: frozenset) -> _Program:
     start = time.perf_counter()
     # 1. Trace the user's step exactly as jax.shard_map would.
     traced = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self._mesh, x.spec))
@@ -206,7 +255,7 @@ class ShardedStep:
     # 3. Analyse and plan.
     arg_of_leaf = [a for a, arg in enumerate(args)
                    for _ in jax.tree.leaves(arg, is_leaf=is_sharded)]
-    in_rep = [frozenset(manual) if s[0] == "arg" and arg_of_leaf[s[1]] in self._replicated_argnums
+    in_rep = [frozenset(manual) if s[0] == "arg" and s[1] in replicated
               else manual - _spec_axes(spec) for spec, s in zip(in_specs, sources, strict=True)]
     facts = redundancy.analyze(flat, in_rep, manual)
     names = [jax.tree_util.keystr(p) for p, _ in
@@ -230,8 +279,9 @@ class ShardedStep:
                                  out_specs=out_specs, axis_names=manual, check_vma=check_vma,
                                  donate_argnums=donated, timings=timings)
     state_in = {sources[k][1]: (fmt, in_specs[k]) for k, fmt in plan.state_inputs.items()}
-    return _Program(plan, step, sources, state_in, tuple(names), tuple(out_specs), out_tree,
-                    timings)
+    out_replicated = tuple(facts.is_redundant(v, frozenset(axes)) for v in flat.outvars)
+    return _Program(plan, step, sources, state_in, tuple(names), tuple(out_specs),
+                    out_replicated, out_tree, timings)
 
   def _replica_axes(self, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
     """The data-parallel axes, in mesh order."""
@@ -290,6 +340,15 @@ def _spec_axes(spec: P) -> frozenset:
       continue
     out.update(entry if isinstance(entry, tuple) else (entry,))
   return frozenset(out)
+
+
+def check_alive(x, name: str) -> None:
+  """Raises ValueError if `x`'s buffers were donated to an earlier call."""
+  data = x.data if is_sharded(x) else x
+  if isinstance(data, jax.Array) and data.is_deleted():
+    raise ValueError(
+        f"argument {name} was donated to an earlier call (donate_argnums) and its buffer is "
+        "gone; pass the value that call returned instead")
 
 
 def _check_state(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedSharding,

@@ -1,14 +1,22 @@
 """`wus.pmap`: a drop-in for `jax.pmap` with the weight update sharded.
 
 As in JAX itself (DESIGN.md §5), pmap is `jit(shard_map(...))` over a 1-D mesh
-of the devices: mapped arguments arrive as each device's slice, outputs leave
-stacked along a new leading axis.
+of the devices: mapped arguments arrive as each device's slice, mapped outputs
+leave stacked along `out_axes`.
+
+Per-device copies of weights and optimizer state (`flax.jax_utils.replicate`)
+are equal by convention, not by construction. wus finds out which are: on a
+call whose arguments it did not return itself, one program compares the
+per-device copies of every mapped leaf; equal ones are the paper's annotated
+parameters (§3.1). Outputs the analysis proves identical on every device are
+remembered, so passing them back to the next call costs no comparison.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -16,133 +24,283 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from wus.api import ShardedStep
+from wus.api import ShardedStep, check_alive, donated_positions
 from wus.sharded import is_sharded
 
 
-def pmap(f: Callable, axis_name: str, *, in_axes: int | None | Sequence[int | None] = 0,
-         out_axes: int = 0, devices: Sequence[jax.Device] | None = None,
-         replicated_argnums: Sequence[int] = (), min_shard_size: int = 0,
-         donate_argnums: int | Sequence[int] = ()) -> Callable:
+def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, out_axes: Any = 0,
+         static_broadcasted_argnums: int | Iterable[int] = (),
+         devices: Sequence[jax.Device] | None = None, backend: str | None = None,
+         axis_size: int | None = None, donate_argnums: int | Iterable[int] = (),
+         donate_argnames: str | Iterable[str] = (),
+         replicated_argnums: Iterable[int] = (), min_shard_size: int = 0) -> Callable:
   """Like `jax.pmap`, with the weight update sharded across devices.
 
-  Data-parallel pmap code keeps one copy of the weights and optimizer state
-  per device (for example from `flax.jax_utils.replicate`). Nothing in the
-  program says those copies are equal, so declare them with
-  `replicated_argnums` (the paper's annotated parameters, §3.1); arguments
-  with `in_axes=None` are replicated by construction. Optimizer state then
-  comes back as `wus.ShardedArray` leaves; `wus.unshard` returns the stacked
-  copies jax.pmap would have returned.
+  Every argument means what it means to `jax.pmap`. Optimizer state comes back
+  as `wus.ShardedArray` leaves: pass it straight to the next call;
+  `wus.unshard` returns the stacked copies `jax.pmap` would have returned.
 
   Args:
     f: the per-device step.
     axis_name: the name of the mapped axis, used by the collectives in `f`.
-    in_axes: 0 (mapped over the leading axis) or None (broadcast), for all
-      positional arguments or one entry per argument.
-    out_axes: must be 0.
-    devices: the devices to map over; default `jax.local_devices()`.
-    replicated_argnums: positional arguments whose per-device copies are
-      identical (weights, optimizer state). The first call checks it and
-      raises ValueError if they differ.
-    min_shard_size: tensors with fewer elements stay replicated.
+    in_axes: an int, None, or a pytree prefix of the positional arguments
+      thereof: the axis each is mapped over (None: broadcast). Keyword
+      arguments are mapped over their leading axis.
+    out_axes: the same for the outputs (None: identical on every device,
+      returned once).
+    static_broadcasted_argnums: positional arguments that are compile-time
+      constants (hashable); a new value compiles a new step.
+    devices: the devices to map over; default the first `axis_size` (or the
+      mapped size) of `jax.local_devices(backend=backend)`.
+    backend: as for `jax.pmap`.
+    axis_size: the size of the mapped axis, checked against the arguments.
     donate_argnums: positional arguments whose buffers the step may reuse for
-      its outputs, as for `jax.pmap`.
+      its outputs; passing one again raises ValueError.
+    donate_argnames: the same by parameter name.
+    replicated_argnums: optional assertion: positional arguments whose
+      per-device copies must be identical (weights, optimizer state). They are
+      found without it; with it, differing copies raise ValueError.
+    min_shard_size: tensors with fewer elements stay replicated.
 
   Returns:
-    A function called like the `jax.pmap` of `f`.
+    A function called like the `jax.pmap` of `f`, with `.plan(*args,
+    **kwargs)` and `.lower(*args, **kwargs)` as `wus.ShardedStep` has.
 
   Raises:
-    NotImplementedError: for in_axes other than 0 / None, or out_axes != 0.
+    ValueError: at call time, for arguments jax.pmap would refuse, an
+      argument of `replicated_argnums` whose copies differ, or a donated
+      buffer passed again.
+    NotImplementedError: several processes (use `wus.shard_map`).
   """
-  if out_axes != 0:
-    raise NotImplementedError("wus.pmap supports out_axes=0 only; use jax.pmap otherwise")
-  devices = list(devices if devices is not None else jax.local_devices())
-  mesh = Mesh(np.array(devices), (axis_name,), axis_types=(AxisType.Auto,))
-  donate = frozenset([donate_argnums] if isinstance(donate_argnums, int) else donate_argnums)
-  return _Pmapped(f, axis_name, in_axes, mesh, frozenset(replicated_argnums), min_shard_size,
-                  donate)
+  static = _index_tuple(static_broadcasted_argnums)
+  return _Pmapped(f, "_internal_pmap_axis_name" if axis_name is None else axis_name, in_axes,
+                  out_axes, static, tuple(devices) if devices is not None else None, backend,
+                  axis_size, donated_positions(f, _index_tuple(donate_argnums),
+                                               _names(donate_argnames)),
+                  _names(donate_argnames), frozenset(_index_tuple(replicated_argnums)),
+                  min_shard_size)
+
+
+def _index_tuple(x: int | Iterable[int]) -> tuple[int, ...]:
+  return (x,) if isinstance(x, int) else tuple(x)
+
+
+def _names(x: str | Iterable[str]) -> tuple[str, ...]:
+  return (x,) if isinstance(x, str) else tuple(x)
+
+
+def _spec(axis_name, axis: int | None) -> P:
+  """The PartitionSpec of a leaf mapped over `axis` (None: not mapped)."""
+  return P() if axis is None else P(*[None] * axis, axis_name)
 
 
 class _Pmapped:
   """The callable `wus.pmap` returns."""
 
-  def __init__(self, f, axis_name, in_axes, mesh, replicated_argnums, min_shard_size,
-               donate_argnums):
-    self._f, self._axis, self._in_axes, self._mesh = f, axis_name, in_axes, mesh
+  def __init__(self, f, axis_name, in_axes, out_axes, static, devices, backend, axis_size,
+               donated, donate_argnames, replicated_argnums, min_shard_size):
+    self._f, self._axis, self._in_axes, self._out_axes = f, axis_name, in_axes, out_axes
+    self._static, self._devices, self._backend, self._axis_size = static, devices, backend, axis_size
+    self._donated, self._donate_argnames = donated, donate_argnames
     self._replicated_argnums = replicated_argnums
-    self._donate_argnums = donate_argnums
     self._min_size = min_shard_size
     self._steps: dict[tuple, ShardedStep] = {}
-    self._checked: set = set()
+    # Outputs of the last call that are identical on every device, by id.
+    self._known: dict[int, weakref.ref] = {}
     functools.update_wrapper(self, f)
 
-  def _axes_of(self, num_args: int) -> tuple:
-    axes = self._in_axes
-    axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,) * num_args
-    if len(axes) != num_args or any(a not in (0, None) for a in axes):
-      raise NotImplementedError(f"wus.pmap supports in_axes of 0 or None per argument; got {self._in_axes}")
-    return axes
+  # --- Public. ---------------------------------------------------------------
 
-  def _step(self, in_axes: tuple) -> ShardedStep:
-    if in_axes not in self._steps:
-      def body(*args):
-        args = [jax.tree.map(lambda x: jnp.squeeze(x, 0), a) if ax == 0 else a
-                for a, ax in zip(args, in_axes, strict=True)]
-        return jax.tree.map(lambda y: jnp.expand_dims(y, 0), self._f(*args))
+  def __call__(self, *args, **kwargs):
+    step, dyn, replicated = self._prepare(args, kwargs, check=True)
+    out, out_replicated = step.call(dyn, replicated)
+    self._known = {}
+    for x, same in zip(jax.tree.leaves(out, is_leaf=is_sharded), out_replicated, strict=True):
+      if same and isinstance(x, jax.Array):
+        self._known[id(x)] = weakref.ref(x)
+    return out
 
-      spec = P(self._axis)
-      self._steps[in_axes] = ShardedStep(
-          body, mesh=self._mesh, in_specs=tuple(spec if ax == 0 else P() for ax in in_axes),
-          out_specs=spec, check_vma=False, axis_names=frozenset(), axis_name=self._axis,
-          min_shard_size=self._min_size,
-          replicated_argnums=frozenset(a for a in self._replicated_argnums if in_axes[a] == 0),
-          donate_argnums=self._donate_argnums,
-          split_reason="mapped, and its copies are not declared equal: add it to "
-                       "replicated_argnums if they are")
-    return self._steps[in_axes]
-
-  def _place(self, args: tuple, in_axes: tuple) -> tuple:
-    """Puts whole leaves on the mesh as jax.pmap would (sharded state is already)."""
-    def put(x, ax):
-      if is_sharded(x):
-        return x
-      return jax.device_put(x, NamedSharding(self._mesh, P(self._axis) if ax == 0 else P()))
-    return tuple(jax.tree.map(lambda x: put(x, ax), a, is_leaf=is_sharded)
-                 for a, ax in zip(args, in_axes, strict=True))
-
-  def _check_replicated(self, args: tuple, in_axes: tuple) -> None:
-    """Raises ValueError if an argument declared replicated has differing copies."""
-    for a in sorted(self._replicated_argnums):
-      if in_axes[a] != 0:
-        continue
-      for path, x in jax.tree_util.tree_flatten_with_path(args[a], is_leaf=is_sharded)[0]:
-        if not is_sharded(x) and not bool(_all_copies_equal(x)):
-          raise ValueError(
-              f"argument {a}{jax.tree_util.keystr(path)} is in replicated_argnums but its "
-              "per-device copies differ; replicate it (e.g. flax.jax_utils.replicate) or "
-              "leave it out of replicated_argnums")
-
-  def __call__(self, *args):
-    in_axes = self._axes_of(len(args))
-    args = self._place(args, in_axes)
-    key = (in_axes, jax.tree.structure(args, is_leaf=is_sharded))
-    if key not in self._checked:
-      self._check_replicated(args, in_axes)
-      self._checked.add(key)
-    return self._step(in_axes)(*args)
-
-  def plan(self, *args):
+  def plan(self, *args, **kwargs):
     """The wus Plan for these arguments."""
-    in_axes = self._axes_of(len(args))
-    return self._step(in_axes).plan(*self._place(args, in_axes))
+    step, dyn, replicated = self._prepare(args, kwargs, check=True)
+    return step.plan(*dyn, replicated=replicated)
 
-  def lower(self, *args) -> jax.stages.Lowered:
+  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """Lowers the steady-state step program, as `ShardedStep.lower`."""
-    in_axes = self._axes_of(len(args))
-    return self._step(in_axes).lower(*self._place(args, in_axes))
+    step, dyn, replicated = self._prepare(args, kwargs, check=True)
+    return step.lower(*dyn, replicated=replicated)
+
+  # --- Calls. ----------------------------------------------------------------
+
+  def _prepare(self, args: tuple, kwargs: dict, check: bool):
+    """(the ShardedStep, its positional arguments, the replicated leaf positions)."""
+    if self._static and max(self._static) >= len(args):
+      raise ValueError(f"pmapped function has static_broadcasted_argnums={self._static} but was "
+                       f"called with only {len(args)} positional arguments")
+    if jax.process_count() > 1:
+      raise NotImplementedError("wus.pmap runs in one process; with several, use wus.shard_map "
+                                "over a global mesh")
+    dyn_pos = [i for i in range(len(args)) if i not in self._static]
+    statics = tuple((i, args[i]) for i in self._static)
+    # Keyword arguments go last, as one dict: mapped over their leading axis.
+    dyn = (*[args[i] for i in dyn_pos], kwargs)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(dyn, is_leaf=is_sharded)
+    for path, x in paths:
+      check_alive(x, jax.tree_util.keystr(path))
+    leaves = [x for _, x in paths]
+    axes = self._leaf_axes(dyn_pos, args, kwargs, treedef)
+    mesh = self._mesh(leaves, axes)
+    leaves = [self._place(x, ax, mesh) for x, ax in zip(leaves, axes, strict=True)]
+    replicated = self._replicated(leaves, axes, treedef, dyn_pos)
+    key = (treedef, axes, statics, mesh, tuple(sorted(kwargs)))
+    if key not in self._steps:
+      self._steps[key] = self._make_step(treedef, axes, statics, dyn_pos, len(args),
+                                         tuple(sorted(kwargs)), mesh)
+    return self._steps[key], jax.tree.unflatten(treedef, leaves), replicated
+
+  def _leaf_axes(self, dyn_pos, args, kwargs, treedef) -> tuple:
+    """The mapped axis of every flat leaf, as jax.pmap broadcasts `in_axes`."""
+    in_axes = self._in_axes
+    if isinstance(in_axes, list):
+      in_axes = tuple(in_axes)
+    if isinstance(in_axes, tuple):
+      if len(in_axes) != len(args):
+        raise ValueError(f"pmap in_axes has {len(in_axes)} entries but the function was called "
+                         f"with {len(args)} positional arguments")
+      in_axes = tuple(in_axes[i] for i in dyn_pos)
+    else:
+      in_axes = (in_axes,) * len(dyn_pos)
+    try:
+      return _broadcast_axes((*in_axes, {k: 0 for k in kwargs}),
+                             jax.tree.unflatten(treedef, [0] * treedef.num_leaves))
+    except ValueError as e:
+      raise ValueError(f"pmap in_axes must be a tree prefix of the positional arguments: {e}") from None
+
+  def _mesh(self, leaves: list, axes: tuple) -> Mesh:
+    sizes = {(x.shape[ax] if not is_sharded(x) else x.shape[ax])
+             for x, ax in zip(leaves, axes, strict=True) if ax is not None}
+    if not sizes:
+      raise ValueError("pmap requires at least one argument with a mapped axis")
+    if len(sizes) > 1:
+      raise ValueError(f"pmap got mapped axes of different sizes: {sorted(sizes)}")
+    (size,) = sizes
+    if self._axis_size is not None and self._axis_size != size:
+      raise ValueError(f"Specified axis_size {self._axis_size} doesn't match received "
+                       f"axis_size {size}.")
+    devices = self._devices or jax.local_devices(backend=self._backend)[:size]
+    if len(devices) != size:
+      raise ValueError(f"pmap of a mapped axis of size {size} over {len(devices)} devices")
+    return _mesh(tuple(devices), self._axis)
+
+  def _place(self, x, axis: int | None, mesh: Mesh):
+    """Puts a whole leaf on the mesh as jax.pmap would (sharded state is already)."""
+    if is_sharded(x):
+      return x
+    return jax.device_put(x, NamedSharding(mesh, _spec(self._axis, axis)))
+
+  def _replicated(self, leaves: list, axes: tuple, treedef, dyn_pos) -> frozenset:
+    """Positions of mapped leaves whose per-device copies are identical.
+
+    Sharded state and outputs of the last call the analysis proved identical
+    are known; the other mapped leaves are compared, all in one program.
+
+    Raises:
+      ValueError: a leaf of `replicated_argnums` has differing copies.
+    """
+    known, unknown = set(), []
+    for k, (x, ax) in enumerate(zip(leaves, axes, strict=True)):
+      if ax is None:
+        continue
+      ref = self._known.get(id(x))
+      if is_sharded(x) or (ref is not None and ref() is x):
+        known.add(k)
+      elif not jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        unknown.append(k)
+    if unknown:
+      same = _copies_equal([leaves[k] for k in unknown], [axes[k] for k in unknown])
+      known.update(k for k, s in zip(unknown, same, strict=True) if s)
+    if self._replicated_argnums:
+      first = _first_leaf_of_args(treedef, len(dyn_pos))
+      for a in self._replicated_argnums:
+        if a not in dyn_pos:
+          continue
+        j = dyn_pos.index(a)
+        for k in range(first[j], first[j + 1]):
+          if axes[k] is not None and k not in known:
+            raise ValueError(
+                f"argument {a} is in replicated_argnums but its per-device copies differ "
+                f"(flat leaf {k - first[j]}); replicate it (e.g. flax.jax_utils.replicate) or "
+                "leave it out of replicated_argnums")
+    return frozenset(known)
+
+  def _make_step(self, treedef, axes, statics, dyn_pos, num_args, kwarg_names, mesh) -> ShardedStep:
+    f, axis_name, out_axes = self._f, self._axis, self._out_axes
+
+    def body(*dyn):
+      leaves = jax.tree.leaves(dyn)
+      leaves = [x if ax is None else jnp.squeeze(x, ax) for x, ax in zip(leaves, axes, strict=True)]
+      *positional, kw = jax.tree.unflatten(treedef, leaves)
+      full = [None] * num_args
+      for i, x in zip(dyn_pos, positional, strict=True):
+        full[i] = x
+      for i, x in statics:
+        full[i] = x
+      out = f(*full, **kw)
+      out_leaves, out_tree = jax.tree.flatten(out)
+      out_axes_flat = _broadcast_axes(out_axes, out)
+      return jax.tree.unflatten(out_tree, [y if ax is None else jnp.expand_dims(y, ax)
+                                           for y, ax in zip(out_leaves, out_axes_flat, strict=True)])
+
+    in_specs = jax.tree.unflatten(treedef, [_spec(axis_name, ax) for ax in axes])
+    out_specs = jax.tree.map(lambda ax: _spec(axis_name, ax), out_axes, is_leaf=lambda x: x is None)
+    # Positions among the dynamic arguments; keyword arguments by name.
+    donated = {dyn_pos.index(i) for i in self._donated if i in dyn_pos}
+    if set(kwarg_names) & set(self._donate_argnames):
+      donated.add(len(dyn_pos))  # The keyword dict (jax.pmap never donates keywords).
+    return ShardedStep(
+        body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False,
+        axis_names=frozenset(), axis_name=axis_name, min_shard_size=self._min_size,
+        donate_argnums=frozenset(donated),
+        split_reason="mapped, and its per-device copies differ")
 
 
-@jax.jit
-def _all_copies_equal(x: Any) -> jax.Array:
-  x = jnp.asarray(x)
-  return jnp.all((x == x[:1]) | (x != x))  # NaN copies count as equal.
+_UNMAPPED = object()
+
+
+def _broadcast_axes(prefix: Any, tree: Any) -> tuple:
+  """The axis (int or None) of each leaf of `tree`, from a pytree prefix of axes.
+
+  Raises:
+    ValueError: `prefix` is not a tree prefix of `tree`.
+  """
+  marked = jax.tree.map(lambda a: _UNMAPPED if a is None else a, prefix,
+                        is_leaf=lambda x: x is None)
+  full = jax.tree.broadcast(marked, tree)
+  return tuple(None if a is _UNMAPPED else a for a in jax.tree.leaves(full))
+
+
+def _first_leaf_of_args(treedef, num_positional: int) -> list[int]:
+  """Flat position of each top-level positional argument's first leaf, and the end."""
+  children = treedef.children()
+  starts = [0]
+  for child in children[:num_positional]:
+    starts.append(starts[-1] + child.num_leaves)
+  return starts
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(devices: tuple, axis_name) -> Mesh:
+  return Mesh(np.array(devices), (axis_name,), axis_types=(AxisType.Auto,))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _all_equal(xs: list, axes: tuple) -> jax.Array:
+  """Per leaf: whether every slice along its mapped axis equals the first (NaNs equal)."""
+  def one(x, ax):
+    first = jax.lax.index_in_dim(x, 0, ax, keepdims=True)
+    return jnp.all((x == first) | ((x != x) & (first != first)))
+  return jnp.stack([one(x, ax) for x, ax in zip(xs, axes, strict=True)])
+
+
+def _copies_equal(xs: list, axes: list) -> list[bool]:
+  return [bool(b) for b in np.asarray(_all_equal(xs, tuple(axes)))]

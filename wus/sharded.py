@@ -69,6 +69,21 @@ class ShardedArray:
   def __repr__(self) -> str:
     return f"ShardedArray({self.dtype}{list(self.format.shape)}, {self.format}, axes={self.axes})"
 
+  def _needs_whole(self, *args, **kwargs):
+    raise TypeError(
+        f"{self!r} is a shard of a tensor that wus keeps sharded between steps (optimizer "
+        "state); it cannot be used as an array. Pass it back to the wus step that returned "
+        "it, or call wus.unshard(tree) for whole arrays.")
+
+  # Used as an array (jax.numpy, NumPy, arithmetic, indexing): say what to do.
+  __jax_array__ = __array__ = __getitem__ = __iter__ = __len__ = _needs_whole
+  __bool__ = __float__ = __int__ = __index__ = _needs_whole
+  __neg__ = __pos__ = __abs__ = __invert__ = _needs_whole
+  __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _needs_whole
+  __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _needs_whole
+  __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _needs_whole
+  __lt__ = __le__ = __gt__ = __ge__ = _needs_whole
+
 
 def is_sharded(x: Any) -> bool:
   return isinstance(x, ShardedArray)
@@ -79,9 +94,10 @@ def unshard(tree: Any) -> Any:
 
   Each `ShardedArray` becomes a `jax.Array` of its logical shape and dtype,
   laid out as the step returned whole values (replicated on every device for
-  `wus.shard_map` with out_spec P(); stacked copies for `wus.pmap`): one
-  all-gather per tensor. Other leaves, and trees without sharded state, pass
-  through unchanged.
+  `wus.shard_map` with out_spec P(); stacked copies for `wus.pmap`). The
+  tensors of one mesh are gathered by one program with batched all-gathers
+  (§5.2). Other leaves, and trees without sharded state, pass through
+  unchanged.
 
   Args:
     tree: any pytree.
@@ -89,8 +105,15 @@ def unshard(tree: Any) -> Any:
   Returns:
     The same structure with every ShardedArray replaced by its whole array.
   """
-  def whole(x):
-    if not is_sharded(x):
-      return x
-    return programs.unshard_program(x.format, x.data.sharding.mesh, x.axes, x.spec)(x.data)
-  return jax.tree.map(whole, tree, is_leaf=is_sharded)
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_sharded)
+  groups: dict = {}
+  for k, x in enumerate(leaves):
+    if is_sharded(x):
+      groups.setdefault((x.data.sharding.mesh, x.axes), []).append(k)
+  for (mesh, axes), ks in groups.items():
+    xs = [leaves[k] for k in ks]
+    gather = programs.unshard_program(tuple(x.format for x in xs), mesh, axes,
+                                      tuple(x.spec for x in xs))
+    for k, whole in zip(ks, gather(*[x.data for x in xs]), strict=True):
+      leaves[k] = whole
+  return jax.tree.unflatten(treedef, leaves)
