@@ -15,10 +15,17 @@ from typing import Any
 from jax._src import core as _core
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import partial_eval as _pe
+from jax._src import pjit as _pjit
+from jax._src.lax import ann as _ann
 from jax._src.lax import lax as _lax
 from jax._src.lax import slicing as _slicing
 from jax._src.lax import parallel as _parallel
+from jax._src.lax.control_flow import conditionals as _conditionals
+from jax._src.random import core as _random_core
+from jax._src.random import philox2x32 as _philox2x32
+from jax._src.random import philox4x32 as _philox4x32
 from jax._src.random import prng as _prng
+from jax._src.random import threefry4x32 as _threefry4x32
 from jax._src.shard_map import shard_map_p  # noqa: F401  (re-exported)
 from jax.extend import core as _ecore
 from jax.extend.core import primitives as _p
@@ -67,6 +74,22 @@ random_seed_p = _p.random_seed_p
 random_wrap_p = _prng.random_wrap_p
 random_unwrap_p = _prng.random_unwrap_p
 threefry2x32_p = _p.threefry2x32_p
+threefry4x32_p = _threefry4x32.threefry4x32_p
+philox2x32_p = _philox2x32.philox2x32_p
+philox4x32_p = _philox4x32.philox4x32_p
+iota_2x32_shape_p = _prng.iota_2x32_shape_p
+random_gamma_p = _random_core.random_gamma_p
+random_clone_p = _random_core.random_clone_p
+# jax.numpy's stack / unstack / tile bind primitives of their own (jax 0.10).
+stack_p = _lax.stack_p
+unstack_p = _lax.unstack_p
+tile_p = _lax.tile_p
+mulhi_p = _lax.mulhi_p
+ragged_dot_general_p = _lax.ragged_dot_general_p
+approx_top_k_p = _ann.approx_top_k_p
+platform_index_p = _conditionals.platform_index_p
+reshard_p = _pjit.reshard_p
+layout_constraint_p = _pjit.layout_constraint_p
 
 
 # Calls whose inner jaxpr is evaluated as is: (primitive, param holding it).
@@ -192,6 +215,18 @@ def source_of(eqn: JaxprEqn):
     yield
 
 
+def has_user_frame(eqn: JaxprEqn) -> bool:
+  """Whether `eqn`'s traceback reaches user code (not only JAX's own helpers)."""
+  tb = eqn.source_info.traceback
+  return tb is not None and _source_info.user_frame(tb) is not None
+
+
+def attributed(eqn: JaxprEqn, caller: JaxprEqn) -> JaxprEqn:
+  """`eqn` attributed to `caller`'s place in user code, for an equation of a
+  call being inlined whose own traceback ends inside JAX (`jnp.where`'s jit)."""
+  return eqn.replace(source_info=eqn.source_info.replace(traceback=caller.source_info.traceback))
+
+
 def shard_map_eqn(jaxpr: ClosedJaxpr) -> JaxprEqn:
   """The single shard_map equation of a traced `jax.shard_map(f)` call.
 
@@ -255,8 +290,10 @@ def is_literal(atom: Any) -> bool:
 
 
 def source_line(eqn: JaxprEqn) -> str:
-  """Where in the user's code `eqn` came from, as "file:line (function)"."""
-  return _source_info.summarize(eqn.source_info)
+  """Where in the user's code `eqn` came from, as "file:line (function)"
+  (or its name stack, "jit(_where)", when tracing kept no user frame)."""
+  return (_source_info.summarize(eqn.source_info) or str(eqn.source_info.name_stack)
+          or "an unknown place")
 
 
 def side_effects(eqn: JaxprEqn) -> set:

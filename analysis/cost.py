@@ -26,7 +26,7 @@ from wus.analysis import compat
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.layouts import Layout
-from wus.analysis.redundancy import Redundancy
+from wus.analysis.redundancy import Redundancy, why_differs
 from wus.analysis.shardable import Kind
 
 
@@ -68,6 +68,18 @@ def _branch_gathers(cluster: Cluster, rare: set[int]) -> int:
     for sub in subs:
       total += sum(nbytes(v) for v in sub.outside_readers) + _branch_gathers(sub, set())
   return total
+
+
+def _first_whole_reader(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes) -> str:
+  """", read whole by <eqn> ... (why it differs)" for the first outside reader, or ""."""
+  for v, readers in cluster.outside_readers.items():
+    eqn = jaxpr.eqns[readers[0]]
+    out = f" ({v.aval.str_short()} is read whole by {eqn.primitive} at {compat.source_line(eqn)}"
+    varying = [o for o in eqn.outvars if not facts.is_redundant(o, axes)]
+    if varying:
+      out += ", which differs across replicas: " + why_differs(jaxpr, facts, varying[0], axes)
+    return out + ")"
+  return ""
 
 
 def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
@@ -114,7 +126,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
                           "only computation that differs across replicas reads its result")
   if all_gather > all_reduce + all_reduce // num_shards:
     return verdict(False, f"needs {all_gather} B of all-gather, more than the {all_reduce} B "
-                          "all-reduce it replaces")
+                          "all-reduce it replaces" + _first_whole_reader(cluster, jaxpr, facts, axes))
   reductions = sum(k in (Kind.REDUCE_ALL, Kind.REDUCE) for k in cluster.kinds.values())
   partial = f", {reductions} reduction(s)" if reductions else ""
   return verdict(True, f"update on 1/N shards{partial}; {len(gathered)} all-gather(s)")

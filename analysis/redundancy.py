@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from jax import lax
+from jax.lax import linalg
 
 from wus.analysis import compat
 from wus.analysis.compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var
@@ -56,6 +57,42 @@ class Redundancy:
     outputs identical across them, and no side effects (§3.1)."""
     return (not compat.side_effects(eqn)
             and all(self.is_redundant(v, axes) for v in eqn.outvars))
+
+
+def why_differs(jaxpr: Jaxpr, facts: Redundancy, v, axes: frozenset) -> str:
+  """Why `v` of `jaxpr` may differ across the replicas of `axes`, in words.
+
+  Follows `v` back to where the difference enters: an input split by its
+  in_spec (this replica's batch), `axis_index`, an effect, or a primitive
+  without a redundancy rule (which the analysis conservatively calls
+  differing). Names the first such equation and its place in user code.
+  """
+  producer = {u: eqn for eqn in jaxpr.eqns for u in eqn.outvars}
+  inputs = {u: k for k, u in enumerate(jaxpr.invars)}
+  seen, todo = set(), [v]
+  while todo:
+    u = todo.pop(0)
+    if u in seen or compat.is_literal(u) or facts.is_redundant(u, axes):
+      continue
+    seen.add(u)
+    eqn = producer.get(u)
+    if eqn is None:
+      if u in inputs:
+        return f"it depends on input {inputs[u]}, which differs across replicas"
+      continue
+    varying = [w for w in eqn.invars if not compat.is_literal(w)
+               and not facts.is_redundant(w, axes)]
+    if varying:
+      todo += varying
+      continue
+    where = f"{eqn.primitive} at {compat.source_line(eqn)}"
+    if eqn.primitive not in redundancy_rules:
+      return (f"{where} has no redundancy rule, so wus treats its result as differing "
+              "across replicas")
+    if compat.side_effects(eqn):
+      return f"it depends on {where}, which has side effects"
+    return f"it depends on {where}"
+  return "it differs across replicas"
 
 
 RedundancyRule = Callable[[JaxprEqn, list[Rep], Redundancy], list[Rep]]
@@ -162,11 +199,22 @@ register_standard(
     lax.reduce_window_min_p, lax.select_and_gather_add_p,
     lax.select_and_scatter_add_p, lax.select_and_scatter_p,
     lax.stop_gradient_p, lax.optimization_barrier_p,
-    lax.sharding_constraint_p,
+    lax.sharding_constraint_p, compat.reshard_p, compat.layout_constraint_p,
+    compat.stack_p, compat.unstack_p, compat.tile_p, compat.mulhi_p,
+    compat.ragged_dot_general_p, compat.approx_top_k_p,
+    # The same platform runs every replica.
+    compat.platform_index_p,
+    linalg.cholesky_p, linalg.cholesky_update_p, linalg.eig_p, linalg.eigh_p,
+    linalg.hessenberg_p, linalg.householder_product_p, linalg.lu_p,
+    linalg.lu_pivots_to_permutation_p, linalg.qr_p, linalg.schur_p, linalg.svd_p,
+    linalg.symmetric_product_p, linalg.triangular_solve_p, linalg.tridiagonal_p,
+    linalg.tridiagonal_solve_p,
     # Functional PRNG: the same key gives the same bits everywhere.
-    lax.rng_bit_generator_p, compat.threefry2x32_p, compat.random_bits_p,
-    compat.random_split_p, compat.random_fold_in_p, compat.random_seed_p,
-    compat.random_wrap_p, compat.random_unwrap_p,
+    lax.rng_bit_generator_p, compat.threefry2x32_p, compat.threefry4x32_p,
+    compat.philox2x32_p, compat.philox4x32_p, compat.iota_2x32_shape_p,
+    compat.random_bits_p, compat.random_split_p, compat.random_fold_in_p,
+    compat.random_seed_p, compat.random_wrap_p, compat.random_unwrap_p,
+    compat.random_gamma_p, compat.random_clone_p,
 )
 # Deliberately absent, hence varying: rng_uniform (stateful), callbacks
 # (io_callback, pure_callback: the host may answer differently per device),

@@ -89,3 +89,48 @@ def test_typed_key_as_a_step_argument():
   assert_trees_equal(a[0], b[0])
   assert_trees_equal(a[1], wus.unshard(b[1]))
   assert sharded_leaves(b[1])
+
+
+def _all_finite(tree):
+  """jmp's `all_finite`, used for dynamic loss scaling."""
+  return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(tree)]).all()
+
+
+def _skip_if_not_finite_step(tx, all_finite=_all_finite):
+  """Mixed-precision loss scaling as jmp writes it: keep the old state on overflow."""
+  def step(params, opt_state, x):
+    grads = jax.lax.pmean(jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(params),
+                          "data")
+    updates, new_state = tx.update(grads, opt_state, params)
+    new = (optax.apply_updates(params, updates), new_state)
+    return jax.tree.map(lambda a, b: jnp.where(all_finite(grads), a, b), new, (params, opt_state))
+  return step
+
+
+@pytest.mark.parametrize("n", [8, 6])
+def test_finiteness_test_written_with_jnp_stack(n):
+  """`jnp.stack` binds its own primitive (jax 0.10); without a redundancy rule the
+  predicate looked different on every replica and every cluster stayed whole."""
+  tx = optax.adam(1e-2)
+  params, xs = _dense_inputs(mesh(n))
+  step = _skip_if_not_finite_step(tx)
+  _, state = _compare(step, params, tx.init(params), xs, mesh(n))
+  assert {x.format.shape for x in sharded_leaves(state)} == {(24, 40), (40,)}
+
+
+def test_a_cluster_kept_whole_names_the_equation_that_stopped_it():
+  """A predicate from a host callback differs per replica as far as wus can tell:
+  the clusters stay whole and the Plan says which equation is to blame."""
+  def opaque_all_finite(tree):
+    return jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct((), jnp.bool_), _all_finite(tree))
+
+  tx = optax.adam(1e-2)
+  params, xs = _dense_inputs(mesh())
+  step = _skip_if_not_finite_step(tx, opaque_all_finite)
+  _, state = _compare(step, params, tx.init(params), xs, mesh())
+  plan = wus.shard_map(step, mesh=mesh(), in_specs=(P(), P(), P("data")),
+                       out_specs=(P(), P())).plan(params, tx.init(params), xs[0])
+  assert plan.clusters and not any(c.sharded for c in plan.clusters)
+  for c in plan.clusters:
+    assert "pure_callback at" in c.reason and "opaque_all_finite" in c.reason, c.reason
+    assert "select_n at" in c.reason and "test_regressions.py" in c.reason, c.reason

@@ -35,7 +35,10 @@ def inlined(jaxpr: ClosedJaxpr) -> Callable[..., list[Any]]:
   return lambda *args: _eval(jaxpr.jaxpr, jaxpr.consts, args)
 
 
-def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+          caller=None) -> list[Any]:
+  """Evaluates `jaxpr` with calls inlined. Equations of an inlined call that
+  keep no user frame are attributed to `caller`, the call's equation."""
   env: dict = {}
 
   def read(v):
@@ -47,9 +50,12 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]
     env[v] = x
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
+    if caller is not None and not compat.has_user_frame(eqn):
+      eqn = compat.attributed(eqn, caller)
     if eqn.primitive in INLINED:
       inner = compat.call_jaxpr(eqn)
-      outs = _eval(inner.jaxpr, inner.consts, ins)
+      outs = _eval(inner.jaxpr, inner.consts, ins,
+                   eqn if compat.has_user_frame(eqn) else caller)
     elif eqn.primitive in _CONTROL:
       with compat.source_of(eqn):
         outs = _CONTROL[eqn.primitive](eqn, ins)
