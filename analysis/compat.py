@@ -26,6 +26,7 @@ from jax._src.random import philox2x32 as _philox2x32
 from jax._src.random import philox4x32 as _philox4x32
 from jax._src.random import prng as _prng
 from jax._src.random import threefry4x32 as _threefry4x32
+from jax._src.shard_map import Infer as INFER  # noqa: F401  (jax.shard_map's in_specs default)
 from jax._src.shard_map import shard_map_p  # noqa: F401  (re-exported)
 from jax.extend import core as _ecore
 from jax.extend.core import primitives as _p

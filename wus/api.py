@@ -23,7 +23,8 @@ from wus.sharded import ShardedArray, is_sharded
 from wus.transforms import gc_pause, inline, programs
 
 
-def shard_map(f: Callable | None = None, /, *, mesh: Mesh, in_specs: Any, out_specs: Any,
+def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = compat.INFER,
+              mesh: Mesh | None = None,
               check_vma: bool = True, axis_names: frozenset = frozenset(),
               axis_name: str | Sequence[str] | None = None,
               min_shard_size: int = 0,
@@ -41,7 +42,9 @@ def shard_map(f: Callable | None = None, /, *, mesh: Mesh, in_specs: Any, out_sp
 
   Args:
     f: the per-replica step, as for `jax.shard_map`.
-    mesh, in_specs, out_specs, check_vma, axis_names: as for `jax.shard_map`.
+    out_specs, in_specs, mesh, check_vma, axis_names: as for `jax.shard_map`
+      (in_specs inferred from the arguments' shardings when not given; mesh
+      from `jax.set_mesh` when not given).
     axis_name: the data-parallel mesh axis (or axes) to shard the update over.
       Default: the axes of the gradient all-reduces (the all-reduces whose
       operands have the shape of a state input, most bytes first), which on a
@@ -104,18 +107,19 @@ class _Program:
   out_specs: tuple      # Per flat output: its PartitionSpec in the user's program.
   out_replicated: tuple  # Per flat output: identical on every replica of the plan's axes.
   out_tree: Any
+  mesh: Mesh
   timings: dict         # Seconds: "trace", "analysis" (inline, plan); "rewrite" once lowered.
 
 
 class ShardedStep:
   """A data-parallel step whose weight update runs on shards (from `wus.shard_map`)."""
 
-  def __init__(self, f: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any,
+  def __init__(self, f: Callable, *, mesh: Mesh | None, in_specs: Any, out_specs: Any,
                check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
                donate_argnums: frozenset = frozenset(),
                split_reason: str = "its in_spec splits it"):
     self._f = f
-    self._mesh = mesh
+    self._mesh = mesh  # None: the mesh set with jax.set_mesh at call time.
     self._in_specs, self._out_specs = in_specs, out_specs
     self._check_vma = check_vma
     self._axis_names = axis_names
@@ -146,7 +150,8 @@ class ShardedStep:
     """
     leaves, prog = self._program(args, replicated)
     outs = prog.step(*self._operands(leaves, prog))
-    wrapped = [ShardedArray(x, prog.plan.state_outputs[k], prog.plan.axes, prog.out_specs[k])
+    wrapped = [ShardedArray(x, prog.plan.state_outputs[k], prog.plan.axes, prog.out_specs[k],
+                            prog.mesh)
                if k in prog.plan.state_outputs else x for k, x in enumerate(outs)]
     return jax.tree.unflatten(prog.out_tree, wrapped), list(prog.out_replicated)
 
@@ -173,7 +178,7 @@ class ShardedStep:
       bytes, `.compile().as_text()` the optimized HLO.
     """
     leaves, prog = self._program(args, replicated)
-    spec = NamedSharding(self._mesh, programs.shard_spec(prog.plan.axes))
+    spec = NamedSharding(prog.mesh, programs.shard_spec(prog.plan.axes))
     ops = []
     for src in prog.sources:
       if src[0] == "arg" and src[1] in prog.state_in:
@@ -193,7 +198,7 @@ class ShardedStep:
       StateMismatchError: sharded state made for another mesh or plan.
     """
     ops: list = []
-    expected = NamedSharding(self._mesh, programs.shard_spec(prog.plan.axes))
+    expected = NamedSharding(prog.mesh, programs.shard_spec(prog.plan.axes))
     whole_state = []  # (operand position, leaf, format, spec): sharded by one program.
     for src in prog.sources:
       if src[0] == "const":
@@ -212,30 +217,35 @@ class ShardedStep:
         ops.append(x)
     if whole_state:
       pos, xs, fmts, specs = zip(*whole_state, strict=True)
-      shards = programs.shard_program(fmts, self._mesh, prog.plan.axes, specs)(*xs)
+      shards = programs.shard_program(fmts, prog.mesh, prog.plan.axes, specs)(*xs)
       for p, x in zip(pos, shards, strict=True):
         ops[p] = x
     return ops
 
   def _program(self, args: tuple, replicated: frozenset = frozenset()) -> tuple[list, _Program]:
     leaves, treedef = jax.tree.flatten(args, is_leaf=is_sharded)
-    key = (treedef, tuple(_signature(x) for x in leaves), frozenset(replicated))
+    mesh = self._mesh if self._mesh is not None else jax.sharding.get_mesh()
+    if mesh.empty:
+      raise ValueError("wus.shard_map needs a mesh: pass mesh=, or call it inside "
+                       "`with jax.set_mesh(mesh):`")
+    key = (treedef, tuple(_signature(x) for x in leaves), frozenset(replicated), mesh)
     if key not in self._cache:
       with gc_pause.paused():
-        self._cache[key] = self._build(args, leaves, treedef, frozenset(replicated))
+        self._cache[key] = self._build(args, leaves, treedef, frozenset(replicated), mesh)
     return leaves, self._cache[key]
 
-  def _build(self, args: tuple, leaves: list, treedef, replicated: frozenset) -> _Program:
+  def _build(self, args: tuple, leaves: list, treedef, replicated: frozenset,
+             mesh: Mesh) -> _Program:
     start = time.perf_counter()
     # 1. Trace the user's step exactly as jax.shard_map would.
-    traced = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self._mesh, x.spec))
+    traced = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.spec))
               if is_sharded(x) else x for x in leaves]
-    smap = jax.shard_map(self._f, mesh=self._mesh, in_specs=self._in_specs,
+    smap = jax.shard_map(self._f, mesh=mesh, in_specs=self._in_specs,
                          out_specs=self._out_specs, check_vma=self._check_vma,
                          axis_names=self._axis_names)
     outer, out_shape = jax.make_jaxpr(smap, return_shape=True)(*jax.tree.unflatten(treedef, traced))
     eqn = compat.shard_map_eqn(outer)
-    body, mesh, in_specs, out_specs, manual, check_vma = compat.shard_map_params(eqn)
+    body, _, in_specs, out_specs, manual, check_vma = compat.shard_map_params(eqn)
     if list(outer.jaxpr.outvars) != list(eqn.outvars):
       raise NotImplementedError("wus.shard_map expects f's outputs to come from shard_map")
     arg_pos = {v: k for k, v in enumerate(outer.jaxpr.invars)}
@@ -281,7 +291,7 @@ class ShardedStep:
     state_in = {sources[k][1]: (fmt, in_specs[k]) for k, fmt in plan.state_inputs.items()}
     out_replicated = tuple(facts.is_redundant(v, frozenset(axes)) for v in flat.outvars)
     return _Program(plan, step, sources, state_in, tuple(names), tuple(out_specs),
-                    out_replicated, out_tree, timings)
+                    out_replicated, out_tree, mesh, timings)
 
   def _replica_axes(self, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
     """The data-parallel axes, in mesh order."""
@@ -345,10 +355,18 @@ def _spec_axes(spec: P) -> frozenset:
 def check_alive(x, name: str) -> None:
   """Raises ValueError if `x`'s buffers were donated to an earlier call."""
   data = x.data if is_sharded(x) else x
-  if isinstance(data, jax.Array) and data.is_deleted():
+  if isinstance(data, jax.Array) and not isinstance(data, jax.core.Tracer) and data.is_deleted():
     raise ValueError(
         f"argument {name} was donated to an earlier call (donate_argnums) and its buffer is "
         "gone; pass the value that call returned instead")
+
+
+def _normal(spec: P) -> tuple:
+  """A PartitionSpec without trailing Nones: P() and P(None,) lay out alike."""
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return tuple(entries)
 
 
 def _check_state(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedSharding,
@@ -358,11 +376,12 @@ def _check_state(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedShardin
     raise StateMismatchError(
         f"argument {name} is sharded state ({x}) but this step reads it whole. "
         "Pass wus.unshard(state) instead.")
-  if (x.format != fmt or x.axes != axes or x.spec != spec
-      or not x.data.sharding.is_equivalent_to(expected, x.data.ndim)):
+  traced = isinstance(x.data, jax.core.Tracer)  # Under jax.jit: its in_shardings decide.
+  if (x.format != fmt or x.axes != axes or _normal(x.spec) != _normal(spec)
+      or x.mesh != expected.mesh or not (traced or x.data.sharding.is_equivalent_to(expected, x.data.ndim))):
     raise StateMismatchError(
         f"argument {name} was sharded for another mesh or plan ({x}, on "
-        f"{x.data.sharding}); this step expects {fmt} over {axes} on {expected}. "
+        f"{x.mesh}); this step expects {fmt} over {axes} on {expected}. "
         "Pass wus.unshard(state), placed on this step's mesh, to re-shard it for this step.")
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from wus.analysis.formats import ShardFormat
 from wus.transforms import programs
@@ -30,21 +30,23 @@ class ShardedArray:
     axes: the mesh axes it is sharded over.
     spec: the PartitionSpec of the whole value in the user's program: P() for
       a `wus.shard_map` step, P(axis_name) (stacked copies) for `wus.pmap`.
+    mesh: the mesh `data` is laid out on (kept also under `jax.jit`, where
+      `data` is a tracer).
   """
 
-  __slots__ = ("data", "format", "axes", "spec")
+  __slots__ = ("data", "format", "axes", "spec", "mesh")
 
-  def __init__(self, data: jax.Array, format: ShardFormat, axes: tuple, spec: P = P()):  # noqa: A002
-    self.data, self.format, self.axes, self.spec = data, format, tuple(axes), spec
+  def __init__(self, data: jax.Array, format: ShardFormat, axes: tuple, spec: P,  # noqa: A002
+               mesh: Mesh):
+    self.data, self.format, self.axes, self.spec, self.mesh = data, format, tuple(axes), spec, mesh
 
   @property
   def shape(self) -> tuple[int, ...]:
     """Global shape of the whole value, as the user's program sees it."""
-    mesh = self.data.sharding.mesh
     shape = list(self.format.shape)
     for d, entry in enumerate(self.spec):
       names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-      shape[d] *= math.prod(mesh.shape[n] for n in names)
+      shape[d] *= math.prod(self.mesh.shape[n] for n in names)
     return tuple(shape)
 
   @property
@@ -60,7 +62,7 @@ class ShardedArray:
     return math.prod(self.shape)
 
   def tree_flatten(self):
-    return (self.data,), (self.format, self.axes, self.spec)
+    return (self.data,), (self.format, self.axes, self.spec, self.mesh)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -109,7 +111,7 @@ def unshard(tree: Any) -> Any:
   groups: dict = {}
   for k, x in enumerate(leaves):
     if is_sharded(x):
-      groups.setdefault((x.data.sharding.mesh, x.axes), []).append(k)
+      groups.setdefault((x.mesh, x.axes), []).append(k)
   for (mesh, axes), ks in groups.items():
     xs = [leaves[k] for k in ks]
     gather = programs.unshard_program(tuple(x.format for x in xs), mesh, axes,
