@@ -485,7 +485,7 @@ def _state_pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
   pairs = {}
   for out_pos, in_pos in candidates.items():
     x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
-    if not (y in c.program_outputs and x in c.reads and x not in outvars
+    if compat.is_literal(y) or not (y in c.program_outputs and x in c.reads and x not in outvars
             and y not in layout.partial and x not in layout.whole_reads
             and x.aval.dtype == y.aval.dtype
             and layout.formats.get(x) == layout.formats.get(y) is not None):

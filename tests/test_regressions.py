@@ -134,3 +134,12 @@ def test_a_cluster_kept_whole_names_the_equation_that_stopped_it():
   for c in plan.clusters:
     assert "pure_callback at" in c.reason and "opaque_all_finite" in c.reason, c.reason
     assert "select_n at" in c.reason and "test_regressions.py" in c.reason, c.reason
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+def test_state_output_that_is_a_constant(check_vma):
+  """`inject_hyperparams` with a constant schedule returns its learning rate as
+  a literal: an output with no variable behind it (found by the fuzzer)."""
+  tx = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.constant_schedule(1e-2))
+  params, xs = _dense_inputs(mesh(2))
+  _compare(_dense_step(tx), params, tx.init(params), xs, mesh(2), check_vma)
