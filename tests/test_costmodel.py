@@ -1,0 +1,265 @@
+"""The alpha-beta cost model: properties a wrong model would break. Pure Python, fast."""
+
+import dataclasses
+import math
+
+import pytest
+
+from wus.analysis import costmodel as cm
+
+A = cm.Axis("a", 4, alpha=1e-6, bandwidth=1e9)
+
+
+def _topology(*sizes, alpha=1e-6, bandwidth=1e9, memory=1e11, tile=1):
+  return cm.Topology(tuple(cm.Axis(f"a{i}", n, alpha, bandwidth) for i, n in enumerate(sizes)),
+                     memory_bandwidth=memory, tile_elements=tile)
+
+
+def _workload(tensors=(4096, 1024, 65536, 256), optimizer="adam", **kw):
+  return cm.Workload(tensors, cm.OPTIMIZERS[optimizer], **kw)
+
+
+# --- Ring formulas ------------------------------------------------------------------
+
+
+def test_ring_formulas_by_hand():
+  d = 4e6
+  # n = 4: 3 steps, each alpha + d / (4 B) = 1 us + 1 ms.
+  assert cm.ring_reduce_scatter(d, A) == pytest.approx(3 * (1e-6 + 1e-3))
+  assert cm.ring_all_gather(d, A) == pytest.approx(3.003e-3)
+  assert cm.ring_all_reduce(d, A) == pytest.approx(6.006e-3)
+  two = dataclasses.replace(A, size=2)
+  assert cm.ring_reduce_scatter(d, two) == pytest.approx(1e-6 + 2e-3)
+  assert cm.ring_all_reduce(d, two) == pytest.approx(2 * (1e-6 + 2e-3))
+  assert cm.ring_all_reduce(d, dataclasses.replace(A, size=1)) == 0
+
+
+def test_multi_phase_by_hand():
+  """§5.1: along the fast axis on D, then along the slow one on D / n_fast."""
+  fast = cm.Axis("fast", 2, alpha=1e-6, bandwidth=4e9)
+  slow = cm.Axis("slow", 4, alpha=5e-6, bandwidth=1e9)
+  d = 8e6
+  expected = 1 * (1e-6 + d / (2 * 4e9)) + 3 * (5e-6 + (d / 2) / (4 * 1e9))
+  assert cm.reduce_scatter(d, (fast, slow)) == pytest.approx(expected)
+  assert cm.all_gather(d, (fast, slow)) == pytest.approx(expected)
+  # Fast axis first moves fewer bytes over the slow links than slow first.
+  assert cm.reduce_scatter(d, (fast, slow)) < cm.reduce_scatter(d, (slow, fast))
+
+
+@pytest.mark.parametrize("axes", [(A,),
+                                  (cm.Axis("f", 2, 1e-7, 5e9), A, cm.Axis("s", 3, 1e-5, 1e8))])
+def test_reduce_scatter_and_all_gather_make_an_all_reduce(axes):
+  d = 3e6
+  assert cm.reduce_scatter(d, axes) + cm.all_gather(d, axes) == pytest.approx(
+      cm.all_reduce(d, axes))
+  assert (cm.wire_bytes(d, axes, "reduce-scatter") + cm.wire_bytes(d, axes, "all-gather")
+          == pytest.approx(cm.wire_bytes(d, axes, "all-reduce")))
+
+
+def test_wire_bytes_match_the_ring_count_of_the_hlo_report():
+  # report._WIRE: an all-reduce of D bytes in groups of g sends 2 (g - 1) D / g.
+  assert cm.wire_bytes(4e6, (A,), "all-reduce") == pytest.approx(2 * 3 * 1e6)
+  assert cm.wire_bytes(4e6, (A,), "all-gather") == pytest.approx(3 * 1e6)
+
+
+def test_full_sharding_communicates_what_the_all_reduce_did():
+  """One bucket, same dtype, no padding: reduce-scatter + all-gather = the all-reduce (§2.2)."""
+  t = _topology(2, 4)
+  w = _workload(gather_bytes=4)
+  rep = cm.predict_replicated(w, t)
+  full = cm.predict_sharded(w, t, t.num_devices)
+  assert full.reduce_scatter + full.all_gather == pytest.approx(rep.all_reduce)
+  assert full.all_reduce == 0
+  assert full.wire_bytes == pytest.approx(rep.wire_bytes)
+
+
+# --- Batching and partial sharding -----------------------------------------------
+
+
+@pytest.mark.parametrize("collective,kind", [(cm.reduce_scatter, "reduce-scatter"),
+                                             (cm.all_gather, "all-gather"),
+                                             (cm.all_reduce, "all-reduce")])
+@pytest.mark.parametrize("k", [1, 2, 7])
+def test_batching_k_tensors_saves_k_minus_1_latencies(collective, kind, k):
+  axes = (cm.Axis("f", 2, 2e-6, 5e9), A)
+  sizes = [1e5] * k
+  apart, n_apart = cm.batched(collective, sizes, axes, bucket_bytes=1e5)  # each its own
+  together, n_together = cm.batched(collective, sizes, axes)
+  assert (n_apart, n_together) == (k, 1)
+  assert apart - together == pytest.approx((k - 1) * cm.latency(axes, kind))
+
+
+@pytest.mark.parametrize("sizes,limit", [([10, 10, 30, 5, 5], 25), ([1] * 9, 4), ([7, 3, 9], 5)])
+def test_buckets_follow_the_collectives_rule(sizes, limit):
+  from wus.collectives import batched  # pylint: disable=g-import-not-at-top
+  assert cm.buckets(sizes, limit) == batched.buckets(sizes, limit)
+
+
+def test_buckets():
+  assert sorted(cm.buckets([10, 10, 30, 5, 5], limit=25)) == [[0, 1, 3], [2], [4]]
+  assert cm.buckets([10, 10], limit=math.inf) == [[0, 1]]
+
+
+def test_group_of_everyone_is_full_sharding():
+  """G = N: reduce-scatter and all-gather over every axis, the update on 1/N, nothing across."""
+  t = _topology(2, 4, 2)
+  w = _workload(optimizer="lars", gather_bytes=2)
+  n = t.num_devices
+  p = cm.predict_sharded(w, t, n)
+  grads = [4 * x for x in w.tensors]
+  assert p.reduce_scatter == pytest.approx(cm.reduce_scatter(sum(grads), t.axes))
+  assert p.all_gather == pytest.approx(cm.all_gather(sum(grads) / 2, t.axes))
+  assert p.all_reduce == 0
+  assert p.norm_all_reduce == pytest.approx(cm.all_reduce(2 * 4 * len(w.tensors), t.axes))
+  assert p.update == pytest.approx(cm.update_seconds(w, t) / n)
+  assert p.collectives == {"reduce-scatter": 1, "all-reduce": 1, "all-gather": 1}
+
+
+@pytest.mark.parametrize("optimizer", sorted(cm.OPTIMIZERS))
+@pytest.mark.parametrize("tile", [1, 128])
+def test_group_of_one_is_no_sharding(optimizer, tile):
+  t = _topology(2, 4, alpha=3e-6, tile=tile)
+  w = _workload(tensors=(1000, 3, 70000), optimizer=optimizer, gather_bytes=2, copy_bytes=2)
+  for bucket in (math.inf, 4096):
+    assert cm.predict_sharded(w, t, 1, rest=0.5, bucket_bytes=bucket) == cm.predict_replicated(
+        w, t, rest=0.5, bucket_bytes=bucket)
+
+
+def test_partial_sharding_follows_fig_10():
+  """G = 2 of 2 x 4: reduce-scatter over the fast axis, all-reduce of halves over the slow."""
+  t = _topology(2, 4)
+  w = _workload()
+  p = cm.predict_sharded(w, t, 2)
+  d = 4 * w.num_elements
+  assert p.reduce_scatter == pytest.approx(cm.reduce_scatter(d, t.axes[:1]))
+  assert p.all_reduce == pytest.approx(cm.all_reduce(d / 2, t.axes[1:]))
+  assert p.all_gather == pytest.approx(cm.all_gather(d, t.axes[:1]))
+  assert p.total == pytest.approx(p.rest + p.reduce_scatter + p.all_reduce + p.update
+                                  + p.all_gather)
+
+
+def test_small_shards_combine_into_fewer_all_reduces():
+  """§5.2: the all-reduce across groups is batched on shards, G times smaller."""
+  t = _topology(8, 4)
+  w = _workload(tensors=(8192,) * 16)  # 32 KiB each
+  p = cm.predict_sharded(w, t, 8, bucket_bytes=64 * 1024)
+  assert p.collectives["reduce-scatter"] == 8   # two whole tensors per bucket
+  assert p.collectives["all-reduce"] == 1       # 16 shards of 4 KiB in one
+
+
+# --- Topology ------------------------------------------------------------------------
+
+
+def test_split_into_groups():
+  t = _topology(2, 4, 4)
+  assert [a.size for a in t.split(8)[0]] == [2, 4] and [a.size for a in t.split(8)[1]] == [4]
+  inner, outer = t.split(4)  # the group ends inside the second axis
+  assert [a.size for a in inner] == [2, 2] and [a.size for a in outer] == [2, 4]
+  # The ring across groups: neighbours 2 apart, sharing the axis's links.
+  assert (outer[0].alpha, outer[0].bandwidth) == (2 * t.axes[1].alpha, t.axes[1].bandwidth / 2)
+  assert (inner[1].alpha, inner[1].bandwidth) == (t.axes[1].alpha, t.axes[1].bandwidth)
+  assert t.split(1) == ((), t.axes) and t.split(32) == (t.axes, ())
+  with pytest.raises(ValueError, match="unevenly"):
+    _topology(4, 3).split(6)  # 6 cuts the first axis of 4
+  with pytest.raises(ValueError, match="does not divide"):
+    t.split(5)
+  assert _topology(4, 3).group_sizes() == [1, 2, 4, 12]
+
+
+def test_default_topology_has_the_process_as_fast_axis():
+  t = cm.default_topology(8, 4)
+  assert [(a.name, a.size) for a in t.axes] == [("process", 4), ("host", 2)]
+  assert t.axes[0].bandwidth > t.axes[1].bandwidth and t.axes[0].alpha < t.axes[1].alpha
+  assert [a.size for a in cm.default_topology(8).axes] == [8]
+  with pytest.raises(ValueError):
+    cm.default_topology(8, 3)
+
+
+# --- The update ----------------------------------------------------------------------
+
+
+def test_optimizer_traffic():
+  bytes_ = {k: o.bytes_per_element() for k, o in cm.OPTIMIZERS.items()}
+  # SGD reads w, g and writes w; Adam reads w, g, m, v and writes w, m, v.
+  assert bytes_ == {"sgd": 12, "momentum": 20, "adam": 28, "lars": 28, "lamb": 40}
+  assert cm.OPTIMIZERS["adam"].bytes_per_element(copy_bytes=2) == 30
+  assert cm.OPTIMIZERS["adam"].bytes_per_element(state_bytes=2) == 14
+
+
+@pytest.mark.parametrize("g", [1, 2, 4, 8, 16])
+def test_update_time_scales_as_one_over_g(g):
+  t = _topology(16, memory=2e11)
+  w = _workload(tensors=(4096, 65536, 16))
+  full = w.num_elements * 28 / 2e11
+  assert cm.update_seconds(w, t) == pytest.approx(full)
+  assert cm.update_seconds(w, t, g) == pytest.approx(full / g)
+  assert cm.predict_sharded(w, t, g).update == pytest.approx(full / g)
+
+
+def test_tiles_pad_small_shards():
+  assert cm.shard_elements(1000, 4, tile=128) == 256   # 8 tiles -> 2 per shard
+  assert cm.shard_elements(1000, 16, tile=128) == 128  # less than a tile each
+  assert cm.shard_elements(1000, 3) == 334
+  t = _topology(64, tile=1024)
+  w = _workload(tensors=(1024,) * 10)
+  # Each of 64 shards of a one-tile tensor is a whole tile: 64x the bytes.
+  assert cm.update_seconds(w, t, 64) == pytest.approx(cm.update_seconds(w, t))
+
+
+# --- Choices -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sizes", [(64,), (2, 8, 4)])
+def test_full_sharding_when_latency_is_negligible(sizes):
+  t = _topology(*sizes, alpha=0.0)
+  w = _workload(tensors=(2 ** 20, 2 ** 16, 2 ** 12))
+  assert cm.choose_group_size(w, t) == t.num_devices
+
+
+def test_splitting_an_axis_saves_no_latency_by_itself():
+  t = _topology(4096, alpha=1e-3)
+  for g in (2, 64, 512):
+    inner, outer = t.split(g)
+    assert cm.latency(inner, "all-reduce") + cm.latency(outer, "all-reduce") == pytest.approx(
+        cm.latency(t.axes, "all-reduce"))
+
+
+def test_groups_when_latency_dominates():
+  """Tiny tensors, one bucket each, on 4096 devices: the shards of G tensors share one
+  all-reduce across groups (Fig. 10), the reduce-scatters and all-gathers stay short."""
+  t = _topology(4096, alpha=1e-3)
+  w = _workload(tensors=(4096,) * 64)  # 16 KiB each
+  g = cm.choose_group_size(w, t, bucket_bytes=16 * 1024)
+  assert g == 64
+  best = cm.predict_sharded(w, t, g, bucket_bytes=16 * 1024)
+  assert best.collectives == {"reduce-scatter": 64, "all-reduce": 1, "all-gather": 64}
+  assert best.total < cm.predict_sharded(w, t, 4096, bucket_bytes=16 * 1024).total / 10
+  assert best.total < cm.predict_replicated(w, t, bucket_bytes=16 * 1024).total / 10
+
+
+def test_no_sharding_when_there_is_nothing_to_save():
+  """Fast memory, a cheap update, and sharding adds the all-reduce of LARS's norms: G = 1."""
+  t = cm.Topology((cm.Axis("a", 8, 1e-3, 1e9),), memory_bandwidth=1e15)
+  w = _workload(tensors=(16,) * 100, optimizer="lars", gather_bytes=4)
+  assert cm.choose_group_size(w, t) == 1
+
+
+def test_bucket_choice():
+  w = _workload(tensors=(2 ** 18,) * 64)  # 1 MiB each
+  candidates = [2 ** k for k in range(16, 28)]
+  # No latency: buckets cost nothing, the smallest will do.
+  assert cm.choose_bucket_bytes(w, _topology(8, alpha=0.0), candidates=candidates) == 2 ** 16
+  # Latency-heavy: few buckets needed.
+  big = cm.choose_bucket_bytes(w, _topology(8, alpha=1e-3), candidates=candidates)
+  assert big >= 2 ** 25
+  slow = cm.predict_replicated(w, _topology(8, alpha=1e-3), bucket_bytes=big)
+  one = cm.predict_replicated(w, _topology(8, alpha=1e-3))
+  assert slow.communication <= 1.01 * one.communication
+
+
+def test_predictions_are_labelled_and_add_up():
+  p = cm.predict_sharded(_workload(optimizer="lamb"), _topology(2, 4), 4, rest=0.01)
+  assert "prediction" in cm.StepPrediction.__doc__
+  assert p.total == pytest.approx(0.01 + p.communication + p.update)
+  assert p.communication == pytest.approx(p.reduce_scatter + p.all_reduce + p.norm_all_reduce
+                                          + p.all_gather)
