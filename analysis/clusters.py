@@ -41,6 +41,10 @@ class Cluster:
       output positions.
     nested: for each conditional in `eqns`, one cluster per branch: the
       branch's equations that run on shards, its big inputs arriving as shards.
+    kept_whole: equations of the update that run whole, as in the original
+      step, because a repeated equation without a shard rule reads their
+      results whole: index -> that reader's index. `eqns` read their results
+      by a local slice.
   """
 
   eqns: tuple[int, ...]
@@ -51,6 +55,7 @@ class Cluster:
   outside_readers: dict[Var, tuple[int, ...]]
   program_outputs: dict[Var, tuple[int, ...]]
   nested: dict[int, tuple[Cluster, ...]] = dataclasses.field(default_factory=dict)
+  kept_whole: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class _Graph:
@@ -178,9 +183,22 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
           add(i, member)
           grow([i])
 
+  # Outside a conditional's branch (whose whole reads are gathered inside it),
+  # equations whose big results a repeated equation without a shard rule
+  # reads whole (a matmul with the gradient, the pad of a BatchNorm
+  # cotangent) run whole, as in the original step, with the cluster
+  # equations they read; the rest of the cluster slices their results
+  # locally. Only what can run on shards is sharded (§3.2).
+  kept_whole = {} if inputs_sharded else _kept_whole(parent, graph, big, facts, ctx.axes)
   members: dict[int, list[int]] = collections.defaultdict(list)
+  whole: dict[int, dict[int, int]] = collections.defaultdict(dict)
   for i in sorted(parent):
-    members[find(i)].append(i)
+    if i in kept_whole:
+      whole[find(i)][i] = kept_whole[i]
+    else:
+      members[find(i)].append(i)
+  for root in whole:
+    members.setdefault(root, [])
   if inputs_sharded and not members:
     members[-1] = []
 
@@ -189,9 +207,33 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
                  for b in compat.cond_branches(eqns[i]))
 
   inputs = [v for v in jaxpr.invars if big(v)] if inputs_sharded else []
-  clusters = [_make_cluster(sorted(m), graph, big, kind, set(seeds), branches, inputs)
-              for m in members.values()]
-  return sorted(clusters, key=lambda c: c.eqns[0] if c.eqns else -1)
+  clusters = [_make_cluster(sorted(m), graph, big, kind, set(seeds), branches, inputs,
+                            whole.get(root, {}))
+              for root, m in members.items()]
+  return sorted(clusters, key=lambda c: min(c.eqns + tuple(c.kept_whole), default=-1))
+
+
+def _kept_whole(members, graph: _Graph, big, facts: Redundancy, axes: frozenset) -> dict[int, int]:
+  """Cluster equations that must run whole: index -> the outside reader that forces it.
+
+  An equation outside every cluster that every replica repeats (redundant,
+  no effects) reads a cluster's big result whole: that result, and every
+  cluster result it is computed from, is computed whole instead of sharded
+  and gathered.
+  """
+  todo = [(i, r) for i in members for v in filter(big, graph.jaxpr.eqns[i].outvars)
+          for r in graph.readers[v] if r not in members and facts.repeats(graph.jaxpr.eqns[r], axes)]
+  out: dict[int, int] = {}
+  while todo:
+    i, r = todo.pop()
+    if i in out:
+      continue
+    out[i] = r
+    for v in filter(big, graph.jaxpr.eqns[i].invars):
+      p = graph.producer.get(v)
+      if p in members and p not in out:
+        todo.append((p, r))
+  return out
 
 
 def _reached_member(start: int, graph: _Graph, members, facts: Redundancy, axes: frozenset,
@@ -212,7 +254,7 @@ def _reached_member(start: int, graph: _Graph, members, facts: Redundancy, axes:
 
 
 def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int], branches,
-                  inputs: list[Var]) -> Cluster:
+                  inputs: list[Var], kept_whole: dict[int, int]) -> Cluster:
   eqns = graph.jaxpr.eqns
   inside = set(idx)
   sharded = inputs + [v for i in idx for v in eqns[i].outvars if big(v)]
@@ -232,4 +274,5 @@ def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int], bra
       outside_readers={v: r for v, r in outside.items() if r},
       program_outputs={v: tuple(graph.outputs[v]) for v in sharded if v in graph.outputs},
       nested={i: branches(i) for i in idx if kind(i) is Kind.COND},
+      kept_whole=dict(kept_whole),
   )

@@ -124,7 +124,13 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   if not saved:
     return verdict(False, "reads no weights or optimizer state and returns nothing: "
                           "only computation that differs across replicas reads its result")
-  if all_gather > all_reduce + all_reduce // num_shards:
+  extra = all_gather - (all_reduce + all_reduce // num_shards)
+  if extra > 0 and state_outputs:
+    # More all-gather than the all-reduce it replaces (its all-reduce runs
+    # whole): taken for the optimizer state it keeps sharded between steps.
+    return verdict(True, f"update on 1/N shards; optimizer state kept sharded at the cost of "
+                         f"{extra} B more all-gather than the reduce-scatter saves")
+  if extra > 0:
     return verdict(False, f"needs {all_gather} B of all-gather, more than the {all_reduce} B "
                           "all-reduce it replaces" + _first_whole_reader(cluster, jaxpr, facts, axes))
   reductions = sum(k in (Kind.REDUCE_ALL, Kind.REDUCE) for k in cluster.kinds.values())

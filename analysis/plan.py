@@ -298,6 +298,8 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     idx = len(cluster_plans)
     members = set(c.eqns)
     layout = layouts.assign(jaxpr, c, ctx.num_shards, ctx.big)
+    if not c.eqns:
+      layout = _kept_whole_reason(jaxpr, c)
     if isinstance(layout, str):
       decision = cost.Decision(False, layout, 0, 0, 0)
       layout = layouts.Layout({}, frozenset(), frozenset())
@@ -316,6 +318,9 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         gather_dtypes.update(narrow)
         decision = dataclasses.replace(decision, reason=decision.reason + "; " + _placements(
             c, jaxpr, members, state_pairs, pairs, narrow, invar_pos, in_names, readers))
+    if c.kept_whole and c.eqns:
+      decision = dataclasses.replace(decision, reason=decision.reason + "; "
+                                     + _kept_whole_reason(jaxpr, c))
     fmt = layout.formats.get if decision.shard else (lambda v: None)
     tensors = _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt)
     if not decision.shard:
@@ -345,6 +350,21 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
   return _Planned(Program(shard_eqns, state_in, state_out, bodies), cluster_plans,
                   input_reason, all_formats, gather_dtypes)
+
+
+def _kept_whole_reason(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> str:
+  """Which equations of the update run whole, and the readers that make them."""
+  parts = []
+  for r in sorted(set(c.kept_whole.values())):
+    whole = [i for i, reader in c.kept_whole.items() if reader == r]
+    collectives = [i for i in whole if jaxpr.eqns[i].primitive in (compat.psum_p,
+                                                                    compat.psum_invariant_p)]
+    what = (f"the all-reduce at {source_line(jaxpr.eqns[collectives[0]])}" if collectives
+            else f"{jaxpr.eqns[max(whole)].primitive} at {source_line(jaxpr.eqns[max(whole)])}")
+    parts.append(f"{what} and {len(whole) - 1} more equation(s) run whole: "
+                 f"{jaxpr.eqns[r].primitive} at {source_line(jaxpr.eqns[r])} reads the result "
+                 "whole and has no shard rule")
+  return "; ".join(parts)
 
 
 @dataclasses.dataclass
@@ -585,7 +605,7 @@ def _continued(jaxpr: Jaxpr, c: clusters_lib.Cluster, clustered: set[int], reade
   """
   producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
   seen: set[int] = set()
-  todo = [r for v in c.sharded for r in readers.get(v, ())]
+  todo = [r for v in c.sharded for r in readers.get(v, ())] + list(c.kept_whole)
   while todo:
     i = todo.pop()
     if i in seen or i in clustered or not ctx.facts.repeats(jaxpr.eqns[i], ctx.axes):

@@ -143,3 +143,39 @@ def test_state_output_that_is_a_constant(check_vma):
   tx = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.constant_schedule(1e-2))
   params, xs = _dense_inputs(mesh(2))
   _compare(_dense_step(tx), params, tx.init(params), xs, mesh(2), check_vma)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+def test_batchnorm_scale_state_shards_although_its_gradient_feeds_the_backward_pass(check_vma):
+  """flax BatchNorm(axis_name=...): the all-reduced cotangent behind the scale's
+  gradient is also padded into the batch statistics' cotangent (pad has no shard
+  rule). That all-reduce runs whole; the scale's Adam update still shards."""
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.BatchNorm(use_running_average=False, axis_name="data")(nn.Dense(16)(x))
+      return nn.Dense(4)(nn.relu(x))
+
+  m, model, tx = mesh(), Net(), optax.adam(1e-2)
+  variables = model.init(jax.random.key(0), jnp.ones((2, 12)))
+
+  def step(params, stats, opt_state, x):
+    def loss(p):
+      y, upd = model.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])
+      return jnp.mean(y ** 2), upd["batch_stats"]
+    grads, stats = jax.grad(loss, has_aux=True)(params)
+    grads = jax.lax.pmean(grads, "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), stats, opt_state
+
+  kw = dict(mesh=m, in_specs=(P(), P(), P(), P("data")), out_specs=(P(), P(), P()),
+            check_vma=check_vma)
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  a = b = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+  for i in range(3):
+    x = jax.device_put(jax.random.normal(jax.random.key(i), (16, 12)), NamedSharding(m, P("data")))
+    a, b = ref(*a, x), ws(*b, x)
+  assert_trees_equal(a, wus.unshard(b))
+  assert isinstance(b[2][0].mu["BatchNorm_0"]["scale"], wus.ShardedArray)
