@@ -3,8 +3,8 @@ r"""`wus-bench`: wus beside the alternatives a JAX user has, measured in one run
 Variants, all on the same model, optimizer (Adam), data and N simulated
 devices, with the state donated:
 
-  replicated   `jax.jit(jax.shard_map(step))` with `pmean`: every replica
-               updates every weight (`steps.map_train_step`).
+  replicated   `jax.jit(jax.shard_map(step))` of `steps.make_train_step`: every
+               replica updates every weight (`steps.map_train_step`).
   gspmd_zero1  `jax.jit` of the global step with the optimizer state given a
                `NamedSharding` over the data axis (`zero.gspmd_step`).
   handwritten  `jax.shard_map` ZeRO with `psum_scatter` / `all_gather` by hand
@@ -97,9 +97,8 @@ def make_loop_step(task: tasks.Task, tx, steps_per_call: int, compute_dtype=jnp.
 
     def update(i, carry):
       params, model_state, opt_state, _ = carry
-      grads, model_state, metrics = steps.local_gradients(
+      grads, model_state, metrics = steps.gradients(
           task, params, model_state, jax.tree.map(lambda x: x[i], split), compute_dtype)
-      grads = lax.pmean(grads, steps.AXIS_NAME)
       updates, opt_state = tx.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), model_state, opt_state,
               lax.pmean(metrics, steps.AXIS_NAME))

@@ -21,6 +21,14 @@ on the new mesh, as a freshly initialized run's state is, whatever the device
 count it was saved from; the step shards it again for its own N on its first
 call.
 
+Damage. Before a run trains, `check` reads the latest checkpoint's record,
+the tree metadata and every array (`_read_arrays`, with TensorStore directly,
+one array at a time), so that a truncated or corrupted file is reported as a
+one-line `errors.InputError` naming the checkpoint and what to do, before any
+mode trains or writes. `Checkpointer.restore` reads a checkpoint the same way
+first unless `check` already did in this process. Reading changes nothing on
+disk.
+
 Atomicity. Orbax's CheckpointManager writes a step into a temporary folder
 (`<step>.orbax-checkpoint-tmp-<time>`) and renames it when complete, so a
 process killed during a save leaves the previous checkpoints as they were and
@@ -136,23 +144,102 @@ def _read_meta(manager: ocp.CheckpointManager, directory: pathlib.Path, step: in
   return meta
 
 
-def check(directory: pathlib.Path, identity: dict) -> dict:
-  """Checks that the latest checkpoint in `directory`, if any, is of `identity`.
+def _brief(error: BaseException) -> str:
+  """The first line of `error`'s message without TensorStore's spec dump, at most 300 chars."""
+  text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+  text = text.split(" [tensorstore_spec")[0].split(" [source locations")[0]
+  return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _unreadable(directory: pathlib.Path, step: int, error: BaseException) -> errors.InputError:
+  # TensorStore names files by absolute path: shown relative to the step's folder.
+  detail = _brief(error).replace(f"{directory.absolute() / str(step)}/", "")
+  return errors.InputError(
+      f"the checkpoint at step {step} in {directory} is unreadable ({detail}); it is "
+      f"damaged: delete {directory / str(step)} to resume from the checkpoint before it (or "
+      "from scratch if none), or use another --output_dir")
+
+
+def _read_arrays(item: pathlib.Path) -> int:
+  """Reads every array of an Orbax PyTree item folder (e.g. `<step>/state`) and discards it.
+
+  The arrays are zarr arrays in one OCDBT database (Orbax's default) or, without
+  `manifest.ocdbt`, in sub-folders. They are read with TensorStore's
+  synchronous calls, one at a time, so that a failure leaves no read pending
+  (Orbax's own restore, on an error, closes its event loop under reads still
+  in flight). Writes nothing.
+
+  Returns:
+    The names of the arrays read.
+
+  Raises:
+    Exception: whatever TensorStore raises for an unreadable file (ValueError
+      with a status such as DATA_LOSS or OUT_OF_RANGE).
+  """
+  base = {"driver": "file", "path": f"{item.absolute()}/"}
+  kvstore = {"driver": "ocdbt", "base": base} if (item / "manifest.ocdbt").exists() else base
+  keys = [k.decode() for k in ts.KvStore.open(kvstore).result().list().result()]
+  drivers = {"/.zarray": "zarr", "/zarr.json": "zarr3"}
+  arrays = [(k[:-len(suffix)], driver) for k in keys for suffix, driver in drivers.items()
+            if k.endswith(suffix)]
+  for path, driver in sorted(arrays):
+    store = ts.open({"driver": driver, "kvstore": {**kvstore, "path": f"{path}/"}},
+                    open=True, read=True).result()
+    store.read().result()
+  return {path for path, _ in arrays}
+
+
+# (folder, step) of the checkpoints `_check_readable` read whole in this process.
+_READABLE: set[tuple[pathlib.Path, int]] = set()
+
+
+def _check_readable(manager: ocp.CheckpointManager, directory: pathlib.Path, step: int) -> None:
+  """Reads every array and the tree metadata of checkpoint `step`; checks that every
+  array of the tree has data.
+
+  Raises:
+    errors.InputError: something is missing or unreadable.
+  """
+  try:
+    # Arrays first: Orbax's metadata reads the arrays' zarr metadata too, and
+    # on an error leaves reads pending on a closed event loop (tracebacks at exit).
+    names = _read_arrays(directory / str(step) / "state")
+    tree = manager.item_metadata(step)["state"]
+    missing = sorted(name for leaf in jax.tree.leaves(getattr(tree, "tree", tree))
+                     if (name := getattr(leaf, "name", None)) and name not in names)
+    if missing:
+      raise ValueError(f"no data for {len(missing)} of its arrays, e.g. {missing[0]}")
+  except Exception as e:  # noqa: BLE001 -- TensorStore, JSON and Orbax errors alike
+    raise _unreadable(directory, step, e) from e
+  _READABLE.add((directory.absolute(), step))
+
+
+def check(directory: pathlib.Path, identity: dict, *, read_arrays: bool = True) -> dict:
+  """Checks that the latest checkpoint in `directory`, if any, is of `identity` and readable.
 
   Changes nothing on disk. Every process must call it (Orbax synchronizes
   processes when it opens a folder).
+
+  Args:
+    directory: the checkpoint folder (need not exist).
+    identity: JSON-ready record of the model and optimizer.
+    read_arrays: also read every array of the latest checkpoint, so that a
+      damaged file is found now rather than when it is restored.
 
   Returns:
     `identity` as it reads back from JSON.
 
   Raises:
     errors.InputError: the latest checkpoint is of another identity, or its
-      record is missing or unreadable.
+      record, tree metadata or (with read_arrays) an array is missing or
+      unreadable.
   """
   identity = json.loads(json.dumps(identity))
   with _manager(directory, create=False) as peek:
     step = peek.latest_step()
     saved = None if step is None else _read_meta(peek, directory, step)["identity"]
+    if saved == identity and read_arrays:
+      _check_readable(peek, directory, step)
   if saved is not None and saved != identity:
     diff = ", ".join(f"{k}: {saved.get(k)!r} here, {identity.get(k)!r} in this run"
                      for k in sorted(saved.keys() | identity.keys())
@@ -179,8 +266,9 @@ class Checkpointer:
   """
 
   def __init__(self, directory: pathlib.Path, identity: dict, *, max_to_keep: int):
-    # Look before writing anything, with a manager that changes nothing.
-    self._identity = check(directory, identity)
+    # Look before writing anything, with a manager that changes nothing. The
+    # arrays are read when restored (`restore` reports damage as `check` does).
+    self._identity = check(directory, identity, read_arrays=False)
     self._directory = directory
     self._manager = _manager(directory, max_to_keep=max_to_keep, create=True,
                              cleanup_tmp_directories=True)
@@ -225,9 +313,12 @@ class Checkpointer:
 
     Raises:
       errors.InputError: the checkpoint's tensors do not fit `target`, or its
-        record is missing or unreadable.
+        record or a file is missing or unreadable (damaged). Nothing on disk
+        has been changed then.
     """
     formats = _read_meta(self._manager, self._directory, step)["formats"]
+    if (self._directory.absolute(), step) not in _READABLE:  # unless `check` just read it
+      _check_readable(self._manager, self._directory, step)
     template = flax.serialization.to_state_dict(target)
 
     def restore_args(path, x):
@@ -244,8 +335,12 @@ class Checkpointer:
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.PyTreeRestore(abstract, restore_args=args)))["state"]
-    except ValueError as e:  # Orbax: tree structure or saved shapes differ
-      raise errors.InputError(f"checkpoint step {step} does not fit this run: {e}") from e
+    except Exception as e:  # noqa: BLE001 -- Orbax and TensorStore raise many kinds
+      # A tree structure or saved shapes other than `target`'s, or files damaged
+      # since they were read.
+      _check_readable(self._manager, self._directory, step)
+      raise errors.InputError(f"the checkpoint at step {step} in {self._directory} does not "
+                              f"fit this run: {_brief(e)}") from e
     whole = jax.tree.map(lambda x, t: x.reshape(t.shape), restored, template)
     return flax.serialization.from_state_dict(target, whole)
 

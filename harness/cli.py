@@ -23,9 +23,10 @@ def _defaults(field: str) -> str:
   return ", ".join(f"{m}: {d[field]}" for m, d in config_lib.MODEL_DEFAULTS.items())
 
 
-flags.DEFINE_enum("model", "transformer_small", list(tasks.MODELS),
+flags.DEFINE_enum("model", "transformer_wide", list(tasks.MODELS),
                   "Model: a byte-level Transformer LM (base: 6 layers, width 512, as in the "
-                  "Flax WMT example; small: 2 layers, width 128), a ResNet with batch norm "
+                  "Flax WMT example; wide: 2 layers, width 512, weight-update bound at its "
+                  "default batch; small: 2 layers, width 128), a ResNet with batch norm "
                   "averaged across replicas (resnet50; resnet_small: 2 stages of basic "
                   "blocks, 16 and 32 filters, for tiny images), or an MLP image classifier "
                   "(mlp_large: 3 hidden layers of 4096, weight-update bound; mlp_small: 2 "
@@ -65,7 +66,10 @@ flags.DEFINE_integer("batch_size", None, "Examples per replica per update; the g
                      "order depends on the global batch: to resume at another device count "
                      "exactly, keep the global batch. Default per model: "
                      f"{_defaults('batch_size')}.", lower_bound=1)
-flags.DEFINE_integer("seq_len", 128, "Bytes per example a Transformer reads.", lower_bound=1)
+flags.DEFINE_integer("seq_len", None, "Bytes per example a Transformer reads. Default per "
+                     "model: " + ", ".join(f"{m}: {d['seq_len']}" for m, d in
+                                           config_lib.MODEL_DEFAULTS.items() if "seq_len" in d)
+                     + ".", lower_bound=1)
 flags.DEFINE_integer("image_size", 32, "Side in pixels to which folder images are resized, "
                      "and of synthetic images.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seed of the parameter initialization and of the data order; "

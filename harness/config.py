@@ -6,16 +6,22 @@ import dataclasses
 import pathlib
 
 # Per model: the data, optimizer and hyperparameters a flag left unset takes.
-# resnet_small and transformer_small train in a minute or two on two CPU cores.
+# resnet_small, transformer_small and transformer_wide train in a minute or two
+# on two CPU cores. transformer_wide (the default of `wus-train`) reads one
+# window of 32 bytes per replica: with its 6.5 M weights, Adam's update is a
+# large part of the step, as in the paper's large-scale runs (small per-replica
+# batches), so sharding it shows in the step time.
 MODEL_DEFAULTS = {
     "resnet50": {"data": "synthetic", "optimizer": "lars", "learning_rate": 9.0,
                  "steps": 100, "batch_size": 32, "weight_decay": 5e-5},
     "resnet_small": {"data": "digits", "optimizer": "lars", "learning_rate": 2.0,
                      "steps": 150, "batch_size": 16, "weight_decay": 1e-4},
     "transformer_base": {"data": "stdlib", "optimizer": "adam", "learning_rate": 5e-4,
-                         "steps": 100, "batch_size": 4, "weight_decay": 0.0},
+                         "steps": 100, "batch_size": 4, "seq_len": 128, "weight_decay": 0.0},
     "transformer_small": {"data": "stdlib", "optimizer": "adam", "learning_rate": 2e-3,
-                          "steps": 100, "batch_size": 4, "weight_decay": 0.0},
+                          "steps": 100, "batch_size": 4, "seq_len": 128, "weight_decay": 0.0},
+    "transformer_wide": {"data": "stdlib", "optimizer": "adam", "learning_rate": 2e-3,
+                         "steps": 60, "batch_size": 1, "seq_len": 32, "weight_decay": 0.0},
     "mlp_large": {"data": "synthetic", "optimizer": "adam", "learning_rate": 1e-4,
                   "steps": 20, "batch_size": 2, "weight_decay": 0.0},
     "mlp_small": {"data": "digits", "optimizer": "adam", "learning_rate": 1e-3,
@@ -45,7 +51,7 @@ class RunConfig:
     mode: "replicated" (jax.shard_map) or "wus" (wus.shard_map).
     momentum: LARS momentum.
     b1, b2, eps: Adam's parameters.
-    seq_len: bytes per text example fed to a Transformer.
+    seq_len: bytes per text example fed to a Transformer (default per model).
     image_size: side in pixels of folder and synthetic images.
     seed: seed of the initialization and of the data order.
     eval_every: evaluate on the held-out split every this many updates (and

@@ -27,6 +27,10 @@ from wus.harness.config import RunConfig
 # The initialization runs once: XLA's backend optimizations of its random-number
 # code take longer to compile (about 9 s for resnet_small) than they save.
 INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+# Held-out examples per device per evaluation batch, at least: evaluation runs
+# no backward pass, and a training batch of one or two examples per device
+# would make it a long series of tiny calls.
+MIN_EVAL_BATCH_PER_DEVICE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +96,36 @@ def measure(train_step, state: steps.TrainState, batch, seconds: list[float]) ->
   return out
 
 
+def update_seconds(modes, task: tasks.Task, tx, mesh: Mesh, state: steps.TrainState, batch,
+                   *, calls: int = 10) -> dict[str, float]:
+  """Median wall time of the gradient collectives and weight update alone, per mode.
+
+  Times `steps.make_update_step` mapped as each of `modes` maps the training
+  step, from the gradients of `batch` at `state` (computed once, not timed)
+  and a copy of `state` per mode, after one call that compiles it (and in wus
+  mode shards the optimizer state); the modes take turns, so that they share
+  the machine's load. Every process must call it.
+
+  Returns:
+    {mode: seconds}.
+  """
+  params, model_state, opt_state = wus.unshard(tuple(state))
+  grads = steps.make_gradient_step(task, mesh)(params, model_state, batch)
+  copy = functools.partial(jax.tree.map,
+                           lambda x: jax.device_put(x, x.sharding, may_alias=False))
+  runs = {}
+  for mode in modes:
+    update = steps.map_update_step(mode, steps.make_update_step(tx), mesh)
+    runs[mode] = update, jax.block_until_ready(update(*copy((params, opt_state)), grads))
+  seconds = {mode: [] for mode in modes}
+  for _ in range(calls):
+    for mode, (update, args) in runs.items():
+      begin = time.perf_counter()
+      runs[mode] = update, jax.block_until_ready(update(*args, grads))
+      seconds[mode].append(time.perf_counter() - begin)
+  return {mode: statistics.median(s) for mode, s in seconds.items()}
+
+
 def init_state(task: tasks.Task, tx, dataset: datasets.Dataset, seed: int) -> steps.TrainState:
   """The initial state, a pure function of `seed` (shapes from one training example)."""
   params, model_state = task.init(seed, dataset.train.load(np.arange(1)))
@@ -104,6 +138,8 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
 
   Update `i` (0-based) reads the global batch `dataset.train.sample(seed, i)`,
   so a resumed run sees exactly the batches an uninterrupted one would.
+  Evaluation reads the held-out examples in global batches of
+  `max(batch_size, MIN_EVAL_BATCH_PER_DEVICE)` per device.
 
   Args:
     config: the run.
@@ -116,7 +152,8 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
 
   Returns:
     The final state and a summary: "start_step" and "final_step" (updates
-    done before and after this run), "global_batch" (examples per update),
+    done before and after this run), "num_devices" (N, replicas of the
+    mesh), "global_batch" (examples per update),
     "losses" (training loss of each update of this run),
     "step_seconds" (median wall time of an update after the first of this
     run, call to outputs ready), "first_step_seconds" (includes compilation),
@@ -139,8 +176,9 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
   else:
     state = checkpointer.restore(start, jax.eval_shape(init), replicated)
   train_step = steps.map_train_step(config.mode, steps.make_train_step(task, tx), mesh)
+  eval_batch = mesh.size * max(config.batch_size, MIN_EVAL_BATCH_PER_DEVICE)
   eval_step = functools.partial(evaluate, steps.make_eval_step(task, mesh),
-                                split=dataset.held_out, batch_size=global_batch,
+                                split=dataset.held_out, batch_size=eval_batch,
                                 max_examples=config.eval_examples, sharding=batch_sharding)
   learning_rate = jax.jit(schedule)  # the rate update i uses, for the log
   log = logs.Log(config.output_dir if log_enabled else None, total_steps=config.steps,
@@ -167,7 +205,7 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
   log.close()
 
   summary = {"start_step": start, "final_step": max(start, config.steps),
-             "global_batch": global_batch, "losses": losses,
+             "num_devices": mesh.size, "global_batch": global_batch, "losses": losses,
              "eval": held_out or eval_step(state),  # evaluated now if nothing was left to train
              **measure(train_step, state, batch, seconds)}
   return Result(state, summary)

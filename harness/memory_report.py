@@ -7,8 +7,8 @@ training loop does:
 * replicated: `jax.jit(jax.shard_map(train_step))`, every replica updates
   every weight;
 * wus: `wus.shard_map(train_step)` in steady state (optimizer state sharded);
-* forward and backward alone (the gradients all-reduced, no update): the
-  paper's P.
+* forward and backward alone (each replica's gradients, before any
+  all-reduce, no update): the paper's P.
 
 Nothing runs: inputs are abstract (`jax.ShapeDtypeStruct`), so ResNet-50 at
 224x224 is reported without the memory to train it. Everything in the tables
@@ -121,19 +121,6 @@ def abstract_inputs(case: Case, mesh: jax.sharding.Mesh):
   return task, tx, state, batch
 
 
-def _gradient_program(task: tasks.Task, mesh: jax.sharding.Mesh):
-  """Forward and backward alone: (params, model_state, batch) -> each replica's gradients.
-
-  The gradients leave stacked over the replicas (a leading dim of 1 per
-  device), not all-reduced: the all-reduce belongs to the update.
-  """
-  def grads(params, model_state, batch):
-    g, _, _ = steps.local_gradients(task, params, model_state, batch)
-    return jax.tree.map(lambda x: x[None], g)
-  return jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P(), P(steps.AXIS_NAME)),
-                               out_specs=P(steps.AXIS_NAME)))
-
-
 def _program(compiled: jax.stages.Compiled) -> dict:
   return {"memory": report.memory(compiled),
           "collectives": {k: c._asdict()
@@ -180,7 +167,10 @@ def measure_step(task: tasks.Task, tx, state: steps.TrainState, batch,
   """
   out = {"weights_bytes": nbytes((state.params, state.model_state)),
          "opt_state_bytes": nbytes(state.opt_state)}
-  grads = _gradient_program(task, mesh).lower(state.params, state.model_state, batch).compile()
+  # The gradients leave stacked over the replicas, not all-reduced: the
+  # all-reduce belongs to the update.
+  grads = steps.make_gradient_step(task, mesh).lower(state.params, state.model_state,
+                                                     batch).compile()
   out["activations_bytes"] = report.memory(grads)["total"] - out["weights_bytes"]
   train_step = steps.make_train_step(task, tx)
   for mode in steps.MODES:

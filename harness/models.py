@@ -39,6 +39,10 @@ class TransformerConfig:
 CONFIGS = {
     # Small enough to train on two CPU cores in a couple of minutes.
     "small": TransformerConfig(num_layers=2, emb_dim=128, num_heads=4, mlp_dim=512),
+    # Two blocks at the base model's widths: 6.5 M weights, large next to the
+    # activations of a small per-replica batch, so that the weight update is a
+    # visible part of the step on two CPU cores, as it is at the paper's scale.
+    "wide": TransformerConfig(num_layers=2, emb_dim=512, num_heads=8, mlp_dim=2048),
     # The "base" Transformer of the Flax WMT and lm1b examples.
     "base": TransformerConfig(num_layers=6, emb_dim=512, num_heads=8, mlp_dim=2048),
 }

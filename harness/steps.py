@@ -1,11 +1,30 @@
 """The per-replica training and evaluation steps, mapped over the data axis.
 
-The training step is an ordinary data-parallel step written for one replica:
-forward and backward on this replica's share of the batch, `pmean` of the
-gradients, an optax update. `map_train_step` maps it over the mesh either the
-plain JAX way (`replicated`: every replica updates every weight) or with
-`wus.shard_map` (`wus`: the weight update is sharded, optimizer state stays
-sharded between steps). Nothing else differs between the two modes.
+The training step is written the way the published `jax.shard_map` examples
+write a data-parallel step, under the default `check_vma=True`, for one
+replica: the loss is the global mean, `jax.lax.pmean` of this replica's mean
+loss over AXIS_NAME, inside the differentiated function; the gradients are
+those of the replicated (`P()`) params, straight from `jax.value_and_grad`;
+then an optax update.
+
+Why there is no `pmean` of the gradients: with `check_vma=True`, JAX knows
+that the params are the same on every replica ("invariant") and the batch is
+not ("varying"). Using an invariant value where varying ones are combined
+casts it implicitly (`pvary`), and the transpose of that cast is a `psum`, so
+`jax.grad` at P() params already sums the gradient over the replicas: the
+gradient of the global mean loss is the gradient all-reduce, once. A `pmean`
+after it would all-reduce a second time. (With `check_vma=False` there are no
+such casts, the gradients come out per replica, and one would `pmean` them
+instead.)
+
+Batch-norm statistics (`model_state`) are returned as the model computes them
+(averaged over AXIS_NAME by the ResNet's `nn.BatchNorm(axis_name=...)`).
+
+`map_train_step` maps the step over the mesh either the plain JAX way
+(`replicated`: `jax.jit(jax.shard_map(...))`, every replica updates every
+weight) or with `wus.shard_map` (`wus`: the weight update is sharded,
+optimizer state stays sharded between steps). Nothing else differs between
+the two modes.
 """
 
 from typing import Any, NamedTuple
@@ -35,36 +54,62 @@ class TrainState(NamedTuple):
   opt_state: Any
 
 
-def local_gradients(task: tasks.Task, params, model_state, batch,
-                    compute_dtype=None) -> tuple[Any, Any, dict]:
-  """This replica's gradients, before any all-reduce (inside a shard_map over AXIS_NAME).
+def _loss_fn(task: tasks.Task, compute_dtype):
+  """`task.loss`, reading the weights in `compute_dtype` if given."""
+  def loss(params, model_state, batch):
+    if compute_dtype is not None:
+      params = jax.tree.map(lambda w: w.astype(compute_dtype), params)
+    return task.loss(params, model_state, batch)
+  return loss
+
+
+def gradients(task: tasks.Task, params, model_state, batch,
+              compute_dtype=None) -> tuple[Any, Any, dict]:
+  """Gradients of the global mean loss at the replicated params (inside a shard_map
+  over AXIS_NAME with check_vma=True), as a user writes them.
 
   Args:
     task: the model.
-    params, model_state: as in `TrainState`.
+    params, model_state: as in `TrainState` (replicated, `P()`).
     batch: this replica's share of the batch.
     compute_dtype: if given (e.g. jnp.bfloat16), the forward and backward
       pass read the weights converted to it (mixed precision); the gradients
       are still of the float32 weights.
 
   Returns:
-    (grads, model_state, metrics): gradients of this replica's mean loss, shaped
-    like `params` and varying over AXIS_NAME; the updated model state; this
+    (grads, model_state, metrics): gradients of the mean loss over all
+    replicas, shaped like `params` and the same on every replica (JAX's AD
+    all-reduces them; see the module docstring); the updated model state; this
     replica's metrics.
   """
-  # Differentiate at a per-replica ("varying") copy of the weights so that the
-  # gradients are this replica's own and the caller's all-reduce is their one
-  # all-reduce (with check_vma=True, AD at the replicated params would already
-  # sum them).
-  local_params = jax.lax.pcast(params, AXIS_NAME, to="varying")
+  local_loss = _loss_fn(task, compute_dtype)
 
   def loss(params, model_state, batch):
-    if compute_dtype is not None:
-      params = jax.tree.map(lambda w: w.astype(compute_dtype), params)
-    return task.loss(params, model_state, batch)
+    value, aux = local_loss(params, model_state, batch)
+    return jax.lax.pmean(value, AXIS_NAME), aux
 
   (_, (model_state, metrics)), grads = jax.value_and_grad(loss, has_aux=True)(
-      local_params, model_state, batch)
+      params, model_state, batch)
+  return grads, model_state, metrics
+
+
+def local_gradients(task: tasks.Task, params, model_state, batch,
+                    compute_dtype=None) -> tuple[Any, Any, dict]:
+  """This replica's own gradients, before any all-reduce (inside a shard_map over
+  AXIS_NAME with check_vma=True).
+
+  Not what the training step uses (that is `gradients`): for the hand-written
+  ZeRO of `zero.py`, which reduce-scatters per-replica gradients itself, and
+  for measuring the forward and backward pass alone. They differentiate at a
+  per-replica ("varying") copy of the weights, `jax.lax.pcast(params,
+  AXIS_NAME, to="varying")`, so that AD does not sum them.
+
+  Args and returns: as `gradients`, but the gradients are of this replica's
+  mean loss and vary over AXIS_NAME.
+  """
+  local_params = jax.lax.pcast(params, AXIS_NAME, to="varying")
+  (_, (model_state, metrics)), grads = jax.value_and_grad(
+      _loss_fn(task, compute_dtype), has_aux=True)(local_params, model_state, batch)
   return grads, model_state, metrics
 
 
@@ -76,8 +121,7 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation):
   """
 
   def train_step(params, model_state, opt_state, batch):
-    grads, model_state, metrics = local_gradients(task, params, model_state, batch)
-    grads = jax.lax.pmean(grads, AXIS_NAME)
+    grads, model_state, metrics = gradients(task, params, model_state, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return params, model_state, opt_state, jax.lax.pmean(metrics, AXIS_NAME)
@@ -104,6 +148,46 @@ def map_train_step(mode: str, train_step, mesh: Mesh):
   if mode == "replicated":
     return jax.jit(jax.shard_map(train_step, mesh=mesh, **specs), donate_argnums=donate)
   return wus.shard_map(train_step, mesh=mesh, donate_argnums=donate, **specs)
+
+
+def make_update_step(tx: optax.GradientTransformation):
+  """The rest of `make_train_step` after the forward and backward pass, alone.
+
+  (params, opt_state, grads) -> (params, opt_state), per replica: `grads` is
+  this replica's own gradients with a leading dim of 1 (`make_gradient_step`'s
+  output, split over AXIS_NAME); they are all-reduced by `pmean`, then the
+  optax update runs. Mapped by `map_update_step`, it is the gradient
+  collectives and weight update of a step in either mode, for timing them.
+  """
+
+  def update_step(params, opt_state, grads):
+    grads = jax.lax.pmean(jax.tree.map(lambda g: g[0], grads), AXIS_NAME)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return update_step
+
+
+def map_update_step(mode: str, update_step, mesh: Mesh):
+  """`update_step` over `mesh` as `map_train_step` maps a training step (state donated)."""
+  specs = {"in_specs": (P(), P(), P(AXIS_NAME)), "out_specs": (P(), P())}
+  if mode == "replicated":
+    return jax.jit(jax.shard_map(update_step, mesh=mesh, **specs), donate_argnums=(0, 1))
+  return wus.shard_map(update_step, mesh=mesh, donate_argnums=(0, 1), **specs)
+
+
+def make_gradient_step(task: tasks.Task, mesh: Mesh):
+  """Forward and backward alone, compiled: (params, model_state, batch) -> each replica's
+  gradients (`local_gradients`), stacked along a leading dim of 1 per device.
+
+  No all-reduce and no update: what is left of a training step without them,
+  for measurements (`wus-memory`'s P; the input of `make_update_step`).
+  """
+  def grads(params, model_state, batch):
+    g, _, _ = local_gradients(task, params, model_state, batch)
+    return jax.tree.map(lambda x: x[None], g)
+  return jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P(), P(AXIS_NAME)),
+                               out_specs=P(AXIS_NAME)))
 
 
 def make_eval_step(task: tasks.Task, mesh: Mesh):

@@ -34,6 +34,7 @@ MODELS = {
     "resnet_small": (IMAGES, resnet.CONFIGS["resnet_small"]),
     "transformer_base": (TEXT, models.CONFIGS["base"]),
     "transformer_small": (TEXT, models.CONFIGS["small"]),
+    "transformer_wide": (TEXT, models.CONFIGS["wide"]),
     "mlp_large": (IMAGES, mlp.CONFIGS["large"]),
     "mlp_small": (IMAGES, mlp.CONFIGS["small"]),
 }

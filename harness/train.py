@@ -27,8 +27,11 @@ import sys
 import jax
 import numpy as np
 from absl import app
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from wus.harness import checkpoint, cli, datasets, errors, loop, optim, report, steps, tasks
+from wus.harness import (batches, checkpoint, cli, datasets, errors, loop, optim, report,
+                         steps, tasks)
 from wus.harness.config import RunConfig
 
 
@@ -95,11 +98,23 @@ def fit(config: RunConfig, built=None) -> loop.Result:
   return result
 
 
+def _on_every_process(decision: bool) -> bool:
+  """The first process's `decision`, on every process (each times its own steps)."""
+  if jax.process_count() == 1:
+    return decision
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(decision)))
+
+
 def fit_modes(configs: list[RunConfig]) -> dict[str, dict]:
   """`fit` of each config (one per mode, same data, model and optimizer), in order.
 
-  Every mode's checkpoints are checked before the first mode trains, so a bad
-  one stops the run before any training and before anything is written.
+  Every mode's checkpoints are checked (each array read) before the first mode
+  trains, so a bad or damaged one stops the run before any training and before
+  anything is written.
+
+  If wus's median step time is not below replicated's, the gradient
+  collectives and weight update of both steps are then timed alone, in turns
+  (`loop.update_seconds`), to say why: "update_seconds" in both summaries.
 
   Returns:
     {mode: summary}.
@@ -108,10 +123,24 @@ def fit_modes(configs: list[RunConfig]) -> dict[str, dict]:
     errors.InputError: as `fit`.
   """
   built = build(configs[0])
+  dataset, task, tx, _ = built
   for config in configs:
     if config.output_dir:
-      checkpoint.check(config.output_dir / "checkpoints", identity(config, built[1]))
-  return {config.mode: fit(config, built).summary for config in configs}
+      checkpoint.check(config.output_dir / "checkpoints", identity(config, task))
+  summaries = {}
+  for config in configs:  # only the last state is kept: each is replicated on every device
+    last = fit(config, built)
+    summaries[config.mode] = last.summary
+  times = [summaries.get(mode, {}).get("step_seconds") for mode in steps.MODES]
+  if all(times) and _on_every_process(times[1] >= times[0]):
+    mesh = jax.make_mesh((jax.device_count(),), (steps.AXIS_NAME,))
+    batch = batches.train_batch(dataset.train, seed=configs[0].seed, step=0,
+                                batch_size=last.summary["global_batch"],
+                                sharding=NamedSharding(mesh, P(steps.AXIS_NAME)))
+    seconds = loop.update_seconds(steps.MODES, task, tx, mesh, last.state, batch)
+    for mode, summary in summaries.items():
+      summary["update_seconds"] = seconds[mode]
+  return summaries
 
 
 def append_record(path: pathlib.Path, record: dict) -> None:
@@ -153,11 +182,14 @@ def format_results(results: dict[str, dict]) -> str:
   def row(label, value):
     return [label, *(value(results[m]) for m in modes)]
 
+  split = all(r.get("update_seconds") and r["step_seconds"] for r in results.values())
   summary_rows = [
       row("held-out loss", lambda r: r["eval"]["loss"]),
       row("held-out accuracy", lambda r: r["eval"]["accuracy"]),
       row("median step time (ms)", lambda r: 1e3 * r["step_seconds"] if r["step_seconds"]
           else "-"),
+      *([row("  collectives + update alone (ms)", lambda r: 1e3 * r["update_seconds"])]
+        if split else []),
       row("throughput (examples/s)", lambda r: r["examples_per_second"] or "-"),
       row("first step, incl. compile (s)", lambda r: r["first_step_seconds"] or "-"),
       row("optimizer state, whole (bytes)", lambda r: r["opt_state_bytes"]),
@@ -186,6 +218,8 @@ def format_results(results: dict[str, dict]) -> str:
               *notes]
   parts += ["Held-out metrics, time (median over updates after the first) and per-device "
             "memory", report.table(summary_headers, summary_rows)]
+  if both and split:
+    parts.append(time_note(results[modes[0]], results[modes[1]]))
   if all("collectives" in results[m] for m in modes):
     fields = [(m, f) for m in modes for f in ("count", "bytes", "wire_bytes")]
     parts += ["Collectives in the compiled step (from its optimized HLO; bytes per device: "
@@ -194,6 +228,39 @@ def format_results(results: dict[str, dict]) -> str:
                            [[kind, *(results[m]["collectives"][kind][f] for m, f in fields)]
                             for kind in report.COLLECTIVE_KINDS])]
   return "\n\n".join(parts)
+
+
+def time_note(replicated: dict, sharded: dict) -> str:
+  """Why wus's step is not faster than the replicated one, measured.
+
+  Args:
+    replicated, sharded: `fit_modes` summaries of the two modes, both with
+      "step_seconds" and "update_seconds".
+  """
+  ms = 1e3
+  step_r, step_w = replicated["step_seconds"], sharded["step_seconds"]
+  update_r, update_w = replicated["update_seconds"], sharded["update_seconds"]
+  share = update_r / step_r
+  n = sharded.get("num_devices", "N")
+  gather = sharded.get("collectives", {}).get("all-gather", {"count": 0, "bytes": 0})
+  note = (f"wus is not faster in this run (step time wus/replicated {step_w / step_r:.3f}, "
+          f"{(step_w - step_r) * ms:+.1f} ms). The gradient collectives and weight update, timed "
+          f"alone after training, take {update_r * ms:.1f} ms replicated ({share:.0%} of its "
+          f"{step_r * ms:.1f} ms step: an all-reduce, then every replica updates every weight) "
+          f"and {update_w * ms:.1f} ms with wus (a reduce-scatter, the update of 1/{n} of every "
+          "tensor, then all-gathers): ")
+  if update_w >= update_r:
+    note += (f"the extra collective round ({gather['count']} all-gather(s) of the new weights, "
+             f"{gather['bytes']:,} bytes per device, after the reduce-scatter, where the "
+             f"replicated step has one all-reduce) costs more than updating 1/{n} of every "
+             f"tensor saves ({(update_w - update_r) * ms:.1f} ms more).")
+  else:
+    note += (f"sharding saves {(update_r - update_w) * ms:.1f} ms of it timed alone, so the "
+             "difference of the steps lies outside the update: in the rest of the two programs, "
+             "which XLA fuses and schedules differently around the collectives, or in timing "
+             "noise on a shared machine.")
+  return note + (" Larger weights or a smaller per-replica batch make the update a larger "
+                 "share of the step, as in the default run.")
 
 
 def main(argv):

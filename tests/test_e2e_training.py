@@ -99,13 +99,17 @@ def test_digits_summary_is_measured(digits_runs):
   assert "wus - replicated" in text and "held-out accuracy" in text
 
 
-def test_transformer_adam_on_text_matches_across_modes(tmp_path):
+@pytest.mark.parametrize("model, batch_size", [("transformer_small", 2),
+                                               ("transformer_wide", 1)])  # wus-train's default
+def test_transformer_adam_on_text_matches_across_modes(model, batch_size):
   runs = {mode: train.fit(config.RunConfig.for_model(
-              "transformer_small", mode=mode, steps=12, batch_size=2, seq_len=32,
-              eval_every=0, warmup_steps=3)).summary
+              model, mode=mode, steps=12, batch_size=batch_size, seq_len=32,
+              eval_every=0, eval_examples=256, warmup_steps=3)).summary
           for mode in ("replicated", "wus")}
   np.testing.assert_allclose(runs["wus"]["losses"], runs["replicated"]["losses"],
                              rtol=1e-5, atol=0)
   assert runs["wus"]["losses"][-1] < runs["wus"]["losses"][0] - 1  # nats per byte
   assert math.isclose(runs["wus"]["eval"]["loss"], runs["replicated"]["eval"]["loss"],
                       rel_tol=1e-4)
+  per_device = {m: r["state_bytes_per_device"]["opt_state"] for m, r in runs.items()}
+  assert per_device["wus"] < per_device["replicated"] / 7  # 1/8 and Adam's count

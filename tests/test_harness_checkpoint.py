@@ -26,10 +26,9 @@ def mesh_of(num_devices):
 def wus_step(mesh, state):
   """{"params", "opt_state"} after one wus step on `mesh` from whole `state`."""
   def step(params, opt_state, x):
-    local = jax.lax.pcast(params, "data", to="varying")
-    grads = jax.grad(lambda p: sum(jnp.sum(jnp.sin(v) * x.mean()) for v in jax.tree.leaves(p)))(
-        local)
-    updates, opt_state = TX.update(jax.lax.pmean(grads, "data"), opt_state, params)
+    def loss(p):  # the mean over replicas (AD at the replicated params all-reduces the grads)
+      return jax.lax.pmean(sum(jnp.sum(jnp.sin(v) * x.mean()) for v in jax.tree.leaves(p)), "data")
+    updates, opt_state = TX.update(jax.grad(loss)(params), opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
   mapped = wus.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
@@ -171,3 +170,33 @@ def test_check_looks_without_writing(tmp_path, trained):
   save(tmp_path, 1, trained)
   with pytest.raises(errors.InputError, match="of another model or optimizer"):
     checkpoint.check(tmp_path, {**IDENTITY, "model": "other"})
+
+
+def halve(path):
+  path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def largest_data_file(item):
+  """The largest array data file of an Orbax item folder (OCDBT: `ocdbt.process_0/d/*`)."""
+  return max((p for p in item.rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage, status", [
+    (lambda state: halve(largest_data_file(state)), "OUT_OF_RANGE"),
+    (lambda state: halve(state / "manifest.ocdbt"), "DATA_LOSS"),
+    (lambda state: halve(state / "_METADATA"), "Unterminated string"),
+], ids=["array_data_halved", "manifest_halved", "tree_metadata_halved"])
+def test_damaged_checkpoint_is_one_line_error_and_left_untouched(tmp_path, mesh, trained,
+                                                                 damage, status):
+  save(tmp_path, 1, trained)
+  save(tmp_path, 2, trained)
+  damage(tmp_path / "2" / "state")
+  before = snapshot(tmp_path)
+  message = (rf"^the checkpoint at step 2 in {tmp_path} is unreadable \({status}[^\n]*\); it "
+             rf"is damaged: delete {tmp_path / '2'} to resume from the checkpoint before it")
+  with pytest.raises(errors.InputError, match=message):  # found before anything trains
+    checkpoint.check(tmp_path, IDENTITY)
+  with pytest.raises(errors.InputError, match=message):  # and if restored without a check
+    load(tmp_path, 2, trained, mesh)
+  assert snapshot(tmp_path) == before
+  assert_trees_equal(load(tmp_path, 1, trained, mesh), wus.unshard(trained))  # still there

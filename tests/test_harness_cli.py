@@ -97,3 +97,15 @@ def test_flags_the_run_does_not_read_are_warned_about(parse, args, ignored):
     assert warning.call_args.args[1] == ", ".join(ignored)
   else:
     warning.assert_not_called()
+
+
+def test_the_default_run_is_the_wide_transformer_with_a_small_batch(parse):
+  """`wus-train` with no flags: the weight-update-bound configuration the README describes."""
+  replicated, sharded = parse()
+  assert (sharded.model, sharded.data, sharded.optimizer) == ("transformer_wide", "stdlib", "adam")
+  assert (sharded.batch_size, sharded.seq_len, sharded.steps) == (1, 32, 60)
+  assert replicated.seq_len == 32
+  (other,) = parse("--model=transformer_small", "--modes=wus")
+  assert (other.batch_size, other.seq_len) == (4, 128)
+  (given,) = parse("--seq_len=64", "--modes=wus")
+  assert given.seq_len == 64

@@ -25,7 +25,8 @@ def test_resnet50_has_mlperf_size():
 
 
 @pytest.mark.parametrize("name, size", [("transformer_base", 19_111_936),
-                                        ("transformer_small", 445_952)])
+                                        ("transformer_small", 445_952),
+                                        ("transformer_wide", 6_502_400)])
 def test_transformer_sizes(name, size):
   task = tasks.make(name, num_classes=None, seq_len=128, axis_name="data")
   params, model_state = jax.eval_shape(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from absl.testing import flagsaver
 
-from wus.harness import checkpoint, cli, report, train
+from wus.harness import checkpoint, cli, config, report, train
 
 
 def summary(losses, start_step=0, **overrides):
@@ -33,6 +33,36 @@ def test_format_results_compares_two_modes():
   assert "max |difference| of training loss over all steps: 0.25" in text
   assert "| opt_state per device (bytes)   | 200        | 25     | 0.1250         |" in text
   assert "| model_state per device (bytes) | 0          | 0      | -              |" in text
+
+
+@pytest.mark.parametrize("wus_update_ms, why", [
+    (14.0, "the extra collective round (3 all-gather(s) of the new weights, 4,096 bytes per "
+           "device, after the reduce-scatter, where the replicated step has one all-reduce) "
+           "costs more than updating 1/8 of every tensor saves (4.0 ms more)."),
+    (6.0, "sharding saves 4.0 ms of it timed alone, so the difference of the steps lies "
+          "outside the update"),
+], ids=["update_slower", "update_faster"])
+def test_format_results_says_why_wus_is_slower(wus_update_ms, why):
+  gather = {"count": 3, "bytes": 4096, "wire_bytes": 3584}
+  text = train.format_results({
+      "replicated": summary([2.0, 1.0], step_seconds=0.020, update_seconds=0.010,
+                            num_devices=8),
+      "wus": summary([2.0, 1.0], step_seconds=0.024, update_seconds=wus_update_ms / 1e3,
+                     num_devices=8, collectives={
+                         **summary([])["collectives"], "all-gather": gather}),
+  })
+  assert "|   collectives + update alone (ms) | 10.00      |" in text
+  assert ("wus is not faster in this run (step time wus/replicated 1.200, +4.0 ms). The "
+          "gradient collectives and weight update, timed alone after training, take 10.0 ms "
+          "replicated (50% of its 20.0 ms step: an all-reduce, then every replica updates every "
+          f"weight) and {wus_update_ms:.1f} ms with wus (a reduce-scatter, the update of 1/8 of "
+          "every tensor, then all-gathers): " + why) in text
+
+
+def test_format_results_without_update_times_has_no_note():
+  text = train.format_results({"replicated": summary([2.0, 1.0]),
+                               "wus": summary([2.0, 1.0], step_seconds=0.03)})
+  assert "collectives + update alone" not in text and "not faster" not in text
 
 
 def test_format_results_of_one_resumed_mode_shows_its_updates():
@@ -120,3 +150,21 @@ def test_results_are_appended_to_earlier_records(tmp_path):
   train.append_record(path, {"run": 1})
   assert json.loads(path.read_text()) == [{"run": 1}]
   assert (tmp_path / "results.json.unreadable").read_text() == "{unreadable"
+
+
+def test_a_slower_wus_step_gets_its_update_timed_alone(monkeypatch):
+  """fit_modes times the collectives and update of both modes when wus is not faster."""
+  fit = train.fit
+
+  def slow_wus(config, built=None):
+    result = fit(config, built)
+    if config.mode == "wus":  # as a run where wus came out slower
+      result.summary["step_seconds"] = 1.0 + result.summary["step_seconds"]
+    return result
+
+  monkeypatch.setattr(train, "fit", slow_wus)
+  configs = [config.RunConfig.for_model("mlp_small", mode=mode, steps=3, batch_size=2,
+                                        eval_examples=16) for mode in ("replicated", "wus")]
+  results = train.fit_modes(configs)
+  assert all(r["update_seconds"] > 0 for r in results.values())
+  assert "wus is not faster in this run" in train.format_results(results)
