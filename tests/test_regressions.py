@@ -179,3 +179,32 @@ def test_batchnorm_scale_state_shards_although_its_gradient_feeds_the_backward_p
     a, b = ref(*a, x), ws(*b, x)
   assert_trees_equal(a, wus.unshard(b))
   assert isinstance(b[2][0].mu["BatchNorm_0"]["scale"], wus.ShardedArray)
+
+
+def test_tied_weight_read_transposed_is_reduce_scattered():
+  """A weight read twice, once transposed (a tied embedding's output projection):
+  under check_vma AD all-reduces the transposed read's gradient and then
+  transposes it. The all-reduce runs after the transpose instead (the same sums),
+  so both gradients are reduce-scattered and nothing of w is all-reduced whole."""
+  from wus.harness import report
+  m, tx = mesh(), optax.adam(1e-3)
+
+  def step(params, opt_state, x):
+    def loss(p):
+      h = jnp.tanh(x @ p["w"])
+      return jax.lax.pmean(jnp.mean((h @ p["w"].T) ** 2), "data")
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  params = {"w": 0.1 * jax.random.normal(jax.random.key(0), (64, 64))}
+  kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  a = b = (params, tx.init(params))
+  for i in range(3):
+    x = jax.device_put(jax.random.normal(jax.random.key(i), (16, 64)), NamedSharding(m, P("data")))
+    a, b = ref(*a, x)[:2], ws(*b, x)[:2]
+  assert_trees_equal(a[0], b[0])
+  assert_trees_equal(a[1], wus.unshard(b[1]))
+  found = report.collectives(ws.lower(*b, x).compile().as_text())
+  assert found["all-reduce"].bytes <= 8 and found["reduce-scatter"].count == 1  # The loss only.
