@@ -318,6 +318,12 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         gather_dtypes.update(narrow)
         decision = dataclasses.replace(decision, reason=decision.reason + "; " + _placements(
             c, jaxpr, members, state_pairs, pairs, narrow, invar_pos, in_names, readers))
+    across = sorted({a for i in c.seeds for a in compat.collective_axes(jaxpr.eqns[i])}
+                    - ctx.axes)
+    if across and decision.shard:
+      decision = dataclasses.replace(decision, reason=decision.reason + (
+          f"; partial sharding (§5.2): reduce-scatter over {sorted(ctx.axes)}, the shards "
+          f"all-reduced across {across}"))
     if c.kept_whole and c.eqns:
       decision = dataclasses.replace(decision, reason=decision.reason + "; "
                                      + _kept_whole_reason(jaxpr, c))

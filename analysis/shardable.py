@@ -34,8 +34,8 @@ class Kind(enum.Enum):
   BROADCAST_DIMS = "broadcast along new dims"  # Local from the operand's shard, or from it whole.
   COND = "conditional"  # Big operands enter every branch as shards; big results leave as shards.
   LOOP = "loop"  # The body runs by its own plan; carried state stays sharded (§4.2).
-  REDUCE_SCATTER = "reduce-scatter"  # psum over the replica axes of a value that differs per replica.
-  SUM_OF_COPIES = "psum of equal values"  # psum of a value equal on all replicas: a local sum.
+  REDUCE_SCATTER = "reduce-scatter"  # psum over (at least) the replica axes of a value that differs.
+  SUM_OF_COPIES = "psum of equal values"  # psum of a value equal on all its replicas: a local sum.
   IDENTITY = "pmax/pmin of equal values"  # pmax / pmin of a value equal on all replicas.
 
 
@@ -105,9 +105,12 @@ REDUCE_COMBINE = {lax.reduce_sum_p: "sum", lax.reduce_max_p: "max", lax.reduce_m
 
 
 def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
-  if compat.has_axis_index_groups(eqn) or frozenset(compat.collective_axes(eqn)) != ctx.axes:
+  # Over more axes than the sharding axes A (A ∪ B, §5.2 partial sharding):
+  # reduce-scatter over A, then all-reduce the shards over B (Fig. 10).
+  axes = frozenset(compat.collective_axes(eqn))
+  if compat.has_axis_index_groups(eqn) or len(eqn.invars) != 1 or not ctx.axes <= axes:
     return None
-  if ctx.facts.is_redundant(eqn.invars[0], ctx.axes):
+  if ctx.facts.is_redundant(eqn.invars[0], axes):
     return Kind.SUM_OF_COPIES
   return Kind.REDUCE_SCATTER
 

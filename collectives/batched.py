@@ -38,6 +38,25 @@ def all_reduce(values: Sequence[jnp.ndarray], op: str, axis_name) -> list[jnp.nd
                                                          values)]
 
 
+def all_reduce_bucketed(values: Sequence[jnp.ndarray], axis_name) -> list[jnp.ndarray]:
+  """Per replica: psum of many tensors in few collectives (§5.2, Fig. 10).
+
+  Tensors of one dtype share an all-reduce, in buckets of `BUCKET_BYTES`;
+  larger ones keep their own. Partial sharding all-reduces the gradient
+  shards across the sharding groups with it.
+
+  Args:
+    values: tensors, any shapes and dtypes.
+    axis_name: the mesh axes to sum over.
+
+  Returns:
+    The sums, shapes and dtypes as given.
+  """
+  def one(vs, _):
+    return [lax.psum(vs[0], axis_name)] if len(vs) == 1 else all_reduce(vs, "sum", axis_name)
+  return _bucketed(one, values, [None] * len(values), [v.size for v in values])
+
+
 # Tensors under this many bytes (whole) share collectives, in buckets of at
 # most this size; larger ones keep their own, which needs no copy (§5.2).
 BUCKET_BYTES = 4 * 2 ** 20
@@ -124,14 +143,18 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name) -> list
   return _bucketed(one, shards, fmts)
 
 
-def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence) -> list[jnp.ndarray]:
-  """`collective(values, fmts)` per bucket of one dtype; results in the order given."""
+def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence,
+              elements: Sequence[int] | None = None) -> list[jnp.ndarray]:
+  """`collective(values, fmts)` per bucket of one dtype; results in the order given.
+
+  Buckets are sized by the whole tensors (`fmt.shape`), or by `elements`."""
   by_dtype: dict = {}
   for k, x in enumerate(values):
     by_dtype.setdefault(x.dtype, []).append(k)
   out: list = [None] * len(values)
   for ks in by_dtype.values():
-    sizes = [math.prod(fmts[k].shape) * values[k].dtype.itemsize for k in ks]
+    sizes = [(math.prod(fmts[k].shape) if elements is None else elements[k])
+             * values[k].dtype.itemsize for k in ks]
     for bucket in buckets(sizes):
       group = [ks[b] for b in bucket]
       for k, y in zip(group, collective([values[k] for k in group], [fmts[k] for k in group]),

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import functools
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,13 +44,16 @@ class _Held:
   `partial` is this replica's part of a reduction still to be all-reduced,
   as (value, op); the whole value appears when it is first read. `summand`
   is this replica's addend of a gradient all-reduce still to be
-  reduce-scattered; the shard appears when it is first read.
+  reduce-scattered, and `across` the mesh axes beyond the sharding axes its
+  all-reduce spans (partial sharding, §5.2); the shard appears when it is
+  first read.
   """
 
-  __slots__ = ("whole", "shard", "partial", "summand")
+  __slots__ = ("whole", "shard", "partial", "summand", "across")
 
-  def __init__(self, whole=None, shard=None, partial=None, summand=None):
+  def __init__(self, whole=None, shard=None, partial=None, summand=None, across=()):
     self.whole, self.shard, self.partial, self.summand = whole, shard, partial, summand
+    self.across = across
 
 
 class _Env:
@@ -109,12 +113,21 @@ class _Env:
     self.pending = []
 
   def scatter(self) -> None:
-    """Reduce-scatters every waiting gradient, batched (§5.2)."""
+    """Reduce-scatters every waiting gradient, batched (§5.2); in partial
+    sharding the shards are then all-reduced across the groups, batched too
+    (Fig. 10)."""
     vs, self.summands = self.summands, []
     outs = collectives.batched.reduce_scatter([self.held[v].summand for v in vs],
                                               [self.fmt(v) for v in vs], self.plan.axes)
+    groups: dict = {}
     for v, x in zip(vs, outs, strict=True):
       self.held[v].shard, self.held[v].summand = x, None
+      if self.held[v].across:
+        groups.setdefault(self.held[v].across, []).append(v)
+    for across, us in groups.items():
+      summed = collectives.batched.all_reduce_bucketed([self.held[u].shard for u in us], across)
+      for u, x in zip(us, summed, strict=True):
+        self.held[u].shard = x
 
   def gather(self, vs: list) -> None:
     """Gives each of `vs` (held as shards) its whole value, batched (§5.2); in
@@ -260,11 +273,13 @@ def _reduce_scatter(eqn: JaxprEqn, env: _Env) -> list[Any]:
   # together (`_Env.scatter`).
   (v,) = eqn.invars  # Differs across replicas: always held whole.
   env.summands.append(eqn.outvars[0])
-  return [_Held(summand=env.whole(v))]
+  across = tuple(a for a in compat.collective_axes(eqn) if a not in env.plan.axes)
+  return [_Held(summand=env.whole(v), across=across)]
 
 
 def _sum_of_copies(eqn: JaxprEqn, env: _Env) -> list[Any]:
-  return [collectives.sum_of_copies(env.shard(eqn.invars[0]), env.plan.num_shards)]
+  copies = math.prod(lax.axis_size(a) for a in compat.collective_axes(eqn))
+  return [collectives.sum_of_copies(env.shard(eqn.invars[0]), copies)]
 
 
 shard_rules[Kind.ELEMENTWISE] = _elementwise
