@@ -144,6 +144,7 @@ def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str
           return (f"a reduction of {x.aval.str_short()} keeps the shard dim but its "
                   f"result {y.aval.str_short()} is too small to shard")
         else:
+          classes.add(y)
           relations.append((x, y, [p for p, r in enumerate(reduced) if not r]))
       elif kind is Kind.BROADCAST_DIMS:
         broadcast(eqn.invars[0], outs[0], eqn.params["broadcast_dimensions"])

@@ -38,6 +38,7 @@ class TensorPlan:
       sharded between steps), "weight" (an input the step also reads whole,
       sliced locally), or "output" (a result returned whole).
     format: its sharding format (None when the cluster stays replicated).
+    itemsize: bytes per element (typed PRNG keys have no numpy dtype).
   """
 
   name: str
@@ -45,10 +46,11 @@ class TensorPlan:
   dtype: str
   role: str
   format: ShardFormat | None
+  itemsize: int = 4
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+    return int(np.prod(self.shape)) * self.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,7 @@ class InputPlan:
     reason: why it is, or why it stays whole.
     state: whether an output is its next value (the step's state: weights,
       optimizer state), whether or not it is sharded.
+    itemsize: bytes per element (typed PRNG keys have no numpy dtype).
   """
 
   name: str
@@ -94,10 +97,11 @@ class InputPlan:
   sharded: bool
   reason: str
   state: bool = False
+  itemsize: int = 4
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+    return int(np.prod(self.shape)) * self.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +181,7 @@ class Plan:
   def state_bytes(self) -> tuple[int, int]:
     """(whole bytes, per-replica bytes) of the inputs kept sharded between steps."""
     whole = sum(self.inputs[k].nbytes for k in self.state_inputs)
-    shard = sum(f.shard_bytes(self.inputs[k].dtype) for k, f in self.state_inputs.items())
+    shard = sum(f.shard_size * self.inputs[k].itemsize for k, f in self.state_inputs.items())
     return whole, shard
 
   @property
@@ -240,7 +244,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     sharded, reason = planned.input_reason.get(
         k, (False, _why_whole(v, facts, ctx, bool(planned.clusters), split_reason)))
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
-                            k in state))
+                            k in state, v.aval.dtype.itemsize))
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               planned.program, planned.formats, planned.gather_dtypes)
 
@@ -580,7 +584,8 @@ def _narrowed(jaxpr: Jaxpr, x, members: set[int], readers: dict):
 
 def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[TensorPlan, ...]:
   def entry(name, v, role):
-    return TensorPlan(name, tuple(v.aval.shape), v.aval.dtype.name, role, fmt(v))
+    return TensorPlan(name, tuple(v.aval.shape), v.aval.dtype.name, role, fmt(v),
+                      v.aval.dtype.itemsize)
 
   state_in = set(pairs.values())
   out = [entry(f"all-reduce at {source_line(jaxpr.eqns[i])}", jaxpr.eqns[i].outvars[0], "gradient")

@@ -208,3 +208,20 @@ def test_tied_weight_read_transposed_is_reduce_scattered():
   assert_trees_equal(a[1], wus.unshard(b[1]))
   found = report.collectives(ws.lower(*b, x).compile().as_text())
   assert found["all-reduce"].bytes <= 8 and found["reduce-scatter"].count == 1  # The loss only.
+
+
+def test_sm3_row_accumulator_kept_by_a_reduction_that_keeps_the_shard_dim():
+  """optax.sm3: reduce_max(nu, axes=(1,)) keeps the shard dim and its big result
+  is only returned as state; planning it crashed (found by the fuzzer)."""
+  tx = optax.sm3(1e-3)
+  params, xs = _dense_inputs(mesh())
+  _, state = _compare(_dense_step(tx), params, tx.init(params), xs, mesh())
+
+
+def test_plan_prints_with_a_typed_key_in_the_state():
+  tx = optax.noisy_sgd(0.1, key=jax.random.key(1))
+  params, xs = _dense_inputs(mesh())
+  step = wus.shard_map(_dense_step(tx), mesh=mesh(), in_specs=(P(), P(), P("data")),
+                       out_specs=(P(), P()))
+  text = str(step.plan(params, tx.init(params), xs[0]))
+  assert "rng_key" in text and "key<fry>" in text
