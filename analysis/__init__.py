@@ -1,1 +1,13 @@
-"""placeholder"""
+"""Facts about a step's jaxpr, no rewriting (DESIGN.md §3).
+
+Modules, one concern each, in the order the passes run:
+  compat      the one place that touches JAX internals
+  redundancy  which values are identical on every replica (§3.1)
+  shardable   which equations can run on shards, and how (`Kind`, §4.1)
+  clusters    weight-update clusters around the gradient all-reduces (§3.2)
+  formats     `ShardFormat`: reshape, pad, split (§4.1, Fig. 6)
+  layouts     a format for every tensor of a cluster
+  cost        shard a cluster or not, with the reason (§3.2)
+  costmodel   alpha-beta model of collectives and the update's memory traffic (§5)
+  plan        the frozen, printable `Plan` the rewrite follows
+"""

@@ -4,7 +4,7 @@ A rule looks at one equation whose outputs are identical on every replica and
 answers with the `Kind` of shard computation that reproduces it exactly, or
 None when it cannot (the tensor must then be whole, DESIGN.md §4 invariant 2).
 Some kinds constrain the sharding formats of the tensors involved (a reduce
-never lets a reduced dim merge with a kept one); `formats.assign` solves those
+never lets a reduced dim merge with a kept one); `layouts.assign` solves those
 constraints, and `wus.transforms.rewrite` implements each kind.
 """
 

@@ -1,1 +1,8 @@
-"""placeholder"""
+"""Turning a jaxpr and its `Plan` into programs (DESIGN.md §3).
+
+Modules, one concern each:
+  inline     calls inlined (and all-reduces sunk below element moves) for the analysis
+  rewrite    the evaluate-and-retrace interpreter emitting the sharded step
+  programs   the shard_state / step / unshard_state programs (§4.2)
+  gc_pause   Python's cyclic GC paused while wus traces
+"""
