@@ -15,7 +15,10 @@ from typing import Any
 from jax._src import core as _core
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import partial_eval as _pe
+from jax._src import ad_util as _ad_util
+from jax._src import dispatch as _dispatch
 from jax._src import pjit as _pjit
+from jax._src.lax import linalg as _linalg
 from jax._src.lax import ann as _ann
 from jax._src.lax import lax as _lax
 from jax._src.lax import slicing as _slicing
@@ -91,6 +94,10 @@ approx_top_k_p = _ann.approx_top_k_p
 platform_index_p = _conditionals.platform_index_p
 reshard_p = _pjit.reshard_p
 layout_constraint_p = _pjit.layout_constraint_p
+device_put_p = _dispatch.device_put_p
+zeros_like_p = _ad_util.zeros_like_p
+geqrf_p = _linalg.geqrf_p
+geqp3_p = _linalg.geqp3_p
 
 
 # Calls whose inner jaxpr is evaluated as is: (primitive, param holding it).
@@ -214,6 +221,12 @@ def source_of(eqn: JaxprEqn):
   with (_source_info.user_context(eqn.source_info.traceback, name_stack=name_stack),
         eqn.ctx.manager):
     yield
+
+
+def dce(jaxpr: Jaxpr) -> Jaxpr:
+  """`jaxpr` without equations whose results nothing uses (effects are kept);
+  inputs and outputs unchanged."""
+  return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
 
 
 def has_user_frame(eqn: JaxprEqn) -> bool:

@@ -21,10 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from jax import lax
-from jax.lax import linalg
-
-from wus.analysis import compat
+from wus.analysis import compat, primitives
 from wus.analysis.compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
 Rep = frozenset  # The mesh axes a value is replicated over.
@@ -164,61 +161,7 @@ def register_standard(*prims: compat.Primitive) -> None:
     redundancy_rules[p] = _standard_rule
 
 
-register_standard(
-    # Elementwise arithmetic, comparison, logic, special functions.
-    lax.abs_p, lax.acos_p, lax.acosh_p, lax.add_p, compat.add_any_p, lax.and_p,
-    lax.asin_p, lax.asinh_p, lax.atan2_p, lax.atan_p, lax.atanh_p,
-    lax.bessel_i0e_p, lax.bessel_i1e_p, lax.cbrt_p, lax.ceil_p, lax.clamp_p,
-    lax.clz_p, lax.complex_p, lax.conj_p, lax.convert_element_type_p,
-    lax.bitcast_convert_type_p, lax.copy_p, lax.cos_p, lax.cosh_p,
-    lax.digamma_p, lax.div_p, lax.eq_p, lax.erf_inv_p, lax.erf_p, lax.erfc_p,
-    lax.exp2_p, lax.exp_p, lax.expm1_p, lax.floor_p, lax.ge_p, lax.gt_p,
-    lax.igamma_p, lax.igammac_p, lax.igamma_grad_a_p, lax.imag_p,
-    lax.integer_pow_p, lax.is_finite_p, lax.le_p, lax.lgamma_p, lax.log1p_p,
-    lax.log_p, lax.logistic_p, lax.lt_p, lax.max_p, lax.min_p, lax.mul_p,
-    lax.ne_p, lax.neg_p, lax.nextafter_p, lax.not_p, lax.or_p,
-    lax.polygamma_p, lax.population_count_p, lax.pow_p, lax.real_p,
-    lax.reduce_precision_p, lax.regularized_incomplete_beta_p, lax.rem_p,
-    lax.round_p, lax.rsqrt_p, lax.select_n_p, lax.shift_left_p,
-    lax.shift_right_arithmetic_p, lax.shift_right_logical_p, lax.sign_p,
-    lax.sin_p, lax.sinh_p, lax.sqrt_p, lax.square_p, lax.sub_p, lax.tan_p,
-    lax.tanh_p, lax.xor_p, lax.zeta_p,
-    # Structure, indexing, reductions, linear algebra: deterministic functions
-    # of their operands.
-    lax.argmax_p, lax.argmin_p, lax.broadcast_in_dim_p, lax.concatenate_p,
-    lax.conv_general_dilated_p, lax.cumlogsumexp_p, lax.cummax_p,
-    lax.cummin_p, lax.cumprod_p, lax.cumsum_p, lax.dot_general_p,
-    lax.dynamic_slice_p, lax.dynamic_update_slice_p, lax.fft_p, lax.gather_p,
-    lax.iota_p, lax.pad_p, lax.reduce_and_p, lax.reduce_max_p,
-    lax.reduce_min_p, lax.reduce_or_p, lax.reduce_p, lax.reduce_prod_p,
-    lax.reduce_sum_p, lax.reduce_xor_p, lax.reshape_p, lax.rev_p,
-    lax.scatter_add_p, lax.scatter_max_p, lax.scatter_min_p,
-    lax.scatter_mul_p, lax.scatter_p, lax.scatter_sub_p, lax.slice_p,
-    lax.sort_p, lax.split_p, lax.squeeze_p, lax.top_k_p, lax.transpose_p,
-    lax.reduce_window_p, lax.reduce_window_sum_p, lax.reduce_window_max_p,
-    lax.reduce_window_min_p, lax.select_and_gather_add_p,
-    lax.select_and_scatter_add_p, lax.select_and_scatter_p,
-    lax.stop_gradient_p, lax.optimization_barrier_p,
-    lax.sharding_constraint_p, compat.reshard_p, compat.layout_constraint_p,
-    compat.stack_p, compat.unstack_p, compat.tile_p, compat.mulhi_p,
-    compat.ragged_dot_general_p, compat.approx_top_k_p,
-    # The same platform runs every replica.
-    compat.platform_index_p,
-    linalg.cholesky_p, linalg.cholesky_update_p, linalg.eig_p, linalg.eigh_p,
-    linalg.hessenberg_p, linalg.householder_product_p, linalg.lu_p,
-    linalg.lu_pivots_to_permutation_p, linalg.qr_p, linalg.schur_p, linalg.svd_p,
-    linalg.symmetric_product_p, linalg.triangular_solve_p, linalg.tridiagonal_p,
-    linalg.tridiagonal_solve_p,
-    # Functional PRNG: the same key gives the same bits everywhere.
-    lax.rng_bit_generator_p, compat.threefry2x32_p, compat.threefry4x32_p,
-    compat.philox2x32_p, compat.philox4x32_p, compat.iota_2x32_shape_p,
-    compat.random_bits_p, compat.random_split_p, compat.random_fold_in_p,
-    compat.random_seed_p, compat.random_wrap_p, compat.random_unwrap_p,
-    compat.random_gamma_p, compat.random_clone_p,
-)
-# Deliberately absent, hence varying: rng_uniform (stateful), callbacks
-# (io_callback, pure_callback: the host may answer differently per device),
-# nested shard_map, and any primitive JAX adds later.
+register_standard(*primitives.ELEMENTWISE, *primitives.PURE)
 
 
 # --- Collectives. ------------------------------------------------------------

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from jax import lax
 
-from wus.analysis import compat
+from wus.analysis import compat, primitives
 from wus.analysis.compat import JaxprEqn
 from wus.analysis.redundancy import Redundancy
 
@@ -93,15 +93,9 @@ def _reduce_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   axes = tuple(sorted(eqn.params["axes"]))
   if all(operand[a] == 1 for a in axes):
     return Kind.REDUCE_UNIT
-  if eqn.primitive not in REDUCE_COMBINE:
+  if eqn.primitive not in primitives.REDUCTIONS:
     return None
   return Kind.REDUCE_ALL if axes == tuple(range(len(operand))) else Kind.REDUCE
-
-
-# Reductions whose partial results combine with an all-reduce, and the
-# identity that masks padding (§4.1).
-REDUCE_COMBINE = {lax.reduce_sum_p: "sum", lax.reduce_max_p: "max", lax.reduce_min_p: "min",
-                  lax.reduce_and_p: "and", lax.reduce_or_p: "or"}
 
 
 def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
@@ -122,26 +116,13 @@ def _pmax_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return None
 
 
-for _p in (
-    lax.abs_p, lax.acos_p, lax.acosh_p, lax.add_p, compat.add_any_p, lax.and_p,
-    lax.asin_p, lax.asinh_p, lax.atan2_p, lax.atan_p, lax.atanh_p, lax.cbrt_p,
-    lax.ceil_p, lax.clamp_p, lax.convert_element_type_p, lax.copy_p,
-    lax.cos_p, lax.cosh_p, lax.div_p, lax.eq_p, lax.erf_inv_p, lax.erf_p,
-    lax.erfc_p, lax.exp2_p, lax.exp_p, lax.expm1_p, lax.floor_p, lax.ge_p,
-    lax.gt_p, lax.integer_pow_p, lax.is_finite_p, lax.le_p, lax.log1p_p,
-    lax.log_p, lax.logistic_p, lax.lt_p, lax.max_p, lax.min_p, lax.mul_p,
-    lax.ne_p, lax.neg_p, lax.nextafter_p, lax.not_p, lax.or_p, lax.pow_p,
-    lax.reduce_precision_p, lax.rem_p, lax.round_p, lax.rsqrt_p,
-    lax.select_n_p, lax.sign_p, lax.sin_p, lax.sinh_p, lax.sqrt_p,
-    lax.square_p, lax.sub_p, lax.tan_p, lax.tanh_p, lax.xor_p,
-):
+for _p in primitives.ELEMENTWISE:
   shardable_rules[_p] = _elementwise_rule
 shardable_rules[lax.reshape_p] = _reshape_rule
 shardable_rules[lax.squeeze_p] = lambda eqn, ctx: Kind.LAYOUT
 shardable_rules[compat.pvary_p] = lambda eqn, ctx: Kind.LAYOUT  # A shard already varies.
 shardable_rules[lax.broadcast_in_dim_p] = _broadcast_in_dim_rule
-for _p in (lax.reduce_sum_p, lax.reduce_max_p, lax.reduce_min_p, lax.reduce_prod_p,
-           lax.reduce_and_p, lax.reduce_or_p):
+for _p in primitives.REDUCE_OVER_UNIT_DIMS:
   shardable_rules[_p] = _reduce_rule
 shardable_rules[compat.psum_p] = _psum_rule
 shardable_rules[compat.psum_invariant_p] = _psum_rule

@@ -35,7 +35,8 @@ from wus.analysis import compat, formats
 from wus.analysis.compat import ClosedJaxpr, JaxprEqn
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan, Program
-from wus.analysis.shardable import REDUCE_COMBINE, Kind
+from wus.analysis.primitives import REDUCTIONS, Reduction
+from wus.analysis.shardable import Kind
 
 
 class _Held:
@@ -188,26 +189,26 @@ def _bind_reduce(eqn: JaxprEqn, x, axes: tuple[int, ...]) -> Any:
   return out
 
 
-def _masked(env: _Env, v, x, op: str) -> Any:
-  """The shard `x` of `v` with its padding rows set to the identity of `op`."""
+def _masked(env: _Env, v, x, reduction: Reduction) -> Any:
+  """The shard `x` of `v` with its padding rows set to the reduction's identity."""
   fmt = env.fmt(v)
   if not fmt.padding:
     return x
   mask = collectives.row_mask(fmt, env.plan.axes).reshape((-1,) + (1,) * (x.ndim - 1))
-  return jnp.where(mask, x, _identity(op, x.dtype))
+  return jnp.where(mask, x, reduction.identity(x.dtype))
 
 
 def _reduce(eqn: JaxprEqn, env: _Env) -> list[Any]:
   # The format keeps reduced and kept dims in separate merged dims. A kept
   # shard dim makes the reduction local; a reduced one gives partial results.
   (v,), (y,) = eqn.invars, eqn.outvars
-  op, axes = REDUCE_COMBINE[eqn.primitive], set(eqn.params["axes"])
+  reduction, axes = REDUCTIONS[eqn.primitive], set(eqn.params["axes"])
   reduced = tuple(k for k, g in enumerate(formats.groups(env.fmt(v))) if g and g[0] in axes)
   x = env.shard(v)
   if 0 not in reduced:
     return [jnp.reshape(_bind_reduce(eqn, x, reduced), env.fmt(y).shard_shape)]
-  partial = _bind_reduce(eqn, _masked(env, v, x, op), reduced)
-  return [_Partial(jnp.reshape(partial, y.aval.shape), op)]
+  partial = _bind_reduce(eqn, _masked(env, v, x, reduction), reduced)
+  return [_Partial(jnp.reshape(partial, y.aval.shape), reduction.op)]
 
 
 def _broadcast_dims(eqn: JaxprEqn, env: _Env) -> list[Any]:
@@ -242,9 +243,9 @@ def _reduce_all(eqn: JaxprEqn, env: _Env) -> list[Any]:
   # Mask the padding with the reduction's identity, reduce locally; the partial
   # results of all replicas are combined by one batched all-reduce (Fig. 6).
   (v,) = eqn.invars
-  op = REDUCE_COMBINE[eqn.primitive]
-  x = _masked(env, v, env.shard(v), op)
-  return [_Partial(_bind_reduce(eqn, x, tuple(range(x.ndim))), op)]
+  reduction = REDUCTIONS[eqn.primitive]
+  x = _masked(env, v, env.shard(v), reduction)
+  return [_Partial(_bind_reduce(eqn, x, tuple(range(x.ndim))), reduction.op)]
 
 
 class _Partial(tuple):
@@ -252,15 +253,6 @@ class _Partial(tuple):
 
   def __new__(cls, value, op):
     return super().__new__(cls, (value, op))
-
-
-def _identity(op: str, dtype) -> Any:
-  if op == "sum":
-    return jnp.zeros((), dtype)
-  if op in ("and", "or"):
-    return jnp.asarray(op == "and", dtype)
-  big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
-  return jnp.asarray(-big if op == "max" else big, dtype)
 
 
 def _broadcast(eqn: JaxprEqn, env: _Env) -> list[Any]:

@@ -159,6 +159,48 @@ class ShardedStep:
     """The Plan for these arguments (whole or sharded state alike)."""
     return self._program(args, replicated)[1].plan
 
+  def state_target(self, *args, replicated: frozenset = frozenset()) -> tuple:
+    """The arguments as this step reads them, abstract: the target to restore a checkpoint into.
+
+    Pass the parts you saved to Orbax's restore (`ocp.StandardCheckpointer().
+    restore(path, target)`, `ocp.args.StandardRestore(target)`): it returns state
+    this step accepts as it is, the state it keeps sharded as `wus.ShardedArray`s
+    in this step's format, for its mesh and replica count (a checkpoint saved at
+    another replica count, or with whole arrays by plain `jax.shard_map` code,
+    restores the same way). Each process reads only what its devices hold.
+
+    Args:
+      args: the step's arguments, concrete or abstract (`jax.eval_shape`), whole
+        or sharded.
+      replicated: as for `call`.
+
+    Returns:
+      A tuple like `args`, in the same pytree structures (NamedTuples of optax
+      states included): `jax.ShapeDtypeStruct`s with the step's shardings for
+      what it reads whole, `wus.checkpoint.LogicalView`s (of the logical shapes)
+      for what it keeps sharded.
+
+    Example:
+      >>> params, opt_state, _ = step.state_target(params, opt_state, batch)  # doctest: +SKIP
+      >>> params, opt_state = ocp.StandardCheckpointer().restore(path, (params, opt_state))  # doctest: +SKIP
+    """
+    from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
+    leaves, prog = self._program(args, replicated)
+    mesh = prog.mesh
+    if self._in_specs is compat.INFER:
+      specs = [x.spec if is_sharded(x) else x.sharding.spec for x in leaves]
+    else:
+      specs = jax.tree.leaves(jax.tree.broadcast(self._in_specs, args, is_leaf=is_sharded))
+    out = []
+    for k, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
+      if k in prog.state_in:
+        fmt, spec = prog.state_in[k]
+        out.append(checkpoint.restore_target(fmt, prog.plan.axes, spec, mesh, x.dtype))
+      else:
+        out.append(jax.ShapeDtypeStruct(np.shape(x), _aval(x)[1], sharding=NamedSharding(mesh, spec),
+                                        weak_type=bool(getattr(x, "weak_type", False))))
+    return tuple(jax.tree.unflatten(jax.tree.structure(args, is_leaf=is_sharded), out))
+
   def timings(self, *args) -> dict[str, float]:
     """Seconds wus spends on these arguments' program, beside XLA's compile time.
 
@@ -255,12 +297,14 @@ class ShardedStep:
     operand_avals = [traced[s[1]] if s[0] == "arg" else s[1] for s in sources]
 
     traced_at = time.perf_counter()
-    # 2. Inline calls and retrace: the analysis works on one flat jaxpr.
+    # 2. Inline calls and retrace, then drop dead code (as jax.jit does before
+    # lowering): the analysis works on one flat jaxpr, and an unused read of
+    # optimizer state does not keep it whole.
     flat_outer = jax.make_jaxpr(jax.shard_map(
         lambda *a: tuple(inline.inlined(ClosedJaxpr(body, ()))(*a)), mesh=mesh,
         in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=check_vma,
         axis_names=manual))(*operand_avals)
-    flat = compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0]
+    flat = compat.dce(compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0])
 
     # 3. Analyse and plan.
     arg_of_leaf = [a for a, arg in enumerate(args)
