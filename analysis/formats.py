@@ -101,12 +101,16 @@ def _merges_adjacent(shape: tuple[int, ...], merged: tuple[int, ...]) -> bool:
 
 
 def is_shardable_shape(shape: tuple[int, ...], num_shards: int, min_size: int) -> bool:
-  """Whether a tensor is big enough to shard: rank ≥ 1 and ≥ `min_size` elements.
+  """Whether a tensor is big enough to shard: rank ≥ 1, ≥ `min_size` elements,
+  and more elements than replicas.
 
   Scalars and tiny tensors stay replicated (DESIGN.md §3, Formats): their
-  shards would be mostly padding and their collectives pure latency.
+  shards would be mostly padding and their collectives pure latency. A
+  tensor of exactly N elements would give one-element shards, which XLA's
+  CPU backend computes by another code path than the whole tensor (Adam's
+  update then differs in the last bit).
   """
-  return len(shape) >= 1 and math.prod(shape) >= max(min_size, num_shards, 1)
+  return len(shape) >= 1 and math.prod(shape) > max(min_size - 1, num_shards, 0)
 
 
 def nonunit_dims(shape: tuple[int, ...]) -> list[int]:

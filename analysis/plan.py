@@ -645,7 +645,8 @@ def _why_whole(v, facts: Redundancy, ctx: _Ctx, any_cluster: bool, split_reason:
   if not facts.is_redundant(v, ctx.axes):
     return f"not identical across {sorted(ctx.axes)} ({split_reason})"
   if not ctx.big(v):
-    return f"scalar or tiny (< {max(ctx.num_shards, ctx.min_size)} elements): kept replicated"
+    return (f"scalar or tiny (at most {ctx.num_shards} elements, or fewer than "
+            f"min_shard_size={ctx.min_size}): kept replicated")
   if not any_cluster:
     return (f"the step has no gradient all-reduce over exactly {sorted(ctx.axes)}, so no "
             "weight update to shard (pass axis_name= the data-parallel axes)")

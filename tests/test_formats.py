@@ -116,9 +116,9 @@ def test_scalars_are_never_shardable(n, min_size):
 
 
 @given(shapes(), st.integers(1, 8), st.integers(0, 100))
-def test_shardable_iff_at_least_num_shards_and_min_size_elements(shape, n, min_size):
+def test_shardable_iff_more_than_num_shards_and_at_least_min_size_elements(shape, n, min_size):
   size = math.prod(shape)
-  assert formats.is_shardable_shape(shape, n, min_size) == (size >= n and size >= min_size)
+  assert formats.is_shardable_shape(shape, n, min_size) == (size > n and size >= min_size)
 
 
 # --- pad / unpad (local, no communication). ---------------------------------------

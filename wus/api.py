@@ -50,7 +50,7 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
       operands have the shape of a state input, most bytes first), which on a
       1-D mesh is its one axis; every manual axis if the step has none.
     min_shard_size: tensors with fewer elements stay replicated (tensors with
-      fewer elements than replicas always do).
+      at most as many elements as replicas always do).
     donate_argnums: positional arguments whose buffers the step may reuse for
       its outputs, as for `jax.jit(jax.shard_map(f, ...), donate_argnums=...)`:
       a donated argument (sharded state included) must not be used after the
