@@ -62,16 +62,42 @@ def test_state_from_another_mesh_raises_and_unshard_recovers():
   assert_trees_equal(ref[1], wus.unshard(got[1]))
 
 
-def test_state_for_another_plan_raises():
-  """State sharded by one step, passed to a step that reads that tensor whole."""
+def test_state_for_another_plan_on_the_same_mesh_is_converted():
+  """State sharded by one step, passed to a step that reads that tensor whole:
+  gathered for it, and the result is the unmodified step's."""
   mesh = jax.make_mesh((8,), ("data",))
   tx, params, state, extra = _adam_setup(mesh)
   step = make_step(tx)
   (b,) = batches(mesh, 1)
   _, sharded, _, _ = wus.shard_map(step, mesh=mesh, **SPECS)(params, state, extra, b)
   whole_step = wus.shard_map(step, mesh=mesh, min_shard_size=10**9, **SPECS)  # Shards nothing.
-  with pytest.raises(wus.StateMismatchError, match="reads it whole"):
-    whole_step(params, sharded, extra, b)
+  ref = jax.jit(jax.shard_map(step, mesh=mesh, **SPECS))
+  assert_trees_equal(ref(params, wus.unshard(sharded), extra, b),
+                     whole_step(params, sharded, extra, b))
+
+
+def test_state_whose_dtypes_change_after_init_keeps_running():
+  """optax.contrib.dadapt_adamw returns float32 scalars where init made bfloat16
+  ones: the second call has another signature and plan, and must accept the
+  state the first call returned (fuzzer)."""
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = optax.contrib.dadapt_adamw(1e-2)
+
+  def step(params, opt_state, x):
+    loss = lambda p: jnp.sum(jnp.sin(p["w"] * jnp.mean(x))) + p["s"] * jnp.mean(x)  # noqa: E731
+    grads = jax.lax.pmean(jax.grad(loss)(params), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = {"w": jnp.ones(64, jnp.bfloat16), "s": jnp.float32(1.0)}
+  (x,) = batches(mesh, 1)
+  kw = dict(mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  a = b = (params, tx.init(params))
+  for _ in range(3):
+    a, b = ref(*a, x), ws(*b, x)
+  assert_trees_equal(a[0], b[0])
+  assert_trees_equal(a[1], wus.unshard(b[1]))
 
 
 def test_axis_name_must_be_a_manual_axis():

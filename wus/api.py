@@ -19,7 +19,7 @@ from wus.analysis import compat, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Plan, make_plan
 from wus.errors import StateMismatchError
-from wus.sharded import ShardedArray, is_sharded
+from wus.sharded import ShardedArray, is_sharded, unshard
 from wus.transforms import gc_pause, inline, programs
 
 
@@ -235,13 +235,18 @@ class ShardedStep:
   def _operands(self, leaves: list, prog: _Program) -> list:
     """The step's operands: sharded state checked, whole state sharded (§4.2).
 
+    Sharded state this step's plan holds another way (the step's signature
+    changed between calls, so its plan did) is gathered and re-sharded on the
+    same mesh, each conversion one program.
+
     Raises:
       ValueError: an argument's buffer was donated to an earlier call.
-      StateMismatchError: sharded state made for another mesh or plan.
+      StateMismatchError: sharded state made for another mesh.
     """
     ops: list = []
     expected = NamedSharding(prog.mesh, programs.shard_spec(prog.plan.axes))
     whole_state = []  # (operand position, leaf, format, spec): sharded by one program.
+    regather = []     # (operand position, sharded leaf): gathered first.
     for src in prog.sources:
       if src[0] == "const":
         ops.append(src[1])
@@ -249,14 +254,24 @@ class ShardedStep:
       k = src[1]
       x, (fmt, spec) = leaves[k], prog.state_in.get(k, (None, None))
       check_alive(x, prog.in_names[k])
-      if is_sharded(x):
-        _check_state(x, fmt, spec, prog.plan.axes, expected, prog.in_names[k])
+      if is_sharded(x) and _fits(x, fmt, spec, prog.plan.axes, expected, prog.in_names[k]):
         ops.append(x.data)
+      elif is_sharded(x):
+        regather.append((len(ops), x))
+        ops.append(None)
       elif fmt is not None:
         whole_state.append((len(ops), x, fmt, spec))
         ops.append(None)
       else:
         ops.append(x)
+    if regather:
+      pos, xs = zip(*regather, strict=True)
+      for p, x in zip(pos, unshard(list(xs)), strict=True):
+        fmt, spec = prog.state_in.get(prog.sources[p][1], (None, None))
+        if fmt is None:
+          ops[p] = x
+        else:
+          whole_state.append((p, x, fmt, spec))
     if whole_state:
       pos, xs, fmts, specs = zip(*whole_state, strict=True)
       shards = programs.shard_program(fmts, prog.mesh, prog.plan.axes, specs)(*xs)
@@ -413,20 +428,22 @@ def _normal(spec: P) -> tuple:
   return tuple(entries)
 
 
-def _check_state(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedSharding,
-                 name: str) -> None:
-  """Raises StateMismatchError unless `x` is sharded exactly as this step expects."""
-  if fmt is None:
+def _fits(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedSharding, name: str) -> bool:
+  """Whether `x` is sharded exactly as this step expects; False if it only needs
+  converting (same mesh, another format or a tensor this step reads whole).
+
+  Raises:
+    StateMismatchError: `x` lives on another mesh.
+  """
+  if x.mesh != expected.mesh:
     raise StateMismatchError(
-        f"argument {name} is sharded state ({x}) but this step reads it whole. "
-        "Pass wus.unshard(state) instead.")
+        f"argument {name} was sharded on another mesh ({x}, on {x.mesh}); this step runs on "
+        f"{expected.mesh}. Pass wus.unshard(state), placed on this step's mesh, to re-shard it "
+        "for this step.")
   traced = isinstance(x.data, jax.core.Tracer)  # Under jax.jit: its in_shardings decide.
-  if (x.format != fmt or x.axes != axes or _normal(x.spec) != _normal(spec)
-      or x.mesh != expected.mesh or not (traced or x.data.sharding.is_equivalent_to(expected, x.data.ndim))):
-    raise StateMismatchError(
-        f"argument {name} was sharded for another mesh or plan ({x}, on "
-        f"{x.mesh}); this step expects {fmt} over {axes} on {expected}. "
-        "Pass wus.unshard(state), placed on this step's mesh, to re-shard it for this step.")
+  return (fmt is not None and x.format == fmt and x.axes == axes
+          and _normal(x.spec) == _normal(spec)
+          and (traced or x.data.sharding.is_equivalent_to(expected, x.data.ndim)))
 
 
 def _match_state(args: tuple, out: Any) -> dict[int, int]:
