@@ -21,7 +21,7 @@ from wus.analysis import compat
 from wus.analysis import formats
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.redundancy import Redundancy
-from wus.analysis.shardable import Context, Kind, shard_kind
+from wus.analysis.shardable import REDUCING, Context, Kind, shard_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
       eqn = eqns[i]
       k = (shard_kind(eqn, ctx)
            if all(facts.is_redundant(v, ctx.axes) for v in eqn.outvars) else None)
-      if k in (Kind.REDUCE_ALL, Kind.REDUCE):
+      if k in REDUCING:
         k = k if big(eqn.invars[0]) else None
       elif k is Kind.COND:
         k = k if any(big(v) for v in [*eqn.invars, *eqn.outvars]) else None
@@ -177,7 +177,7 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   # its result reaches, and grows backward from there (`w * w` on the shard).
   if parent:
     for i in range(len(eqns)):
-      if i not in parent and kind(i) in (Kind.REDUCE_ALL, Kind.REDUCE):
+      if i not in parent and kind(i) in REDUCING:
         member = _reached_member(i, graph, parent, facts, ctx.axes)
         if member is not None:
           add(i, member)

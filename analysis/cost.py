@@ -27,7 +27,7 @@ from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.layouts import Layout
 from wus.analysis.redundancy import Redundancy, why_differs
-from wus.analysis.shardable import Kind
+from wus.analysis.shardable import REDUCING
 
 
 def nbytes(v: Var) -> int:
@@ -133,6 +133,6 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   if extra > 0:
     return verdict(False, f"needs {all_gather} B of all-gather, more than the {all_reduce} B "
                           "all-reduce it replaces" + _first_whole_reader(cluster, jaxpr, facts, axes))
-  reductions = sum(k in (Kind.REDUCE_ALL, Kind.REDUCE) for k in cluster.kinds.values())
+  reductions = sum(k in REDUCING for k in cluster.kinds.values())
   partial = f", {reductions} reduction(s)" if reductions else ""
   return verdict(True, f"update on 1/N shards{partial}; {len(gathered)} all-gather(s)")

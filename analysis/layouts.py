@@ -130,6 +130,11 @@ def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str
           classes.flat_only |= {classes.add(x), classes.add(y)}
       elif kind is Kind.REDUCE_ALL:
         classes.add(ins[0])
+      elif kind is Kind.DOT_ALL:
+        if len(ins) == 2:
+          classes.union(*ins)
+        else:
+          classes.add(ins[0])
       elif kind is Kind.REDUCE:
         (x,), (y,) = eqn.invars, eqn.outvars
         axes = set(eqn.params["axes"])

@@ -30,6 +30,7 @@ class Kind(enum.Enum):
   REDUCE_UNIT = "reduce over size-1 dims"  # Each output element reduces one input element.
   REDUCE_ALL = "reduce to a scalar"  # Masked local reduce, then all-reduce the partial results (Fig. 6).
   REDUCE = "reduce over some dims"  # Local if the shard dim is kept, else partial results as above.
+  DOT_ALL = "inner product"  # dot_general contracting every dim: masked local dot, all-reduced sum.
   BROADCAST = "broadcast scalar"  # A one-element operand broadcast to a big shape.
   BROADCAST_DIMS = "broadcast along new dims"  # Local from the operand's shard, or from it whole.
   COND = "conditional"  # Big operands enter every branch as shards; big results leave as shards.
@@ -37,6 +38,11 @@ class Kind(enum.Enum):
   REDUCE_SCATTER = "reduce-scatter"  # psum over (at least) the replica axes of a value that differs.
   SUM_OF_COPIES = "psum of equal values"  # psum of a value equal on all its replicas: a local sum.
   IDENTITY = "pmax/pmin of equal values"  # pmax / pmin of a value equal on all replicas.
+
+
+# Kinds that leave partial results over the shards, combined by an all-reduce
+# (Fig. 6); they read a big operand and may return a small result.
+REDUCING = frozenset({Kind.REDUCE_ALL, Kind.REDUCE, Kind.DOT_ALL})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +104,18 @@ def _reduce_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return Kind.REDUCE_ALL if axes == tuple(range(len(operand))) else Kind.REDUCE
 
 
+def _dot_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  # An inner product (jnp.vdot, optax.tree.vdot): both operands of one shape,
+  # every dim contracted in order, no batch dims.
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs, rhs = (_shape(v) for v in eqn.invars)
+  everything = tuple(range(len(lhs)))
+  if (lhs == rhs and not lb and not rb and tuple(lc) == tuple(rc) == everything
+      and eqn.params.get("out_sharding") is None):
+    return Kind.DOT_ALL
+  return None
+
+
 def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   # Over more axes than the sharding axes A (A ∪ B, §5.2 partial sharding):
   # reduce-scatter over A, then all-reduce the shards over B (Fig. 10).
@@ -124,6 +142,7 @@ shardable_rules[compat.pvary_p] = lambda eqn, ctx: Kind.LAYOUT  # A shard alread
 shardable_rules[lax.broadcast_in_dim_p] = _broadcast_in_dim_rule
 for _p in primitives.REDUCE_OVER_UNIT_DIMS:
   shardable_rules[_p] = _reduce_rule
+shardable_rules[lax.dot_general_p] = _dot_rule
 shardable_rules[compat.psum_p] = _psum_rule
 shardable_rules[compat.psum_invariant_p] = _psum_rule
 shardable_rules[compat.pmax_p] = _pmax_rule

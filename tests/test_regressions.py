@@ -245,3 +245,25 @@ def test_a_tensor_of_exactly_n_elements_stays_whole(n):
   _, state = _compare(step, params, tx.init(params), xs, m)
   assert not isinstance(state[0].mu["b"], wus.ShardedArray)
   assert isinstance(state[0].mu["w"], wus.ShardedArray)
+
+
+@pytest.mark.parametrize("name,make_tx", [
+    ("dadapt_adamw", lambda: optax.contrib.dadapt_adamw(1.0)),
+    ("prodigy", lambda: optax.contrib.prodigy(1.0)),
+])
+def test_inner_products_of_the_update_run_on_shards(name, make_tx):
+  """D-Adaptation and Prodigy estimate their step size from inner products of
+  whole trees (`optax.tree.vdot`: dot_general over every dim): a masked local dot
+  per shard, the partial sums all-reduced with the others (Fig. 6)."""
+  tx = make_tx()
+  params, xs = _dense_inputs(mesh(6))
+  step = _dense_step(tx)
+  kw = dict(mesh=mesh(6), in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  a = b = (params, tx.init(params))
+  for x in xs:
+    a, b = ref(*a, x), ws(*b, x)
+  assert_trees_equal(a[0], b[0], rtol=1e-5, atol=1e-7)  # The dots sum in another order.
+  assert_trees_equal(a[1], wus.unshard(b[1]), rtol=1e-5, atol=1e-7)
+  assert {x.format.shape for x in sharded_leaves(b[1])} >= {(24, 40), (40,)}, str(ws.plan(*b, x))
+  assert any("reduction" in c.reason for c in ws.plan(*b, x).clusters)

@@ -36,7 +36,7 @@ from wus.analysis.compat import ClosedJaxpr, JaxprEqn
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan, Program
 from wus.analysis.primitives import REDUCTIONS, Reduction
-from wus.analysis.shardable import Kind
+from wus.analysis.shardable import REDUCING, Kind
 
 
 class _Held:
@@ -248,6 +248,17 @@ def _reduce_all(eqn: JaxprEqn, env: _Env) -> list[Any]:
   return [_Partial(_bind_reduce(eqn, x, tuple(range(x.ndim))), reduction.op)]
 
 
+def _dot_all(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  # An inner product: the local dot of both shards, padding zeroed in both
+  # (0 * inf would be NaN), summed across replicas with the other partials.
+  sum_ = REDUCTIONS[lax.reduce_sum_p]
+  a, b = (_masked(env, v, env.shard(v), sum_) for v in eqn.invars)
+  dims = tuple(range(a.ndim))
+  (out,) = compat.bind(eqn, *compat.match_varying([a, b]),
+                       dimension_numbers=((dims, dims), ((), ())))
+  return [_Partial(out, "sum")]
+
+
 class _Partial(tuple):
   """Marks a rule's output as a partial result: (value, op)."""
 
@@ -279,6 +290,7 @@ shard_rules[Kind.LAYOUT] = _same_shard
 shard_rules[Kind.REDUCE_UNIT] = _reduce_unit
 shard_rules[Kind.REDUCE_ALL] = _reduce_all
 shard_rules[Kind.REDUCE] = _reduce
+shard_rules[Kind.DOT_ALL] = _dot_all
 shard_rules[Kind.BROADCAST_DIMS] = _broadcast_dims
 
 
@@ -408,7 +420,7 @@ def _schedule(jaxpr, program: Program) -> list[int]:
       p |= 1
     if compat.side_effects(eqn):
       p = last_effect = max(p, last_effect)
-    done = p + (kind in (Kind.REDUCE_ALL, Kind.REDUCE))
+    done = p + (kind in REDUCING)
     for v in eqn.outvars:
       level[v] = done
     keys.append((p, i))
