@@ -47,12 +47,15 @@ DEFAULTED = {
     "unpin": "memory placement", "with_memory_space_constraint": "memory placement",
     "eq_to": "internal", "le_to": "internal", "lt_to": "internal",
     "to_edtype": "extended dtypes", "from_edtype": "extended dtypes",
+    "global_array_to_host_local_array": "multi-host conversion outside jit",
+    "host_local_array_to_global_array": "multi-host conversion outside jit",
 }
 
 
 def _all_primitives():
   import jax._src.lax.ann  # noqa: F401  Registers every lax primitive.
   import jax._src.lax.linalg  # noqa: F401
+  import jax.experimental.multihost_utils  # noqa: F401  (what other tests import, imported here)
   return {o for o in gc.get_objects() if isinstance(o, compat.Primitive)}
 
 
