@@ -1,25 +1,19 @@
-"""Checkpoints with Orbax: sharded state saved in place, restored at any device count.
+"""Checkpoints with stock Orbax: sharded state saved in place, restored at any device count.
 
 A checkpoint holds the training state (params, model state such as batch-norm
-averages, optimizer state) and a JSON record of what it is: the model and
-optimizer it belongs to (`identity`) and the sharding format of every tensor
-that was saved sharded.
+averages, optimizer state) as one Orbax `StandardCheckpointHandler` item, and a
+JSON record of the model and optimizer it belongs to (`identity`).
 
-Saving. A `wus.ShardedArray`'s `.data` is the tensor's logical elements in
-row-major order as `merged_shape` rows, followed by fewer than N rows of
-padding (§4.1), laid out across the mesh. It is saved in its logical,
-unpadded size: an array of shape `merged_shape` on disk, which each process
-writes from the rows its own devices hold, clipped at `merged_shape[0]`
-(`_LogicalRowsHandler`), so nothing is gathered, on one process or several.
-A jax.Array cannot hold those rows itself (it must split evenly over the
-devices), hence the handler. The record keeps the logical `shape` and
-`merged_shape`. Whole arrays are saved as they are.
+Saving. The state goes through `wus.checkpointable`, so that Orbax writes each
+`wus.ShardedArray` as an ordinary array of the tensor's logical shape, each
+process writing only the shards its own devices hold (`wus.checkpoint`):
+nothing is gathered, on one process or several. Whole arrays are saved as
+Orbax saves them.
 
-Restoring. Each saved-sharded tensor is read back as its `merged_shape` array
-and reshaped to its logical shape. All state comes back whole and replicated
-on the new mesh, as a freshly initialized run's state is, whatever the device
-count it was saved from; the step shards it again for its own N on its first
-call.
+Restoring. `restore_target` gives the state as the run's step reads it
+(`ShardedStep.state_target` in wus mode): Orbax then reads, on each process,
+what its devices hold, and the optimizer state comes back sharded for this
+run's N, whatever the device count it was saved from.
 
 Damage. Before a run trains, `check` reads the latest checkpoint's record,
 the tree metadata and every array (`_read_arrays`, with TensorStore directly,
@@ -38,14 +32,12 @@ save).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import pathlib
 from typing import Any
 
 import flax.serialization
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from jax.sharding import NamedSharding
@@ -54,79 +46,31 @@ import wus
 from wus.harness import errors
 
 
-class _LogicalRows:
-  """A `wus.ShardedArray`'s `.data`, to be saved as its first `rows` rows only."""
-
-  __slots__ = ("data", "rows")
-
-  def __init__(self, data: jax.Array, rows: int):
-    self.data, self.rows = data, rows
-
-
-class _LogicalRowsHandler(ocp.type_handlers.ArrayHandler):
-  """Saves a `_LogicalRows` as an array of shape `(rows, *data.shape[1:])`.
-
-  Each process writes the rows of its own devices' shards that lie below
-  `rows`, into the chunks (one per shard) of one zarr array, as Orbax's
-  ArrayHandler writes a jax.Array's shards; it reads back as a jax.Array.
-  """
-
-  async def serialize(self, values, infos, args=None):
-    del args  # no per-array save options are used
-    # Copied off the devices now: the caller may reuse (donate) the arrays.
-    pieces = [self._own_rows(v) for v in values]
-    return [ocp.future.CommitFutureAwaitingContractedSignals(
-        self._write(values, infos, pieces), name="logical_rows")]
-
-  @staticmethod
-  def _own_rows(value: _LogicalRows) -> list[tuple[int, np.ndarray]]:
-    """(first row, rows below `value.rows`) of each shard on this process, on the host."""
-    own = []
-    for shard in value.data.addressable_shards:
-      start = shard.index[0].start or 0
-      if shard.replica_id == 0 and start < value.rows:
-        own.append((start, np.asarray(shard.data)[:value.rows - start]))
-    return own
-
-  @staticmethod
-  async def _write(values, infos, pieces) -> None:
-    for value, info, own in zip(values, infos, pieces, strict=True):
-      await info.await_path_creation()
-      data = value.data
-      spec = ts.Spec(ocp.type_handlers.get_json_tspec_write(
-          info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=(value.rows, *data.shape[1:]),
-          local_shape=data.sharding.shard_shape(data.shape), dtype=data.dtype,
-          process_index=jax.process_index() if info.is_ocdbt_checkpoint else None))
-      if jax.process_index() == 0:  # creates the array, as Orbax's primary host does
-        await ts.open(spec, create=True, open=True, context=info.ts_context)
-      store = await ts.open(spec, open=True, assume_metadata=True, context=info.ts_context)
-      await asyncio.gather(*(store[start:start + len(rows)].write(rows) for start, rows in own))
-
-
-def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
-  """Orbax's standard type handlers and `_LogicalRowsHandler`.
-
-  Neither array handler writes a sharding file (every restore names its
-  sharding) nor Orbax's per-array metadata (which knows no `_LogicalRows`).
-  `_LogicalRows` comes first, so that the type name "jax.Array" they share
-  reads back with the plain ArrayHandler.
-  """
-  handlers = {t: ocp.type_handlers.get_type_handler(t)
-              for t in ocp.type_handlers.supported_types()}
-  handlers[jax.Array] = ocp.type_handlers.ArrayHandler(enable_write_sharding_file=False)
-  return ocp.type_handlers.create_type_handler_registry(
-      (_LogicalRows, _LogicalRowsHandler(enable_write_sharding_file=False)), *handlers.items())
-
-
 def _manager(directory: pathlib.Path, **options) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
       directory.absolute(), options=ocp.CheckpointManagerOptions(**options),
-      item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
+      item_handlers={"state": ocp.StandardCheckpointHandler(),
                      "meta": ocp.JsonCheckpointHandler()})
 
 
+def restore_target(train_step, abstract_state: Any, batch: Any, sharding: NamedSharding) -> Any:
+  """The state as `train_step` reads it, abstract: what `Checkpointer.restore` restores into.
+
+  Args:
+    train_step: the mapped step (`steps.map_train_step`): a `wus.ShardedStep`,
+      or `jax.jit(jax.shard_map(...))`.
+    abstract_state: a `steps.TrainState` of `jax.ShapeDtypeStruct`s (whole).
+    batch: the step's batch argument (its shape and sharding are what matter).
+    sharding: where the replicated step keeps its state (replicated on the mesh).
+  """
+  if isinstance(train_step, wus.ShardedStep):
+    return type(abstract_state)(*train_step.state_target(*abstract_state, batch)[:-1])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                      abstract_state)
+
+
 def _read_meta(manager: ocp.CheckpointManager, directory: pathlib.Path, step: int) -> dict:
-  """The JSON record {"identity", "formats"} of checkpoint `step`.
+  """The JSON record {"identity"} of checkpoint `step`.
 
   Raises:
     errors.InputError: it is missing or unreadable.
@@ -135,8 +79,7 @@ def _read_meta(manager: ocp.CheckpointManager, directory: pathlib.Path, step: in
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   except (KeyError, ValueError, OSError) as e:  # no meta item; not JSON; no file
     meta = repr(e)
-  if not (isinstance(meta, dict) and isinstance(meta.get("identity"), dict) and
-          isinstance(meta.get("formats"), dict)):
+  if not (isinstance(meta, dict) and isinstance(meta.get("identity"), dict)):
     raise errors.InputError(
         f"the checkpoint at step {step} in {directory} has no readable record of its model "
         f"and optimizer (meta: {meta}); it is damaged or was not written by wus-train: move "
@@ -283,66 +226,54 @@ class Checkpointer:
     Returns once the arrays are copied off the devices; Orbax writes them in
     the background. Every process must call it.
     """
-    formats = {}
-
-    def unwrap(path, x):
-      if isinstance(x, wus.ShardedArray):
-        formats[jax.tree_util.keystr(path)] = {"shape": x.format.shape,
-                                               "merged_shape": x.format.merged_shape}
-        return _LogicalRows(x.data, x.format.merged_shape[0])
-      return x
-
-    arrays = jax.tree_util.tree_map_with_path(unwrap, flax.serialization.to_state_dict(state),
-                                              is_leaf=lambda x: isinstance(x, wus.ShardedArray))
     self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeSave(arrays),
-        meta=ocp.args.JsonSave({"identity": self._identity, "formats": formats})))
+        state=ocp.args.StandardSave(wus.checkpointable(flax.serialization.to_state_dict(state))),
+        meta=ocp.args.JsonSave({"identity": self._identity})))
 
-  def restore(self, step: int, target: Any, sharding: NamedSharding) -> Any:
-    """The state saved as `step`, whole, in the structure of `target`.
+  def restore(self, step: int, target: Any) -> Any:
+    """The state saved as `step`, laid out as `target` says.
 
     Args:
       step: a step with a complete checkpoint.
-      target: state of the same structure, shapes and dtypes, whole (e.g. a
-        fresh initialization, or its `jax.eval_shape`).
-      sharding: where to place every array (replicated on the mesh).
+      target: the state abstract, as the run's step reads it (`restore_target`):
+        `jax.ShapeDtypeStruct`s with their shardings, and for sharded state
+        the targets of `ShardedStep.state_target`.
 
     Returns:
-      `target`'s structure with the saved values as jax.Arrays of their logical
-      shapes with `sharding`.
+      `target`'s structure with the saved values: jax.Arrays, and
+      `wus.ShardedArray`s sharded for this run's step.
 
     Raises:
       errors.InputError: the checkpoint's tensors do not fit `target`, or its
         record or a file is missing or unreadable (damaged). Nothing on disk
         has been changed then.
     """
-    formats = _read_meta(self._manager, self._directory, step)["formats"]
+    _read_meta(self._manager, self._directory, step)
     if (self._directory.absolute(), step) not in _READABLE:  # unless `check` just read it
       _check_readable(self._manager, self._directory, step)
     template = flax.serialization.to_state_dict(target)
-
-    def restore_args(path, x):
-      fmt = formats.get(jax.tree_util.keystr(path))
-      if fmt is not None and tuple(fmt["shape"]) != tuple(x.shape):
-        raise errors.InputError(f"checkpoint step {step}: {jax.tree_util.keystr(path)} has "
-                                f"shape {fmt['shape']}, this run expects {x.shape}")
-      shape = tuple(fmt["merged_shape"]) if fmt else tuple(x.shape)
-      return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=x.dtype)
-
-    args = jax.tree_util.tree_map_with_path(restore_args, template)
-    abstract = jax.tree.map(lambda x, a: jax.ShapeDtypeStruct(a.global_shape, x.dtype,
-                                                              sharding=sharding), template, args)
+    try:
+      tree = self._manager.item_metadata(step)["state"]
+    except Exception as e:  # noqa: BLE001 -- damaged since `check` read it
+      raise _unreadable(self._directory, step, e) from e
+    saved = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in
+             jax.tree_util.tree_flatten_with_path(getattr(tree, "tree", tree))[0]
+             if hasattr(v, "shape")}
+    for path, x in jax.tree_util.tree_flatten_with_path(template)[0]:
+      name = jax.tree_util.keystr(path)
+      if name in saved and saved[name] != tuple(x.shape):
+        raise errors.InputError(f"checkpoint step {step}: {name} has shape {list(saved[name])}, "
+                                f"this run expects {tuple(x.shape)}")
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.PyTreeRestore(abstract, restore_args=args)))["state"]
+          state=ocp.args.StandardRestore(template)))["state"]
     except Exception as e:  # noqa: BLE001 -- Orbax and TensorStore raise many kinds
       # A tree structure or saved shapes other than `target`'s, or files damaged
       # since they were read.
       _check_readable(self._manager, self._directory, step)
       raise errors.InputError(f"the checkpoint at step {step} in {self._directory} does not "
                               f"fit this run: {_brief(e)}") from e
-    whole = jax.tree.map(lambda x, t: x.reshape(t.shape), restored, template)
-    return flax.serialization.from_state_dict(target, whole)
+    return flax.serialization.from_state_dict(target, restored)
 
   def close(self) -> None:
     """Waits for the last save to finish."""

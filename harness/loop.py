@@ -169,13 +169,16 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
   batch_sharding = NamedSharding(mesh, P(steps.AXIS_NAME))
   global_batch = config.batch_size * mesh.size
   init = functools.partial(init_state, task, tx, dataset, config.seed)
+  train_step = steps.map_train_step(config.mode, steps.make_train_step(task, tx), mesh)
   start = checkpointer.latest_step() if checkpointer else None
   if start is None:
     start, state = 0, jax.jit(init, out_shardings=replicated,
                               compiler_options=INIT_COMPILER_OPTIONS)()
-  else:
-    state = checkpointer.restore(start, jax.eval_shape(init), replicated)
-  train_step = steps.map_train_step(config.mode, steps.make_train_step(task, tx), mesh)
+  else:  # As the step reads it: in wus mode, optimizer state sharded for this N.
+    first_batch = batches.train_batch(dataset.train, seed=config.seed, step=start,
+                                      batch_size=global_batch, sharding=batch_sharding)
+    state = checkpointer.restore(start, checkpoint.restore_target(
+        train_step, jax.eval_shape(init), first_batch, replicated))
   eval_batch = mesh.size * max(config.batch_size, MIN_EVAL_BATCH_PER_DEVICE)
   eval_step = functools.partial(evaluate, steps.make_eval_step(task, mesh),
                                 split=dataset.held_out, batch_size=eval_batch,

@@ -53,9 +53,11 @@ def saved_state(run_dir, step: int):
   cfg = run_config(run_dir)
   dataset, task, tx, _ = train.build(cfg)
   checkpoints = train.open_checkpoints(cfg, task)
-  target = jax.eval_shape(lambda: loop.init_state(task, tx, dataset, cfg.seed))
   mesh = jax.make_mesh((8,), (steps.AXIS_NAME,))
-  state = checkpoints.restore(step, target, NamedSharding(mesh, P()))
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                       sharding=NamedSharding(mesh, P())),
+                        jax.eval_shape(lambda: loop.init_state(task, tx, dataset, cfg.seed)))
+  state = checkpoints.restore(step, target)  # whole, as code without wus restores it
   checkpoints.close()
   return jax.tree.map(np.asarray, state)
 

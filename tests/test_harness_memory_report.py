@@ -13,8 +13,9 @@ from wus.harness import memory_report, mlp, steps, tasks
 
 N = 8
 BATCH = 2  # per replica
-# An MLP 16 -> 64 -> 8 on 4x4x1 images. Every tensor is a multiple of N in size.
-W = 4 * (16 * 64 + 64 + 64 * 8 + 8)   # float32 params: 6,432 bytes
+# An MLP 16 -> 64 -> 16 on 4x4x1 images. Every tensor is a multiple of N in
+# size, and bigger than N (a tensor of N elements or fewer stays whole).
+W = 4 * (16 * 64 + 64 + 64 * 16 + 16)  # float32 params: 8,448 bytes
 V = 2 * W + 4                          # Adam's mu and nu, and its int32 count
 BATCH_BYTES = BATCH * (16 * 4 + 4)     # this device's images and labels
 
@@ -22,7 +23,7 @@ BATCH_BYTES = BATCH * (16 * 4 + 4)     # this device's images and labels
 @pytest.fixture(scope="module")
 def measured():
   mesh = jax.make_mesh((N,), (steps.AXIS_NAME,))
-  task = tasks.ImageClassifier("tiny", mlp.MLPConfig(hidden=(64,)), num_classes=8,
+  task = tasks.ImageClassifier("tiny", mlp.MLPConfig(hidden=(64,)), num_classes=16,
                                axis_name=steps.AXIS_NAME)
   tx = optax.adam(1e-3)
   batch = {"image": np.zeros((N * BATCH, 4, 4, 1), np.float32),

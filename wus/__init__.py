@@ -11,6 +11,7 @@ from wus.api import shard_map
 from wus.errors import StateMismatchError
 from wus.pmap import pmap
 from wus.sharded import ShardedArray
+from wus.sharded import checkpointable
 from wus.sharded import unshard
 
 __version__ = "0.1.0"

@@ -197,7 +197,8 @@ class ShardedStep:
         fmt, spec = prog.state_in[k]
         out.append(checkpoint.restore_target(fmt, prog.plan.axes, spec, mesh, x.dtype))
       else:
-        out.append(jax.ShapeDtypeStruct(np.shape(x), _aval(x)[1], sharding=NamedSharding(mesh, spec),
+        out.append(jax.ShapeDtypeStruct(np.shape(x), _aval(x)[1],
+                                        sharding=NamedSharding(mesh, spec),
                                         weak_type=bool(getattr(x, "weak_type", False))))
     return tuple(jax.tree.unflatten(jax.tree.structure(args, is_leaf=is_sharded), out))
 

@@ -18,9 +18,9 @@ class ShardedArray:
   """A tensor kept sharded across replicas between steps (§4.2), e.g. Adam's `mu`.
 
   It stands where the user's pytree had a whole array. `data` is a global
-  `jax.Array` laid out across the mesh, so it can be saved without gathering;
-  `wus.unshard` gives the whole array back, laid out as the step's out_spec
-  laid it out (`spec`).
+  `jax.Array` laid out across the mesh; `wus.checkpointable` saves it with
+  Orbax without gathering, at its logical shape; `wus.unshard` gives the whole
+  array back, laid out as the step's out_spec laid it out (`spec`).
 
   Attributes:
     data: global array, shape `format.padded_shape`, dtype of the tensor,
@@ -119,3 +119,32 @@ def unshard(tree: Any) -> Any:
     for k, whole in zip(ks, gather(*[x.data for x in xs]), strict=True):
       leaves[k] = whole
   return jax.tree.unflatten(treedef, leaves)
+
+
+def checkpointable(tree: Any) -> Any:
+  """`tree` to save with stock Orbax: sharded state written in place at its logical shapes.
+
+  Pass the result to `ocp.StandardCheckpointer().save` or `ocp.args.StandardSave`
+  (e.g. in a `CheckpointManager`). Each `wus.ShardedArray` becomes a
+  `wus.checkpoint.LogicalView`, which Orbax saves as an ordinary array of the
+  tensor's logical (unpadded) shape, each process writing only the shards its
+  own devices hold: nothing is gathered. Code without wus restores it as a
+  whole array; `ShardedStep.state_target` restores it sharded, at any replica
+  count. Other leaves pass through unchanged.
+
+  Args:
+    tree: any pytree (e.g. `{"params": params, "opt_state": opt_state}` as a
+      wus step returned them).
+
+  Returns:
+    The same structure with every ShardedArray replaced by a LogicalView.
+
+  Raises:
+    TypeError: a ShardedArray holds a tracer (inside `jax.jit`).
+
+  Example:
+    >>> ckptr = ocp.StandardCheckpointer()  # doctest: +SKIP
+    >>> ckptr.save(path, wus.checkpointable({"params": params, "opt_state": opt_state}))  # doctest: +SKIP
+  """
+  from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
+  return checkpoint.checkpointable(tree)

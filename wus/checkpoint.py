@@ -1,0 +1,573 @@
+"""Checkpoints of wus state with stock Orbax: saved in place at logical shapes, restored at any N.
+
+Saving. `checkpointable(tree)` replaces every `wus.ShardedArray` by a
+`LogicalView`: to Orbax, a `jax.Array` of the tensor's logical shape
+(`format.shape`, unpadded). Orbax's `StandardCheckpointer` /
+`ocp.args.StandardSave` save it like any array, through the handler Orbax
+keeps for `jax.Array`, which wus wraps (`register`): a `LogicalView` is
+written by `ArrayHandler` below, every other array by the handler it wraps.
+On disk it is an ordinary zarr array of the logical shape, so code without
+wus restores it as a whole array.
+
+Each process writes only the shards its own devices hold (§4.1: replica r
+holds merged rows [r * shard_rows, (r + 1) * shard_rows), which are the
+row-major elements [r * E, (r + 1) * E) of the logical tensor, E =
+`format.shard_size`), copied to the host as they are: nothing is gathered
+and no program runs on the devices. A contiguous range of a row-major tensor
+is in general not a box of its shape; it is a few boxes (`boxes`: the rest of
+a partial first row, whole rows, the start of a last row, recursively), and
+TensorStore writes and reads box by box. The array's chunks are boxes of the
+form (1, ..., 1, c, d_{j+1}, ..., d_{n-1}) (`chunk_shape`), at most one shard
+long, chosen so that no chunk spans the ranges of two processes: every
+process writes whole chunks of its own, never a chunk another process writes
+(on shapes where the ranges of two processes meet inside a row, chunks get
+small; one process has no such constraint).
+
+Restoring. `ShardedStep.state_target(*args)` gives the step's arguments as
+abstract values: `jax.ShapeDtypeStruct`s with the step's shardings for what
+the step reads whole, and `LogicalView`s without data (their `sharding` is a
+`ShardedLayout`: the step's format, mesh and replica axes) for the state it
+keeps sharded. `StandardCheckpointer().restore(path, target)` then reads, on
+each process, the boxes of the ranges its devices hold for this step's
+format (any replica count), pads them with zeros as the step's own sharding
+program does, and returns `wus.ShardedArray`s the step accepts as they are.
+The saved array may have been written by anything (a wus checkpoint at
+another N, or whole arrays from plain `jax.shard_map` training).
+
+Errors in reading a `LogicalView` (a tensor of another shape, a damaged or
+missing file) are a one-line `CheckpointError` naming the array and the
+checkpoint, and so are TensorStore's errors on the other arrays of the same
+restore; restoring writes nothing.
+
+Why so, and not otherwise:
+  * Orbax cannot see a `ShardedArray` as a leaf: it flattens trees with
+    `jax.tree` (a registered node is descended into, and `ShardedArray` must
+    stay one to cross `jax.jit` boundaries), so the state is shown to it
+    explicitly (`checkpointable`). `StandardCheckpointHandler` accepts only
+    int, float, np.ndarray and jax.Array leaves, and Orbax picks a leaf's
+    handler by the first registered type it is an instance of, so the view is
+    a `jax.Array` subclass and its handler is the one for `jax.Array`, wrapped.
+  * Re-laying the shards out as a standard GSPMD sharding of the logical
+    shape (an all-to-all) and saving that with Orbax's own handler does not
+    keep per-device bytes at the shard's: JAX 0.10 refuses shardings that do
+    not divide a dimension evenly, so a [3,3,5,7] tensor over 8 devices has no
+    even layout under 45 elements per device (40 is the shard), and [130] over
+    8 none under 65 (17); it also costs a collective and a second copy of the
+    state on the devices at every save.
+  * Exchanging the few elements of a chunk that two processes share (a
+    collective per save) would keep chunks large where process ranges meet
+    inside a row; chunks shrink instead, since real shapes rarely do that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.serialization import tensorstore_utils as _orbax_ts_utils
+import tensorstore as ts
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from wus.analysis.formats import ShardFormat
+from wus.sharded import ShardedArray, is_sharded
+from wus.transforms import programs
+
+
+class CheckpointError(ValueError):
+  """A checkpoint's array cannot be restored (another shape, a damaged file): one line."""
+
+
+def _where(info) -> str:
+  return f"array {info.name!r} of the checkpoint in {info.parent_dir}"
+
+
+def _first_line(error: BaseException) -> str:
+  """The first line of `error`'s message without TensorStore's spec dump, at most 300 chars."""
+  text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+  text = text.split(" [tensorstore_spec")[0].split(" [source locations")[0]
+  return text if len(text) <= 300 else text[:297] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedLayout:
+  """Where a tensor restored as wus state goes: its format on a mesh (§4.1).
+
+  The `sharding` of a restore target `LogicalView`. Not a `jax.sharding.Sharding`:
+  a device's shard is a range of the row-major tensor, not a box.
+
+  Attributes:
+    format: the tensor's sharding format (its logical shape is `format.shape`).
+    axes: the mesh axes the leading merged dim is split over.
+    spec: the PartitionSpec of the whole value in the step (`ShardedArray.spec`).
+    mesh: the step's mesh.
+  """
+
+  format: ShardFormat
+  axes: tuple
+  spec: P
+  mesh: Mesh
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The shape saved: one replica's value (`format.shape`), without the size-1 dims that
+    the spec stacks over replicas (`wus.pmap`'s leading dim; the unreplicated value)."""
+    shape = self.format.shape
+    return tuple(d for d, entry in zip(shape, _entries(self.spec, len(shape)), strict=True)
+                 if not (entry and d == 1))
+
+  @property
+  def data_sharding(self) -> NamedSharding:
+    """The sharding of the padded array (`ShardedArray.data`)."""
+    return NamedSharding(self.mesh, programs.shard_spec(self.axes))
+
+
+def _entries(spec: P, ndim: int) -> list:
+  return [*spec, *(None,) * (ndim - len(spec))]
+
+
+_UNREGISTERED = ("wus.checkpoint: Orbax's handler for jax.Array is not wus's, so it cannot "
+                 "save or restore wus state; another handler was registered after wus's. "
+                 "Call wus.checkpoint.register() after registering yours.")
+
+
+class LogicalView(jax.Array):
+  """A tensor wus keeps sharded, as Orbax sees it: an array of its logical shape.
+
+  Made by `checkpointable` (to save: `shards` is the `wus.ShardedArray`) and by
+  `ShardedStep.state_target` (a restore target: `shards` is None). Only wus's
+  Orbax handler reads or writes it; it is not an array anywhere else.
+
+  Attributes:
+    layout: the tensor's format, replica axes, spec and mesh.
+    shards: the sharded value to save, or None in a restore target.
+  """
+
+  __slots__ = ("layout", "shards", "_dtype")
+
+  def __init__(self, layout: ShardedLayout, dtype, shards: ShardedArray | None = None):
+    self.layout, self.shards, self._dtype = layout, shards, np.dtype(dtype)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.layout.shape
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self._dtype
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * self._dtype.itemsize
+
+  @property
+  def sharding(self) -> ShardedLayout:  # What Orbax passes to the handler as the target's.
+    return self.layout
+
+  @property
+  def weak_type(self) -> bool:
+    return False
+
+  def __repr__(self) -> str:
+    kind = "to save" if self.shards is not None else "restore target"
+    return f"LogicalView({self._dtype}{list(self.shape)}, {self.layout.format}, {kind})"
+
+  def _unregistered(self, *args, **kwargs):
+    raise TypeError(_UNREGISTERED)
+
+  addressable_shards = global_shards = property(_unregistered)
+  is_fully_addressable = is_fully_replicated = property(_unregistered)
+  __array__ = __jax_array__ = copy_to_host_async = _unregistered
+
+
+def layout_of(x: ShardedArray) -> ShardedLayout:
+  return ShardedLayout(x.format, tuple(x.axes), x.spec, x.mesh)
+
+
+def checkpointable(tree: Any) -> Any:
+  """`wus.checkpointable`: each ShardedArray of `tree` as a `LogicalView` to save."""
+  register()
+
+  def view(x):
+    if not is_sharded(x):
+      return x
+    if isinstance(x.data, jax.core.Tracer):
+      raise TypeError(f"{x!r} holds a tracer: checkpoints are saved outside jax.jit")
+    return LogicalView(layout_of(x), x.dtype, x)
+
+  return jax.tree.map(view, tree, is_leaf=is_sharded)
+
+
+def restore_target(fmt: ShardFormat, axes: tuple, spec: P, mesh: Mesh, dtype) -> LogicalView:
+  """The restore target of one tensor a step keeps sharded (see `ShardedStep.state_target`)."""
+  register()
+  return LogicalView(ShardedLayout(fmt, tuple(axes), spec, mesh), dtype)
+
+
+# --- Ranges of a row-major tensor as boxes. ---------------------------------------
+
+
+def boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[slice, ...]]:
+  """Boxes of `shape` covering its row-major elements [start, stop), in order.
+
+  At most 2 * len(shape) - 1 boxes: the rest of a partial first row, the whole
+  rows, and the start of a last row, each partial row split the same way one
+  dimension down.
+
+  Example:
+    >>> boxes((3, 4), 2, 9)   # elements 2..8 of a 3 x 4 tensor
+    [(slice(0, 1), slice(2, 4)), (slice(1, 2), slice(0, 4)), (slice(2, 3), slice(0, 1))]
+  """
+  if start >= stop:
+    return []
+  if not shape:
+    return [()]
+  row = math.prod(shape[1:])
+  first, start_in = divmod(start, row)
+  last, stop_in = divmod(stop, row)
+  if first == last:
+    return [(slice(first, first + 1), *b) for b in boxes(shape[1:], start_in, stop_in)]
+  out = []
+  if start_in:
+    out += [(slice(first, first + 1), *b) for b in boxes(shape[1:], start_in, row)]
+    first += 1
+  if last > first:
+    out.append((slice(first, last), *(slice(0, d) for d in shape[1:])))
+  if stop_in:
+    out += [(slice(last, last + 1), *b) for b in boxes(shape[1:], 0, stop_in)]
+  return out
+
+
+def _box_shape(box: tuple[slice, ...]) -> tuple[int, ...]:
+  return tuple(s.stop - s.start for s in box)
+
+
+def _divisors(n: int) -> list[int]:
+  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+  return sorted({*small, *(n // d for d in small)})
+
+
+def chunk_shape(shape: Sequence[int], max_size: int, boundaries: Sequence[int] = ()) -> tuple:
+  """The largest chunk (1, ..., 1, c, d_{j+1}, ..., d_{n-1}) with c | d_j, at most
+  `max_size` elements, whose row-major length divides every offset in `boundaries`.
+
+  The chunks of such a shape are the consecutive runs of that length in
+  row-major order, so no chunk spans a boundary: the ranges between boundaries
+  are whole chunks.
+  """
+  step = math.gcd(*boundaries) if boundaries else 0
+  best, best_size = tuple(1 for _ in shape), 1
+  for j, d in enumerate(shape):
+    rest = math.prod(shape[j + 1:])
+    for c in _divisors(d):
+      size = c * rest
+      if best_size < size <= max(max_size, 1) and (not step or step % size == 0):
+        best, best_size = (*(1,) * j, c, *shape[j + 1:]), size
+  return best
+
+
+# --- The Orbax handler. ------------------------------------------------------------
+
+
+class ArrayHandler(ocp.type_handlers.TypeHandler):
+  """Orbax's `jax.Array` handler, taught `LogicalView`; other arrays go to `base`.
+
+  `register` installs it as Orbax's global handler for `jax.Array`, wrapping the
+  one that was there. Its type string is the wrapped handler's ("jax.Array"),
+  so what it writes reads back anywhere as an ordinary array.
+  """
+
+  def __init__(self, base: ocp.type_handlers.TypeHandler):
+    self._base = base
+
+  @property
+  def base(self) -> ocp.type_handlers.TypeHandler:
+    return self._base
+
+  def __getattr__(self, name):  # The wrapped handler's options (e.g. its metadata store).
+    if name == "_base":
+      raise AttributeError(name)
+    return getattr(self._base, name)
+
+  def typestr(self) -> str:
+    return self._base.typestr()
+
+  async def metadata(self, infos):
+    return await self._base.metadata(infos)
+
+  def finalize(self, directory) -> None:
+    self._base.finalize(directory)
+
+  async def serialize(self, values, infos, args=None):
+    args = list(args) if args else [ocp.type_handlers.SaveArgs()] * len(values)
+    ours = [k for k, v in enumerate(values) if isinstance(v, LogicalView)]
+    rest = [k for k in range(len(values)) if k not in set(ours)]
+    futures = []
+    if rest:
+      futures += list(await self._base.serialize([values[k] for k in rest],
+                                                 [infos[k] for k in rest],
+                                                 [args[k] for k in rest]))
+    if ours:
+      # Copied off the devices now: the caller may reuse (donate) the arrays after this.
+      writes = [_Write.of(values[k], infos[k], args[k]) for k in ours]
+      futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
+          _commit(writes, self._base, tuple(futures)), name="wus_logical_arrays"))
+    return futures
+
+  async def deserialize(self, infos, args=None):
+    if args is None:
+      return await self._base.deserialize(infos, args)
+    ours = [k for k, a in enumerate(args)
+            if isinstance(getattr(a, "sharding", None), ShardedLayout)]
+    rest = [k for k in range(len(infos)) if k not in set(ours)]
+    # Wus state first: a checkpoint of another model fails here, naming the tensor.
+    stores = _raise_first(await asyncio.gather(*(_open(infos[k], args[k]) for k in ours),
+                                               return_exceptions=True))
+    jobs = [_read(store, infos[k], args[k]) for store, k in zip(stores, ours, strict=True)]
+    if rest:
+      jobs.append(self._base.deserialize([infos[k] for k in rest], [args[k] for k in rest]))
+    # Every read finished before an error is raised (none left pending on a closed loop).
+    results = _raise_first(await asyncio.gather(*jobs, return_exceptions=True),
+                           [infos[k] for k in rest])
+    out: list = [None] * len(infos)
+    for k, value in zip(ours, results, strict=False):
+      out[k] = value
+    if rest:
+      for k, value in zip(rest, results[-1], strict=True):
+        out[k] = value
+    return out
+
+
+def _raise_first(results: list, rest_infos: Sequence = ()) -> list:
+  """`results`, or the first exception among them as a one-line error."""
+  for result in results:
+    if isinstance(result, CheckpointError):
+      raise result
+    if isinstance(result, ValueError):  # TensorStore's and Orbax's, with a spec dump
+      where = f"the checkpoint in {rest_infos[0].parent_dir}" if rest_infos else "a checkpoint"
+      raise CheckpointError(f"cannot restore {where}: {_first_line(result)}") from result
+    if isinstance(result, BaseException):
+      raise result
+  return results
+
+
+@contextlib.contextmanager
+def _absl_warnings_off():
+  """Orbax logs a warning whenever a handler replaces another; this one is on purpose."""
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
+def register() -> None:
+  """Makes Orbax's global `jax.Array` handler save and restore wus state.
+
+  Wraps the handler registered for `jax.Array` (Orbax's `ArrayHandler`, or one
+  registered before) in `ArrayHandler`, which passes every other array to it.
+  `checkpointable` and `ShardedStep.state_target` call it; call it again after
+  registering a `jax.Array` handler of your own. Idempotent.
+  """
+  current = ocp.type_handlers.get_type_handler(jax.Array)
+  if not isinstance(current, ArrayHandler):
+    with _absl_warnings_off():
+      ocp.type_handlers.register_type_handler(jax.Array, ArrayHandler(current), override=True)
+
+
+# --- Orbax internals (orbax-checkpoint 0.12): the only ones wus touches. ---------
+#
+# A leaf whose type string is "jax.Array" must be written as Orbax's ArrayHandler
+# writes one: the same TensorStore spec (driver, OCDBT database of this process,
+# compression, chunks; `build_array_write_spec`), and, if the wrapped handler
+# keeps them, a record in its array metadata store (`_array_metadata_store`:
+# Orbax refuses to finish a save without one per array) and an entry in the
+# sharding file (`_enable_write_sharding_file`, `get_sharding_tensorstore_spec`).
+
+
+def _write_spec(info, arg, shape: tuple, chunk: tuple, dtype):
+  """Orbax's write spec (`.json`) and array metadata (`.metadata`) of an array of `shape`
+  written in boxes of whole `chunk`s, as its ArrayHandler builds them."""
+  ocdbt = bool(info.is_ocdbt_checkpoint)
+  return _orbax_ts_utils.build_array_write_spec(
+      info, arg, global_shape=shape, local_shape=chunk, dtype=dtype, use_ocdbt=ocdbt,
+      process_index=jax.process_index() if ocdbt else None)
+
+
+async def _orbax_records(handler, writes: list[_Write]) -> None:
+  """What Orbax's ArrayHandler records of each array besides its data, if `handler` does.
+
+  Its array metadata store (Orbax refuses to finish a save without a record of
+  every "jax.Array"), and the sharding file, which reading the checkpoint's
+  metadata needs for every array once it exists: the whole value, replicated
+  on the step's mesh, as plain JAX code holds it.
+  """
+  store = getattr(handler, "_array_metadata_store", None)  # Orbax looks it up so too.
+  if store is not None:
+    await store.write(checkpoint_dir=writes[0].info.parent_dir,
+                      array_metadatas=[w.spec.metadata for w in writes],
+                      process_index=jax.process_index())
+  if getattr(handler, "_enable_write_sharding_file", False) and jax.process_index() == 0:
+    txn = ts.Transaction()
+    for w in writes:
+      file = await ts.open(_orbax_ts_utils.get_sharding_tensorstore_spec(
+          w.info.parent_dir.as_posix(), w.info.name), open=True, context=w.info.ts_context)
+      whole = NamedSharding(w.mesh, P())
+      await file.with_transaction(txn).write(
+          ocp.metadata.NamedShardingMetadata.from_jax_sharding(whole).to_serialized_string())
+    await txn.commit_async()
+
+
+# --- Saving. -----------------------------------------------------------------------
+
+
+def _valid(fmt: ShardFormat, r: int) -> tuple[int, int]:
+  """The flat range [start, stop) of the logical tensor in replica r's shard (may be empty)."""
+  total = math.prod(fmt.shape)
+  start = min(r * fmt.shard_size, total)
+  return start, min(start + fmt.shard_size, total)
+
+
+def _shard_index(index: tuple, fmt: ShardFormat) -> int:
+  """The replica whose shard a device holds, from its index into the padded array."""
+  return (index[0].start or 0) // fmt.shard_rows
+
+
+@dataclasses.dataclass
+class _Write:
+  """What this process writes of one tensor: its runs of the row-major tensor, on the host."""
+
+  info: Any
+  mesh: Mesh
+  shape: tuple
+  runs: list  # (start, 1-D np.ndarray of the elements [start, start + len)) per run
+  spec: Any   # Orbax's write spec: `.json` (TensorStore) and `.metadata`
+  pieces: list  # (device id, start, elements) of each shard copied off a device
+
+  @classmethod
+  def of(cls, view: LogicalView, info, arg) -> _Write:
+    """Copies this process's shards of `view` to the host (one copy per shard)."""
+    x, fmt = view.shards, view.layout.format
+    writer = {}  # replica -> process writing its shard (the device of replica_id 0)
+    for shard in x.data.global_shards:
+      if shard.replica_id == 0:
+        writer[_shard_index(shard.index, fmt)] = shard.device.process_index
+    bounds = sorted({_valid(fmt, r)[0] for r in writer if r and writer[r] != writer[r - 1]}
+                    - {0, math.prod(fmt.shape)})
+    own = [(shard, *_valid(fmt, _shard_index(shard.index, fmt)))
+           for shard in x.data.addressable_shards if shard.replica_id == 0]
+    own = [(shard, start, stop) for shard, start, stop in own if stop > start]
+    for shard, _, _ in own:
+      shard.data.copy_to_host_async()
+    pieces = [(shard.device.id, start, np.asarray(shard.data).reshape(-1)[:stop - start])
+              for shard, start, stop in own]
+    pieces.sort(key=lambda p: p[1])
+    runs: list = []
+    for _, start, flat in pieces:  # Merge adjacent ranges into runs.
+      if runs and runs[-1][0] + sum(map(len, runs[-1][1])) == start:
+        runs[-1][1].append(flat)
+      else:
+        runs.append((start, [flat]))
+    runs = [(start, parts[0] if len(parts) == 1 else np.concatenate(parts))
+            for start, parts in runs]
+    shape = view.layout.shape
+    chunk = chunk_shape(shape, fmt.shard_size, bounds)
+    return cls(info, x.mesh, shape, runs, _write_spec(info, arg, shape, chunk, np.dtype(x.dtype)),
+               [(device, start, len(flat)) for device, start, flat in pieces])
+
+  async def commit(self, transaction: ts.Transaction | None) -> None:
+    """Writes the runs, box by box; every box is whole chunks (`chunk_shape`)."""
+    info = self.info
+    await info.await_path_creation()
+    spec = ts.Spec(self.spec.json)
+    if jax.process_index() == 0:  # Creates the array, as Orbax's primary host does.
+      await ts.open(spec, create=True, open=True, context=info.ts_context,
+                    transaction=transaction)
+    store = await ts.open(spec, open=True, assume_metadata=True, context=info.ts_context,
+                          transaction=transaction)
+    writes = []
+    for start, flat in self.runs:
+      offset = 0
+      for box in boxes(self.shape, start, start + len(flat)):
+        size = math.prod(_box_shape(box))
+        writes.append(store[box].write(flat[offset:offset + size].reshape(_box_shape(box)),
+                                       can_reference_source_data_indefinitely=True))
+        offset += size
+    await asyncio.gather(*writes)
+
+
+async def _commit(writes: list[_Write], handler, others: tuple) -> None:
+  """Writes the arrays, then Orbax's records of them (see `_orbax_records`)."""
+  # One atomic transaction for all, as Orbax writes its arrays into OCDBT.
+  transaction = ts.Transaction(atomic=True) if writes[0].info.is_ocdbt_checkpoint else None
+  await asyncio.gather(*(w.commit(transaction) for w in writes))
+  if transaction is not None:
+    await transaction.commit_async()
+  # The records share a file per checkpoint (per process): after the wrapped handler's own.
+  await asyncio.gather(*(asyncio.to_thread(f.result) for f in others))
+  await _orbax_records(handler, writes)
+
+
+# --- Restoring. --------------------------------------------------------------------
+
+
+async def _open(info, arg) -> ts.TensorStore:
+  """Opens a saved array to restore as wus state; checks its shape against the target's."""
+  shape = arg.sharding.shape
+  try:
+    spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=info.is_ocdbt_checkpoint)
+    store = await ts.open(ts.Spec(spec), open=True, read=True, context=info.ts_context)
+  except Exception as e:  # noqa: BLE001 -- TensorStore and Orbax raise many kinds
+    raise CheckpointError(f"cannot open {_where(info)}: {_first_line(e)}") from e
+  if tuple(store.shape) != shape:
+    raise CheckpointError(f"{_where(info)} has shape {tuple(store.shape)}; the target expects "
+                          f"{shape}")
+  return store
+
+
+async def _read(store: ts.TensorStore, info, arg) -> ShardedArray:
+  """Reads the shards of this process's devices for `arg.sharding` (a ShardedLayout)."""
+  layout: ShardedLayout = arg.sharding
+  fmt = layout.format
+  dtype = np.dtype(arg.dtype if getattr(arg, "dtype", None) is not None
+                   else store.dtype.numpy_dtype)
+  sharding = layout.data_sharding
+  indices = sharding.addressable_devices_indices_map(fmt.padded_shape)
+  wanted = sorted({_shard_index(index, fmt) for index in indices.values()})
+
+  async def read(r: int) -> np.ndarray:
+    start, stop = _valid(fmt, r)
+    flat = np.zeros(fmt.shard_size, dtype)  # Padding as the step's sharding program pads.
+    offset = 0
+    for box in boxes(layout.shape, start, stop):
+      part = await store[box].read()
+      flat[offset:offset + part.size] = np.asarray(part).reshape(-1)
+      offset += part.size
+    return flat.reshape(fmt.shard_shape)
+
+  results = await asyncio.gather(*(read(r) for r in wanted), return_exceptions=True)
+  for result in results:
+    if isinstance(result, BaseException):
+      raise CheckpointError(f"cannot read {_where(info)}: {_first_line(result)}") from result
+  shards = dict(zip(wanted, results, strict=True))
+  arrays = [jax.device_put(shards[_shard_index(index, fmt)], device)
+            for device, index in indices.items()]
+  data = jax.make_array_from_single_device_arrays(fmt.padded_shape, sharding, arrays)
+  return ShardedArray(data, fmt, layout.axes, layout.spec, layout.mesh)
