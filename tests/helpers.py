@@ -117,6 +117,39 @@ def both(tx, mesh, *, check_vma=True, steps=3, params=None, **wus_kw):
   return run(ref, params, state, extra, data), run(ws, params, state, extra, data), ws
 
 
+# Norms and trust ratios: updates with reductions (§4.1, Fig. 6).
+REDUCING = [
+    ("lars", lambda: optax.lars(0.1)),
+    ("lamb", lambda: optax.lamb(1e-2)),
+    ("clip_adam", lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))),
+    ("adafactor", lambda: optax.adafactor(1e-2)),
+    ("agc", lambda: optax.chain(optax.adaptive_grad_clip(0.1), optax.sgd(0.1))),
+    ("trust_ratio", lambda: optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio(),
+                                        optax.scale(-1e-2))),
+]
+
+
+def dense_step(tx):
+  """A Dense layer with a bias: AD of the broadcast bias under check_vma emits
+  reshape -> psum_invariant -> reduce_sum over a size-1 dim."""
+  def loss(params, x):
+    return jnp.mean(jnp.tanh(x @ params["w"] + params["b"]) ** 2)
+
+  def step(params, opt_state, x):
+    grads = jax.lax.pmean(jax.grad(loss)(params, x), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return step
+
+
+def dense_inputs(m, steps=3):
+  k = jax.random.split(jax.random.key(0), 2 + steps)
+  params = {"w": 0.1 * jax.random.normal(k[0], (24, 40)), "b": 0.1 * jax.random.normal(k[1], (40,))}
+  xs = [jax.device_put(jax.random.normal(kk, (2 * m.shape["data"], 24)), NamedSharding(m, P("data")))
+        for kk in k[2:]]
+  return params, xs
+
+
 def hlo_computations(hlo: str) -> dict[str, list[str]]:
   """Optimized HLO text split into computations: name -> instruction lines."""
   from wus.harness.report import computations

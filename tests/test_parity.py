@@ -7,9 +7,8 @@ import optax
 import pytest
 
 import wus
-from helpers import (SPECS, assert_trees_equal, both, first_args, inputs, make_step, mesh, run,
-                     sharded_leaves)
-from test_plan import REDUCING
+from helpers import (REDUCING, SPECS, assert_trees_equal, both, first_args, inputs, make_step,
+                     mesh, run, sharded_leaves)
 
 
 OPTIMIZERS = [
@@ -101,7 +100,7 @@ def test_pmap_rejects_replicated_argument_with_differing_copies():
        jnp.ones((8, 2, 16)))
 
 
-# Every optimizer of test_plan.REDUCING (norms: lars, lamb, clip_by_global_norm,
+# Every optimizer of helpers.REDUCING (norms: lars, lamb, clip_by_global_norm,
 # adafactor's factored moments, adaptive_grad_clip, scale_by_trust_ratio) runs
 # there at N = 8; here at N = 6 too.
 SIX = [OPTIMIZERS[1], OPTIMIZERS[3], *REDUCING]

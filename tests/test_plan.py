@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, batches, both, make_params
+from helpers import REDUCING, assert_trees_equal, batches, both, make_params
 
 
 def _mesh():
@@ -29,17 +29,6 @@ def test_adam_plan_lists_every_state_tensor():
   assert "SHARDED" in text and "scalar or tiny" in text
   whole, shard = plan.state_bytes
   assert 0 < shard * 8 - whole < 8 * 8 * 4 * 8  # Padding is less than N rows per tensor.
-
-
-REDUCING = [
-    ("lars", lambda: optax.lars(0.1)),
-    ("lamb", lambda: optax.lamb(1e-2)),
-    ("clip_adam", lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))),
-    ("adafactor", lambda: optax.adafactor(1e-2)),
-    ("agc", lambda: optax.chain(optax.adaptive_grad_clip(0.1), optax.sgd(0.1))),
-    ("trust_ratio", lambda: optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio(),
-                                        optax.scale(-1e-2))),
-]
 
 
 @pytest.mark.parametrize("name,make_tx", REDUCING, ids=[n for n, _ in REDUCING])

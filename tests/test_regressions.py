@@ -8,28 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, mesh, sharded_leaves
-
-
-def _dense_step(tx):
-  """A Dense layer with a bias: AD of the broadcast bias under check_vma emits
-  reshape -> psum_invariant -> reduce_sum over a size-1 dim."""
-  def loss(params, x):
-    return jnp.mean(jnp.tanh(x @ params["w"] + params["b"]) ** 2)
-
-  def step(params, opt_state, x):
-    grads = jax.lax.pmean(jax.grad(loss)(params, x), "data")
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-  return step
-
-
-def _dense_inputs(m, steps=3):
-  k = jax.random.split(jax.random.key(0), 2 + steps)
-  params = {"w": 0.1 * jax.random.normal(k[0], (24, 40)), "b": 0.1 * jax.random.normal(k[1], (40,))}
-  xs = [jax.device_put(jax.random.normal(kk, (2 * m.shape["data"], 24)), NamedSharding(m, P("data")))
-        for kk in k[2:]]
-  return params, xs
+from helpers import assert_trees_equal, dense_inputs, dense_step, mesh, sharded_leaves
 
 
 def _compare(step, params, state, xs, m, check_vma=True):
@@ -49,8 +28,8 @@ def _compare(step, params, state, xs, m, check_vma=True):
                                           ("adam", lambda: optax.adam(1e-2))])
 def test_dense_layer_with_bias(name, make_tx, check_vma, n):
   tx = make_tx()
-  params, xs = _dense_inputs(mesh(n))
-  _, state = _compare(_dense_step(tx), params, tx.init(params), xs, mesh(n), check_vma)
+  params, xs = dense_inputs(mesh(n))
+  _, state = _compare(dense_step(tx), params, tx.init(params), xs, mesh(n), check_vma)
   if name == "adam":
     assert {x.format.shape for x in sharded_leaves(state)} == {(24, 40), (40,)}
 
@@ -59,8 +38,8 @@ def test_dense_layer_with_bias(name, make_tx, check_vma, n):
 def test_optimizer_state_holding_a_typed_key_passes_through(check_vma):
   """optax.noisy_sgd keeps a `jax.random.key` in its state: not a weight."""
   tx = optax.noisy_sgd(0.1, key=jax.random.key(1))
-  params, xs = _dense_inputs(mesh())
-  _, state = _compare(_dense_step(tx), params, tx.init(params), xs, mesh(), check_vma)
+  params, xs = dense_inputs(mesh())
+  _, state = _compare(dense_step(tx), params, tx.init(params), xs, mesh(), check_vma)
   key = state[0].rng_key
   assert not isinstance(key, wus.ShardedArray) and jax.dtypes.issubdtype(key.dtype,
                                                                          jax.dtypes.prng_key)
@@ -69,7 +48,7 @@ def test_optimizer_state_holding_a_typed_key_passes_through(check_vma):
 def test_typed_key_as_a_step_argument():
   """Dropout keys passed to the step (as the Flax examples do)."""
   m, tx = mesh(), optax.adam(1e-2)
-  params, xs = _dense_inputs(m)
+  params, xs = dense_inputs(m)
 
   def step(params, opt_state, key, x):
     key = jax.random.fold_in(key, jax.lax.axis_index("data"))
@@ -112,7 +91,7 @@ def test_finiteness_test_written_with_jnp_stack(n):
   """`jnp.stack` binds its own primitive (jax 0.10); without a redundancy rule the
   predicate looked different on every replica and every cluster stayed whole."""
   tx = optax.adam(1e-2)
-  params, xs = _dense_inputs(mesh(n))
+  params, xs = dense_inputs(mesh(n))
   step = _skip_if_not_finite_step(tx)
   _, state = _compare(step, params, tx.init(params), xs, mesh(n))
   assert {x.format.shape for x in sharded_leaves(state)} == {(24, 40), (40,)}
@@ -125,7 +104,7 @@ def test_a_cluster_kept_whole_names_the_equation_that_stopped_it():
     return jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct((), jnp.bool_), _all_finite(tree))
 
   tx = optax.adam(1e-2)
-  params, xs = _dense_inputs(mesh())
+  params, xs = dense_inputs(mesh())
   step = _skip_if_not_finite_step(tx, opaque_all_finite)
   _, state = _compare(step, params, tx.init(params), xs, mesh())
   plan = wus.shard_map(step, mesh=mesh(), in_specs=(P(), P(), P("data")),
@@ -141,8 +120,8 @@ def test_state_output_that_is_a_constant(check_vma):
   """`inject_hyperparams` with a constant schedule returns its learning rate as
   a literal: an output with no variable behind it (found by the fuzzer)."""
   tx = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.constant_schedule(1e-2))
-  params, xs = _dense_inputs(mesh(2))
-  _compare(_dense_step(tx), params, tx.init(params), xs, mesh(2), check_vma)
+  params, xs = dense_inputs(mesh(2))
+  _compare(dense_step(tx), params, tx.init(params), xs, mesh(2), check_vma)
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
@@ -214,14 +193,14 @@ def test_sm3_row_accumulator_kept_by_a_reduction_that_keeps_the_shard_dim():
   """optax.sm3: reduce_max(nu, axes=(1,)) keeps the shard dim and its big result
   is only returned as state; planning it crashed (found by the fuzzer)."""
   tx = optax.sm3(1e-3)
-  params, xs = _dense_inputs(mesh())
-  _, state = _compare(_dense_step(tx), params, tx.init(params), xs, mesh())
+  params, xs = dense_inputs(mesh())
+  _, state = _compare(dense_step(tx), params, tx.init(params), xs, mesh())
 
 
 def test_plan_prints_with_a_typed_key_in_the_state():
   tx = optax.noisy_sgd(0.1, key=jax.random.key(1))
-  params, xs = _dense_inputs(mesh())
-  step = wus.shard_map(_dense_step(tx), mesh=mesh(), in_specs=(P(), P(), P("data")),
+  params, xs = dense_inputs(mesh())
+  step = wus.shard_map(dense_step(tx), mesh=mesh(), in_specs=(P(), P(), P("data")),
                        out_specs=(P(), P()))
   text = str(step.plan(params, tx.init(params), xs[0]))
   assert "rng_key" in text and "key<fry>" in text
@@ -256,8 +235,8 @@ def test_inner_products_of_the_update_run_on_shards(name, make_tx):
   whole trees (`optax.tree.vdot`: dot_general over every dim): a masked local dot
   per shard, the partial sums all-reduced with the others (Fig. 6)."""
   tx = make_tx()
-  params, xs = _dense_inputs(mesh(6))
-  step = _dense_step(tx)
+  params, xs = dense_inputs(mesh(6))
+  step = dense_step(tx)
   kw = dict(mesh=mesh(6), in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
   ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
   a = b = (params, tx.init(params))
