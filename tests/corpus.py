@@ -784,10 +784,11 @@ def per_device(x, n):
 
 def sharded_expectation(opt_state, n, *, stacked=False):
   """Paths of the optimizer-state leaves that should be sharded: every float
-  tensor with at least n elements per replica (moments, momentum traces)."""
+  tensor with more than n elements per replica (moments, momentum traces; a
+  tensor of n elements or fewer stays whole)."""
   out = []
   for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
     shape = np.shape(x)[1:] if stacked else np.shape(x)
-    if jnp.issubdtype(jnp.result_type(x), jnp.floating) and int(np.prod(shape)) >= n:
+    if jnp.issubdtype(jnp.result_type(x), jnp.floating) and int(np.prod(shape)) > n:
       out.append(jax.tree_util.keystr(path))
   return out

@@ -5,7 +5,7 @@ inputs, once as JAX runs it and once through wus (the one-line change), for
 3 steps, and compares params, model state (batch_stats, dynamic scale, step)
 and optimizer state (after `wus.unshard`) bit for bit, and the metrics; then
 checks that the optimizer state came back sharded: every float tensor of it
-with at least N elements (Adam's mu/nu, momentum traces) must be a
+with more than N elements (Adam's mu/nu, momentum traces) must be a
 `wus.ShardedArray`. On a miss the assertion message carries the Plan, which
 says why a cluster stayed whole.
 

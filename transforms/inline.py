@@ -7,13 +7,6 @@ functions). XLA inlines calls anyway, and after AD the custom derivative rules
 are dead, so the program computes exactly what it computed before.
 `checkpoint` (remat) is kept: it tells XLA what to recompute in the backward
 pass.
-
-One more exact rewrite happens on the way: an all-reduce whose only reader
-is a transpose or reshape runs after it instead, `transpose(psum(x))` ->
-`psum(transpose(x))` (the same sums of the same elements). AD writes that
-pattern for a weight read transposed (a tied embedding's output projection);
-sunk, the all-reduce starts the weight-update cluster and becomes a
-reduce-scatter (§3.2) rather than a whole all-reduce.
 """
 
 from __future__ import annotations
@@ -28,9 +21,6 @@ from wus.analysis.compat import ClosedJaxpr, Jaxpr
 
 INLINED = frozenset({compat.jit_p, compat.closed_call_p, compat.custom_jvp_call_p,
                      compat.custom_vjp_call_p})
-# Primitives that only move the elements of their one operand.
-_MOVES = frozenset({lax.transpose_p, lax.reshape_p, lax.squeeze_p})
-_ALL_REDUCE = frozenset({compat.psum_p, compat.psum_invariant_p})
 
 
 def inlined(jaxpr: ClosedJaxpr) -> Callable[..., list[Any]]:
@@ -58,15 +48,7 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     env[v] = x
   for v, x in zip(jaxpr.invars, args, strict=True):
     env[v] = x
-  sunk = _sinks(jaxpr)
-  for i, eqn in enumerate(jaxpr.eqns):
-    if i in sunk.values():
-      continue  # Ran before the all-reduce it reads.
-    if i in sunk:
-      mover = jaxpr.eqns[sunk[i]]
-      (moved,) = compat.bind(mover, read(eqn.invars[0]))
-      (env[mover.outvars[0]],) = compat.bind(eqn, moved)
-      continue
+  for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
     if caller is not None and not compat.has_user_frame(eqn):
       eqn = compat.attributed(eqn, caller)
@@ -82,24 +64,6 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     for v, x in zip(eqn.outvars, outs, strict=True):
       env[v] = x
   return [read(v) for v in jaxpr.outvars]
-
-
-def _sinks(jaxpr: Jaxpr) -> dict[int, int]:
-  """All-reduces to run after their one reader, an element move: index -> reader index."""
-  readers: dict = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if not compat.is_literal(v):
-        readers.setdefault(v, []).append(i)
-  outputs = {v for v in jaxpr.outvars if not compat.is_literal(v)}
-  out = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    if (eqn.primitive in _ALL_REDUCE and len(eqn.invars) == 1
-        and not compat.has_axis_index_groups(eqn) and eqn.outvars[0] not in outputs):
-      r = readers.get(eqn.outvars[0], [])
-      if len(r) == 1 and jaxpr.eqns[r[0]].primitive in _MOVES:
-        out[i] = r[0]
-  return out
 
 
 def _closed(jaxpr: ClosedJaxpr) -> Callable[..., list[Any]]:
