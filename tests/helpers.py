@@ -1,4 +1,8 @@
-"""Shared test helpers: tree comparison, a tiny data-parallel model, meshes."""
+"""Shared test helpers: tree comparison, small data-parallel steps, meshes, HLO parsing.
+
+Test modules import from here, never from each other; nothing here imports
+the harness (`wus.harness`), so the core's tests do not depend on it.
+"""
 
 from __future__ import annotations
 
@@ -150,12 +154,6 @@ def dense_inputs(m, steps=3):
   return params, xs
 
 
-def hlo_computations(hlo: str) -> dict[str, list[str]]:
-  """Optimized HLO text split into computations: name -> instruction lines."""
-  from wus.harness.report import computations
-  return computations(hlo)
-
-
 def loop_bodies(hlo: str) -> set[str]:
   """Names of the computations that are while-loop bodies."""
   return set(re.findall(r"body=%?([\w.\-]+)", hlo))
@@ -172,13 +170,93 @@ def collective_shapes(lines, kind: str) -> list[str]:
   return out
 
 
-def collective_bytes(lines, kind: str) -> list[int]:
-  """Result bytes of each `kind` instruction (e.g. "all-gather") among HLO lines."""
-  from wus.harness.report import shape_bytes
-  return [shape_bytes(s) for s in collective_shapes(lines, kind)]
-
-
 def collective_arrays(lines, kind: str) -> list[str]:
   """The arrays `kind` instructions reduce or move, tuples taken apart: ["f32[9]", "f32[]"]."""
   return [a for shape in collective_shapes(lines, kind)
           for a in re.findall(r"\b[a-z]+\d*\[[\d,]*\]", shape)]
+
+
+# --- A training loop inside the step (§4.2, Fig. 4). -------------------------------
+
+LOOP_STEPS = 3  # Steps per call of `make_train`.
+
+
+def _one_step(tx, params, opt_state, x):
+  loss, grads = jax.value_and_grad(loss_fn)(params, x)
+  grads = jax.lax.pmean(grads, "data")
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+
+
+def make_train(tx, form: str, wrap_state: bool = False):
+  """LOOP_STEPS steps in one program, as a scan, a fori_loop or a while_loop."""
+  k = LOOP_STEPS
+
+  def train(params, opt_state, xs):  # xs: [k, b, 16] per replica.
+    if form == "scan":
+      def body(c, x):
+        p, s, loss = _one_step(tx, *c, x)
+        return (p, s), loss
+      (params, opt_state), losses = jax.lax.scan(body, (params, opt_state), xs)
+    elif form == "fori":
+      def body(i, c):
+        return _one_step(tx, c[0], c[1], xs[i])[:2]
+      params, opt_state = jax.lax.fori_loop(0, k, body, (params, opt_state))
+      losses = jnp.zeros((k,))
+    else:
+      def body(c):
+        i, p, s = c
+        return (i + 1, *_one_step(tx, p, s, xs[i])[:2])
+      _, params, opt_state = jax.lax.while_loop(lambda c: c[0] < k, body, (0, params, opt_state))
+      losses = jnp.zeros((k,))
+    return params, ({"state": opt_state} if wrap_state else opt_state), losses
+  return train
+
+
+def loop_xs(mesh):
+  """LOOP_STEPS batches of 2 rows per replica, split over the replicas."""
+  return jax.device_put(jax.random.normal(jax.random.key(5), (LOOP_STEPS, 2 * mesh.shape["data"], 16)),
+                        NamedSharding(mesh, P(None, "data")))
+
+
+def loop_setup(mesh, tx, form, wrap_state=False):
+  """(params, optimizer state, xs, unmodified step, wus step) for `make_train(tx, form)`."""
+  params = make_params()
+  xs = loop_xs(mesh)
+  kw = dict(mesh=mesh, in_specs=(P(), P(), P(None, "data")), out_specs=(P(), P(), P()))
+  fn = make_train(tx, form, wrap_state)
+  return params, tx.init(params), xs, jax.jit(jax.shard_map(fn, **kw)), wus.shard_map(fn, **kw)
+
+
+# --- A jax.pmap step: per-device copies stacked on a leading axis. ------------------
+
+PMAP_TX = optax.adam(1e-2)
+
+
+def stack(tree, n=8):
+  """Each leaf broadcast to n per-device copies (what jax.pmap takes)."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), tree)
+
+
+def pmap_params():
+  k = jax.random.split(jax.random.key(0), 2)
+  return {"w": 0.1 * jax.random.normal(k[0], (24, 40)), "b": 0.1 * jax.random.normal(k[1], (40,))}
+
+
+def _pmap_loss(params, x, rng=None):
+  if rng is not None:
+    x = jnp.where(jax.random.bernoulli(rng, 0.9, x.shape), x, 0.0)
+  return jnp.mean(jnp.tanh(x @ params["w"] + params["b"]) ** 2)
+
+
+def pmap_step(params, opt_state, x, dropout_rng=None):
+  """A per-device step over axis "batch", Flax WMT style: the dropout key is a keyword argument."""
+  rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, jax.lax.axis_index("batch"))
+  loss, grads = jax.value_and_grad(_pmap_loss)(params, x, rng)
+  grads = jax.lax.pmean(grads, "batch")
+  updates, opt_state = PMAP_TX.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, {"loss": jax.lax.pmean(loss, "batch")}
+
+
+def pmap_xs(steps=3, n=8):
+  return [jax.random.normal(jax.random.key(10 + i), (n, 2, 24)) for i in range(steps)]

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpoint_worker as W
 import wus
-from helpers import assert_trees_equal, mesh
+from helpers import PMAP_TX, assert_trees_equal, mesh, pmap_params, pmap_step, pmap_xs, stack
 from wus import checkpoint
 
 SAVED_AT = 2  # updates before the save
@@ -357,10 +357,9 @@ def test_checkpoint_manager_loop_resumes_at_another_replica_count(tmp_path):
 
 def test_pmap_state_saves_one_replicas_value(tmp_path):
   """`wus.pmap` state (stacked copies) is saved as `flax.jax_utils.unreplicate` would give it."""
-  from test_pmap import TX, _params, _stack, _step, _xs
-  state = (_stack(_params()), _stack(TX.init(_params())))
-  step = wus.pmap(_step, axis_name="batch")
-  for x in _xs():
+  state = (stack(pmap_params()), stack(PMAP_TX.init(pmap_params())))
+  step = wus.pmap(pmap_step, axis_name="batch")
+  for x in pmap_xs():
     state = step(*state, x)[:2]
   assert wus.sharded.is_sharded(state[1][0].mu["w"])
   ckptr = ocp.StandardCheckpointer()

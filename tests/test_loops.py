@@ -7,57 +7,17 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import wus
-from helpers import (assert_trees_equal, collective_bytes, hlo_computations, loop_bodies,
-                     loss_fn, make_params, mesh, sharded_leaves)
-
-K = 3  # Steps per call.
-
-
-def _one_step(tx, params, opt_state, x):
-  loss, grads = jax.value_and_grad(loss_fn)(params, x)
-  grads = jax.lax.pmean(grads, "data")
-  updates, opt_state = tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+from helpers import (LOOP_STEPS as K, assert_trees_equal, collective_shapes, loop_bodies,
+                     loop_setup, loop_xs, loss_fn, make_params, mesh, sharded_leaves)
+from wus.harness.report import computations as hlo_computations, shape_bytes
 
 
-def make_train(tx, form: str, wrap_state: bool = False):
-  """K steps in one program, as a scan, a fori_loop or a while_loop."""
-  def train(params, opt_state, xs):  # xs: [K, b, 16] per replica.
-    if form == "scan":
-      def body(c, x):
-        p, s, loss = _one_step(tx, *c, x)
-        return (p, s), loss
-      (params, opt_state), losses = jax.lax.scan(body, (params, opt_state), xs)
-    elif form == "fori":
-      def body(i, c):
-        return _one_step(tx, c[0], c[1], xs[i])[:2]
-      params, opt_state = jax.lax.fori_loop(0, K, body, (params, opt_state))
-      losses = jnp.zeros((K,))
-    else:
-      def body(c):
-        i, p, s = c
-        return (i + 1, *_one_step(tx, p, s, xs[i])[:2])
-      _, params, opt_state = jax.lax.while_loop(lambda c: c[0] < K, body, (0, params, opt_state))
-      losses = jnp.zeros((K,))
-    return params, ({"state": opt_state} if wrap_state else opt_state), losses
-  return train
-
-
-def _xs(mesh):
-  """K batches of 2 rows per replica, split over the replicas."""
-  return jax.device_put(jax.random.normal(jax.random.key(5), (K, 2 * mesh.shape["data"], 16)),
-                        NamedSharding(mesh, P(None, "data")))
-
-
-def _setup(mesh, tx, form, wrap_state=False):
-  params = make_params()
-  xs = _xs(mesh)
-  kw = dict(mesh=mesh, in_specs=(P(), P(), P(None, "data")), out_specs=(P(), P(), P()))
-  fn = make_train(tx, form, wrap_state)
-  return params, tx.init(params), xs, jax.jit(jax.shard_map(fn, **kw)), wus.shard_map(fn, **kw)
+def collective_bytes(lines, kind: str) -> list[int]:
+  """Result bytes of each `kind` instruction (e.g. "all-gather") among HLO lines."""
+  return [shape_bytes(s) for s in collective_shapes(lines, kind)]
 
 
 FORMS = ["scan", "fori", "while"]
@@ -73,7 +33,7 @@ REPLICAS = pytest.mark.parametrize("n", [8, 6])
     ("lars", lambda: optax.lars(0.1), dict(rtol=2e-6, atol=1e-7)),
 ])
 def test_loop_matches_unmodified_and_keeps_state_sharded(form, name, make_tx, tol, n):
-  params, state, xs, ref, ws = _setup(mesh(n), make_tx(), form)
+  params, state, xs, ref, ws = loop_setup(mesh(n), make_tx(), form)
   a, b = (params, state), (params, state)
   for _ in range(2):  # Two calls: state stays sharded between them too.
     a, b = ref(*a, xs)[:2], ws(*b, xs)[:2]
@@ -85,7 +45,7 @@ def test_loop_matches_unmodified_and_keeps_state_sharded(form, name, make_tx, to
 
 def test_optimizer_state_gathered_after_the_loop_only():
   """Fig. 4 left: in the loop, only the weights are all-gathered; state after it."""
-  params, state, xs, ref, ws = _setup(mesh(8), optax.adam(1e-2), "scan", wrap_state=True)
+  params, state, xs, ref, ws = loop_setup(mesh(8), optax.adam(1e-2), "scan", wrap_state=True)
   out_ref, out = ref(params, state, xs), ws(params, state, xs)
   assert_trees_equal(out_ref[1], out[1])  # Returned whole: gathered after the loop.
   hlo = ws.lower(params, state, xs).compile().as_text()
@@ -126,7 +86,7 @@ def test_weights_sharded_across_iterations_and_gathered_in_bfloat16(n, make_tx, 
 
   params = {"w": 0.1 * jax.random.normal(jax.random.key(1), (16, 1024)),
             "conv": 0.1 * jax.random.normal(jax.random.key(2), (3, 3, 5, 7))}
-  state, xs = tx.init(params), _xs(mesh(n))
+  state, xs = tx.init(params), loop_xs(mesh(n))
   kw = dict(mesh=mesh(n), in_specs=(P(), P(), P(None, "data")), out_specs=(P(), P()))
   ref, ws = jax.jit(jax.shard_map(train, **kw)), wus.shard_map(train, **kw)
   a, b = ref(params, state, xs), ws(params, state, xs)
@@ -171,7 +131,7 @@ def test_conditional_on_the_loop_counter_gathers_inside_its_branch(n):
     return jax.lax.fori_loop(0, K, body, (params, opt_state, jnp.zeros(4)))
 
   params = make_params()
-  state, xs = tx.init(params), _xs(mesh(n))
+  state, xs = tx.init(params), loop_xs(mesh(n))
   kw = dict(mesh=mesh(n), in_specs=(P(), P(), P(None, "data")), out_specs=(P(), P(), P()))
   ref, ws = jax.jit(jax.shard_map(train, **kw)), wus.shard_map(train, **kw)
   a, b = ref(params, state, xs), ws(params, state, xs)

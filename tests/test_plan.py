@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import REDUCING, assert_trees_equal, batches, both, make_params
+from helpers import REDUCING, assert_trees_equal, batches, both, loop_setup, make_params
 
 
 def _mesh():
@@ -169,8 +169,7 @@ def test_loop_plan_says_where_each_weight_is_gathered():
   """In a training loop the Plan names the placement of every weight's all-gather
   (Fig. 4): float32 weights read whole in float32 are gathered at the end of
   each iteration (left), since gathering before the forward pass moves as many bytes."""
-  from test_loops import _setup
-  params, state, xs, _, step = _setup(_mesh(), optax.adam(1e-2), "fori")
+  params, state, xs, _, step = loop_setup(_mesh(), optax.adam(1e-2), "fori")
   reasons = [c.reason for c in step.plan(params, state, xs).clusters if c.sharded]
   big = [r for r in reasons if "['big']" in r]
   assert len(big) == 1 and "end of each iteration (4194304 B, float32)" in big[0]

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import wus
-from helpers import (SPECS, assert_trees_equal, batches, collective_arrays, collective_bytes,
+from helpers import (SPECS, assert_trees_equal, batches, collective_arrays, collective_shapes,
                      first_args, make_params, make_step, mesh, run)
 from wus.harness import report
 
@@ -33,7 +33,7 @@ def _compiled(tx, check_vma=True):
 
 def _collective_shapes(hlo: str, kind: str) -> list[int]:
   """Result bytes of every `kind` instruction in optimized HLO text."""
-  return collective_bytes(hlo.splitlines(), kind)
+  return [report.shape_bytes(s) for s in collective_shapes(hlo.splitlines(), kind)]
 
 
 def test_gradients_reduce_scattered_and_weights_all_gathered():
