@@ -631,7 +631,7 @@ def _continued(jaxpr: Jaxpr, c: clusters_lib.Cluster, clustered: set[int], reade
   made = {v for r in seen for v in jaxpr.eqns[r].outvars}
   outputs: dict = {}
   for p, v in enumerate(jaxpr.outvars):
-    if v in made and ctx.big(v) and v not in c.program_outputs:
+    if not compat.is_literal(v) and v in made and ctx.big(v) and v not in c.program_outputs:
       outputs.setdefault(v, []).append(p)
   update = seen | set(c.eqns)
   pairs = {o: k for o, k in state_pairs.items()

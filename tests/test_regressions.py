@@ -124,6 +124,21 @@ def test_state_output_that_is_a_constant(check_vma):
   _compare(dense_step(tx), params, tx.init(params), xs, mesh(2), check_vma)
 
 
+@pytest.mark.parametrize("name,make_tx", [
+    ("optimistic_gd", lambda: optax.optimistic_gradient_descent(1e-2)),
+    ("inject_constant", lambda: optax.inject_hyperparams(optax.sgd)(
+        learning_rate=optax.constant_schedule(0.1))),
+])
+def test_constant_state_output_beside_an_update_kept_whole(name, make_tx):
+  """A literal state output (a constant schedule's learning rate) in a step where
+  another tensor's update stays whole (Muon's Newton-Schulz matmuls): the Plan
+  lists that update's outputs and must skip the literal (found by the fuzzer)."""
+  tx = optax.multi_transform({"muon": optax.contrib.muon(1e-2), "other": make_tx()},
+                             lambda p: {"w": "muon", "b": "other"})
+  params, xs = dense_inputs(mesh(4))
+  _compare(dense_step(tx), params, tx.init(params), xs, mesh(4))
+
+
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
 def test_batchnorm_scale_state_shards_although_its_gradient_feeds_the_backward_pass(check_vma):
   """flax BatchNorm(axis_name=...): the all-reduced cotangent behind the scale's
@@ -244,3 +259,34 @@ def test_inner_products_of_the_update_run_on_shards(name, make_tx):
   assert_trees_equal(a[1], wus.unshard(b[1]), rtol=1e-5, atol=1e-7)
   assert {x.format.shape for x in sharded_leaves(b[1])} >= {(24, 40), (40,)}, str(ws.plan(*b, x))
   assert any("reduction" in c.reason for c in ws.plan(*b, x).clusters)
+
+
+def test_equal_shard_shapes_of_differently_shaped_tensors_within_an_ulp():
+  """w [1, 5] and b [5] at N = 2 shard to the same shape [3]; XLA then shares
+  Adam's bias-correction broadcast between their updates and rewrites one
+  update's divisions as multiplications by a reciprocal, which the unmodified
+  step (shapes [1, 5] and [5], nothing shared) does not. The difference is the
+  compiler's rounding of `a / c` versus `a * (1 / c)`: at most an ulp per step
+  (found by the fuzzer, which draws Dense layers with at least 2 inputs for
+  its bit-for-bit comparison). Sharded, and within 2 ulps after 3 steps."""
+  m = mesh(2)
+  tx = optax.adam(1e-2)
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(0.3 * rng.standard_normal((1, 5), np.float32)),
+            "b": jnp.asarray(0.1 * rng.standard_normal((5,), np.float32))}
+
+  def step(params, opt_state, x):
+    loss = lambda p: jnp.mean(jnp.tanh(x[:, :1] @ p["w"] + p["b"]) ** 2)
+    grads = jax.lax.pmean(jax.grad(loss)(params), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  a = b = (params, tx.init(params))
+  for _ in range(3):
+    x = jax.device_put(rng.standard_normal((4, 16), np.float32), NamedSharding(m, P("data")))
+    a, b = ref(*a, x), ws(*b, x)
+  assert_trees_equal(a[0], b[0], rtol=2 * 2.0 ** -23)
+  assert_trees_equal(a[1], wus.unshard(b[1]), rtol=2 * 2.0 ** -23)
+  assert len(sharded_leaves(b[1])) == 4

@@ -1,0 +1,177 @@
+"""Differential fuzzer: `wus.shard_map` against `jax.jit(jax.shard_map)` on random programs.
+
+Each example is a training program users could write (tests/fuzz_cases.py):
+a random parameter tree used the way layers use it, a random optax chain over
+the transform catalogue, N in {2, 3, 4, 6, 8}, check_vma on or off, 2-3 steps.
+The unmodified step and the wus step run from the same inputs; their
+parameters, optimizer state (after `wus.unshard`), extra state and loss must
+agree: bit for bit when the update is elementwise, within a tight tolerance
+when its jaxpr sums floats (`fuzz_cases.reorders_sums`; `fuzz_cases.tolerance`
+says why each bound). A case where the unmodified JAX step raises is rejected
+(some optimizers are not defined for every tree); any exception from wus
+fails, and so does a Plan that cannot print. A cluster holding a big tensor
+may stay replicated ("kept replicated") if the Plan gives a reason.
+
+Profiles (registered here, applied only to this module's test):
+  python -m pytest -q tests/test_fuzz.py                  # "ci": fixed seed, bounded
+  WUS_FUZZ=long python -m pytest -q tests/test_fuzz.py    # "long": hundreds, random seed
+  WUS_FUZZ=long WUS_FUZZ_EXAMPLES=1000 ...                # any size (either profile)
+A failing example prints its complete standalone script (hypothesis `note`):
+save it as repro.py and run `XLA_FLAGS=--xla_force_host_platform_device_count=8 python repro.py`.
+
+At the end of the run pytest prints one summary line (cases run, exact,
+close, kept replicated, failures: failing example runs, hypothesis's shrinking
+included, and how many distinct errors) and writes it, with the reasons and
+the first case behind each rejection and failure, as JSON to
+.pytest_cache/d/wus-fuzz/summary-<profile>.json.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import re
+import tempfile
+import time
+
+import jax
+import pytest
+from hypothesis import HealthCheck, event, given, note, reject, settings
+
+import fuzz_cases
+import wus
+from helpers import mesh
+
+PROFILE = os.environ.get("WUS_FUZZ", "ci")
+_SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
+
+# Each example compiles the unmodified and the wus step (2-3 s of CPU): the CI
+# profile's 100 examples took 4 min 20 s on this machine's 2 shared cores.
+_EXAMPLES = os.environ.get("WUS_FUZZ_EXAMPLES")  # Overrides either profile's count.
+settings.register_profile("wus-fuzz-ci", max_examples=int(_EXAMPLES or 100), derandomize=True,
+                          deadline=None, database=None, suppress_health_check=_SUPPRESS,
+                          print_blob=False)
+settings.register_profile("wus-fuzz-long", max_examples=int(_EXAMPLES or 400),
+                          derandomize=False, deadline=None, database=None,
+                          suppress_health_check=_SUPPRESS, print_blob=True)
+if PROFILE not in ("ci", "long"):
+  raise ValueError(f"WUS_FUZZ={PROFILE!r}: use 'ci' (the default) or 'long'")
+
+
+class _Summary:
+  """What the run saw, across every example hypothesis ran (shrinking included)."""
+
+  def __init__(self):
+    self.start = time.perf_counter()
+    self.counts = collections.Counter()
+    self.kept = collections.Counter()       # Reasons of replicated clusters holding big tensors.
+    self.rejected = collections.Counter()   # Why the unmodified step raised.
+    self.examples: dict[str, str] = {}      # Rejection or failure -> the first case that hit it.
+    self.failures = collections.Counter()   # Distinct wus failures.
+    self.worst = 0.0                        # Largest |diff| / tolerance of a "close" case.
+
+  def line(self) -> str:
+    c = self.counts
+    return (f"wus fuzz [{PROFILE}]: cases run {c['run']}, exact {c['exact']}, close {c['close']}, "
+            f"kept replicated {c['kept']}, failures {c['failed']} ({len(self.failures)} distinct); "
+            f"rejected {c['rejected']} (unmodified step raised); "
+            f"worst close diff {self.worst:.2g} of tolerance; "
+            f"{time.perf_counter() - self.start:.0f} s")
+
+  def as_dict(self) -> dict:
+    return {"profile": PROFILE, "line": self.line(), "counts": dict(self.counts),
+            "kept_replicated_reasons": dict(self.kept.most_common()),
+            "rejected_reasons": dict(self.rejected.most_common()),
+            "failures": dict(self.failures.most_common()), "worst_close_ratio": self.worst,
+            "first_case": self.examples}
+
+
+SUMMARY = _Summary()
+
+
+class _SummaryPlugin:
+  """Prints the summary line in pytest's terminal summary (after every test's output)."""
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+
+  def pytest_terminal_summary(self, terminalreporter):
+    terminalreporter.write_line(SUMMARY.line())
+    terminalreporter.write_line(f"wus fuzz summary written to {self.path}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fuzz_summary(request):
+  cache = getattr(request.config, "cache", None)
+  folder = cache.mkdir("wus-fuzz") if cache is not None else pathlib.Path(tempfile.mkdtemp())
+  path = folder / f"summary-{PROFILE}.json"
+  if not request.config.pluginmanager.has_plugin("wus-fuzz-summary"):
+    request.config.pluginmanager.register(_SummaryPlugin(path), "wus-fuzz-summary")
+  yield SUMMARY
+  path.write_text(json.dumps(SUMMARY.as_dict(), indent=1))
+
+
+def _signature(e: BaseException) -> str:
+  """The exception's type and first line, without object ids (one entry per distinct bug)."""
+  first = (str(e).strip().splitlines() or [""])[0]
+  return f"{type(e).__name__}: {re.sub(r'id=[0-9]+', 'id=…', first)[:160]}"
+
+
+def _reason(text: str) -> str:
+  """A Plan reason without its source position (so equal reasons count together)."""
+  return re.sub(r" at <wus fuzz case [0-9a-f]+>:[0-9:]+", "", text)[:120]
+
+
+@settings(settings.get_profile(f"wus-fuzz-{PROFILE}"))
+@given(case=fuzz_cases.cases())
+def test_wus_matches_unmodified_step(case):
+  note(f"Standalone reproduction (repro.py):\n{case.script()}")
+  ns = case.build()  # A fuzzer bug (bad source) errors here; it is not a rejection.
+  m = mesh(case.n)
+  kw = dict(mesh=m, in_specs=ns["IN_SPECS"], out_specs=ns["OUT_SPECS"], check_vma=case.check_vma)
+
+  # The unmodified program first: if plain JAX / optax raises, the case is not a program.
+  try:
+    args, batches = ns["make_inputs"](m)
+    want = jax.block_until_ready(ns["run"](jax.jit(jax.shard_map(ns["step"], **kw)), args, batches))
+    reduces = ns["reorders_sums"](ns["tx"], args[0])  # Exact, or within `tolerance`.
+  except Exception as e:  # noqa: BLE001
+    SUMMARY.counts["rejected"] += 1
+    SUMMARY.rejected[_signature(e)] += 1
+    SUMMARY.examples.setdefault(_signature(e), repr(case))
+    event(f"rejected: {type(e).__name__}")
+    reject()
+
+  # wus: never skipped. Any exception or mismatch fails the case.
+  SUMMARY.counts["run"] += 1
+  try:
+    step = wus.shard_map(ns["step"], **kw)
+    got = ns["run"](step, args, batches)
+    msgs, worst = ns["compare"](want, got, reduces=reduces, bf16=case.bf16)
+    plan = step.plan(*args, batches[0])
+    kept, problems = fuzz_cases.replicated(plan, case.n)
+    assert str(plan).startswith("wus plan")  # The Plan prints.
+  except Exception as e:
+    SUMMARY.counts["failed"] += 1
+    SUMMARY.failures[_signature(e)] += 1
+    SUMMARY.examples.setdefault(_signature(e), repr(case))
+    raise
+  if msgs or problems:
+    SUMMARY.counts["failed"] += 1
+    sig = "mismatch: " + (msgs or problems)[0].split(":")[0]
+    SUMMARY.failures[sig] += 1
+    SUMMARY.examples.setdefault(sig, repr(case))
+    raise AssertionError("wus differs from the unmodified step:\n" + "\n".join(msgs + problems))
+
+  kind = "close" if reduces else "exact"
+  SUMMARY.counts[kind] += 1
+  SUMMARY.worst = max(SUMMARY.worst, worst)
+  event(kind)
+  if kept:
+    SUMMARY.counts["kept"] += 1
+    SUMMARY.kept.update({_reason(r) for r in kept})
+    event("kept replicated")
+  if SUMMARY.counts["run"] % 25 == 0:
+    jax.clear_caches()  # Every example compiles new programs; keep a long run's memory flat.
