@@ -16,6 +16,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
+from wus.analysis import compat, redundancy
+from wus.transforms import inline
 
 
 def assert_trees_equal(a, b, *, rtol: float = 0.0, atol: float = 0.0):
@@ -260,3 +262,46 @@ def pmap_step(params, opt_state, x, dropout_rng=None):
 
 def pmap_xs(steps=3, n=8):
   return [jax.random.normal(jax.random.key(10 + i), (n, 2, 24)) for i in range(steps)]
+
+
+# --- The analysed per-replica body of a shard_map'ed step (unit tests of analysis/). ----------
+
+def analysed_body(f, in_specs, shapes, out_specs, *, mesh, check_vma=True):
+  """The flat per-replica jaxpr of `jax.shard_map(f)` and its redundancy facts,
+  as `wus.shard_map` analyses them: calls inlined, dead code dropped.
+
+  Args:
+    f: the per-replica step.
+    in_specs: P() (replicated) or P(axis) (leading dim split) per argument.
+    shapes: per-replica shape per argument (float32), or a `jax.ShapeDtypeStruct`.
+    out_specs: as for `jax.shard_map`.
+    mesh: the mesh; a split argument's global leading dim is its per-replica
+      one times the size of its axes.
+    check_vma: as for `jax.shard_map`.
+
+  Returns:
+    (jaxpr, facts).
+  """
+  def spec_axes(spec):
+    return frozenset(a for entry in spec if entry is not None
+                     for a in (entry if isinstance(entry, tuple) else (entry,)))
+
+  args = []
+  for spec, s in zip(in_specs, shapes, strict=True):
+    s = s if isinstance(s, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(tuple(s), jnp.float32)
+    n = 1
+    for a in spec_axes(spec):
+      n *= mesh.shape[a]
+    shape = (s.shape[0] * n, *s.shape[1:]) if s.shape else s.shape
+    args.append(jax.ShapeDtypeStruct(shape, s.dtype, sharding=NamedSharding(mesh, spec)))
+
+  def mapped(g):
+    return jax.shard_map(g, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                         check_vma=check_vma)
+
+  body = compat.shard_map_params(compat.shard_map_eqn(jax.make_jaxpr(mapped(f))(*args)))[0]
+  flat_outer = jax.make_jaxpr(mapped(
+      lambda *a: tuple(inline.inlined(compat.ClosedJaxpr(body, ()))(*a))))(*args)
+  flat = compat.dce(compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0])
+  manual = frozenset(mesh.axis_names)
+  return flat, redundancy.analyze(flat, [manual - spec_axes(s) for s in in_specs], manual)
