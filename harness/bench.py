@@ -51,7 +51,10 @@ from absl import app, flags
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wus.harness import batches, config as config_lib, datasets, optim, report, steps, tasks, zero
+from wus.analysis import costmodel
+from wus.collectives import batched
+from wus.harness import (batches, calibrate, config as config_lib, datasets, optim, report,
+                         steps, tasks, zero)
 
 VARIANTS = ("replicated", "gspmd_zero1", "handwritten", "wus")
 ALTERNATIVES = VARIANTS[:3]
@@ -158,7 +161,9 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     (the same for the collectives inside the loop only: per update of a
     training loop, without what is gathered once per call after it),
     "max_param_difference" (max |params - replicated params| after the run);
-    wus also "analysis_seconds" and "rewrite_seconds".
+    wus also "analysis_seconds" and "rewrite_seconds". With one update per
+    call also "rest_seconds": each timed forward and backward pass alone
+    (`steps.make_gradient_step`), and "tensor_elements" (of every weight).
   """
   kind = tasks.MODELS[model][0]
   cfg = config_lib.RunConfig.for_model(model, optimizer="adam", seed=seed)
@@ -177,7 +182,12 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
   variants = _variant_steps(regime, task, tx, mesh, state)
   out = {"regime": regime.name, "model": model, "num_devices": mesh.size,
          "batch_size": regime.batch_size, "steps_per_call": regime.steps_per_call,
-         "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(state.opt_state))}
+         "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(state.opt_state)),
+         "tensor_elements": [int(x.size) for x in jax.tree.leaves(params)],
+         "rest_seconds": []}
+  # The forward and backward pass alone (no all-reduce, no update), timed with
+  # the variants: the cost model's "rest" of a one-update step.
+  rest = steps.make_gradient_step(task, mesh) if regime.steps_per_call == 1 else None
   states = {}
   for name, (step, fresh) in variants.items():
     start = time.perf_counter()
@@ -202,8 +212,14 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     for batch in data[:2]:  # Warm up: compile, and (wus) shard the state.
       fresh = steps.TrainState(*jax.block_until_ready(step(*fresh, batch))[:3])
     states[name] = fresh
+  if rest:
+    jax.block_until_ready(rest(state.params, state.model_state, data[0]))
   for r in range(rounds):
     order = list(variants)[r % len(variants):] + list(variants)[:r % len(variants)]
+    if rest:
+      start = time.perf_counter()
+      jax.block_until_ready(rest(state.params, state.model_state, data[2 + r]))
+      out["rest_seconds"].append(time.perf_counter() - start)
     for name in order:
       start = time.perf_counter()
       result = jax.block_until_ready(variants[name][0](*states[name], data[2 + r]))
@@ -221,6 +237,56 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
         for a, b in zip(jax.tree.leaves(states[name].params), jax.tree.leaves(reference),
                         strict=True))
   return out
+
+
+def predict(result: dict, topology: costmodel.Topology) -> dict | None:
+  """The cost model's step times for a regime's replicated and wus steps (seconds per update).
+
+  Fed this machine's measured costs (`calibrate.measure`) and the measured
+  median of the forward and backward pass alone as "rest"; nothing is fitted
+  to the step times it is compared with. Adam, sharded N ways (G = N), the
+  collectives batched in wus's buckets (`wus.collectives.batched.BUCKET_BYTES`).
+
+  Returns:
+    {"replicated": StepPrediction, "wus": StepPrediction}, or None for a
+    regime with several updates per call (no "rest" measured).
+  """
+  if not result.get("rest_seconds"):
+    return None
+  workload = costmodel.Workload(tuple(result["tensor_elements"]), costmodel.OPTIMIZERS["adam"])
+  rest = statistics.median(result["rest_seconds"])
+  return {"replicated": costmodel.predict_replicated(workload, topology, rest,
+                                                     batched.BUCKET_BYTES),
+          "wus": costmodel.predict_sharded(workload, topology, result["num_devices"], rest,
+                                           batched.BUCKET_BYTES)}
+
+
+def prediction_markdown(results: list[dict], topology: costmodel.Topology, raw: dict) -> str:
+  """Predicted beside measured, per regime with one update per call."""
+  axis = topology.axes[0]
+  (d0, t0), (d1, t1) = raw["all_reduce"]
+  rows = []
+  for r in results:
+    p = predict(r, topology)
+    if p is None:
+      continue
+    for v in ("replicated", "wus"):
+      rows.append([r["regime"], v, 1e3 * r[v]["median"], 1e3 * p[v].total, 1e3 * p[v].rest,
+                   1e3 * p[v].communication, 1e3 * p[v].update,
+                   p[v].total / p["replicated"].total if v == "wus" else "-",
+                   r[v]["median"] / r["replicated"]["median"] if v == "wus" else "-"])
+  return "\n\n".join([
+      "### Cost model: predicted beside measured",
+      f"This machine, measured just before: all-reduce over {axis.size} devices of "
+      f"{d0} B in {1e3 * t0:.3f} ms and {d1} B in {1e3 * t1:.3f} ms, i.e. alpha "
+      f"{1e6 * axis.alpha:.1f} us per ring step and {axis.bandwidth / 1e9:.2f} GB/s per "
+      f"device; memory {topology.memory_bandwidth / 1e9:.2f} GB/s per device (all devices "
+      "busy). \"rest\" is the measured forward and backward pass alone; the model adds "
+      "collectives and the update to it (`wus.analysis.costmodel`, nothing fitted to "
+      "the step times).",
+      report.table(["regime", "variant", "measured ms", "predicted ms", "rest ms",
+                    "collectives ms (pred.)", "update ms (pred.)", "wus/replicated predicted",
+                    "wus/replicated measured"], rows)])
 
 
 def targets(results: list[dict]) -> list[tuple[str, bool | None, str]]:
@@ -340,8 +406,16 @@ def main(argv) -> None:
   print(f"JAX {jax.__version__}, {jax.device_count()} simulated CPU devices on "
         f"{os.cpu_count()} cores ({platform.processor() or platform.machine()})\n")
   print(markdown(results))
+  topology, raw = calibrate.measure(mesh, steps.AXIS_NAME)
+  print("\n" + prediction_markdown(results, topology, raw))
+  for r in results:
+    p = predict(r, topology)
+    if p:
+      r["predicted"] = {v: dataclasses.asdict(x) for v, x in p.items()}
+  calibration = {"topology": dataclasses.asdict(topology), "measured": raw}
   if f.output:
-    pathlib.Path(f.output).write_text(json.dumps(results, indent=2))
+    pathlib.Path(f.output).write_text(json.dumps({"regimes": results, "calibration": calibration},
+                                                 indent=2))
     print(f"\nWrote {f.output}")
 
 

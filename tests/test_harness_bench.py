@@ -1,9 +1,12 @@
 """The benchmark at a small size: every variant and regime produces its row, and agrees."""
 
+import statistics
+
 import jax
 import pytest
 
-from wus.harness import bench, steps
+from wus.analysis import costmodel
+from wus.harness import bench, calibrate, steps
 
 ROUNDS = 2
 
@@ -62,3 +65,40 @@ def test_markdown_has_every_row_and_target(results):
       f"weight-update-bound: wus median step time <= {a}'s" for a in bench.ALTERNATIVES]
   assert sum("optimizer state per device" in t for t, _, _ in rows) == 3
   assert all(isinstance(ok, bool) for _, ok, _ in rows)
+
+
+def test_fit_ring_recovers_alpha_and_bandwidth():
+  n, alpha, bandwidth = 8, 20e-6, 2e9
+  ring = lambda d: 2 * (n - 1) * (alpha + d / (n * bandwidth))
+  got = calibrate.fit_ring((4096, 2 ** 22), (ring(4096), ring(2 ** 22)), n)
+  assert got == pytest.approx((alpha, bandwidth), rel=1e-9)
+  with pytest.raises(ValueError, match="not slower"):
+    calibrate.fit_ring((4096, 2 ** 22), (1e-3, 1e-4), n)
+
+
+def test_calibration_measures_this_machine():
+  mesh = jax.make_mesh((8,), (steps.AXIS_NAME,))
+  topology, raw = calibrate.measure(mesh, steps.AXIS_NAME, repeats=3,
+                                    all_reduce_bytes=(2 ** 10, 2 ** 22), memory_bytes=2 ** 20)
+  (axis,) = topology.axes
+  assert axis.size == 8 and axis.alpha >= 0 and axis.bandwidth > 0
+  assert topology.memory_bandwidth == pytest.approx(3 * 2 ** 20 / raw["memory"][1])
+
+
+def test_cost_model_predicts_each_one_update_regime(results):
+  """Fed made-up machine costs: the prediction adds the model's collectives and
+  update to the measured forward and backward pass, and wus's update is 1/N."""
+  topology = costmodel.Topology((costmodel.Axis("measured", 8, 1e-5, 1e9),), 1e9)
+  for r in results:
+    p = bench.predict(r, topology)
+    if r["steps_per_call"] > 1:
+      assert p is None
+      continue
+    assert len(r["rest_seconds"]) == ROUNDS
+    rep, ws = p["replicated"], p["wus"]
+    assert rep.rest == ws.rest == pytest.approx(statistics.median(r["rest_seconds"]))
+    assert ws.update == pytest.approx(rep.update / 8, rel=0.01)  # Shards pad a little.
+    assert rep.collectives["all-reduce"] >= 1 and ws.collectives["reduce-scatter"] >= 1
+  text = bench.prediction_markdown(results, topology,
+                                   {"all_reduce": [(1, 1e-3), (2, 2e-3)], "memory": (1, 1.0)})
+  assert text.count("| wus ") == 2 and "wus/replicated measured" in text
