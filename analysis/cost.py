@@ -15,7 +15,17 @@ not state). It is taken when
   * the all-gathers move no more bytes than the all-reduces' all-gather
     phase they replace, plus 1/N of it (room for gathering small statistics
     such as Adafactor's factored second moments), so communication barely
-    grows.
+    grows; or, with more all-gather than that, it keeps optimizer state
+    sharded between steps (the memory objective, the default).
+
+Every decision also carries the alpha-beta cost model's prediction
+(`costmodel`, ring collectives over the topology's axes, the update's bytes
+over the memory bandwidth) of the cluster's collectives and update, sharded
+and replicated. With `objective="time"` a cluster shards only where that
+prediction is no slower; with `objective="memory"` the prediction is only
+reported. The prediction counts bytes, not latency: the cluster's
+collectives share batched buckets with the other clusters' (§5.2), so one
+more tensor adds bytes to a collective, not a collective.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from wus.analysis import compat
+from wus.analysis import costmodel
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.layouts import Layout
@@ -46,6 +57,10 @@ class Decision:
     all_gather_bytes: whole bytes it must all-gather per step if sharded.
     saved_bytes: predicted bytes of program inputs and outputs each replica
       no longer reads or writes: (1 - 1/N) of their whole size.
+    replicated_seconds: predicted seconds of the cluster's all-reduces and
+      update, replicated (`predict`); 0 when not predicted.
+    sharded_seconds: the same sharded: reduce-scatters, all-gathers and the
+      update on 1/N.
   """
 
   shard: bool
@@ -53,6 +68,38 @@ class Decision:
   all_reduce_bytes: int
   all_gather_bytes: int
   saved_bytes: int
+  replicated_seconds: float = dataclasses.field(default=0.0, compare=False)
+  sharded_seconds: float = dataclasses.field(default=0.0, compare=False)
+
+
+OBJECTIVES = ("memory", "time")
+
+
+def predict(all_reduce: int, all_gather: int, io: int, num_shards: int,
+            topology: costmodel.Topology) -> tuple[float, float]:
+  """(replicated, sharded) predicted seconds of one cluster's collectives and update (§3.2).
+
+  Replicated: the all-reduce of `all_reduce` bytes and the update reading and
+  writing `io` bytes. Sharded: a reduce-scatter of the same bytes, an
+  all-gather of `all_gather` bytes, the update on `io / num_shards`. Ring
+  collectives over `topology.axes` with their latency left out (see the
+  module docstring); the update at `topology.memory_bandwidth`.
+
+  Args:
+    all_reduce, all_gather, io: whole bytes.
+    num_shards: N.
+    topology: the devices the update is sharded over (N of them).
+  """
+  axes = tuple(dataclasses.replace(a, alpha=0.0) for a in topology.axes)
+  memory = topology.memory_bandwidth
+  replicated = costmodel.all_reduce(all_reduce, axes) + io / memory
+  sharded = (costmodel.reduce_scatter(all_reduce, axes) + costmodel.all_gather(all_gather, axes)
+             + io / num_shards / memory)
+  return replicated, sharded
+
+
+def _microseconds(seconds: float) -> str:
+  return f"{seconds * 1e6:.3g} us"
 
 
 def _branch_gathers(cluster: Cluster, rare: set[int]) -> int:
@@ -84,7 +131,8 @@ def _first_whole_reader(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes)
 
 def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
            axes: frozenset, state_outputs: set[int], num_shards: int,
-           rare: set[int] = frozenset()) -> Decision:
+           rare: set[int] = frozenset(), *, objective: str = "memory",
+           topology: costmodel.Topology | None = None) -> Decision:
   """Decides one cluster.
 
   Args:
@@ -97,10 +145,25 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
     num_shards: N.
     rare: conditionals of `jaxpr` whose predicate follows the loop counter
       (taken every k steps, §3.2 frequency analysis).
+    objective: "memory" (shard whenever the update can run on shards and
+      saves memory traffic or keeps optimizer state sharded) or "time" (as
+      "memory", and only where `predict` says sharded is no slower).
+    topology: the N devices, for `predict`; None:
+      `costmodel.default_topology(num_shards)`.
 
   Returns:
-    The decision, with byte counts (whole-tensor bytes, before sharding).
+    The decision, with byte counts (whole-tensor bytes, before sharding) and
+    the predicted seconds.
+
+  Raises:
+    ValueError: an unknown objective, or a topology of other than N devices.
   """
+  if objective not in OBJECTIVES:
+    raise ValueError(f"objective={objective!r}: use one of {OBJECTIVES}")
+  topology = topology or costmodel.default_topology(num_shards)
+  if topology.num_devices != num_shards:
+    raise ValueError(f"the topology has {topology.num_devices} devices; the update is sharded "
+                     f"over {num_shards}")
   eqns = jaxpr.eqns
   all_reduce = sum(nbytes(eqns[i].outvars[0]) for i in cluster.seeds)
   gathered = [v for v in cluster.sharded if v not in layout.partial and (
@@ -111,9 +174,18 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   io = (sum(nbytes(v) for v in cluster.reads if v in inputs)
         + sum(nbytes(v) * len(p) for v, p in cluster.program_outputs.items()))
   saved = io - io // num_shards
+  replicated_s, sharded_s = predict(all_reduce, all_gather, io, num_shards, topology)
 
   def verdict(shard: bool, reason: str) -> Decision:
-    return Decision(shard, reason, all_reduce, all_gather, saved)
+    return Decision(shard, reason, all_reduce, all_gather, saved, replicated_s, sharded_s)
+
+  def slower() -> Decision | None:
+    """The time objective's veto, if the prediction says sharding is slower."""
+    if objective == "time" and sharded_s > replicated_s:
+      return verdict(False, f"predicted slower sharded ({_microseconds(sharded_s)} of "
+                            f"collectives and update against {_microseconds(replicated_s)} "
+                            "replicated; objective='time'; objective='memory' shards it)")
+    return None
 
   for v, readers in cluster.outside_readers.items():
     for r in readers:
@@ -128,11 +200,14 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   if extra > 0 and state_outputs:
     # More all-gather than the all-reduce it replaces (its all-reduce runs
     # whole): taken for the optimizer state it keeps sharded between steps.
-    return verdict(True, f"update on 1/N shards; optimizer state kept sharded at the cost of "
-                         f"{extra} B more all-gather than the reduce-scatter saves")
+    return slower() or verdict(
+        True, f"update on 1/N shards; optimizer state kept sharded at the cost of {extra} B "
+              "more all-gather than the reduce-scatter saves (predicted "
+              f"{_microseconds(sharded_s)} against {_microseconds(replicated_s)} replicated)")
   if extra > 0:
     return verdict(False, f"needs {all_gather} B of all-gather, more than the {all_reduce} B "
                           "all-reduce it replaces" + _first_whole_reader(cluster, jaxpr, facts, axes))
   reductions = sum(k in REDUCING for k in cluster.kinds.values())
   partial = f", {reductions} reduction(s)" if reductions else ""
-  return verdict(True, f"update on 1/N shards{partial}; {len(gathered)} all-gather(s)")
+  return slower() or verdict(True, f"update on 1/N shards{partial}; {len(gathered)} "
+                                   "all-gather(s)")

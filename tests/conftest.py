@@ -11,8 +11,10 @@ they depend on how each program happens to be fused:
     computes in float32, is rounded back to bfloat16 after every operation
     instead of wherever a fusion happens to end.
 With both, "bit for bit" (DESIGN.md §4, invariant 1) is a strict test of the
-rewrite itself; `test_parity.py` also runs one case with XLA's defaults at a
-tolerance of a few ulps.
+rewrite itself. The flags hold for the whole test process; the one parity
+case that runs with XLA's defaults at a tolerance of a few ulps
+(`test_parity.py::test_with_default_xla_flags_within_a_few_ulps`) runs in a
+subprocess (`parity_worker.py`) whose XLA_FLAGS set only the device count.
 """
 
 import os

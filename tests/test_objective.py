@@ -1,0 +1,82 @@
+"""The objective of the cluster decisions: memory (the default) or time, by the cost model (§3.2).
+
+`cost.predict` prices a cluster's collectives and update with the alpha-beta
+model of `wus.analysis.costmodel`; `cost.decide(objective="time")` keeps a
+cluster replicated where that prediction is slower, `objective="memory"`
+shards it for the optimizer state it keeps sharded. The topologies below are
+made up so that the answer is obvious.
+"""
+
+from __future__ import annotations
+
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from helpers import analysed_body, mesh
+from wus.analysis import clusters, compat, cost, costmodel, formats, layouts
+
+N = 8
+AXES = frozenset({"data"})
+R, X = P(), P("data")
+
+
+def topology(bandwidth: float, memory_bandwidth: float) -> costmodel.Topology:
+  return costmodel.Topology((costmodel.Axis("x", N, 1e-3, bandwidth),), memory_bandwidth)
+
+
+SLOW_LINKS = topology(bandwidth=1e9, memory_bandwidth=1e12)  # Gathers are dear.
+SLOW_MEMORY = topology(bandwidth=1e12, memory_bandwidth=1e9)  # The update is dear.
+
+
+def test_predict_by_hand():
+  """Ring all-reduce of D over 8 at B: 2 * 7/8 D / B; reduce-scatter and
+  all-gather 7/8 D / B each; the update io / M, sharded io / (8 M); latency
+  (alpha 1 ms here) is left out."""
+  t = topology(bandwidth=1e9, memory_bandwidth=2e9)
+  replicated, sharded = cost.predict(8000, 16000, 40000, N, t)
+  assert replicated == pytest.approx(2 * 7 / 8 * 8000 / 1e9 + 40000 / 2e9)
+  assert sharded == pytest.approx(7 / 8 * 8000 / 1e9 + 7 / 8 * 16000 / 1e9 + 5000 / 2e9)
+
+
+def ema_target(w, m, target, x):
+  """Momentum SGD with an EMA of the weights (a BYOL-style target network):
+  the new weight and the target are both returned whole, so sharding gathers
+  two tensors where the all-reduce it replaces moved one."""
+  g = lax.pmean(x * 2.0, "data")
+  m = 0.9 * m + g
+  w = w - 0.1 * m
+  return w, m, 0.99 * target + 0.01 * w
+
+
+def _decide(objective, t):
+  jaxpr, facts = analysed_body(ema_target, [R, R, R, X], [(4000,)] * 4, (R, R, R), mesh=mesh(N))
+  (c,) = clusters.find_clusters(jaxpr, facts, AXES, N)
+  big = lambda v: not compat.is_literal(v) and formats.is_shardable_shape(tuple(v.aval.shape), N, 0)
+  layout = layouts.assign(jaxpr, c, N, big)
+  return cost.decide(c, layout, jaxpr, facts, AXES, {1}, N, objective=objective, topology=t)
+
+
+def test_memory_objective_shards_for_the_state_whatever_the_links_cost():
+  for t in (SLOW_LINKS, SLOW_MEMORY):
+    d = _decide("memory", t)
+    assert d.shard and "optimizer state kept sharded" in d.reason
+    assert d.all_gather_bytes == 2 * d.all_reduce_bytes == 32000
+
+
+def test_time_objective_refuses_an_extra_gather_on_slow_links():
+  d = _decide("time", SLOW_LINKS)
+  assert not d.shard and d.sharded_seconds > d.replicated_seconds
+  assert "predicted slower sharded" in d.reason and "objective='memory'" in d.reason
+
+
+def test_time_objective_takes_it_when_the_update_dominates():
+  d = _decide("time", SLOW_MEMORY)
+  assert d.shard and d.sharded_seconds < d.replicated_seconds
+
+
+def test_bad_objective_and_topology_are_refused():
+  with pytest.raises(ValueError, match="objective='speed'"):
+    _decide("speed", SLOW_LINKS)
+  with pytest.raises(ValueError, match="4 devices"):
+    _decide("time", costmodel.default_topology(4))
