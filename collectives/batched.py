@@ -111,8 +111,7 @@ def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name) -> 
     if len(values) == 1:
       return [formatted.reduce_scatter(values[0], fmts[0], axis_name)]
     rows = [jnp.reshape(formatted.pad(x, f), (f.num_shards, -1)) for x, f in zip(values, fmts)]
-    mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), axis_name, scatter_dimension=0,
-                            tiled=True)[0]
+    mine = formatted.scatter_rows(jnp.concatenate(rows, axis=1), axis_name)[0]
     return [jnp.reshape(part, f.shard_shape)
             for part, f in zip(_cut(mine, [math.prod(f.shard_shape) for f in fmts]), fmts)]
   return _bucketed(one, values, fmts)
@@ -143,23 +142,35 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name) -> list
   return _bucketed(one, shards, fmts)
 
 
+def dtype_buckets(dtypes: Sequence, sizes: Sequence[int]) -> list[list[int]]:
+  """Positions of tensors grouped as the batched collectives group them: by
+  dtype (in order of first appearance), then into `buckets` of their bytes.
+
+  `len(dtype_buckets(...))` is the number of collectives a batched call makes.
+
+  Args:
+    dtypes: a dtype per tensor.
+    sizes: bytes per tensor.
+  """
+  by_dtype: dict = {}
+  for k, dtype in enumerate(dtypes):
+    by_dtype.setdefault(dtype, []).append(k)
+  return [[ks[b] for b in bucket] for ks in by_dtype.values()
+          for bucket in buckets([sizes[k] for k in ks])]
+
+
 def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence,
               elements: Sequence[int] | None = None) -> list[jnp.ndarray]:
   """`collective(values, fmts)` per bucket of one dtype; results in the order given.
 
   Buckets are sized by the whole tensors (`fmt.shape`), or by `elements`."""
-  by_dtype: dict = {}
-  for k, x in enumerate(values):
-    by_dtype.setdefault(x.dtype, []).append(k)
+  sizes = [(math.prod(fmts[k].shape) if elements is None else elements[k]) * x.dtype.itemsize
+           for k, x in enumerate(values)]
   out: list = [None] * len(values)
-  for ks in by_dtype.values():
-    sizes = [(math.prod(fmts[k].shape) if elements is None else elements[k])
-             * values[k].dtype.itemsize for k in ks]
-    for bucket in buckets(sizes):
-      group = [ks[b] for b in bucket]
-      for k, y in zip(group, collective([values[k] for k in group], [fmts[k] for k in group]),
-                      strict=True):
-        out[k] = y
+  for group in dtype_buckets([x.dtype for x in values], sizes):
+    for k, y in zip(group, collective([values[k] for k in group], [fmts[k] for k in group]),
+                    strict=True):
+      out[k] = y
   return out
 
 

@@ -7,6 +7,14 @@ or a tuple of them, whose product has `fmt.num_shards` replicas. Replica r
 (`lax.axis_index(axis_name)`) owns rows [r * shard_rows, (r + 1) * shard_rows)
 of the padded merged tensor, the order in which `psum_scatter` and
 `all_gather` (tiled) place shards.
+
+Over several mesh axes the reduce-scatter and the all-gather run in phases
+(§5.1, `scatter_rows`, `gather_rows`): the reduce-scatter along the last
+(minor, fastest: consecutive devices, one process's devices in a multi-process
+mesh) axis first, on the whole tensor, then along the next on what is left;
+the all-gather in the reverse order. Each slower axis then moves only the
+part the faster ones left, and the shard a replica ends with is still row
+block r of the padded tensor, so the format is the same as with one phase.
 """
 
 from __future__ import annotations
@@ -80,7 +88,53 @@ def reduce_scatter(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
     shape `fmt.shard_shape`, dtype of `x`: rows [r * shard_rows, ...) of the
     padded sum (padding rows are zero).
   """
-  return lax.psum_scatter(pad(x, fmt), axis_name, scatter_dimension=0, tiled=True)
+  return scatter_rows(pad(x, fmt), axis_name)
+
+
+def _axes(axis_name) -> tuple:
+  """The mesh axes of `axis_name` with more than one replica, major first."""
+  names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  return tuple(a for a in names if lax.axis_size(a) > 1)
+
+
+def scatter_rows(x: jnp.ndarray, axis_name) -> jnp.ndarray:
+  """Per replica: row block r of the sum of `x` over the replicas of `axis_name`.
+
+  `lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)`, in
+  phases over several mesh axes (§5.1): fastest (last) axis first.
+
+  Args:
+    x: leading dim N * k (N the replicas of `axis_name`), different on every replica.
+    axis_name: a mesh axis name or a tuple of them, major first.
+
+  Returns:
+    shape [k, *x.shape[1:]], dtype of `x`: rows [r * k, (r + 1) * k) of the
+    sum, r this replica's index along `axis_name` (major first).
+  """
+  axes = _axes(axis_name)
+  if len(axes) <= 1:
+    return lax.psum_scatter(x, axes or axis_name, scatter_dimension=0, tiled=True)
+  sizes = [lax.axis_size(a) for a in axes]
+  y = jnp.reshape(x, (*sizes, -1, *x.shape[1:]))
+  for j in reversed(range(len(axes))):  # y: [n_0, ..., n_j, k, ...].
+    y = lax.psum_scatter(jnp.moveaxis(y, j, 0), axes[j], scatter_dimension=0, tiled=True)[0]
+  return y
+
+
+def gather_rows(x: jnp.ndarray, axis_name, *, tiled: bool) -> jnp.ndarray:
+  """Per replica: every replica's `x`, replica r's at row r (or row block r).
+
+  `lax.all_gather(x, axis_name, axis=0, tiled=tiled, to="invarying")`, in
+  phases over several mesh axes (§5.1): slowest (first) axis first, the
+  reverse of `scatter_rows`.
+  """
+  axes = _axes(axis_name)
+  if len(axes) <= 1:
+    return lax.all_gather(x, axes or axis_name, axis=0, tiled=tiled, to="invarying")
+  y = x
+  for j, a in enumerate(axes):  # y: [n_0, ..., n_{j-1}, *x.shape].
+    y = jnp.moveaxis(lax.all_gather(y, a, axis=0, to="invarying"), 0, j)
+  return jnp.reshape(y, (-1, *x.shape[1:])) if tiled else jnp.reshape(y, (-1, *x.shape))
 
 
 def all_gather(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
@@ -114,7 +168,7 @@ def gather(x: jnp.ndarray, axis_name, *, tiled: bool) -> jnp.ndarray:
   if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
     bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
     return lax.bitcast_convert_type(gather(bits, axis_name, tiled=tiled), x.dtype)
-  return lax.all_gather(x, axis_name, axis=0, tiled=tiled, to="invarying")
+  return gather_rows(x, axis_name, tiled=tiled)
 
 
 def sum_of_copies(x: jnp.ndarray, num_replicas: int) -> jnp.ndarray:
