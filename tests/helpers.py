@@ -135,14 +135,15 @@ REDUCING = [
 ]
 
 
-def dense_step(tx):
+def dense_step(tx, axis_name="data"):
   """A Dense layer with a bias: AD of the broadcast bias under check_vma emits
-  reshape -> psum_invariant -> reduce_sum over a size-1 dim."""
+  reshape -> psum_invariant -> reduce_sum over a size-1 dim. The gradients
+  are pmean-ed over `axis_name` (a mesh axis or a tuple of them)."""
   def loss(params, x):
     return jnp.mean(jnp.tanh(x @ params["w"] + params["b"]) ** 2)
 
   def step(params, opt_state, x):
-    grads = jax.lax.pmean(jax.grad(loss)(params, x), "data")
+    grads = jax.lax.pmean(jax.grad(loss)(params, x), axis_name)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
   return step

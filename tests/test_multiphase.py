@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, sharded_leaves
+from helpers import assert_trees_equal, dense_step, sharded_leaves
 from wus.collectives import formatted
 
 AXES = ("replica", "data")
@@ -52,15 +52,6 @@ def test_phases_place_rows_as_one_collective_does(shape):
     np.testing.assert_array_equal(stacked[r], everyone)
 
 
-def _step(tx):
-  def step(params, opt_state, x):
-    loss = lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)  # noqa: E731
-    grads = lax.pmean(jax.grad(loss)(params), AXES)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-  return step
-
-
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
 def test_sharded_over_both_axes_in_two_phases(shape, check_vma):
@@ -69,7 +60,8 @@ def test_sharded_over_both_axes_in_two_phases(shape, check_vma):
   k = jax.random.split(jax.random.key(0), 2)
   params = {"w": 0.1 * jax.random.normal(k[0], (24, 41)), "b": 0.1 * jax.random.normal(k[1], (41,))}
   kw = dict(mesh=mesh, in_specs=(P(), P(), BATCH), out_specs=(P(), P()), check_vma=check_vma)
-  ref, ws = jax.jit(jax.shard_map(_step(tx), **kw)), wus.shard_map(_step(tx), **kw)
+  step = dense_step(tx, AXES)
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
   a = b = (params, tx.init(params))
   for i in range(3):
     x = jax.device_put(jax.random.normal(jax.random.key(i), (16, 24)), NamedSharding(mesh, BATCH))

@@ -7,19 +7,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, sharded_leaves
+from helpers import assert_trees_equal, dense_step, sharded_leaves
 from wus.harness import report
 
 BATCH = P(("replica", "data"))
-
-
-def _step(tx):
-  def step(params, opt_state, x):
-    loss = lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)  # noqa: E731
-    grads = jax.lax.pmean(jax.grad(loss)(params), ("replica", "data"))
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-  return step
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
@@ -33,7 +24,8 @@ def test_sharded_within_the_data_axis_all_reduced_across_replica(shape, check_vm
   k = jax.random.split(jax.random.key(0), 3)
   params = {"w": 0.1 * jax.random.normal(k[0], (24, 40)), "b": 0.1 * jax.random.normal(k[1], (40,))}
   kw = dict(mesh=mesh, in_specs=(P(), P(), BATCH), out_specs=(P(), P()), check_vma=check_vma)
-  ref, ws = jax.jit(jax.shard_map(_step(tx), **kw)), wus.shard_map(_step(tx), axis_name="data", **kw)
+  step = dense_step(tx, ("replica", "data"))
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, axis_name="data", **kw)
   a = b = (params, tx.init(params))
   for i in range(3):
     x = jax.device_put(jax.random.normal(jax.random.key(i), (16, 24)), NamedSharding(mesh, BATCH))
@@ -57,6 +49,7 @@ def test_default_axis_name_shards_over_every_gradient_axis():
   tx = optax.adam(1e-2)
   params = {"w": jnp.ones((24, 40)), "b": jnp.zeros((40,))}
   x = jax.device_put(jnp.ones((16, 24)), NamedSharding(mesh, BATCH))
-  ws = wus.shard_map(_step(tx), mesh=mesh, in_specs=(P(), P(), BATCH), out_specs=(P(), P()))
+  ws = wus.shard_map(dense_step(tx, ("replica", "data")), mesh=mesh, in_specs=(P(), P(), BATCH),
+                     out_specs=(P(), P()))
   plan = ws.plan(params, tx.init(params), x)
   assert plan.axes == ("replica", "data") and plan.num_shards == 8
