@@ -18,10 +18,11 @@ satisfies every boundary is chosen: with no reductions, that is the flat format.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from wus.analysis import compat
 from wus.analysis.clusters import Cluster
-from wus.analysis.compat import Jaxpr, Var
+from wus.analysis.compat import Jaxpr, JaxprEqn, Var
 from wus.analysis.formats import ShardFormat, format_from_bounds, nonunit_dims
 from wus.analysis.shardable import Kind
 
@@ -75,6 +76,134 @@ def _signature(v: Var) -> tuple[int, ...]:
   return tuple(v.aval.shape[i] for i in nonunit_dims(v.aval.shape))
 
 
+class _Constraints:
+  """What the layout rules of one cluster record: classes that share a format,
+  relations carrying boundaries between them, whole reads, partial results."""
+
+  def __init__(self, big):
+    self.big = big
+    self.classes = _Classes()
+    self.relations: list[tuple[Var, Var, list[int]]] = []  # (p, q, K): q's dims are p's dims K.
+    self.whole_reads: set = set()
+    self.partial: set = set()
+
+  def broadcast(self, x: Var, y: Var, dims) -> None:
+    """y = x broadcast with x's dim i at y's dim dims[i]."""
+    classes = self.classes
+    ny = nonunit_dims(y.aval.shape)
+    mapped = {dims[i] for i in nonunit_dims(x.aval.shape)}
+    from_x = [d in mapped for d in ny]
+    classes.bounds[classes.add(y)] |= {p for p in range(1, len(ny)) if from_x[p] != from_x[p - 1]}
+    if not self.big(x):
+      return  # Small: read whole (and sliced if it supplies the shard dim).
+    if from_x[0]:
+      self.relations.append((y, x, [p for p, f in enumerate(from_x) if f]))
+    else:
+      classes.add(x)
+      self.whole_reads.add(x)
+
+  def constrain(self, jaxpr: Jaxpr, cluster: Cluster) -> str | None:
+    """Applies the rule of every cluster equation's Kind; a reason if one cannot hold."""
+    for i in cluster.eqns:
+      eqn = jaxpr.eqns[i]
+      ins = [v for v in eqn.invars if self.big(v)]
+      outs = [v for v in eqn.outvars if self.big(v)]
+      if (why := layout_rules[cluster.kinds[i]](self, eqn, ins, outs, cluster.nested.get(i))):
+        return why
+    return None
+
+
+# How each Kind constrains the formats of what it reads and writes (§4.1):
+# rule(constraints, eqn, big operands, big results, nested clusters) -> reason or None.
+LayoutRule = Callable[[_Constraints, JaxprEqn, list, list, tuple | None], str | None]
+layout_rules: dict[Kind, LayoutRule] = {}
+
+
+def _elementwise(c: _Constraints, eqn, ins, outs, nested) -> None:
+  y = outs[0]
+  for v in outs[1:]:
+    c.classes.union(v, y)
+  for x in eqn.invars:
+    if compat.is_literal(x) or not x.aval.shape:
+      continue  # Scalars broadcast anywhere.
+    if x.aval.shape == y.aval.shape:
+      c.classes.union(x, y)
+    else:  # Implicit broadcast of size-1 dims.
+      c.broadcast(x, y, range(len(y.aval.shape)))
+
+
+def _same_elements(c: _Constraints, eqn, ins, outs, nested) -> None:
+  """One operand, one result, the same elements: one format, or flat if dims regroup."""
+  (x,), (y,) = ins, outs
+  if _signature(x) == _signature(y):
+    c.classes.union(x, y)
+  else:
+    c.classes.flat_only |= {c.classes.add(x), c.classes.add(y)}
+
+
+def _reduce_all(c: _Constraints, eqn, ins, outs, nested) -> None:
+  c.classes.add(ins[0])
+
+
+def _dot_all(c: _Constraints, eqn, ins, outs, nested) -> None:
+  if len(ins) == 2:
+    c.classes.union(*ins)
+  else:
+    c.classes.add(ins[0])
+
+
+def _reduce(c: _Constraints, eqn, ins, outs, nested) -> str | None:
+  (x,), (y,) = eqn.invars, eqn.outvars
+  axes = set(eqn.params["axes"])
+  reduced = [d in axes for d in nonunit_dims(x.aval.shape)]
+  c.classes.bounds[c.classes.add(x)] |= {p for p in range(1, len(reduced))
+                                         if reduced[p] != reduced[p - 1]}
+  if reduced[0]:
+    c.partial.add(y)  # Whole after its all-reduce; a format only if big.
+    if c.big(y):
+      c.classes.add(y)
+  elif not c.big(y):
+    return (f"a reduction of {x.aval.str_short()} keeps the shard dim but its "
+            f"result {y.aval.str_short()} is too small to shard")
+  else:
+    c.classes.add(y)
+    c.relations.append((x, y, [p for p, r in enumerate(reduced) if not r]))
+  return None
+
+
+def _broadcast_dims(c: _Constraints, eqn, ins, outs, nested) -> None:
+  c.broadcast(eqn.invars[0], outs[0], eqn.params["broadcast_dimensions"])
+
+
+def _broadcast(c: _Constraints, eqn, ins, outs, nested) -> None:
+  c.classes.add(outs[0])
+
+
+def _cond(c: _Constraints, eqn, ins, outs, nested) -> str | None:
+  for branch, sub in zip(compat.cond_branches(eqn), nested, strict=True):
+    inner = branch.jaxpr
+    for x, v in zip(eqn.invars[1:], inner.invars, strict=True):
+      if c.big(v):
+        c.classes.union(x, v)
+    for y, v in zip(eqn.outvars, inner.outvars, strict=True):
+      if c.big(y):
+        c.classes.union(y, v)
+    if (why := c.constrain(inner, sub)) is not None:
+      return why
+  return None
+
+
+layout_rules.update({
+    Kind.ELEMENTWISE: _elementwise,
+    **dict.fromkeys((Kind.LAYOUT, Kind.REDUCE_UNIT, Kind.REDUCE_SCATTER, Kind.SUM_OF_COPIES,
+                     Kind.IDENTITY), _same_elements),
+    Kind.REDUCE_ALL: _reduce_all, Kind.DOT_ALL: _dot_all, Kind.REDUCE: _reduce,
+    Kind.BROADCAST_DIMS: _broadcast_dims, Kind.BROADCAST: _broadcast, Kind.COND: _cond,
+    # A loop's body has its own plan (plan._plan_loops); no cluster holds the loop.
+    Kind.LOOP: lambda c, eqn, ins, outs, nested: None,
+})
+
+
 def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str:
   """Chooses a format for every big tensor of `cluster`.
 
@@ -87,98 +216,19 @@ def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str
   Returns:
     The Layout, or a string saying why no format fits every operation.
   """
-  classes = _Classes()
-  relations: list[tuple[Var, Var, list[int]]] = []  # (p, q, K): q's dims are p's dims K.
-  whole_reads, partial = set(), set()
-
-  def broadcast(x: Var, y: Var, dims) -> None:
-    """y = x broadcast with x's dim i at y's dim dims[i]."""
-    ny = nonunit_dims(y.aval.shape)
-    mapped = {dims[i] for i in nonunit_dims(x.aval.shape)}
-    from_x = [d in mapped for d in ny]
-    classes.bounds[classes.add(y)] |= {p for p in range(1, len(ny)) if from_x[p] != from_x[p - 1]}
-    if not big(x):
-      return  # Small: read whole (and sliced if it supplies the shard dim).
-    if from_x[0]:
-      relations.append((y, x, [p for p, f in enumerate(from_x) if f]))
-    else:
-      classes.add(x)
-      whole_reads.add(x)
-
-  def constrain(jaxpr: Jaxpr, cluster: Cluster) -> str | None:
-    for i in cluster.eqns:
-      eqn, kind = jaxpr.eqns[i], cluster.kinds[i]
-      ins = [v for v in eqn.invars if big(v)]
-      outs = [v for v in eqn.outvars if big(v)]
-      if kind is Kind.ELEMENTWISE:
-        y = outs[0]
-        for v in outs[1:]:
-          classes.union(v, y)
-        for x in eqn.invars:
-          if compat.is_literal(x) or not x.aval.shape:
-            continue  # Scalars broadcast anywhere.
-          if x.aval.shape == y.aval.shape:
-            classes.union(x, y)
-          else:  # Implicit broadcast of size-1 dims.
-            broadcast(x, y, range(len(y.aval.shape)))
-      elif kind in (Kind.LAYOUT, Kind.REDUCE_UNIT, Kind.REDUCE_SCATTER, Kind.SUM_OF_COPIES,
-                    Kind.IDENTITY):
-        (x,), (y,) = ins, outs
-        if _signature(x) == _signature(y):
-          classes.union(x, y)
-        else:
-          classes.flat_only |= {classes.add(x), classes.add(y)}
-      elif kind is Kind.REDUCE_ALL:
-        classes.add(ins[0])
-      elif kind is Kind.DOT_ALL:
-        if len(ins) == 2:
-          classes.union(*ins)
-        else:
-          classes.add(ins[0])
-      elif kind is Kind.REDUCE:
-        (x,), (y,) = eqn.invars, eqn.outvars
-        axes = set(eqn.params["axes"])
-        reduced = [d in axes for d in nonunit_dims(x.aval.shape)]
-        classes.bounds[classes.add(x)] |= {p for p in range(1, len(reduced))
-                                           if reduced[p] != reduced[p - 1]}
-        if reduced[0]:
-          partial.add(y)  # Whole after its all-reduce; a format only if big.
-          if big(y):
-            classes.add(y)
-        elif not big(y):
-          return (f"a reduction of {x.aval.str_short()} keeps the shard dim but its "
-                  f"result {y.aval.str_short()} is too small to shard")
-        else:
-          classes.add(y)
-          relations.append((x, y, [p for p, r in enumerate(reduced) if not r]))
-      elif kind is Kind.BROADCAST_DIMS:
-        broadcast(eqn.invars[0], outs[0], eqn.params["broadcast_dimensions"])
-      elif kind is Kind.BROADCAST:
-        classes.add(outs[0])
-      elif kind is Kind.COND:
-        for branch, sub in zip(compat.cond_branches(eqn), cluster.nested[i], strict=True):
-          inner = branch.jaxpr
-          for x, v in zip(eqn.invars[1:], inner.invars, strict=True):
-            if big(v):
-              classes.union(x, v)
-          for y, v in zip(eqn.outvars, inner.outvars, strict=True):
-            if big(y):
-              classes.union(y, v)
-          if (why := constrain(inner, sub)) is not None:
-            return why
-    return None
-
-  if (why := constrain(jaxpr, cluster)) is not None:
+  c = _Constraints(big)
+  if (why := c.constrain(jaxpr, cluster)) is not None:
     return why
-  _solve(classes, relations)
-  for c in classes.flat_only:
-    if classes.bounds[classes.find(c)]:
-      return (f"a reshape of {c.aval.str_short()} regroups dims that a reduction or "
+  classes = c.classes
+  _solve(classes, c.relations)
+  for v in classes.flat_only:
+    if classes.bounds[classes.find(v)]:
+      return (f"a reshape of {v.aval.str_short()} regroups dims that a reduction or "
               "broadcast must keep apart")
   formats = {v: format_from_bounds(tuple(v.aval.shape), frozenset(classes.bounds[classes.find(v)]),
                                    num_shards)
              for v in classes.parent}
-  return Layout(formats, frozenset(whole_reads), frozenset(partial))
+  return Layout(formats, frozenset(c.whole_reads), frozenset(c.partial))
 
 
 def _solve(classes: _Classes, relations) -> None:

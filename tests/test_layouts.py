@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import analysed_body, mesh
 from wus.analysis import clusters, compat, formats, layouts
 from wus.analysis.formats import ShardFormat
+from wus.analysis.shardable import Kind
 
 R, X = P(), P("data")
 CONV = (3, 3, 5, 7)
@@ -169,3 +170,10 @@ def test_boundaries_of_a_reduced_statistic_come_back_to_the_weight():
   first, second, _ = outputs_of(jaxpr, lax.reduce_sum_p)
   assert layout.formats[first] == ShardFormat((3, 3, 5), (3, 3, 5), 8)
   assert layout.formats[second] == ShardFormat((3, 5), (3, 5), 8)
+
+
+def test_every_kind_has_a_layout_rule_and_a_shard_rule():
+  """A Kind added without its layout constraint or its rewrite fails here, not in a user's step."""
+  from wus.transforms import rewrite
+  assert set(layouts.layout_rules) == set(Kind)
+  assert set(rewrite.shard_rules) == set(Kind)
