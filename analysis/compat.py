@@ -12,10 +12,15 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as _np
 from jax._src import core as _core
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import partial_eval as _pe
 from jax._src import ad_util as _ad_util
+from jax._src import api_util as _api_util
+from jax._src import linear_util as _lu
+from jax._src import literals as _literals
+from jax._src import mesh as _mesh_lib
 from jax._src import dispatch as _dispatch
 from jax._src import pjit as _pjit
 from jax._src.lax import linalg as _linalg
@@ -32,6 +37,7 @@ from jax._src.random import threefry4x32 as _threefry4x32
 from jax._src.shard_map import Infer as INFER  # noqa: F401  (jax.shard_map's in_specs default)
 from jax._src.shard_map import shard_map_p  # noqa: F401  (re-exported)
 from jax.extend import core as _ecore
+from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.extend.core import primitives as _p
 
 # Types.
@@ -145,6 +151,86 @@ def has_axis_index_groups(eqn: JaxprEqn) -> bool:
   return eqn.params.get("axis_index_groups") is not None
 
 
+# The params that name the mesh axes of a collective (jax 0.10: psum, pvary and
+# psum_invariant say `axes`; all_gather, ppermute, axis_index `axis_name`).
+_AXIS_PARAMS = ("axes", "axis_name")
+
+
+def renamed_axes(eqn: JaxprEqn, rename: dict[Any, tuple]) -> dict[str, Any]:
+  """The params of `eqn` naming mesh axes, with each axis of `rename` replaced
+  by its tuple of axes ({} when `eqn` names none of them).
+
+  `psum[axes=(data,)]` with `{"data": ("g", "i")}` gives `{"axes": ("g", "i")}`.
+  Collectives over a tuple of axes index its devices row-major, so a
+  permutation, a source index or a gathered order over the pair is the one
+  over the axis it replaces when the pair splits it row-major.
+
+  Raises:
+    NotImplementedError: a renamed axis appears elsewhere in the params
+      (`axis_index_groups`, a primitive of another kind), so renaming could
+      change what the equation computes.
+  """
+  out = {}
+  for key, value in eqn.params.items():
+    if key in _AXIS_PARAMS and value is not None:
+      names = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+      if any(n in rename for n in names):
+        out[key] = tuple(r for n in names for r in rename.get(n, (n,)))
+    elif isinstance(value, NamedSharding):
+      # A result's layout (`sharding`, `out_sharding`): on the current mesh.
+      out[key] = value.update(mesh=_mesh_lib.get_abstract_mesh(),
+                              spec=P(*[_renamed_entry(e, rename) for e in value.spec]))
+    elif _mentions(value, rename):
+      raise NotImplementedError(
+          f"{eqn.primitive} at {source_line(eqn)} names mesh axis "
+          f"{sorted(n for n in rename if _mentions(value, {n: ()}))} in its {key!r}; "
+          "shard_group_size cannot split that axis into groups here. Use a mesh with the "
+          "groups as an axis of their own and axis_name= (partial sharding, §5.2)")
+  if out and has_axis_index_groups(eqn):
+    raise NotImplementedError(f"{eqn.primitive} at {source_line(eqn)} uses axis_index_groups; "
+                              "shard_group_size cannot regroup it")
+  return out
+
+
+def _renamed_entry(entry: Any, rename: dict) -> Any:
+  """A PartitionSpec entry with the renamed axes replaced."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return entry
+  names = tuple(r for n in (entry if isinstance(entry, tuple) else (entry,))
+                for r in rename.get(n, (n,)))
+  return names[0] if len(names) == 1 else names
+
+
+def _mentions(value: Any, names: dict) -> bool:
+  """Whether a param value (not a jaxpr) holds one of `names`."""
+  if isinstance(value, str):
+    return value in names
+  if isinstance(value, (tuple, list, frozenset, set)):
+    return any(_mentions(v, names) for v in value)
+  return False
+
+
+def rebind_call(eqn: JaxprEqn, fn: Any, args: Sequence[Any]) -> list[Any]:
+  """Binds a call-like equation (remat) on `args` with its inner jaxpr
+  replaced by `fn` traced on their types, other params kept (a remat after AD
+  keeps its `differentiated` flag, which `jax.checkpoint` would reset).
+
+  Constants the trace captures become leading operands, not rematerialized.
+  """
+  avals = [_core.typeof(x) for x in args]
+  debug = _api_util.debug_info("wus rename", fn, tuple(args), {})
+  jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(fn, debug_info=debug), avals)
+  params = dict(eqn.params)
+  if consts:
+    jaxpr = _pe.convert_constvars_jaxpr(jaxpr)
+    if isinstance(params.get("prevent_cse"), tuple):
+      params["prevent_cse"] = (False,) * len(consts) + params["prevent_cse"]
+  params[CALL_JAXPR_PARAM[eqn.primitive]] = jaxpr
+  with source_of(eqn):
+    out = eqn.primitive.bind(*consts, *args, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
 def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
   """Every jaxpr held in an equation's params, found generically."""
   yield from _core.jaxprs_in_params(eqn.params)
@@ -163,6 +249,12 @@ def bind(eqn: JaxprEqn, *args: Any, **new_params: Any) -> list[Any]:
   """
   if not new_params and (out := _stage(eqn, args)) is not None:
     return out
+  return rebind(eqn, *args, **new_params)
+
+
+def rebind(eqn: JaxprEqn, *args: Any, **new_params: Any) -> list[Any]:
+  """`bind` with the types of the results worked out anew, never copied from
+  `eqn` (for operands of other types: another mesh, renamed axes)."""
   params = dict(eqn.primitive.get_bind_params(eqn.params) if not new_params
                 else eqn.primitive.get_bind_params({**eqn.params, **new_params}))
   with source_of(eqn):
@@ -221,6 +313,27 @@ def source_of(eqn: JaxprEqn):
   with (_source_info.user_context(eqn.source_info.traceback, name_stack=name_stack),
         eqn.ctx.manager):
     yield
+
+
+def in_current_mesh(eqn: JaxprEqn) -> JaxprEqn:
+  """`eqn` with the abstract mesh of its context replaced by the current one,
+  to re-bind it inside a shard_map over another mesh (renamed axes)."""
+  ctx = eqn.ctx
+  meta = None if ctx.xla_metadata is None else tuple(sorted(ctx.xla_metadata.items()))
+  return eqn.replace(ctx=_core.JaxprEqnContext._create(
+      ctx.compute_type, ctx.threefry_partitionable, _mesh_lib.get_abstract_mesh(),
+      ctx.remove_size_one_mesh_axis, meta))
+
+
+def retyped(value: Any) -> Any:
+  """A literal's value typed under the current mesh (jax 0.10: an array
+  literal remembers the mesh of the trace that made it)."""
+  if isinstance(value, _literals.TypedNdArray):
+    aval = value.aval
+    return _literals.TypedNdArray(_np.asarray(value),
+                                  _core.ShapedArray(aval.shape, aval.dtype,
+                                                    weak_type=aval.weak_type))
+  return value
 
 
 def dce(jaxpr: Jaxpr) -> Jaxpr:

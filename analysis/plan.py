@@ -140,6 +140,11 @@ class Plan:
       shards (keyed by the jaxpr's variables, nested jaxprs included).
     gather_dtypes: sharded tensors whose whole value is only ever read in a
       narrower float: their all-gather moves that dtype (Fig. 7).
+    group_size: with `shard_group_size=G`, G (the update is sharded within
+      groups of G replicas of one axis, §5.2); None otherwise.
+    groups: how the replicas are grouped, in words ("" without groups).
+    across_groups: with groups, the batched all-reduces of gradient shards
+      across them per step (Fig. 10, right), predicted.
   """
 
   axes: tuple
@@ -150,6 +155,9 @@ class Plan:
   program: Program
   formats: Mapping = dataclasses.field(default_factory=dict, repr=False)
   gather_dtypes: Mapping = dataclasses.field(default_factory=dict, repr=False)
+  group_size: int | None = None
+  groups: str = ""
+  across_groups: int = 0
 
   @property
   def shard_eqns(self) -> Mapping[int, Kind]:
@@ -191,6 +199,8 @@ class Plan:
 
   def __str__(self) -> str:
     lines = [f"wus plan: weight update sharded over {self.axes} (N={self.num_shards})"]
+    if self.groups:
+      lines.append(self.groups)
     for c in self.clusters:
       verdict = "SHARDED" if c.sharded else "replicated"
       lines.append(f"cluster {c.index}: {verdict}: {c.reason}")
@@ -247,6 +257,20 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
                             k in state, v.aval.dtype.itemsize))
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               planned.program, planned.formats, planned.gather_dtypes)
+
+
+def replicated(plan: Plan, reason: str) -> Plan:
+  """`plan` with every cluster kept replicated and every input whole, for `reason`.
+
+  The rewrite then replays the step unchanged.
+  """
+  clusters = tuple(dataclasses.replace(
+      c, sharded=False, reason=reason,
+      tensors=tuple(dataclasses.replace(t, format=None) for t in c.tensors)) for c in plan.clusters)
+  inputs = tuple(dataclasses.replace(i, sharded=False, reason=reason) if i.sharded else i
+                 for i in plan.inputs)
+  return dataclasses.replace(plan, inputs=inputs, clusters=clusters, program=Program({}, {}, {}),
+                             formats={}, gather_dtypes={})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,5 +4,6 @@ Modules, one concern each:
   inline     calls inlined (and all-reduces sunk below element moves) for the analysis
   rewrite    the evaluate-and-retrace interpreter emitting the sharded step
   programs   the shard_state / step / unshard_state programs (§4.2)
+  groups     sharding groups of G consecutive replicas of one axis, on a derived mesh (§5.2)
   gc_pause   Python's cyclic GC paused while wus traces
 """

@@ -7,11 +7,16 @@ functions). XLA inlines calls anyway, and after AD the custom derivative rules
 are dead, so the program computes exactly what it computed before.
 `checkpoint` (remat) is kept: it tells XLA what to recompute in the backward
 pass.
+
+With `rename`, mesh axes are renamed on the way (`shard_group_size`, §5.2):
+each collective over a renamed axis runs over its tuple of axes instead and
+`axis_index` of it is the row-major index over the tuple, so the step runs
+unchanged on a mesh that splits the axis in two (`transforms.groups`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jax import lax
@@ -23,26 +28,41 @@ INLINED = frozenset({compat.jit_p, compat.closed_call_p, compat.custom_jvp_call_
                      compat.custom_vjp_call_p})
 
 
-def inlined(jaxpr: ClosedJaxpr) -> Callable[..., list[Any]]:
+def inlined(jaxpr: ClosedJaxpr, rename: Mapping[Any, tuple] | None = None
+            ) -> Callable[..., list[Any]]:
   """A function evaluating `jaxpr` with its calls inlined; trace it to get the flat jaxpr.
+
+  Args:
+    jaxpr: a shard_map body.
+    rename: optionally, mesh axis -> the tuple of axes that replaces it (trace
+      the function inside a shard_map over a mesh with those axes).
 
   Example (inside shard_map, as `wus` retraces the step body):
 
     { lambda ; a:f32[3]. let b:f32[3] = jit[name=f jaxpr={... c = sin a ...}] a in (b,) }
     becomes
     { lambda ; a:f32[3]. let b:f32[3] = sin a in (b,) }
+
+    and with rename={"data": ("data.groups", "data.in_group")}
+
+    { lambda ; a:f32[3]. let b:f32[3] = psum[axes=(data,)] a in (b,) }
+    becomes
+    { lambda ; a:f32[3]. let b:f32[3] = psum[axes=(data.groups, data.in_group)] a in (b,) }
   """
-  return lambda *args: _eval(jaxpr.jaxpr, jaxpr.consts, args)
+  return lambda *args: _eval(jaxpr.jaxpr, jaxpr.consts, args, rename=rename or None)
 
 
 def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-          caller=None) -> list[Any]:
-  """Evaluates `jaxpr` with calls inlined. Equations of an inlined call that
-  keep no user frame are attributed to `caller`, the call's equation."""
+          caller=None, rename: Mapping[Any, tuple] | None = None) -> list[Any]:
+  """Evaluates `jaxpr` with calls inlined (and axes renamed). Equations of an
+  inlined call that keep no user frame are attributed to `caller`, the call's
+  equation."""
   env: dict = {}
 
   def read(v):
-    return v.val if compat.is_literal(v) else env[v]
+    if compat.is_literal(v):
+      return v.val if rename is None else compat.retyped(v.val)
+    return env[v]
 
   for v, x in zip(jaxpr.constvars, consts, strict=True):
     env[v] = x
@@ -52,13 +72,17 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     ins = [read(v) for v in eqn.invars]
     if caller is not None and not compat.has_user_frame(eqn):
       eqn = compat.attributed(eqn, caller)
+    if rename is not None:
+      eqn = compat.in_current_mesh(eqn)
     if eqn.primitive in INLINED:
       inner = compat.call_jaxpr(eqn)
       outs = _eval(inner.jaxpr, inner.consts, ins,
-                   eqn if compat.has_user_frame(eqn) else caller)
+                   eqn if compat.has_user_frame(eqn) else caller, rename)
     elif eqn.primitive in _CONTROL:
       with compat.source_of(eqn):
-        outs = _CONTROL[eqn.primitive](eqn, ins)
+        outs = _CONTROL[eqn.primitive](eqn, ins, rename)
+    elif rename is not None:
+      outs = _renamed(eqn, ins, rename)
     else:
       outs = compat.bind(eqn, *ins)
     for v, x in zip(eqn.outvars, outs, strict=True):
@@ -66,30 +90,46 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
   return [read(v) for v in jaxpr.outvars]
 
 
-def _closed(jaxpr: ClosedJaxpr) -> Callable[..., list[Any]]:
-  return lambda *args: _eval(jaxpr.jaxpr, jaxpr.consts, args)
+def _renamed(eqn, ins, rename):
+  """Re-binds `eqn` with the renamed axes (`inlined`'s `rename`)."""
+  params = compat.renamed_axes(eqn, rename)
+  if eqn.primitive is compat.axis_index_p and params:
+    with compat.source_of(eqn):  # Row-major over the tuple: group * G + index in group.
+      return [lax.axis_index(params["axis_name"])]
+  if eqn.primitive is compat.remat_p:
+    inner = compat.call_jaxpr(eqn)
+    return compat.rebind_call(eqn, lambda *a: _eval(inner.jaxpr, inner.consts, a, eqn, rename),
+                              ins)
+  if any(True for _ in compat.sub_jaxprs(eqn)):
+    raise NotImplementedError(f"{eqn.primitive} at {compat.source_line(eqn)} holds a jaxpr; "
+                              "shard_group_size cannot rename the mesh axes inside it")
+  return compat.rebind(eqn, *ins, **params)
 
 
-def _cond(eqn, ins):
-  branches = [lambda *a, f=_closed(b): f(*a) for b in compat.cond_branches(eqn)]
+def _closed(jaxpr: ClosedJaxpr, rename=None) -> Callable[..., list[Any]]:
+  return lambda *args: _eval(jaxpr.jaxpr, jaxpr.consts, args, rename=rename)
+
+
+def _cond(eqn, ins, rename):
+  branches = [lambda *a, f=_closed(b, rename): f(*a) for b in compat.cond_branches(eqn)]
   return lax.switch(ins[0], branches, *ins[1:])
 
 
-def _while(eqn, ins):
+def _while(eqn, ins, rename):
   cond, cond_nconsts, body, body_nconsts = compat.while_parts(eqn)
   cond_consts, body_consts = ins[:cond_nconsts], ins[cond_nconsts:cond_nconsts + body_nconsts]
   init = ins[cond_nconsts + body_nconsts:]
-  return lax.while_loop(lambda c: _closed(cond)(*cond_consts, *c)[0],
-                        lambda c: _closed(body)(*body_consts, *c), list(init))
+  return lax.while_loop(lambda c: _closed(cond, rename)(*cond_consts, *c)[0],
+                        lambda c: _closed(body, rename)(*body_consts, *c), list(init))
 
 
-def _scan(eqn, ins):
+def _scan(eqn, ins, rename):
   body, num_consts, num_carry = compat.scan_parts(eqn)
   consts, init, xs = ins[:num_consts], ins[num_consts:num_consts + num_carry], \
       ins[num_consts + num_carry:]
 
   def step(carry, x):
-    out = _closed(body)(*consts, *carry, *x)
+    out = _closed(body, rename)(*consts, *carry, *x)
     return out[:num_carry], out[num_carry:]
 
   carry, ys = lax.scan(step, list(init), list(xs), length=eqn.params["length"],

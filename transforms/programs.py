@@ -15,13 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus import collectives
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
-from wus.transforms import gc_pause
+from wus.transforms import gc_pause, groups
 from wus.transforms.rewrite import rewrite
 
 
@@ -33,7 +33,8 @@ def shard_spec(axes: Sequence[str]) -> P:
 def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequence[P],
                  out_specs: Sequence[P], axis_names: frozenset, check_vma: bool,
                  donate_argnums: Sequence[int] = (),
-                 timings: dict | None = None) -> Callable[..., tuple]:
+                 timings: dict | None = None,
+                 home: groups.Groups | None = None) -> Callable[..., tuple]:
   """The jit-compiled sharded step (sharded state in, sharded state out).
 
   Args:
@@ -48,6 +49,9 @@ def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequen
       step may reuse for its outputs, as `jax.jit`'s.
     timings: if given, `timings["rewrite"]` is set to the seconds the rewrite
       interpreter takes each time the step is traced (on lowering).
+    home: when `mesh` is derived for sharding groups (`shard_group_size`), its
+      Groups: inputs may arrive on the user's mesh and whole outputs leave on
+      it (the same layout on the same devices: no data moves).
 
   Returns:
     A jitted function of one global array per `jaxpr` input; state inputs
@@ -68,9 +72,23 @@ def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequen
       timings["rewrite"] = time.perf_counter() - start
     return out
 
-  return jax.jit(jax.shard_map(timed_body, mesh=mesh, in_specs=ins, out_specs=outs,
-                               check_vma=check_vma, axis_names=axis_names),
-                 donate_argnums=tuple(donate_argnums))
+  fn = jax.shard_map(timed_body, mesh=mesh, in_specs=ins, out_specs=outs,
+                     check_vma=check_vma, axis_names=axis_names)
+  if home is not None:
+    fn = _placed(fn, mesh, ins, outs, set(plan.state_outputs), home)
+  return jax.jit(fn, donate_argnums=tuple(donate_argnums))
+
+
+def _placed(fn: Callable, mesh: Mesh, ins: Sequence[P], outs: Sequence[P], sharded: set,
+            home: groups.Groups) -> Callable:
+  """`fn` on the derived mesh, taking and returning values on the user's (sharded state
+  stays on the derived mesh)."""
+  def placed(*args):
+    with groups.on(mesh):
+      outs_ = fn(*[groups.place(x, NamedSharding(mesh, s)) for x, s in zip(args, ins, strict=True)])
+    return tuple(y if k in sharded else groups.place(y, NamedSharding(home.mesh, home.user_spec(s)))
+                 for k, (y, s) in enumerate(zip(outs_, outs, strict=True)))
+  return placed
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,8 +112,18 @@ def shard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
   """
   def body(*xs):
     return [collectives.shard(x, f, axes) for x, f in zip(xs, fmts, strict=True)]
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
-                               out_specs=[shard_spec(axes)] * len(fmts)))
+  if groups.home(mesh) is None:
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                                 out_specs=[shard_spec(axes)] * len(fmts)))
+  # A mesh derived for sharding groups: whole values may come on the user's mesh,
+  # and `wus.pmap`'s stacked copies, split over the groups too, are equal copies.
+  split = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                        out_specs=[shard_spec(axes)] * len(fmts), check_vma=False)
+
+  def placed(*xs):
+    with groups.on(mesh):
+      return split(*[groups.place(x, NamedSharding(mesh, s)) for x, s in zip(xs, specs, strict=True)])
+  return jax.jit(placed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,5 +147,16 @@ def unshard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
   """
   def body(*shards):
     return collectives.batched.all_gather(list(shards), list(fmts), axes)
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(shard_spec(axes),) * len(fmts),
-                               out_specs=list(specs)))
+  gather = jax.shard_map(body, mesh=mesh, in_specs=(shard_spec(axes),) * len(fmts),
+                         out_specs=list(specs))
+  home = groups.home(mesh)
+  if home is None:
+    return jax.jit(gather)
+  # State sharded in groups (`shard_group_size`): whole values on the user's mesh.
+
+  def placed(*shards):
+    with groups.on(mesh):
+      wholes = gather(*shards)
+    return [groups.place(x, NamedSharding(home.mesh, home.user_spec(s)))
+            for x, s in zip(wholes, specs, strict=True)]
+  return jax.jit(placed)

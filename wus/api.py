@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -15,12 +16,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from wus import collectives
 from wus.analysis import compat, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Plan, make_plan
+from wus.analysis.plan import replicated as replicated_plan
 from wus.errors import StateMismatchError
 from wus.sharded import ShardedArray, is_sharded, unshard
-from wus.transforms import gc_pause, inline, programs
+from wus.transforms import gc_pause, groups, inline, programs
 
 
 def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = compat.INFER,
@@ -28,6 +31,7 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
               check_vma: bool = True, axis_names: frozenset = frozenset(),
               axis_name: str | Sequence[str] | None = None,
               min_shard_size: int = 0,
+              shard_group_size: int | None = None,
               donate_argnums: int | Sequence[int] = (),
               donate_argnames: str | Sequence[str] = ()) -> ShardedStep | Callable[[Callable], ShardedStep]:
   """Like `jax.shard_map`, with the weight update sharded across replicas.
@@ -51,6 +55,15 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
       1-D mesh is its one axis; every manual axis if the step has none.
     min_shard_size: tensors with fewer elements stay replicated (tensors with
       at most as many elements as replicas always do).
+    shard_group_size: G, to shard within groups of G consecutive replicas of
+      the data-parallel axis (N = M x G replicas; partial sharding, §5.2,
+      Fig. 10): each group reduce-scatters the gradients, the shards are
+      all-reduced across the M groups (batched), each replica updates 1/G of
+      every tensor and keeps 1/G of the optimizer state, and the group
+      all-gathers the weights. Groups are consecutive devices of the axis,
+      so in multi-process runs a group can stay inside a process. The step
+      is written as before (collectives and `axis_index` over the axis).
+      None or N: one group (plain sharding); 1: nothing sharded.
     donate_argnums: positional arguments whose buffers the step may reuse for
       its outputs, as for `jax.jit(jax.shard_map(f, ...), donate_argnums=...)`:
       a donated argument (sharded state included) must not be used after the
@@ -62,15 +75,26 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
     A `ShardedStep`: call it like the jit-compiled `jax.shard_map(f, ...)`.
     Used as a decorator without `f`, a function that makes one.
 
+  Raises:
+    ValueError: `shard_group_size` is not a positive int (when called: one
+      that does not divide the axis size, or several sharding axes).
+
   Example:
     >>> step = wus.shard_map(train_step, mesh=mesh,  # doctest: +SKIP
     ...     in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
     >>> params, opt_state, metrics = step(params, opt_state, batch)  # doctest: +SKIP
+
+    Sharding within groups of 4 of the 8 replicas (state 1/4 per device):
+
+    >>> step = wus.shard_map(train_step, mesh=mesh, shard_group_size=4,  # doctest: +SKIP
+    ...     in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
   """
+  groups.check_group_size(shard_group_size)
+
   def make(f: Callable) -> ShardedStep:
     return ShardedStep(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
                        axis_names=frozenset(axis_names), axis_name=axis_name,
-                       min_shard_size=min_shard_size,
+                       min_shard_size=min_shard_size, shard_group_size=shard_group_size,
                        donate_argnums=donated_positions(f, donate_argnums, donate_argnames))
   return make if f is None else make(f)
 
@@ -107,7 +131,8 @@ class _Program:
   out_specs: tuple      # Per flat output: its PartitionSpec in the user's program.
   out_replicated: tuple  # Per flat output: identical on every replica of the plan's axes.
   out_tree: Any
-  mesh: Mesh
+  mesh: Mesh            # The mesh the programs run on (derived with shard_group_size).
+  user_mesh: Mesh       # The user's mesh: whole values enter and leave on it.
   timings: dict         # Seconds: "trace", "analysis" (inline, plan); "rewrite" once lowered.
 
 
@@ -116,6 +141,7 @@ class ShardedStep:
 
   def __init__(self, f: Callable, *, mesh: Mesh | None, in_specs: Any, out_specs: Any,
                check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
+               shard_group_size: int | None = None,
                donate_argnums: frozenset = frozenset(),
                split_reason: str = "its in_spec splits it"):
     self._f = f
@@ -125,6 +151,8 @@ class ShardedStep:
     self._axis_names = axis_names
     self._axis_name = axis_name
     self._min_size = min_shard_size
+    groups.check_group_size(shard_group_size)
+    self._group_size = None if shard_group_size is None else int(shard_group_size)
     self._donate_argnums = frozenset(donate_argnums)
     self._split_reason = split_reason
     self._cache: dict = {}
@@ -186,16 +214,16 @@ class ShardedStep:
     """
     from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
     leaves, prog = self._program(args, replicated)
-    mesh = prog.mesh
+    mesh = prog.user_mesh
     if self._in_specs is compat.INFER:
-      specs = [x.spec if is_sharded(x) else x.sharding.spec for x in leaves]
+      specs = [_user_spec(x) if is_sharded(x) else x.sharding.spec for x in leaves]
     else:
       specs = jax.tree.leaves(jax.tree.broadcast(self._in_specs, args, is_leaf=is_sharded))
     out = []
     for k, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
       if k in prog.state_in:
         fmt, spec = prog.state_in[k]
-        out.append(checkpoint.restore_target(fmt, prog.plan.axes, spec, mesh, x.dtype))
+        out.append(checkpoint.restore_target(fmt, prog.plan.axes, spec, prog.mesh, x.dtype))
       else:
         out.append(jax.ShapeDtypeStruct(np.shape(x), _aval(x)[1],
                                         sharding=NamedSharding(mesh, spec),
@@ -296,7 +324,7 @@ class ShardedStep:
              mesh: Mesh) -> _Program:
     start = time.perf_counter()
     # 1. Trace the user's step exactly as jax.shard_map would.
-    traced = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.spec))
+    traced = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, _user_spec(x)))
               if is_sharded(x) else x for x in leaves]
     smap = jax.shard_map(self._f, mesh=mesh, in_specs=self._in_specs,
                          out_specs=self._out_specs, check_vma=self._check_vma,
@@ -311,16 +339,37 @@ class ShardedStep:
     sources = tuple(("arg", arg_pos[v]) if v in arg_pos else ("const", const_val[v])
                     for v in eqn.invars)
     operand_avals = [traced[s[1]] if s[0] == "arg" else s[1] for s in sources]
+    body_pos = {s[1]: k for k, s in enumerate(sources) if s[0] == "arg"}
+    pairs = {o: body_pos[i] for o, i in _match_state(args, out_shape).items() if i in body_pos}
+    user_mesh, home, rename, grouping, whole_reason = mesh, None, None, "", None
+    if self._group_size is not None:
+      axes = self._replica_axes(mesh, manual, body, [body.invars[i] for i in pairs.values()])
+      home, grouping, whole_reason = self._groups(mesh, axes)
+    if home is not None:
+      # 1b. The programs run on the mesh derived for the groups; the step is
+      # renamed onto it while it is inlined (transforms/groups.py).
+      mesh, rename = home.derived, home.rename
+      in_specs = tuple(home.derived_spec(p) for p in in_specs)
+      out_specs = tuple(home.derived_spec(p) for p in out_specs)
+      manual = (manual - {home.axis}) | {home.outer, home.inner}
+      operand_avals = [jax.ShapeDtypeStruct(np.shape(x), _aval(x)[1],
+                                            sharding=NamedSharding(mesh, p),
+                                            weak_type=bool(getattr(x, "weak_type", False)))
+                       for x, p in zip(operand_avals, in_specs, strict=True)]
+      axes = (home.inner,)
 
     traced_at = time.perf_counter()
     # 2. Inline calls and retrace, then drop dead code (as jax.jit does before
     # lowering): the analysis works on one flat jaxpr, and an unused read of
     # optimizer state does not keep it whole.
-    flat_outer = jax.make_jaxpr(jax.shard_map(
-        lambda *a: tuple(inline.inlined(ClosedJaxpr(body, ()))(*a)), mesh=mesh,
-        in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=check_vma,
-        axis_names=manual))(*operand_avals)
+    with groups.on(mesh) if home is not None else contextlib.nullcontext():
+      flat_outer = jax.make_jaxpr(jax.shard_map(
+          lambda *a: tuple(inline.inlined(ClosedJaxpr(body, ()), rename)(*a)), mesh=mesh,
+          in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=check_vma,
+          axis_names=manual))(*operand_avals)
     flat = compat.dce(compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0])
+    if self._group_size is None:
+      axes = self._replica_axes(mesh, manual, flat, [flat.invars[i] for i in pairs.values()])
 
     # 3. Analyse and plan.
     arg_of_leaf = [a for a, arg in enumerate(args)
@@ -333,13 +382,19 @@ class ShardedStep:
     in_names = [names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     out_names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
-    body_pos = {s[1]: k for k, s in enumerate(sources) if s[0] == "arg"}
-    pairs = {o: body_pos[i] for o, i in _match_state(args, out_shape).items() if i in body_pos}
-    axes = self._replica_axes(mesh, manual, flat, [flat.invars[i] for i in pairs.values()])
     plan = make_plan(flat, facts, axes=axes,
                      num_shards=math.prod(mesh.shape[a] for a in axes),
                      in_names=in_names, out_names=out_names, state_pairs=pairs,
                      min_size=self._min_size, split_reason=self._split_reason)
+    if whole_reason is not None:
+      plan = replicated_plan(plan, whole_reason)
+    if self._group_size is not None:
+      across = _across_groups(plan) if home is not None else 0
+      if across:
+        grouping += (f"; the gradient shards are all-reduced across the {home.num_groups} "
+                     f"groups in {across} batched all-reduce(s)")
+      plan = dataclasses.replace(plan, group_size=self._group_size, groups=grouping,
+                                 across_groups=across)
 
     # 4. Compile the rewritten step.
     timings = {"trace": traced_at - start, "analysis": time.perf_counter() - traced_at}
@@ -347,11 +402,39 @@ class ShardedStep:
                if s[0] == "arg" and arg_of_leaf[s[1]] in self._donate_argnums]
     step = programs.step_program(ClosedJaxpr(flat, ()), plan, mesh=mesh, in_specs=in_specs,
                                  out_specs=out_specs, axis_names=manual, check_vma=check_vma,
-                                 donate_argnums=donated, timings=timings)
+                                 donate_argnums=donated, timings=timings, home=home)
     state_in = {sources[k][1]: (fmt, in_specs[k]) for k, fmt in plan.state_inputs.items()}
-    out_replicated = tuple(facts.is_redundant(v, frozenset(axes)) for v in flat.outvars)
+    # Identical on every replica: of all the data-parallel axes, also across groups.
+    same = frozenset(axes) | (frozenset((home.outer, home.inner)) if home is not None else set())
+    out_replicated = tuple(facts.is_redundant(v, same) for v in flat.outvars)
     return _Program(plan, step, sources, state_in, tuple(names), tuple(out_specs),
-                    out_replicated, out_tree, mesh, timings)
+                    out_replicated, out_tree, mesh, user_mesh, timings)
+
+  def _groups(self, mesh: Mesh, axes: tuple) -> tuple[groups.Groups | None, str, str | None]:
+    """The sharding groups of `shard_group_size` (§5.2): (the Groups, None for
+    G = N or G = 1; the grouping in words, for the Plan; the reason the update
+    stays replicated for G = 1, else None).
+
+    Raises:
+      ValueError: several sharding axes, or a G that does not divide N.
+    """
+    if len(axes) != 1:
+      raise ValueError(
+          f"shard_group_size groups the replicas of one mesh axis, but the update would be "
+          f"sharded over {list(axes)}; pass axis_name= one of them, or drop shard_group_size "
+          "and name the sharding axes of a mesh with the groups as an axis (partial sharding, "
+          "§5.2)")
+    (axis,) = axes
+    size, g = mesh.shape[axis], self._group_size
+    found = groups.derive(mesh, axis, g)  # Raises for a G that does not divide N.
+    if g == 1:
+      why = (f"shard_group_size=1: groups of one replica of {axis!r}, so nothing is sharded; "
+             "the update runs replicated as in the original step")
+      return None, why, why
+    if g == size:
+      return None, (f"shard_group_size={g}: one group of all {size} replicas of {axis!r} "
+                    "(plain sharding)"), None
+    return found, found.describe(), None
 
   def _replica_axes(self, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
     """The data-parallel axes, in mesh order."""
@@ -363,6 +446,14 @@ class ShardedStep:
         raise ValueError(f"axis_name {sorted(wanted)} must be manual axes of the shard_map; "
                          f"they are {sorted(manual)}")
     return tuple(a for a in mesh.axis_names if a in wanted)
+
+
+def _across_groups(plan: Plan) -> int:
+  """The batched all-reduces of the gradient shards across sharding groups (§5.2)."""
+  grads = [t for c in plan.clusters if c.sharded for t in c.tensors
+           if t.role == "gradient" and t.format is not None]
+  return len(collectives.batched.dtype_buckets(
+      [t.dtype for t in grads], [t.format.shard_size * t.itemsize for t in grads]))
 
 
 def _gradient_axes(jaxpr, state_shapes: set) -> frozenset | None:
@@ -431,11 +522,14 @@ def _normal(spec: P) -> tuple:
 
 def _fits(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedSharding, name: str) -> bool:
   """Whether `x` is sharded exactly as this step expects; False if it only needs
-  converting (same mesh, another format or a tensor this step reads whole).
+  converting (same mesh, another format or a tensor this step reads whole; or
+  sharded in groups of another size on the same mesh, `shard_group_size`).
 
   Raises:
     StateMismatchError: `x` lives on another mesh.
   """
+  if x.mesh != expected.mesh and _user_mesh(x.mesh) == _user_mesh(expected.mesh):
+    return False
   if x.mesh != expected.mesh:
     raise StateMismatchError(
         f"argument {name} was sharded on another mesh ({x}, on {x.mesh}); this step runs on "
@@ -445,6 +539,18 @@ def _fits(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedSharding, name
   return (fmt is not None and x.format == fmt and x.axes == axes
           and _normal(x.spec) == _normal(spec)
           and (traced or x.data.sharding.is_equivalent_to(expected, x.data.ndim)))
+
+
+def _user_spec(x: ShardedArray) -> P:
+  """The PartitionSpec of `x`'s whole value over the user's mesh."""
+  home = groups.home(x.mesh)
+  return x.spec if home is None else home.user_spec(x.spec)
+
+
+def _user_mesh(mesh: Mesh) -> Mesh:
+  """The user's mesh `mesh` was derived from for sharding groups, or `mesh`."""
+  home = groups.home(mesh)
+  return mesh if home is None else home.mesh
 
 
 def _match_state(args: tuple, out: Any) -> dict[int, int]:
