@@ -221,8 +221,9 @@ def _kept_whole(members, graph: _Graph, big, facts: Redundancy, axes: frozenset)
   cluster result it is computed from, is computed whole instead of sharded
   and gathered.
   """
-  todo = [(i, r) for i in members for v in filter(big, graph.jaxpr.eqns[i].outvars)
-          for r in graph.readers[v] if r not in members and facts.repeats(graph.jaxpr.eqns[r], axes)]
+  eqns = graph.jaxpr.eqns
+  todo = [(i, r) for i in members for v in filter(big, eqns[i].outvars)
+          for r in graph.readers[v] if r not in members and facts.repeats(eqns[r], axes)]
   out: dict[int, int] = {}
   while todo:
     i, r = todo.pop()

@@ -206,7 +206,8 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
               f"{_microseconds(sharded_s)} against {_microseconds(replicated_s)} replicated)")
   if extra > 0:
     return verdict(False, f"needs {all_gather} B of all-gather, more than the {all_reduce} B "
-                          "all-reduce it replaces" + _first_whole_reader(cluster, jaxpr, facts, axes))
+                          "all-reduce it replaces"
+                          + _first_whole_reader(cluster, jaxpr, facts, axes))
   reductions = sum(k in REDUCING for k in cluster.kinds.values())
   partial = f", {reductions} reduction(s)" if reductions else ""
   return slower() or verdict(True, f"update on 1/N shards{partial}; {len(gathered)} "

@@ -245,6 +245,3 @@ def _solve(classes: _Classes, relations) -> None:
         bq |= to_q
         bp |= to_p
         changed = True
-
-
-

@@ -373,7 +373,8 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         if decision.shard and k in pairs.values():
           input_reason[k] = (True, f"optimizer state: only cluster {idx} reads it")
         elif decision.shard:
-          input_reason.setdefault(k, (False, f"read whole elsewhere; cluster {idx} slices it locally"))
+          input_reason.setdefault(
+              k, (False, f"read whole elsewhere; cluster {idx} slices it locally"))
         else:
           input_reason.setdefault(k, (False, f"cluster {idx} stays replicated"))
     if decision.shard:

@@ -53,7 +53,8 @@ ELEMENTWISE: frozenset = frozenset({
 
 PURE: frozenset = frozenset({
     # Structure and indexing.
-    lax.bitcast_convert_type_p, lax.regularized_incomplete_beta_p, lax.broadcast_in_dim_p, lax.concatenate_p,
+    lax.bitcast_convert_type_p, lax.regularized_incomplete_beta_p, lax.broadcast_in_dim_p,
+    lax.concatenate_p,
     lax.dynamic_slice_p, lax.dynamic_update_slice_p, lax.gather_p, lax.iota_p, lax.pad_p,
     lax.reshape_p, lax.rev_p, lax.scatter_add_p, lax.scatter_max_p, lax.scatter_min_p,
     lax.scatter_mul_p, lax.scatter_p, lax.scatter_sub_p, lax.slice_p, lax.split_p,

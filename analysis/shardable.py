@@ -28,14 +28,16 @@ class Kind(enum.Enum):
   ELEMENTWISE = "elementwise"  # Same op on the shards; rank-0 operands broadcast.
   LAYOUT = "layout"            # Same elements in the same row-major order: the shard is unchanged.
   REDUCE_UNIT = "reduce over size-1 dims"  # Each output element reduces one input element.
-  REDUCE_ALL = "reduce to a scalar"  # Masked local reduce, then all-reduce the partial results (Fig. 6).
+  # Masked local reduce, then all-reduce the partial results (Fig. 6).
+  REDUCE_ALL = "reduce to a scalar"
   REDUCE = "reduce over some dims"  # Local if the shard dim is kept, else partial results as above.
   DOT_ALL = "inner product"  # dot_general contracting every dim: masked local dot, all-reduced sum.
   BROADCAST = "broadcast scalar"  # A one-element operand broadcast to a big shape.
   BROADCAST_DIMS = "broadcast along new dims"  # Local from the operand's shard, or from it whole.
   COND = "conditional"  # Big operands enter every branch as shards; big results leave as shards.
   LOOP = "loop"  # The body runs by its own plan; carried state stays sharded (§4.2).
-  REDUCE_SCATTER = "reduce-scatter"  # psum over (at least) the replica axes of a value that differs.
+  # psum over (at least) the replica axes of a value that differs.
+  REDUCE_SCATTER = "reduce-scatter"
   SUM_OF_COPIES = "psum of equal values"  # psum of a value equal on all its replicas: a local sum.
   IDENTITY = "pmax/pmin of equal values"  # pmax / pmin of a value equal on all replicas.
 
@@ -129,7 +131,8 @@ def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
 
 def _pmax_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   same = frozenset(compat.collective_axes(eqn)) == ctx.axes
-  if same and not compat.has_axis_index_groups(eqn) and ctx.facts.is_redundant(eqn.invars[0], ctx.axes):
+  if (same and not compat.has_axis_index_groups(eqn)
+      and ctx.facts.is_redundant(eqn.invars[0], ctx.axes)):
     return Kind.IDENTITY
   return None
 

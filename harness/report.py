@@ -24,7 +24,8 @@ COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
 # once: `(f32[1,125]{1,0}, /*index=5*/f32[1,125]{1,0})`.
 _COLLECTIVE_RE = re.compile(
     r"\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\((?:[^()]|\([^()]*\))*\)|\S+) "
-    r"(?P<kind>" + "|".join(COLLECTIVE_KINDS) + r")(?P<async>-start|-done)?\(%?(?P<operand>[\w.\-]*)")
+    r"(?P<kind>" + "|".join(COLLECTIVE_KINDS)
+    + r")(?P<async>-start|-done)?\(%?(?P<operand>[\w.\-]*)")
 # One array shape inside <shape>: element type and dims, e.g. `bf16[8,125]`.
 _ARRAY_RE = re.compile(r"\b(?P<dtype>pred|[a-z]+\d+\w*)\[(?P<dims>[\d,]*)\]")
 # The size of a collective's groups: `replica_groups={{0,1,2,3},{4,5,6,7}}` (the
@@ -178,7 +179,7 @@ def collectives(hlo_text: str, *, per_run: bool = False,
     {kind: Collectives(count, bytes, wire_bytes)} for each kind in
     COLLECTIVE_KINDS; bytes per device.
   """
-  header = dict((m["key"], int(m["n"])) for m in _DEVICES_RE.finditer(hlo_text.split("\n", 1)[0]))
+  header = {m["key"]: int(m["n"]) for m in _DEVICES_RE.finditer(hlo_text.split("\n", 1)[0])}
   everyone = header.get("num_partitions", 1) * header.get("replica_count", 1)
   runs = executions(hlo_text) if per_run else {}
   found = {kind: Collectives(0, 0, 0) for kind in COLLECTIVE_KINDS}

@@ -19,7 +19,8 @@ subprocess (`parity_worker.py`) whose XLA_FLAGS set only the device count.
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX --xla_allow_excess_precision=false").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_cpu_max_isa=AVX --xla_allow_excess_precision=false").strip()
 
 import jax  # noqa: E402
 

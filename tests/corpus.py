@@ -624,7 +624,8 @@ def imagenet_case(*, bn="axis_name", half_precision=False, dynamic_scale=False):
 
   @functools.cache
   def variables_for(axis):
-    return jax.jit(model_for(axis).init)({"params": jax.random.key(0)}, jnp.ones((1, 8, 8, 3), dtype))
+    return jax.jit(model_for(axis).init)({"params": jax.random.key(0)},
+                                         jnp.ones((1, 8, 8, 3), dtype))
 
   def init(axis):
     model = model_for(axis)

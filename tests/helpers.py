@@ -24,7 +24,8 @@ def assert_trees_equal(a, b, *, rtol: float = 0.0, atol: float = 0.0):
   """Same structure, then same values (bit for bit unless a tolerance is given).
 
   Typed PRNG keys compare by their key data."""
-  assert jax.tree.structure(a) == jax.tree.structure(b), (jax.tree.structure(a), jax.tree.structure(b))
+  sa, sb = jax.tree.structure(a), jax.tree.structure(b)
+  assert sa == sb, (sa, sb)
   for path, x, y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(a),
                         jax.tree.leaves(b), strict=True):
     x, y = _numpy(x), _numpy(y)
@@ -152,8 +153,8 @@ def dense_step(tx, axis_name="data"):
 def dense_inputs(m, steps=3):
   k = jax.random.split(jax.random.key(0), 2 + steps)
   params = {"w": 0.1 * jax.random.normal(k[0], (24, 40)), "b": 0.1 * jax.random.normal(k[1], (40,))}
-  xs = [jax.device_put(jax.random.normal(kk, (2 * m.shape["data"], 24)), NamedSharding(m, P("data")))
-        for kk in k[2:]]
+  xs = [jax.device_put(jax.random.normal(kk, (2 * m.shape["data"], 24)),
+                       NamedSharding(m, P("data"))) for kk in k[2:]]
   return params, xs
 
 
@@ -218,7 +219,8 @@ def make_train(tx, form: str, wrap_state: bool = False):
 
 def loop_xs(mesh):
   """LOOP_STEPS batches of 2 rows per replica, split over the replicas."""
-  return jax.device_put(jax.random.normal(jax.random.key(5), (LOOP_STEPS, 2 * mesh.shape["data"], 16)),
+  shape = (LOOP_STEPS, 2 * mesh.shape["data"], 16)
+  return jax.device_put(jax.random.normal(jax.random.key(5), shape),
                         NamedSharding(mesh, P(None, "data")))
 
 
@@ -254,7 +256,8 @@ def _pmap_loss(params, x, rng=None):
 
 def pmap_step(params, opt_state, x, dropout_rng=None):
   """A per-device step over axis "batch", Flax WMT style: the dropout key is a keyword argument."""
-  rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, jax.lax.axis_index("batch"))
+  rng = (None if dropout_rng is None
+         else jax.random.fold_in(dropout_rng, jax.lax.axis_index("batch")))
   loss, grads = jax.value_and_grad(_pmap_loss)(params, x, rng)
   grads = jax.lax.pmean(grads, "batch")
   updates, opt_state = PMAP_TX.update(grads, opt_state, params)

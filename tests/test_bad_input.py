@@ -148,7 +148,8 @@ def test_unshard_gathers_a_tree_in_one_program():
     return optax.apply_updates(p, u), s
   (b,) = batches(mesh, 1)
   ws = wus.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
-  ref = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P())))
+  ref = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")),
+                              out_specs=(P(), P())))
   _, sharded = ws(params, tx.init(params), b)
   assert len(jax.tree.leaves(sharded)) == 41 and len(
       [x for x in jax.tree.leaves(sharded, is_leaf=lambda x: isinstance(x, wus.ShardedArray))

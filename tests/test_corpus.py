@@ -41,7 +41,8 @@ STEPS = 3
 
 
 def _sharded_paths(tree) -> set[str]:
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, wus.ShardedArray))[0]
+  flat = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, wus.ShardedArray))[0]
   return {jax.tree_util.keystr(p) for p, x in flat if isinstance(x, wus.ShardedArray)}
 
 

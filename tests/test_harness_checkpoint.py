@@ -115,7 +115,8 @@ def test_sharded_state_is_saved_at_its_logical_shape(tmp_path, trained):
   save(tmp_path, 1, trained)
   shapes = saved_shapes(tmp_path, 1)
   # The logical tensor, not the 16 padded rows of `.data` nor the merged [10].
-  assert shapes["['opt_state']['0']['mu']['w']"] == shapes["['opt_state']['0']['nu']['w']"] == (2, 5)
+  mu, nu = "['opt_state']['0']['mu']['w']", "['opt_state']['0']['nu']['w']"
+  assert shapes[mu] == shapes[nu] == (2, 5)
   assert shapes["['params']['w']"] == (2, 5)  # whole arrays as they are
 
 

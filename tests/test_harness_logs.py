@@ -42,8 +42,9 @@ def test_metrics_file_and_tensorboard(tmp_path):
   scalars = read_scalars(tmp_path / "tensorboard")
   assert ("train/loss", 1, 2.5) in scalars and ("eval/eval_accuracy", 1, 0.5) in scalars
   assert ("train/learning_rate", 2, 0.20000000298023224) in scalars
-  assert {t for t, _, _ in scalars} == {"train/loss", "train/accuracy", "train/learning_rate",
-                                        "train/step_seconds", "eval/eval_loss", "eval/eval_accuracy"}
+  assert {t for t, _, _ in scalars} == {
+      "train/loss", "train/accuracy", "train/learning_rate", "train/step_seconds",
+      "eval/eval_loss", "eval/eval_accuracy"}
 
 
 def test_resuming_drops_records_after_the_checkpoint(tmp_path):

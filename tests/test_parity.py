@@ -84,9 +84,11 @@ def test_pmap_matches_jax_pmap(name, make_tx):
   from helpers import make_params, make_step
   tx = make_tx()
   params = make_params()
-  args = (_stack(params), _stack(tx.init(params)), _stack({"counter": jnp.arange(16, dtype=jnp.int32)}))
+  counter = {"counter": jnp.arange(16, dtype=jnp.int32)}
+  args = (_stack(params), _stack(tx.init(params)), _stack(counter))
   step = make_step(tx, axis="batch")
-  ref, ws = jax.pmap(step, axis_name="batch"), wus.pmap(step, axis_name="batch", replicated_argnums=(0, 1, 2))
+  ref = jax.pmap(step, axis_name="batch")
+  ws = wus.pmap(step, axis_name="batch", replicated_argnums=(0, 1, 2))
   a = b = args
   for i in range(3):
     x = jax.random.normal(jax.random.key(i), (8, 2, 16))

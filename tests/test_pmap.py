@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import wus
-from helpers import (PMAP_TX as TX, assert_trees_equal, pmap_params, pmap_step, pmap_xs, sharded_leaves,
-                     stack)
+from helpers import (PMAP_TX as TX, assert_trees_equal, pmap_params, pmap_step, pmap_xs,
+                     sharded_leaves, stack)
 
 
 def test_keyword_arguments_are_mapped():

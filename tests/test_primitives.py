@@ -8,8 +8,6 @@ every elementwise entry runs on shards, bit for bit.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 import pytest
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -173,7 +171,8 @@ def _check(f, sharded: bool):
   ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
   a = b = (params, mom)
   for i in range(2):
-    x = jax.device_put(jax.random.normal(jax.random.key(2 + i), (16, 16)), NamedSharding(m, P("data")))
+    x = jax.device_put(jax.random.normal(jax.random.key(2 + i), (16, 16)),
+                       NamedSharding(m, P("data")))
     try:
       a = ref(*a, x)
     except jax.errors.JaxRuntimeError as e:  # mulhi: XLA cannot lower it under shard_map.

@@ -68,4 +68,3 @@ def test_plan_names_the_equation_that_runs_whole(make_tx, why, tol, momentum_sha
   assert f"run whole: {why} at" in block.group(1) and "has no shard rule" in block.group(1)
   names = re.findall(r"^    \w+ +(\S+)", block.group(2), re.M)
   assert STATE in names and WEIGHT in names
-

@@ -1,7 +1,6 @@
 """`wus.shard_map` is a drop-in for `jax.shard_map`: the ways people call it work unchanged."""
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 

@@ -34,7 +34,8 @@ CASES = [  # (id, f, shapes of w (and x), primitive, expected kind)
     ("max_rows", lambda w: jnp.max(w, axis=0), [M88], lax.reduce_max_p, Kind.REDUCE),
     ("sum_unit", lambda w: jnp.sum(w, axis=1), [(64, 1)], lax.reduce_sum_p, Kind.REDUCE_UNIT),
     ("prod_unit", lambda w: jnp.prod(w, axis=1), [(64, 1)], lax.reduce_prod_p, Kind.REDUCE_UNIT),
-    ("prod_rows", lambda w: jnp.prod(w, axis=1), [M88], lax.reduce_prod_p, None),  # No exact combine.
+    # No exact combine of partial products:
+    ("prod_rows", lambda w: jnp.prod(w, axis=1), [M88], lax.reduce_prod_p, None),
     ("vdot", lambda w: jnp.vdot(w, w), [M88], lax.dot_general_p, Kind.DOT_ALL),
     ("matmul", lambda w: w @ w, [M88], lax.dot_general_p, None),
     ("sort", jnp.sort, [V64], lax.sort_p, None),  # No rule: stays whole.
@@ -46,7 +47,8 @@ CASES = [  # (id, f, shapes of w (and x), primitive, expected kind)
 ]
 
 
-@pytest.mark.parametrize("f,shapes,prim,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("f,shapes,prim,expected", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
 def test_shard_kind(f, shapes, prim, expected):
   specs = [X if s is X else R for s in shapes]
   shapes = [V64 if s is X else s for s in shapes]

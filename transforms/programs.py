@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -122,7 +121,8 @@ def shard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
 
   def placed(*xs):
     with groups.on(mesh):
-      return split(*[groups.place(x, NamedSharding(mesh, s)) for x, s in zip(xs, specs, strict=True)])
+      return split(*[groups.place(x, NamedSharding(mesh, s))
+                     for x, s in zip(xs, specs, strict=True)])
   return jax.jit(placed)
 
 

@@ -425,4 +425,3 @@ def _schedule(jaxpr, program: Program) -> list[int]:
       level[v] = done
     keys.append((p, i))
   return [i for _, i in sorted(keys)]
-

@@ -33,7 +33,8 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
               min_shard_size: int = 0,
               shard_group_size: int | None = None,
               donate_argnums: int | Sequence[int] = (),
-              donate_argnames: str | Sequence[str] = ()) -> ShardedStep | Callable[[Callable], ShardedStep]:
+              donate_argnames: str | Sequence[str] = ()
+              ) -> ShardedStep | Callable[[Callable], ShardedStep]:
   """Like `jax.shard_map`, with the weight update sharded across replicas.
 
   Swap `jax.shard_map` for `wus.shard_map`; nothing else changes. The step is
@@ -126,7 +127,7 @@ class _Program:
   plan: Plan
   step: Callable[..., tuple]
   sources: tuple        # Per step operand: ("arg", leaf index) or ("const", value).
-  state_in: dict        # Arg leaf index -> (ShardFormat, whole-value spec) of inputs passed sharded.
+  state_in: dict        # Arg leaf index -> (ShardFormat, whole-value spec), inputs passed sharded.
   in_names: tuple[str, ...]
   out_specs: tuple      # Per flat output: its PartitionSpec in the user's program.
   out_replicated: tuple  # Per flat output: identical on every replica of the plan's axes.
@@ -210,7 +211,8 @@ class ShardedStep:
 
     Example:
       >>> params, opt_state, _ = step.state_target(params, opt_state, batch)  # doctest: +SKIP
-      >>> params, opt_state = ocp.StandardCheckpointer().restore(path, (params, opt_state))  # doctest: +SKIP
+      >>> ckptr = ocp.StandardCheckpointer()  # doctest: +SKIP
+      >>> params, opt_state = ckptr.restore(path, (params, opt_state))  # doctest: +SKIP
     """
     from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
     leaves, prog = self._program(args, replicated)
@@ -381,7 +383,8 @@ class ShardedStep:
              jax.tree_util.tree_flatten_with_path(args, is_leaf=is_sharded)[0]]
     in_names = [names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
     out_leaves, out_tree = jax.tree.flatten(out_shape)
-    out_names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    out_names = [jax.tree_util.keystr(p)
+                 for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     plan = make_plan(flat, facts, axes=axes,
                      num_shards=math.prod(mesh.shape[a] for a in axes),
                      in_names=in_names, out_names=out_names, state_pairs=pairs,

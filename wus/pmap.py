@@ -107,7 +107,8 @@ class _Pmapped:
   def __init__(self, f, axis_name, in_axes, out_axes, static, devices, backend, axis_size,
                donated, donate_argnames, replicated_argnums, min_shard_size, shard_group_size):
     self._f, self._axis, self._in_axes, self._out_axes = f, axis_name, in_axes, out_axes
-    self._static, self._devices, self._backend, self._axis_size = static, devices, backend, axis_size
+    self._static, self._devices = static, devices
+    self._backend, self._axis_size = backend, axis_size
     self._donated, self._donate_argnames = donated, donate_argnames
     self._replicated_argnums = replicated_argnums
     self._min_size = min_shard_size
@@ -182,7 +183,8 @@ class _Pmapped:
       return _broadcast_axes((*in_axes, {k: 0 for k in kwargs}),
                              jax.tree.unflatten(treedef, [0] * treedef.num_leaves))
     except ValueError as e:
-      raise ValueError(f"pmap in_axes must be a tree prefix of the positional arguments: {e}") from None
+      raise ValueError("pmap in_axes must be a tree prefix of the positional arguments: "
+                       f"{e}") from None
 
   def _mesh(self, leaves: list, axes: tuple) -> Mesh:
     sizes = {(x.shape[ax] if not is_sharded(x) else x.shape[ax])
@@ -256,8 +258,9 @@ class _Pmapped:
       out = f(*full, **kw)
       out_leaves, out_tree = jax.tree.flatten(out)
       out_axes_flat = _broadcast_axes(out_axes, out)
-      return jax.tree.unflatten(out_tree, [y if ax is None else jnp.expand_dims(y, ax)
-                                           for y, ax in zip(out_leaves, out_axes_flat, strict=True)])
+      return jax.tree.unflatten(out_tree, [
+          y if ax is None else jnp.expand_dims(y, ax)
+          for y, ax in zip(out_leaves, out_axes_flat, strict=True)])
 
     in_specs = jax.tree.unflatten(treedef, [_spec(axis_name, ax) for ax in axes])
     out_specs = jax.tree.map(lambda ax: _spec(axis_name, ax), out_axes, is_leaf=lambda x: x is None)

@@ -144,7 +144,8 @@ def checkpointable(tree: Any) -> Any:
 
   Example:
     >>> ckptr = ocp.StandardCheckpointer()  # doctest: +SKIP
-    >>> ckptr.save(path, wus.checkpointable({"params": params, "opt_state": opt_state}))  # doctest: +SKIP
+    >>> state = {"params": params, "opt_state": opt_state}  # doctest: +SKIP
+    >>> ckptr.save(path, wus.checkpointable(state))  # doctest: +SKIP
   """
   from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
   return checkpoint.checkpointable(tree)
