@@ -202,8 +202,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
     # whole): taken for the optimizer state it keeps sharded between steps.
     return slower() or verdict(
         True, f"update on 1/N shards; optimizer state kept sharded at the cost of {extra} B "
-              "more all-gather than the reduce-scatter saves (predicted "
-              f"{_microseconds(sharded_s)} against {_microseconds(replicated_s)} replicated)")
+              "more all-gather than the reduce-scatter saves")
   if extra > 0:
     return verdict(False, f"needs {all_gather} B of all-gather, more than the {all_reduce} B "
                           "all-reduce it replaces"

@@ -16,7 +16,7 @@ from jax import lax
 
 from wus.analysis import clusters as clusters_lib
 from wus.analysis import compat
-from wus.analysis import cost
+from wus.analysis import cost, costmodel
 from wus.analysis import formats
 from wus.analysis import layouts
 from wus.analysis.compat import Jaxpr, source_line
@@ -66,6 +66,9 @@ class ClusterPlan:
     all_gather_bytes: whole bytes it all-gathers per step when sharded.
     saved_bytes: predicted bytes of weights, state and outputs each replica no
       longer reads or writes per step when sharded.
+    replicated_seconds, sharded_seconds: the cost model's prediction of the
+      cluster's collectives and update, replicated and sharded (seconds;
+      `cost.predict`), 0 where not predicted.
   """
 
   index: int
@@ -75,6 +78,8 @@ class ClusterPlan:
   all_reduce_bytes: int
   all_gather_bytes: int
   saved_bytes: int
+  replicated_seconds: float = 0.0
+  sharded_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +148,7 @@ class Plan:
     group_size: with `shard_group_size=G`, G (the update is sharded within
       groups of G replicas of one axis, §5.2); None otherwise.
     groups: how the replicas are grouped, in words ("" without groups).
+    objective: "memory" or "time", what the cluster decisions favour (`cost.decide`).
     across_groups: with groups, the batched all-reduces of gradient shards
       across them per step (Fig. 10, right), predicted.
   """
@@ -158,6 +164,7 @@ class Plan:
   group_size: int | None = None
   groups: str = ""
   across_groups: int = 0
+  objective: str = "memory"
 
   @property
   def shard_eqns(self) -> Mapping[int, Kind]:
@@ -204,6 +211,10 @@ class Plan:
     for c in self.clusters:
       verdict = "SHARDED" if c.sharded else "replicated"
       lines.append(f"cluster {c.index}: {verdict}: {c.reason}")
+      if c.replicated_seconds:
+        lines.append(f"    predicted: {c.sharded_seconds * 1e6:.3g} us sharded, "
+                     f"{c.replicated_seconds * 1e6:.3g} us replicated (collectives and update, "
+                     f"{self.objective} objective)")
       for t in c.tensors:
         fmt = str(t.format) if t.format is not None else "whole"
         lines.append(f"    {t.role:9s} {t.name:40s} {t.dtype:9s} {fmt}")
@@ -222,7 +233,8 @@ class Plan:
 def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: int,
               in_names: Sequence[str], out_names: Sequence[str],
               state_pairs: Mapping[int, int], min_size: int = 0,
-              split_reason: str = "its in_spec splits it") -> Plan:
+              split_reason: str = "its in_spec splits it", objective: str = "memory",
+              topology: costmodel.Topology | None = None) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -238,6 +250,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     min_size: tensors with fewer elements stay replicated (never below N).
     split_reason: why an input that differs across replicas does (shown in
       the Plan; `wus.pmap` points at replicated_argnums).
+    objective, topology: as for `cost.decide` (the topology has N devices).
 
   Returns:
     The frozen Plan.
@@ -246,7 +259,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     return (not compat.is_literal(v)
             and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
 
-  ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, big)
+  ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, big, objective,
+             topology or costmodel.default_topology(num_shards))
   planned = _plan(jaxpr, ctx, state_pairs, in_names, out_names)
   inputs = []
   state = set(state_pairs.values())
@@ -256,7 +270,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
                             k in state, v.aval.dtype.itemsize))
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
-              planned.program, planned.formats, planned.gather_dtypes)
+              planned.program, planned.formats, planned.gather_dtypes, objective=objective)
 
 
 def replicated(plan: Plan, reason: str) -> Plan:
@@ -280,6 +294,8 @@ class _Ctx:
   num_shards: int
   min_size: int
   big: object
+  objective: str
+  topology: costmodel.Topology
 
 
 @dataclasses.dataclass
@@ -336,7 +352,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       narrow = {} if in_loop else None
       pairs = _state_pairs(c, layout, jaxpr, members, state_pairs, invar_pos, readers, narrow)
       decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards,
-                             rare)
+                             rare, objective=ctx.objective, topology=ctx.topology)
       if rare & set(c.nested) and decision.shard:
         decision = dataclasses.replace(decision, reason=decision.reason + "; " + ", ".join(
             f"the conditional at {source_line(jaxpr.eqns[i])} follows the loop counter: it "
@@ -366,7 +382,8 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         input_reason.setdefault(invar_pos[v], (False, f"cluster {idx} stays replicated"))
     cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, label + decision.reason,
                                      decision.all_reduce_bytes, decision.all_gather_bytes,
-                                     decision.saved_bytes))
+                                     decision.saved_bytes, decision.replicated_seconds,
+                                     decision.sharded_seconds))
     for v in c.reads:
       if v in invar_pos:
         k = invar_pos[v]

@@ -9,11 +9,16 @@ made up so that the answer is obvious.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import analysed_body, mesh
+import wus
+from helpers import (PMAP_TX, analysed_body, assert_trees_equal, mesh, pmap_params, pmap_step,
+                     pmap_xs, sharded_leaves, stack)
 from wus.analysis import clusters, compat, cost, costmodel, formats, layouts
 
 N = 8
@@ -80,3 +85,73 @@ def test_bad_objective_and_topology_are_refused():
     _decide("speed", SLOW_LINKS)
   with pytest.raises(ValueError, match="4 devices"):
     _decide("time", costmodel.default_topology(4))
+
+
+# --- Through wus.shard_map and wus.pmap. ---------------------------------------
+
+TX = optax.sgd(0.1, momentum=0.9)
+
+
+def byol_step(params, opt_state, target, x):
+  """A BYOL-style step: the forward pass reads an EMA target network, so the
+  new target is gathered every step beside the new weights."""
+  want = jnp.tanh(x @ target["w"] + target["b"])
+  loss = lambda p: jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - want) ** 2)
+  grads = lax.pmean(jax.grad(loss)(params), "data")
+  updates, opt_state = TX.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  target = jax.tree.map(lambda t, w: 0.99 * t + 0.01 * w, target, params)
+  return params, opt_state, target
+
+
+def _byol(objective, **kw):
+  m = mesh(N)
+  params = {"w": 0.1 * jax.random.normal(jax.random.key(0), (16, 96)), "b": jnp.zeros(96)}
+  args = (params, TX.init(params), params)
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (2 * N, 16)), NamedSharding(m, X))
+  specs = dict(mesh=m, in_specs=(R, R, R, X), out_specs=(R, R, R))
+  ref = jax.jit(jax.shard_map(byol_step, **specs))(*args, x)
+  ws = wus.shard_map(byol_step, objective=objective, **specs, **kw)
+  got = ws(*args, x)
+  assert_trees_equal(ref, wus.unshard(got))  # Elementwise update: bit for bit either way.
+  return ws.plan(*args, x), got
+
+
+def test_memory_objective_keeps_the_momentum_sharded_at_the_cost_of_a_gather():
+  plan, got = _byol("memory")
+  assert len(sharded_leaves(got[1])) == 2 and all(c.sharded for c in plan.clusters)
+  assert all("more all-gather" in c.reason for c in plan.clusters)
+  assert "predicted:" in str(plan) and "memory objective" in str(plan)
+
+
+def test_time_objective_keeps_it_replicated_where_predicted_slower():
+  """Default topology: links 50 GB/s, memory 1 TB/s: the second gather costs
+  more than the 7/8 of the update it saves."""
+  plan, got = _byol("time")
+  assert not sharded_leaves(got[1]) and not any(c.sharded for c in plan.clusters)
+  assert all(c.sharded_seconds > c.replicated_seconds for c in plan.clusters)
+  assert all("predicted slower sharded" in c.reason for c in plan.clusters)
+
+
+def test_time_objective_shards_when_the_update_dominates():
+  plan, got = _byol("time", topology=topology(bandwidth=1e15, memory_bandwidth=1e9))
+  assert len(sharded_leaves(got[1])) == 2 and all(c.sharded for c in plan.clusters)
+
+
+def test_bad_objective_or_topology_raises_a_clear_error():
+  with pytest.raises(ValueError, match="objective='fast'.*memory"):
+    wus.shard_map(byol_step, mesh=mesh(N), in_specs=(R, R, R, X), out_specs=(R, R, R),
+                  objective="fast")
+  with pytest.raises(ValueError, match="objective='fast'"):
+    wus.pmap(byol_step, axis_name="data", objective="fast")
+  with pytest.raises(ValueError, match="topology= describes 4 devices.*sharded over 8"):
+    _byol("time", topology=costmodel.default_topology(4))
+
+
+def test_pmap_passes_the_objective_and_topology_on():
+  params = pmap_params()
+  args = (stack(params), stack(PMAP_TX.init(params)), pmap_xs(1)[0])
+  fast_memory = topology(bandwidth=1e9, memory_bandwidth=1e15)
+  plan = wus.pmap(pmap_step, axis_name="batch", objective="time", topology=fast_memory).plan(*args)
+  assert plan.objective == "time"
+  assert all(c.sharded_seconds and c.replicated_seconds for c in plan.clusters)

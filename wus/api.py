@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus import collectives
-from wus.analysis import compat, redundancy
+from wus.analysis import compat, cost, costmodel, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Plan, make_plan
 from wus.analysis.plan import replicated as replicated_plan
@@ -32,6 +32,8 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
               axis_name: str | Sequence[str] | None = None,
               min_shard_size: int = 0,
               shard_group_size: int | None = None,
+              objective: str = "memory",
+              topology: costmodel.Topology | None = None,
               donate_argnums: int | Sequence[int] = (),
               donate_argnames: str | Sequence[str] = ()
               ) -> ShardedStep | Callable[[Callable], ShardedStep]:
@@ -65,6 +67,15 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
       so in multi-process runs a group can stay inside a process. The step
       is written as before (collectives and `axis_index` over the axis).
       None or N: one group (plain sharding); 1: nothing sharded.
+    objective: what a cluster's decision favours when sharding it costs more
+      all-gather than the all-reduce it replaces (§3.2): "memory" (default)
+      shards it for the optimizer state it keeps sharded; "time" shards it
+      only where the cost model predicts its collectives and update are no
+      slower than replicated. The Plan prints the prediction either way.
+    topology: the devices the update is sharded over, for the cost model: a
+      `wus.analysis.costmodel.Topology` of N devices (mesh axes fast to slow,
+      latency, bandwidth, memory bandwidth). Default:
+      `costmodel.default_topology` with one process's devices as the fast axis.
     donate_argnums: positional arguments whose buffers the step may reuse for
       its outputs, as for `jax.jit(jax.shard_map(f, ...), donate_argnums=...)`:
       a donated argument (sharded state included) must not be used after the
@@ -77,8 +88,10 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
     Used as a decorator without `f`, a function that makes one.
 
   Raises:
-    ValueError: `shard_group_size` is not a positive int (when called: one
-      that does not divide the axis size, or several sharding axes).
+    ValueError: `shard_group_size` is not a positive int, or `objective` is
+      not "memory" or "time" (when called: a group size that does not divide
+      the axis size, several sharding axes, or a topology of another number
+      of devices than the update is sharded over).
 
   Example:
     >>> step = wus.shard_map(train_step, mesh=mesh,  # doctest: +SKIP
@@ -91,11 +104,13 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
     ...     in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
   """
   groups.check_group_size(shard_group_size)
+  check_objective(objective)
 
   def make(f: Callable) -> ShardedStep:
     return ShardedStep(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
                        axis_names=frozenset(axis_names), axis_name=axis_name,
                        min_shard_size=min_shard_size, shard_group_size=shard_group_size,
+                       objective=objective, topology=topology,
                        donate_argnums=donated_positions(f, donate_argnums, donate_argnames))
   return make if f is None else make(f)
 
@@ -143,6 +158,7 @@ class ShardedStep:
   def __init__(self, f: Callable, *, mesh: Mesh | None, in_specs: Any, out_specs: Any,
                check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
                shard_group_size: int | None = None,
+               objective: str = "memory", topology: costmodel.Topology | None = None,
                donate_argnums: frozenset = frozenset(),
                split_reason: str = "its in_spec splits it"):
     self._f = f
@@ -154,6 +170,8 @@ class ShardedStep:
     self._min_size = min_shard_size
     groups.check_group_size(shard_group_size)
     self._group_size = None if shard_group_size is None else int(shard_group_size)
+    check_objective(objective)
+    self._objective, self._topology = objective, topology
     self._donate_argnums = frozenset(donate_argnums)
     self._split_reason = split_reason
     self._cache: dict = {}
@@ -385,10 +403,12 @@ class ShardedStep:
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     out_names = [jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
-    plan = make_plan(flat, facts, axes=axes,
-                     num_shards=math.prod(mesh.shape[a] for a in axes),
+    num_shards = math.prod(mesh.shape[a] for a in axes)
+    plan = make_plan(flat, facts, axes=axes, num_shards=num_shards,
                      in_names=in_names, out_names=out_names, state_pairs=pairs,
-                     min_size=self._min_size, split_reason=self._split_reason)
+                     min_size=self._min_size, split_reason=self._split_reason,
+                     objective=self._objective,
+                     topology=self._topology_for(mesh, axes, num_shards))
     if whole_reason is not None:
       plan = replicated_plan(plan, whole_reason)
     if self._group_size is not None:
@@ -439,6 +459,19 @@ class ShardedStep:
                     "(plain sharding)"), None
     return found, found.describe(), None
 
+  def _topology_for(self, mesh: Mesh, axes: tuple, num_shards: int) -> costmodel.Topology:
+    """The cost model's devices: the user's topology, or one from the mesh's processes."""
+    if self._topology is not None:
+      if self._topology.num_devices != num_shards:
+        raise ValueError(f"topology= describes {self._topology.num_devices} devices, but the "
+                         f"update is sharded over {num_shards} ({list(axes)}); describe those")
+      return self._topology
+    # The devices of one sharding group (the other axes at 0), fast axis last.
+    group = mesh.devices[tuple(slice(None) if a in axes else 0 for a in mesh.axis_names)]
+    first = group.flat[0].process_index
+    local = sum(d.process_index == first for d in group.flat)
+    return costmodel.default_topology(num_shards, local if num_shards % local == 0 else None)
+
   def _replica_axes(self, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
     """The data-parallel axes, in mesh order."""
     if self._axis_name is None:
@@ -449,6 +482,14 @@ class ShardedStep:
         raise ValueError(f"axis_name {sorted(wanted)} must be manual axes of the shard_map; "
                          f"they are {sorted(manual)}")
     return tuple(a for a in mesh.axis_names if a in wanted)
+
+
+def check_objective(objective: str) -> None:
+  """Raises ValueError unless `objective` is one `cost.decide` knows."""
+  if objective not in cost.OBJECTIVES:
+    raise ValueError(f"objective={objective!r}: pass one of {list(cost.OBJECTIVES)} (\"memory\" "
+                     "shards for the optimizer state it keeps sharded, \"time\" only where the "
+                     "cost model predicts no slower steps)")
 
 
 def _across_groups(plan: Plan) -> int:

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from wus.api import ShardedStep, check_alive, donated_positions
+from wus.analysis import costmodel
+from wus.api import ShardedStep, check_alive, check_objective, donated_positions
 from wus.sharded import is_sharded
 from wus.transforms import groups
 
@@ -35,7 +36,8 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
          axis_size: int | None = None, donate_argnums: int | Iterable[int] = (),
          donate_argnames: str | Iterable[str] = (),
          replicated_argnums: Iterable[int] = (), min_shard_size: int = 0,
-         shard_group_size: int | None = None) -> Callable:
+         shard_group_size: int | None = None, objective: str = "memory",
+         topology: costmodel.Topology | None = None) -> Callable:
   """Like `jax.pmap`, with the weight update sharded across devices.
 
   Every argument means what it means to `jax.pmap`. Optimizer state comes back
@@ -66,13 +68,16 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
     shard_group_size: G, to shard within groups of G consecutive devices and
       all-reduce the gradient shards across the groups (partial sharding,
       §5.2, Fig. 10; as for `wus.shard_map`): optimizer state 1/G per device.
+    objective, topology: what the cluster decisions favour, and the devices
+      for the cost model, as for `wus.shard_map`.
 
   Returns:
     A function called like the `jax.pmap` of `f`, with `.plan(*args,
     **kwargs)` and `.lower(*args, **kwargs)` as `wus.ShardedStep` has.
 
   Raises:
-    ValueError: `shard_group_size` is not a positive int; at call time, for
+    ValueError: `shard_group_size` is not a positive int, or an unknown
+      `objective`; at call time, for
       arguments jax.pmap would refuse, an argument of `replicated_argnums`
       whose copies differ, a donated buffer passed again, or a
       `shard_group_size` that does not divide the number of devices.
@@ -80,12 +85,13 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
   """
   static = _index_tuple(static_broadcasted_argnums)
   groups.check_group_size(shard_group_size)
+  check_objective(objective)
   return _Pmapped(f, "_internal_pmap_axis_name" if axis_name is None else axis_name, in_axes,
                   out_axes, static, tuple(devices) if devices is not None else None, backend,
                   axis_size, donated_positions(f, _index_tuple(donate_argnums),
                                                _names(donate_argnames)),
                   _names(donate_argnames), frozenset(_index_tuple(replicated_argnums)),
-                  min_shard_size, shard_group_size)
+                  min_shard_size, shard_group_size, dict(objective=objective, topology=topology))
 
 
 def _index_tuple(x: int | Iterable[int]) -> tuple[int, ...]:
@@ -105,7 +111,8 @@ class _Pmapped:
   """The callable `wus.pmap` returns."""
 
   def __init__(self, f, axis_name, in_axes, out_axes, static, devices, backend, axis_size,
-               donated, donate_argnames, replicated_argnums, min_shard_size, shard_group_size):
+               donated, donate_argnames, replicated_argnums, min_shard_size, shard_group_size,
+               decisions):
     self._f, self._axis, self._in_axes, self._out_axes = f, axis_name, in_axes, out_axes
     self._static, self._devices = static, devices
     self._backend, self._axis_size = backend, axis_size
@@ -113,6 +120,7 @@ class _Pmapped:
     self._replicated_argnums = replicated_argnums
     self._min_size = min_shard_size
     self._group_size = shard_group_size
+    self._decisions = decisions  # objective= and topology= of the cost model.
     self._steps: dict[tuple, ShardedStep] = {}
     # Outputs of the last call that are identical on every device, by id.
     self._known: dict[int, weakref.ref] = {}
@@ -271,7 +279,7 @@ class _Pmapped:
     return ShardedStep(
         body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False,
         axis_names=frozenset(), axis_name=axis_name, min_shard_size=self._min_size,
-        shard_group_size=self._group_size,
+        shard_group_size=self._group_size, **self._decisions,
         donate_argnums=frozenset(donated),
         split_reason="mapped, and its per-device copies differ")
 
