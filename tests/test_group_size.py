@@ -295,7 +295,7 @@ def test_g_equal_to_n_is_plain_sharding_and_g_one_shards_nothing():
   assert not any(i.sharded for i in plan1.inputs) and "shard_group_size=1" in str(plan1)
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "auto", "4"])
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "automatic", "4"])
 def test_a_group_size_that_is_not_a_positive_int_is_refused(bad):
   with pytest.raises(ValueError, match=r"shard_group_size must be a positive int"):
     wus.shard_map(dense_step(optax.adam(1e-2)), mesh=mesh(8), in_specs=DENSE,

@@ -98,13 +98,14 @@ def _respec(spec: P, f) -> P:
 
 
 def check_group_size(group_size: Any) -> None:
-  """Raises ValueError unless `group_size` is None or a positive int."""
-  if group_size is None:
+  """Raises ValueError unless `group_size` is None, "auto" or a positive int."""
+  if group_size is None or group_size == "auto":
     return
   if (isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer))
       or group_size < 1):
     raise ValueError(f"shard_group_size must be a positive int, the replicas per sharding group "
-                     f"(§5.2), or None for one group of all replicas; got {group_size!r}")
+                     f"(§5.2), \"auto\" for the cost model's choice, or None for one group of all "
+                     f"replicas; got {group_size!r}")
 
 
 # Derived meshes -> their Groups, to place values leaving the derived mesh.

@@ -31,7 +31,7 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
               check_vma: bool = True, axis_names: frozenset = frozenset(),
               axis_name: str | Sequence[str] | None = None,
               min_shard_size: int = 0,
-              shard_group_size: int | None = None,
+              shard_group_size: int | str | None = None,
               objective: str = "memory",
               topology: costmodel.Topology | None = None,
               donate_argnums: int | Sequence[int] = (),
@@ -66,7 +66,9 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
       all-gathers the weights. Groups are consecutive devices of the axis,
       so in multi-process runs a group can stay inside a process. The step
       is written as before (collectives and `axis_index` over the axis).
-      None or N: one group (plain sharding); 1: nothing sharded.
+      None or N: one group (plain sharding); 1: nothing sharded; "auto": the
+      G the cost model predicts fastest on `topology` (§5.2; the Plan's
+      `groups` line gives the prediction).
     objective: what a cluster's decision favours when sharding it costs more
       all-gather than the all-reduce it replaces (§3.2): "memory" (default)
       shards it for the optimizer state it keeps sharded; "time" shards it
@@ -169,7 +171,8 @@ class ShardedStep:
     self._axis_name = axis_name
     self._min_size = min_shard_size
     groups.check_group_size(shard_group_size)
-    self._group_size = None if shard_group_size is None else int(shard_group_size)
+    self._group_size = (shard_group_size if shard_group_size in (None, "auto")
+                        else int(shard_group_size))
     check_objective(objective)
     self._objective, self._topology = objective, topology
     self._donate_argnums = frozenset(donate_argnums)
@@ -337,11 +340,20 @@ class ShardedStep:
     key = (treedef, tuple(_signature(x) for x in leaves), frozenset(replicated), mesh)
     if key not in self._cache:
       with gc_pause.paused():
-        self._cache[key] = self._build(args, leaves, treedef, frozenset(replicated), mesh)
+        build = functools.partial(self._build, args, leaves, treedef, frozenset(replicated), mesh)
+        if self._group_size != "auto":
+          self._cache[key] = build(self._group_size)
+        else:
+          whole = build(None)
+          g, why = _auto_group_size(whole.plan, self._topology_for(
+              whole.mesh, whole.plan.axes, whole.plan.num_shards))
+          prog = whole if g is None else build(g)
+          self._cache[key] = dataclasses.replace(prog, plan=dataclasses.replace(
+              prog.plan, groups="; ".join(filter(None, [why, prog.plan.groups]))))
     return leaves, self._cache[key]
 
   def _build(self, args: tuple, leaves: list, treedef, replicated: frozenset,
-             mesh: Mesh) -> _Program:
+             mesh: Mesh, group_size: int | None) -> _Program:
     start = time.perf_counter()
     # 1. Trace the user's step exactly as jax.shard_map would.
     traced = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, _user_spec(x)))
@@ -362,9 +374,9 @@ class ShardedStep:
     body_pos = {s[1]: k for k, s in enumerate(sources) if s[0] == "arg"}
     pairs = {o: body_pos[i] for o, i in _match_state(args, out_shape).items() if i in body_pos}
     user_mesh, home, rename, grouping, whole_reason = mesh, None, None, "", None
-    if self._group_size is not None:
+    if group_size is not None:
       axes = self._replica_axes(mesh, manual, body, [body.invars[i] for i in pairs.values()])
-      home, grouping, whole_reason = self._groups(mesh, axes)
+      home, grouping, whole_reason = self._groups(mesh, axes, group_size)
     if home is not None:
       # 1b. The programs run on the mesh derived for the groups; the step is
       # renamed onto it while it is inlined (transforms/groups.py).
@@ -388,7 +400,7 @@ class ShardedStep:
           in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=check_vma,
           axis_names=manual))(*operand_avals)
     flat = compat.dce(compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0])
-    if self._group_size is None:
+    if group_size is None:
       axes = self._replica_axes(mesh, manual, flat, [flat.invars[i] for i in pairs.values()])
 
     # 3. Analyse and plan.
@@ -411,12 +423,12 @@ class ShardedStep:
                      topology=self._topology_for(mesh, axes, num_shards))
     if whole_reason is not None:
       plan = replicated_plan(plan, whole_reason)
-    if self._group_size is not None:
+    if group_size is not None:
       across = _across_groups(plan) if home is not None else 0
       if across:
         grouping += (f"; the gradient shards are all-reduced across the {home.num_groups} "
                      f"groups in {across} batched all-reduce(s)")
-      plan = dataclasses.replace(plan, group_size=self._group_size, groups=grouping,
+      plan = dataclasses.replace(plan, group_size=group_size, groups=grouping,
                                  across_groups=across)
 
     # 4. Compile the rewritten step.
@@ -433,7 +445,8 @@ class ShardedStep:
     return _Program(plan, step, sources, state_in, tuple(names), tuple(out_specs),
                     out_replicated, out_tree, mesh, user_mesh, timings)
 
-  def _groups(self, mesh: Mesh, axes: tuple) -> tuple[groups.Groups | None, str, str | None]:
+  def _groups(self, mesh: Mesh, axes: tuple,
+              group_size: int) -> tuple[groups.Groups | None, str, str | None]:
     """The sharding groups of `shard_group_size` (§5.2): (the Groups, None for
     G = N or G = 1; the grouping in words, for the Plan; the reason the update
     stays replicated for G = 1, else None).
@@ -448,7 +461,7 @@ class ShardedStep:
           "and name the sharding axes of a mesh with the groups as an axis (partial sharding, "
           "§5.2)")
     (axis,) = axes
-    size, g = mesh.shape[axis], self._group_size
+    size, g = mesh.shape[axis], group_size
     found = groups.derive(mesh, axis, g)  # Raises for a G that does not divide N.
     if g == 1:
       why = (f"shard_group_size=1: groups of one replica of {axis!r}, so nothing is sharded; "
@@ -460,12 +473,18 @@ class ShardedStep:
     return found, found.describe(), None
 
   def _topology_for(self, mesh: Mesh, axes: tuple, num_shards: int) -> costmodel.Topology:
-    """The cost model's devices: the user's topology, or one from the mesh's processes."""
-    if self._topology is not None:
-      if self._topology.num_devices != num_shards:
-        raise ValueError(f"topology= describes {self._topology.num_devices} devices, but the "
-                         f"update is sharded over {num_shards} ({list(axes)}); describe those")
-      return self._topology
+    """The cost model's devices: the user's topology (of a sharding group's devices
+    when it describes all of the axis), or one from the mesh's processes."""
+    t = self._topology
+    if t is not None:
+      if t.num_devices == num_shards:
+        return t
+      try:  # Sharding groups: the axes of one group of consecutive devices.
+        return dataclasses.replace(t, axes=t.split(num_shards)[0])
+      except ValueError:
+        raise ValueError(f"topology= describes {t.num_devices} devices, but the update is "
+                         f"sharded over {num_shards} ({list(axes)}); describe those (or all "
+                         "the devices of the axis, for shard_group_size)") from None
     # The devices of one sharding group (the other axes at 0), fast axis last.
     group = mesh.devices[tuple(slice(None) if a in axes else 0 for a in mesh.axis_names)]
     first = group.flat[0].process_index
@@ -482,6 +501,35 @@ class ShardedStep:
         raise ValueError(f"axis_name {sorted(wanted)} must be manual axes of the shard_map; "
                          f"they are {sorted(manual)}")
     return tuple(a for a in mesh.axis_names if a in wanted)
+
+
+def _auto_group_size(plan: Plan, topology: costmodel.Topology) -> tuple[int | None, str]:
+  """`shard_group_size="auto"`: the G the cost model predicts fastest (§5.2), and why.
+
+  The workload is what the Plan of full sharding shards: the elements of
+  each sharded gradient, and the bytes per element the update reads and
+  writes (its saved bytes, scaled back to whole). G is chosen among the
+  divisors of N whose groups follow the topology's axes
+  (`costmodel.choose_group_size`); None means N, one group.
+  """
+  n = plan.num_shards
+  grads = [t for c in plan.clusters if c.sharded for t in c.tensors if t.role == "gradient"]
+  if len(plan.axes) != 1 or not grads:
+    return None, (f"shard_group_size='auto': one group of all {n} replicas (nothing to group: "
+                  f"{'several sharding axes' if grads else 'no sharded update'})")
+  elements = sum(math.prod(t.shape) for t in grads)
+  io = sum(c.saved_bytes for c in plan.clusters if c.sharded) * n / max(n - 1, 1)
+  passes = max(1, round(io / (elements * grads[0].itemsize)))
+  workload = costmodel.Workload(tuple(math.prod(t.shape) for t in grads),
+                                costmodel.Optimizer("the step's update", ("x",) * passes, ()),
+                                grad_bytes=grads[0].itemsize, state_bytes=grads[0].itemsize)
+  best = costmodel.best_sharded(workload, topology)
+  full = costmodel.predict_sharded(workload, topology, n, bucket_bytes=best.bucket_bytes)
+  why = (f"shard_group_size='auto': the cost model chose G={best.group_size} of {n} "
+         f"(predicted collectives and update {best.total * 1e6:.3g} us per step, "
+         f"{full.total * 1e6:.3g} us with one group of {n}; topology "
+         f"{' x '.join(f'{a.name}={a.size}' for a in topology.axes)})")
+  return (None if best.group_size == n else best.group_size), why
 
 
 def check_objective(objective: str) -> None:

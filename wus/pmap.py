@@ -36,7 +36,7 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
          axis_size: int | None = None, donate_argnums: int | Iterable[int] = (),
          donate_argnames: str | Iterable[str] = (),
          replicated_argnums: Iterable[int] = (), min_shard_size: int = 0,
-         shard_group_size: int | None = None, objective: str = "memory",
+         shard_group_size: int | str | None = None, objective: str = "memory",
          topology: costmodel.Topology | None = None) -> Callable:
   """Like `jax.pmap`, with the weight update sharded across devices.
 
@@ -67,7 +67,8 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
     min_shard_size: tensors with fewer elements stay replicated.
     shard_group_size: G, to shard within groups of G consecutive devices and
       all-reduce the gradient shards across the groups (partial sharding,
-      §5.2, Fig. 10; as for `wus.shard_map`): optimizer state 1/G per device.
+      §5.2, Fig. 10; as for `wus.shard_map`, "auto" included): optimizer
+      state 1/G per device.
     objective, topology: what the cluster decisions favour, and the devices
       for the cost model, as for `wus.shard_map`.
 
