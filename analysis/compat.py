@@ -236,6 +236,25 @@ def sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
   yield from _core.jaxprs_in_params(eqn.params)
 
 
+def names_axes(jaxpr: Jaxpr, names: dict) -> bool:
+  """Whether `jaxpr` (nested jaxprs included) refers to a mesh axis of `names`:
+  in an equation's params or in a value's varying-axes type. One that does
+  not (a scatter's combiner, a custom rule's scalar function) runs the same
+  on any mesh."""
+  for v in (*jaxpr.invars, *jaxpr.outvars, *jaxpr.constvars):
+    if not is_literal(v) and varying_axes(v.aval) & set(names):
+      return True
+  for eqn in jaxpr.eqns:
+    if any(_mentions(p, names) for k, p in eqn.params.items()
+           if k in _AXIS_PARAMS or not isinstance(p, str)):
+      return True
+    if any(varying_axes(v.aval) & set(names) for v in eqn.outvars):
+      return True
+    if any(names_axes(sub, names) for sub in sub_jaxprs(eqn)):
+      return True
+  return False
+
+
 def bind(eqn: JaxprEqn, *args: Any, **new_params: Any) -> list[Any]:
   """Re-binds `eqn` on `args` (tracers or arrays), as `jax.core.eval_jaxpr` does.
 

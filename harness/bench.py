@@ -10,6 +10,8 @@ devices, with the state donated:
   handwritten  `jax.shard_map` ZeRO with `psum_scatter` / `all_gather` by hand
                (`zero.handwritten_step`): what a careful person achieves.
   wus          `wus.shard_map(step)`.
+  wus_gG       `wus.shard_map(step, shard_group_size=G)`: partial sharding within
+               groups of G devices (§5.2), weight-update-bound regime only.
 
 Regimes:
 
@@ -76,15 +78,24 @@ class Regime:
     batch_size: examples per replica per update.
     steps_per_call: updates per call of the step, in a `lax.fori_loop`; more
       than 1 also reads the weights in bfloat16 in the forward pass.
+    group_sizes: G of the partial-sharding variants `wus_gG` (§5.2).
   """
 
   name: str
   batch_size: int
   steps_per_call: int = 1
+  group_sizes: tuple[int, ...] = ()
 
   @property
   def variants(self) -> tuple[str, ...]:
-    return VARIANTS if self.steps_per_call == 1 else ("replicated", "wus")
+    if self.steps_per_call > 1:
+      return ("replicated", "wus")
+    return VARIANTS + tuple(f"wus_g{g}" for g in self.group_sizes)
+
+
+def group_size(variant: str) -> int | None:
+  """G of a `wus_gG` variant, None for the others."""
+  return int(variant[len("wus_g"):]) if variant.startswith("wus_g") else None
 
 
 def make_loop_step(task: tasks.Task, tx, steps_per_call: int, compute_dtype=jnp.bfloat16):
@@ -126,8 +137,9 @@ def _variant_steps(regime: Regime, task: tasks.Task, tx, mesh: Mesh, state: step
   out = {}
   for name in regime.variants:
     fresh = _copy(state)
-    if name in steps.MODES:
-      out[name] = steps.map_train_step(name, train_step, mesh), fresh
+    if name in steps.MODES or group_size(name):
+      out[name] = steps.map_train_step("wus" if group_size(name) else name, train_step, mesh,
+                                       group_size(name)), fresh
     else:
       make = zero.gspmd_step if name == "gspmd_zero1" else zero.handwritten_step
       step, place = make(task, tx, mesh, fresh.opt_state)
@@ -181,6 +193,7 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
           for i in range(rounds + 2)]
   variants = _variant_steps(regime, task, tx, mesh, state)
   out = {"regime": regime.name, "model": model, "num_devices": mesh.size,
+         "variants": list(variants),
          "batch_size": regime.batch_size, "steps_per_call": regime.steps_per_call,
          "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(state.opt_state)),
          "tensor_elements": [int(x.size) for x in jax.tree.leaves(params)],
@@ -205,7 +218,7 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
                  "loop_wire_bytes": sum(c.wire_bytes for c in in_loop.values())
                                     / regime.steps_per_call,
                  "step_seconds": []}
-    if name == "wus":
+    if name == "wus" or group_size(name):
       timings = step.timings(*fresh, data[0])
       out[name]["analysis_seconds"] = timings["analysis"]
       out[name]["rewrite_seconds"] = timings["rewrite"]
@@ -318,6 +331,15 @@ def targets(results: list[dict]) -> list[tuple[str, bool | None, str]]:
     fraction = (ws["analysis_seconds"] + ws["rewrite_seconds"]) / ws["compile_seconds"]
     rows.append((f"{name}: wus analysis + rewrite < {ANALYSIS_FRACTION:.0%} of XLA compile time",
                  fraction < ANALYSIS_FRACTION, f"{fraction:.1%}"))
+    for v in r.get("variants", ()):
+      if (g := group_size(v)) is None:
+        continue
+      share = r[v]["opt_state_per_device"] * g / r["opt_state_bytes"]
+      rows.append((f"{name}: {v} optimizer state per device within {STATE_TOLERANCE:.0%} of V/G",
+                   abs(share - 1) <= STATE_TOLERANCE, f"{share:.4f} x V/{g}"))
+      wire = r[v]["wire_bytes"] / r["replicated"]["wire_bytes"]
+      rows.append((f"{name}: {v} collective bytes <= replicated all-reduce's (§5.2)", wire <= 1,
+                   f"ratio {wire:.4f}"))
   return rows
 
 
@@ -325,8 +347,8 @@ def markdown(results: list[dict]) -> str:
   """The benchmark as Markdown: one table per regime, then the targets."""
   parts = []
   for r in results:
-    names = [v for v in VARIANTS if v in r]
-    alternatives = [v for v in names if v != "wus"]
+    names = r.get("variants") or [v for v in VARIANTS if v in r]
+    alternatives = [v for v in names if v in ALTERNATIVES or v == "replicated"]
     best = min(alternatives, key=lambda v: r[v]["median"])
     rows = []
     for v in names:
@@ -372,13 +394,17 @@ def _define_flags() -> None:
                           ["weight-update-bound", "compute-bound", "bf16-loop"],
                           "Regimes to run.")
   flags.DEFINE_integer("rounds", 15, "Timed updates per variant and regime.", lower_bound=1)
+  flags.DEFINE_multi_integer("group_sizes", [2, 4], "G of the partial-sharding variants "
+                             "(shard_group_size, §5.2) in the weight-update-bound regime; each "
+                             "must divide --num_devices.")
   flags.DEFINE_integer("num_devices", 8, "Simulated CPU devices (N).", lower_bound=2)
   flags.DEFINE_string("output", None, "If set, a JSON file for the measurements.")
 
 
 def regimes_from_flags() -> list[Regime]:
   f = flags.FLAGS
-  every = {"weight-update-bound": Regime("weight-update-bound", f.update_bound_batch),
+  every = {"weight-update-bound": Regime("weight-update-bound", f.update_bound_batch,
+                                         group_sizes=tuple(f.group_sizes)),
            "compute-bound": Regime("compute-bound", f.compute_bound_batch),
            "bf16-loop": Regime("bf16-loop", f.update_bound_batch, f.steps_per_call)}
   return [every[name] for name in f.regimes]

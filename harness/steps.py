@@ -129,13 +129,14 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation):
   return train_step
 
 
-def map_train_step(mode: str, train_step, mesh: Mesh):
+def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = None):
   """`train_step` over `mesh`, compiled by `jax.jit(jax.shard_map(...))` or by wus.
 
   Args:
     mode: "replicated" or "wus".
     train_step: from `make_train_step`.
     mesh: a mesh with the axis AXIS_NAME.
+    group_size: wus only: `shard_group_size` (partial sharding, §5.2).
 
   Returns:
     (params, model_state, opt_state, batch) -> (params, model_state, opt_state,
@@ -147,7 +148,8 @@ def map_train_step(mode: str, train_step, mesh: Mesh):
   donate = (0, 1, 2)  # The state is updated in place, as MLPerf-style loops do.
   if mode == "replicated":
     return jax.jit(jax.shard_map(train_step, mesh=mesh, **specs), donate_argnums=donate)
-  return wus.shard_map(train_step, mesh=mesh, donate_argnums=donate, **specs)
+  return wus.shard_map(train_step, mesh=mesh, donate_argnums=donate,
+                       shard_group_size=group_size, **specs)
 
 
 def make_update_step(tx: optax.GradientTransformation):

@@ -100,9 +100,10 @@ def _renamed(eqn, ins, rename):
     inner = compat.call_jaxpr(eqn)
     return compat.rebind_call(eqn, lambda *a: _eval(inner.jaxpr, inner.consts, a, eqn, rename),
                               ins)
-  if any(True for _ in compat.sub_jaxprs(eqn)):
-    raise NotImplementedError(f"{eqn.primitive} at {compat.source_line(eqn)} holds a jaxpr; "
-                              "shard_group_size cannot rename the mesh axes inside it")
+  if any(compat.names_axes(sub, rename) for sub in compat.sub_jaxprs(eqn)):
+    raise NotImplementedError(f"{eqn.primitive} at {compat.source_line(eqn)} holds a jaxpr "
+                              "that names the data-parallel axis; shard_group_size cannot "
+                              "rename the mesh axes inside it")
   return compat.rebind(eqn, *ins, **params)
 
 
