@@ -7,7 +7,10 @@ Modules, one concern each, in the order the passes run:
   clusters    weight-update clusters around the gradient all-reduces (§3.2)
   formats     `ShardFormat`: reshape, pad, split (§4.1, Fig. 6)
   layouts     a format for every tensor of a cluster
-  cost        shard a cluster or not, with the reason (§3.2)
+  cost        shard a cluster or not, with the reason and predicted times (§3.2)
   costmodel   alpha-beta model of collectives and the update's memory traffic (§5)
-  plan        the frozen, printable `Plan` the rewrite follows
+  precision   which narrower float a sharded weight is read whole in (Fig. 7)
+  loops       loop bodies and conditionals in the planner (§3.2, §4.2, Fig. 4)
+  planner     `make_plan`: the passes above over a step, frozen into a Plan
+  plan        the frozen, printable `Plan` the rewrite follows (the boundary)
 """

@@ -277,3 +277,23 @@ def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int], bra
       nested={i: branches(i) for i in idx if kind(i) is Kind.COND},
       kept_whole=dict(kept_whole),
   )
+
+
+def gradient_axes(jaxpr: Jaxpr, state_shapes: set) -> frozenset | None:
+  """The mesh axes of the gradient all-reduces: those of the all-reduces of
+  values shaped like a state input, the axes that move the most bytes (or
+  None if there are none). The default data-parallel axes of `wus.shard_map`."""
+  moved: collections.Counter = collections.Counter()
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if (eqn.primitive in (compat.psum_p, compat.psum_invariant_p)
+          and not compat.has_axis_index_groups(eqn)):
+        for v in eqn.invars:
+          if tuple(v.aval.shape) in state_shapes:
+            moved[frozenset(compat.collective_axes(eqn))] += v.aval.size * v.aval.dtype.itemsize
+      for sub in compat.sub_jaxprs(eqn):
+        visit(sub)
+
+  visit(jaxpr)
+  return max(moved, key=moved.__getitem__) if moved else None

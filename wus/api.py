@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -17,10 +16,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus import collectives
-from wus.analysis import compat, cost, costmodel, redundancy
+from wus.analysis import clusters, compat, cost, costmodel, redundancy
 from wus.analysis.compat import ClosedJaxpr
-from wus.analysis.plan import Plan, make_plan
-from wus.analysis.plan import replicated as replicated_plan
+from wus.analysis.plan import Plan, replicated as replicated_plan
+from wus.analysis.planner import make_plan
 from wus.errors import StateMismatchError
 from wus.sharded import ShardedArray, is_sharded, unshard
 from wus.transforms import gc_pause, groups, inline, programs
@@ -494,7 +493,7 @@ class ShardedStep:
   def _replica_axes(self, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
     """The data-parallel axes, in mesh order."""
     if self._axis_name is None:
-      wanted = _gradient_axes(jaxpr, {tuple(v.aval.shape) for v in state}) or manual
+      wanted = clusters.gradient_axes(jaxpr, {tuple(v.aval.shape) for v in state}) or manual
     else:
       wanted = frozenset([self._axis_name] if isinstance(self._axis_name, str) else self._axis_name)
       if not wanted <= manual:
@@ -546,24 +545,6 @@ def _across_groups(plan: Plan) -> int:
            if t.role == "gradient" and t.format is not None]
   return len(collectives.batched.dtype_buckets(
       [t.dtype for t in grads], [t.format.shard_size * t.itemsize for t in grads]))
-
-
-def _gradient_axes(jaxpr, state_shapes: set) -> frozenset | None:
-  """The axes of the all-reduces of state-shaped values, most bytes first (or None)."""
-  moved: collections.Counter = collections.Counter()
-
-  def visit(jaxpr):
-    for eqn in jaxpr.eqns:
-      if (eqn.primitive in (compat.psum_p, compat.psum_invariant_p)
-          and not compat.has_axis_index_groups(eqn)):
-        for v in eqn.invars:
-          if tuple(v.aval.shape) in state_shapes:
-            moved[frozenset(compat.collective_axes(eqn))] += v.aval.size * v.aval.dtype.itemsize
-      for sub in compat.sub_jaxprs(eqn):
-        visit(sub)
-
-  visit(jaxpr)
-  return max(moved, key=moved.__getitem__) if moved else None
 
 
 def _argnums(argnums: int | Sequence[int]) -> frozenset:

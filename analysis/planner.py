@@ -1,0 +1,319 @@
+"""The planner: clusters, formats and cost decisions of a step, frozen into a Plan (§3, §4).
+
+`make_plan` runs the passes (clusters, formats, cost) on an analysed jaxpr,
+loops first (`loops.plan_loops`), and returns the `plan.Plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from wus.analysis import clusters as clusters_lib
+from wus.analysis import compat, cost, costmodel, formats, layouts, loops, precision
+from wus.analysis.compat import Jaxpr, source_line
+from wus.analysis.plan import ClusterPlan, InputPlan, Plan, Program, TensorPlan
+from wus.analysis.redundancy import Redundancy
+from wus.analysis.shardable import Kind
+
+
+def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: int,
+              in_names: Sequence[str], out_names: Sequence[str],
+              state_pairs: Mapping[int, int], min_size: int = 0,
+              split_reason: str = "its in_spec splits it", objective: str = "memory",
+              topology: costmodel.Topology | None = None) -> Plan:
+  """Plans the weight-update sharding of a flat shard_map body.
+
+  Args:
+    jaxpr: the per-replica jaxpr, calls inlined.
+    facts: its redundancy analysis.
+    axes: the replica mesh axes (a gradient all-reduce runs over exactly these).
+    num_shards: N, the number of replicas along `axes`.
+    in_names, out_names: a name (pytree path) per flat input / output.
+    state_pairs: output position -> input position for outputs that are the
+      next value of an input (the step's state, matched by pytree structure).
+      Such a pair stays sharded between steps when only the update reads the
+      input.
+    min_size: tensors with fewer elements stay replicated (never below N).
+    split_reason: why an input that differs across replicas does (shown in
+      the Plan; `wus.pmap` points at replicated_argnums).
+    objective, topology: as for `cost.decide` (the topology has N devices).
+
+  Returns:
+    The frozen Plan.
+  """
+  def big(v) -> bool:
+    return (not compat.is_literal(v)
+            and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
+
+  ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, big, objective,
+             topology or costmodel.default_topology(num_shards))
+  planned = _plan(jaxpr, ctx, state_pairs, in_names, out_names)
+  inputs = []
+  state = set(state_pairs.values())
+  for k, v in enumerate(jaxpr.invars):
+    sharded, reason = planned.input_reason.get(
+        k, (False, _why_whole(v, facts, ctx, bool(planned.clusters), split_reason)))
+    inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
+                            k in state, v.aval.dtype.itemsize))
+  return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
+              planned.program, planned.formats, planned.gather_dtypes, objective=objective)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+  facts: Redundancy
+  axes: frozenset
+  num_shards: int
+  min_size: int
+  big: object
+  objective: str
+  topology: costmodel.Topology
+
+
+@dataclasses.dataclass
+class _Planned:
+  """The plan of one jaxpr (the step, or a loop body)."""
+
+  program: Program
+  clusters: list
+  input_reason: dict
+  formats: dict
+  gather_dtypes: dict
+
+
+def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out_names,
+          label: str = "", in_loop: bool = False, counters: frozenset = frozenset()) -> _Planned:
+  """Clusters, formats and decisions of one jaxpr; loops inside are planned first.
+
+  `counters` are a loop body's inputs that count iterations: a conditional
+  whose predicate depends on one is taken every k steps (§3.2).
+  """
+  found = clusters_lib.find_clusters(jaxpr, ctx.facts, ctx.axes, ctx.num_shards, ctx.min_size)
+  invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
+  rare = loops.rare_conds(jaxpr, counters)
+  cluster_plans, shard_eqns, state_in, state_out, all_formats, bodies = [], {}, {}, {}, {}, {}
+  gather_dtypes: dict = {}
+  input_reason: dict[int, tuple[bool, str]] = {}
+
+  for i, loop in loops.plan_loops(jaxpr, ctx, in_names, label, _plan).items():
+    shard_eqns[i], bodies[i] = Kind.LOOP, (loop.program,)
+    cluster_plans += loop.clusters
+    all_formats.update(loop.formats)
+    gather_dtypes.update(loop.gather_dtypes)
+    all_formats.update({jaxpr.eqns[i].outvars[k]: f for k, f in loop.carries.items()})
+    for out_pos, in_pos in state_pairs.items():
+      fmt = loops.loop_state(jaxpr, i, loop, jaxpr.outvars[out_pos], jaxpr.invars[in_pos])
+      if fmt is not None:
+        state_in[in_pos] = state_out[out_pos] = all_formats[jaxpr.invars[in_pos]] = fmt
+        input_reason[in_pos] = (True, f"state of the loop at {source_line(jaxpr.eqns[i])}, "
+                                      "sharded between steps")
+
+  readers = _readers(jaxpr)
+  clustered = {i for c in found for i in c.eqns}
+  for c in found:
+    idx = len(cluster_plans)
+    members = set(c.eqns)
+    layout = layouts.assign(jaxpr, c, ctx.num_shards, ctx.big)
+    if not c.eqns:
+      layout = _kept_whole_reason(jaxpr, c)
+    if isinstance(layout, str):
+      decision = cost.Decision(False, layout, 0, 0, 0)
+      layout = layouts.Layout({}, frozenset(), frozenset())
+      pairs = {}
+    else:
+      narrow = {} if in_loop else None
+      pairs = _state_pairs(c, layout, jaxpr, members, state_pairs, invar_pos, readers, narrow)
+      decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards,
+                             rare, objective=ctx.objective, topology=ctx.topology)
+      if rare & set(c.nested) and decision.shard:
+        decision = dataclasses.replace(decision, reason=decision.reason + "; " + ", ".join(
+            f"the conditional at {source_line(jaxpr.eqns[i])} follows the loop counter: it "
+            "gathers what it reads whole inside its branch, off the frequent path (§3.2)"
+            for i in sorted(rare & set(c.nested))))
+      if in_loop and decision.shard:
+        gather_dtypes.update(narrow)
+        decision = dataclasses.replace(decision, reason=decision.reason + "; " + loops.placements(
+            c, jaxpr, members, state_pairs, pairs, narrow, invar_pos, in_names, readers))
+    across = sorted({a for i in c.seeds for a in compat.collective_axes(jaxpr.eqns[i])}
+                    - ctx.axes)
+    if across and decision.shard:
+      decision = dataclasses.replace(decision, reason=decision.reason + (
+          f"; partial sharding (§5.2): reduce-scatter over {sorted(ctx.axes)}, the shards "
+          f"all-reduced across {across}"))
+    if c.kept_whole and c.eqns:
+      decision = dataclasses.replace(decision, reason=decision.reason + "; "
+                                     + _kept_whole_reason(jaxpr, c))
+    fmt = layout.formats.get if decision.shard else (lambda v: None)
+    tensors = _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt)
+    if not decision.shard:
+      # The update goes on past the equation that stopped the cluster: name
+      # what it reads and returns there as kept whole with this cluster.
+      rest, rest_pairs = _continued(jaxpr, c, clustered, readers, state_pairs, ctx)
+      tensors += _tensors(rest, jaxpr, rest_pairs, in_names, out_names, invar_pos, fmt)
+      for v in rest.reads:
+        input_reason.setdefault(invar_pos[v], (False, f"cluster {idx} stays replicated"))
+    cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, label + decision.reason,
+                                     decision.all_reduce_bytes, decision.all_gather_bytes,
+                                     decision.saved_bytes, decision.replicated_seconds,
+                                     decision.sharded_seconds))
+    for v in c.reads:
+      if v in invar_pos:
+        k = invar_pos[v]
+        if decision.shard and k in pairs.values():
+          input_reason[k] = (True, f"optimizer state: only cluster {idx} reads it")
+        elif decision.shard:
+          input_reason.setdefault(
+              k, (False, f"read whole elsewhere; cluster {idx} slices it locally"))
+        else:
+          input_reason.setdefault(k, (False, f"cluster {idx} stays replicated"))
+    if decision.shard:
+      shard_eqns.update(c.kinds)
+      all_formats.update(layout.formats)
+      bodies.update(_bodies(jaxpr, c, layout, ctx.big))
+      for out_pos, in_pos in pairs.items():
+        state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
+  return _Planned(Program(shard_eqns, state_in, state_out, bodies), cluster_plans,
+                  input_reason, all_formats, gather_dtypes)
+
+
+def _kept_whole_reason(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> str:
+  """Which equations of the update run whole, and the readers that make them."""
+  parts = []
+  for r in sorted(set(c.kept_whole.values())):
+    whole = [i for i, reader in c.kept_whole.items() if reader == r]
+    collectives = [i for i in whole if jaxpr.eqns[i].primitive in (compat.psum_p,
+                                                                    compat.psum_invariant_p)]
+    what = (f"the all-reduce at {source_line(jaxpr.eqns[collectives[0]])}" if collectives
+            else f"{jaxpr.eqns[max(whole)].primitive} at {source_line(jaxpr.eqns[max(whole)])}")
+    parts.append(f"{what} and {len(whole) - 1} more equation(s) run whole: "
+                 f"{jaxpr.eqns[r].primitive} at {source_line(jaxpr.eqns[r])} reads the result "
+                 "whole and has no shard rule")
+  return "; ".join(parts)
+
+
+def _bodies(jaxpr: Jaxpr, c: clusters_lib.Cluster, layout: layouts.Layout,
+            big) -> dict[int, tuple[Program, ...]]:
+  """The branch Programs of the conditionals of a sharded cluster."""
+  out = {}
+  for i, subs in c.nested.items():
+    progs = []
+    for branch, sub in zip(compat.cond_branches(jaxpr.eqns[i]), subs, strict=True):
+      inner = branch.jaxpr
+      progs.append(Program(
+          dict(sub.kinds),
+          {k: layout.formats[v] for k, v in enumerate(inner.invars) if big(v)},
+          {k: layout.formats[v] for k, v in enumerate(inner.outvars) if big(v)},
+          _bodies(inner, sub, layout, big)))
+    out[i] = tuple(progs)
+  return out
+
+
+def _readers(jaxpr: Jaxpr) -> dict:
+  """Variable -> the indices of the equations of `jaxpr` that read it."""
+  readers: dict = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not compat.is_literal(v):
+        readers.setdefault(v, set()).add(i)
+  return readers
+
+
+def _state_pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
+                 members: set[int], candidates: Mapping[int, int], invar_pos, readers: dict,
+                 narrow: dict | None = None) -> dict[int, int]:
+  """The (output, input) state pairs this cluster can keep sharded between steps.
+
+  A pair qualifies when only the cluster reads the input. With `narrow` (a
+  loop body), an input that is also read whole, but only ever converted to a
+  narrower float first (the forward pass of mixed-precision training),
+  qualifies too: it is all-gathered in that dtype where read (Fig. 4 right,
+  Fig. 7), and `narrow` records input -> dtype. `readers` is `_readers(jaxpr)`.
+  """
+  outvars = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  pairs = {}
+  for out_pos, in_pos in candidates.items():
+    x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
+    if compat.is_literal(y) or not (y in c.program_outputs and x in c.reads and x not in outvars
+            and y not in layout.partial and x not in layout.whole_reads
+            and x.aval.dtype == y.aval.dtype
+            and layout.formats.get(x) == layout.formats.get(y) is not None):
+      continue
+    if readers.get(x, set()) <= members:
+      pairs[out_pos] = in_pos
+    elif narrow is not None and (
+        dtype := precision.narrowed(jaxpr, x, members, readers)) is not None:
+      pairs[out_pos] = in_pos
+      narrow[x] = dtype
+  return pairs
+
+
+def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[TensorPlan, ...]:
+  def entry(name, v, role):
+    return TensorPlan(name, tuple(v.aval.shape), v.aval.dtype.name, role, fmt(v),
+                      v.aval.dtype.itemsize)
+
+  state_in = set(pairs.values())
+  out = [entry(f"all-reduce at {source_line(jaxpr.eqns[i])}", jaxpr.eqns[i].outvars[0], "gradient")
+         for i in c.seeds]
+  for v in c.reads:
+    if v in invar_pos:
+      k = invar_pos[v]
+      out.append(entry(in_names[k], v, "state" if k in state_in else "weight"))
+  for v, positions in c.program_outputs.items():
+    for p in positions:
+      if p not in pairs:
+        out.append(entry(out_names[p], v, "output"))
+  return tuple(out)
+
+
+def _continued(jaxpr: Jaxpr, c: clusters_lib.Cluster, clustered: set[int], readers: dict,
+               state_pairs: Mapping[int, int], ctx: _Ctx) -> tuple[clusters_lib.Cluster, dict]:
+  """The rest of a replicated cluster's weight update, which no cluster holds.
+
+  Growth stops at an equation with no shard rule (a matmul with the weight, a
+  product); the equations after it that every replica still repeats (all
+  outputs identical across `ctx.axes`, no side effects), with the ones of that
+  kind that feed them (the momentum of the same tensor), continue the same
+  update. Returned as a cluster with no seeds or equations, only the big
+  inputs they read (`reads`) and the outputs they return (`program_outputs`),
+  so that the Plan lists them with the cluster that keeps them whole; and the
+  pairs of `state_pairs` whose input only this update reads (state, not weight).
+  """
+  producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+  seen: set[int] = set()
+  todo = [r for v in c.sharded for r in readers.get(v, ())] + list(c.kept_whole)
+  while todo:
+    i = todo.pop()
+    if i in seen or i in clustered or not ctx.facts.repeats(jaxpr.eqns[i], ctx.axes):
+      continue
+    seen.add(i)
+    eqn = jaxpr.eqns[i]
+    todo += [r for v in eqn.outvars for r in readers.get(v, ())]
+    todo += [producer[v] for v in eqn.invars if not compat.is_literal(v) and v in producer]
+  inputs = set(jaxpr.invars) - set(c.reads)
+  reads = {v: None for r in sorted(seen) for v in jaxpr.eqns[r].invars
+           if not compat.is_literal(v) and v in inputs and ctx.big(v)}
+  made = {v for r in seen for v in jaxpr.eqns[r].outvars}
+  outputs: dict = {}
+  for p, v in enumerate(jaxpr.outvars):
+    if not compat.is_literal(v) and v in made and ctx.big(v) and v not in c.program_outputs:
+      outputs.setdefault(v, []).append(p)
+  update = seen | set(c.eqns)
+  pairs = {o: k for o, k in state_pairs.items()
+           if jaxpr.invars[k] in reads and readers.get(jaxpr.invars[k], set()) <= update}
+  return (clusters_lib.Cluster((), {}, (), (), tuple(reads), {},
+                               {v: tuple(p) for v, p in outputs.items()}), pairs)
+
+
+def _why_whole(v, facts: Redundancy, ctx: _Ctx, any_cluster: bool, split_reason: str) -> str:
+  """Why an input no cluster decided on stays whole."""
+  if not facts.is_redundant(v, ctx.axes):
+    return f"not identical across {sorted(ctx.axes)} ({split_reason})"
+  if not ctx.big(v):
+    return (f"scalar or tiny (at most {ctx.num_shards} elements, or fewer than "
+            f"min_shard_size={ctx.min_size}): kept replicated")
+  if not any_cluster:
+    return (f"the step has no gradient all-reduce over exactly {sorted(ctx.axes)}, so no "
+            "weight update to shard (pass axis_name= the data-parallel axes)")
+  return "no weight-update cluster reads it (read whole only, e.g. by the forward pass)"
