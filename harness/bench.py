@@ -11,12 +11,14 @@ devices, with the state donated:
                (`zero.handwritten_step`): what a careful person achieves.
   wus          `wus.shard_map(step)`.
   wus_gG       `wus.shard_map(step, shard_group_size=G)`: partial sharding within
-               groups of G devices (§5.2), weight-update-bound regime only.
+               groups of G devices (§5.2), in the partial-sharding regime.
 
 Regimes:
 
   weight-update-bound  large weights, a small per-replica batch.
   compute-bound        the same model, a large per-replica batch.
+  partial-sharding     the weight-update-bound setting with replicated and wus_gG
+                       for each G of --group_sizes (§5.2, Fig. 10).
   bf16-loop            k updates per call in a `lax.fori_loop`, the forward and
                        backward pass reading the weights in bfloat16 (Fig. 4
                        right, Fig. 7); replicated and wus only: the alternatives
@@ -78,7 +80,9 @@ class Regime:
     batch_size: examples per replica per update.
     steps_per_call: updates per call of the step, in a `lax.fori_loop`; more
       than 1 also reads the weights in bfloat16 in the forward pass.
-    group_sizes: G of the partial-sharding variants `wus_gG` (§5.2).
+    group_sizes: G of the partial-sharding variants `wus_gG` (§5.2); with
+      them the regime compares replicated and those only (memory: every
+      variant holds its own copy of the state).
   """
 
   name: str
@@ -90,7 +94,9 @@ class Regime:
   def variants(self) -> tuple[str, ...]:
     if self.steps_per_call > 1:
       return ("replicated", "wus")
-    return VARIANTS + tuple(f"wus_g{g}" for g in self.group_sizes)
+    if self.group_sizes:  # wus (G = N) is in the weight-update-bound regime.
+      return ("replicated",) + tuple(f"wus_g{g}" for g in self.group_sizes)
+    return VARIANTS
 
 
 def group_size(variant: str) -> int | None:
@@ -264,7 +270,7 @@ def predict(result: dict, topology: costmodel.Topology) -> dict | None:
     {"replicated": StepPrediction, "wus": StepPrediction}, or None for a
     regime with several updates per call (no "rest" measured).
   """
-  if not result.get("rest_seconds"):
+  if not result.get("rest_seconds") or "wus" not in result:
     return None
   workload = costmodel.Workload(tuple(result["tensor_elements"]), costmodel.OPTIMIZERS["adam"])
   rest = statistics.median(result["rest_seconds"])
@@ -306,9 +312,19 @@ def targets(results: list[dict]) -> list[tuple[str, bool | None, str]]:
   """The targets of issue 5 on measured results: (target, met or None if not measured, detail)."""
   rows = []
   for r in results:
+    name = r["regime"]
+    for v in r.get("variants", ()):
+      if (g := group_size(v)) is None:
+        continue
+      share = r[v]["opt_state_per_device"] * g / r["opt_state_bytes"]
+      rows.append((f"{name}: {v} optimizer state per device within {STATE_TOLERANCE:.0%} of V/G",
+                   abs(share - 1) <= STATE_TOLERANCE, f"{share:.4f} x V/{g}"))
+      wire = r[v]["wire_bytes"] / r["replicated"]["wire_bytes"]
+      rows.append((f"{name}: {v} collective bytes <= replicated all-reduce's (§5.2)", wire <= 1,
+                   f"ratio {wire:.4f}"))
     if "wus" not in r:
       continue
-    ws, name = r["wus"], r["regime"]
+    ws = r["wus"]
     if name == "weight-update-bound":
       for alt in (a for a in ALTERNATIVES if a in r):
         ratio = ws["median"] / r[alt]["median"]
@@ -331,15 +347,6 @@ def targets(results: list[dict]) -> list[tuple[str, bool | None, str]]:
     fraction = (ws["analysis_seconds"] + ws["rewrite_seconds"]) / ws["compile_seconds"]
     rows.append((f"{name}: wus analysis + rewrite < {ANALYSIS_FRACTION:.0%} of XLA compile time",
                  fraction < ANALYSIS_FRACTION, f"{fraction:.1%}"))
-    for v in r.get("variants", ()):
-      if (g := group_size(v)) is None:
-        continue
-      share = r[v]["opt_state_per_device"] * g / r["opt_state_bytes"]
-      rows.append((f"{name}: {v} optimizer state per device within {STATE_TOLERANCE:.0%} of V/G",
-                   abs(share - 1) <= STATE_TOLERANCE, f"{share:.4f} x V/{g}"))
-      wire = r[v]["wire_bytes"] / r["replicated"]["wire_bytes"]
-      rows.append((f"{name}: {v} collective bytes <= replicated all-reduce's (§5.2)", wire <= 1,
-                   f"ratio {wire:.4f}"))
   return rows
 
 
@@ -361,15 +368,15 @@ def markdown(results: list[dict]) -> str:
     parts += [f"### {r['regime']}: {r['model']} + Adam, N={r['num_devices']}, "
               f"{r['batch_size']} examples per replica per update"
               + (f", {r['steps_per_call']} updates per call" if r["steps_per_call"] > 1 else "")
-              + f"; {len(r['wus']['step_seconds'])} timed calls per variant",
+              + f"; {len(r['replicated']['step_seconds'])} timed calls per variant",
               report.table(["variant", "median ms/update", "min-max ms", "/ replicated",
                             f"/ best alternative ({best})", "memory MiB/device",
                             "opt state MiB/device", "collective wire MiB/update",
                             "XLA compile s",
-                            "max |Δ params| vs replicated"], rows),
-              f"wus analysis {r['wus']['analysis_seconds']:.3f} s + rewrite "
-              f"{r['wus']['rewrite_seconds']:.3f} s, beside XLA's compile of the wus step "
-              f"{r['wus']['compile_seconds']:.2f} s."]
+                            "max |Δ params| vs replicated"], rows)]
+    parts += [f"{v} analysis {r[v]['analysis_seconds']:.3f} s + rewrite "
+              f"{r[v]['rewrite_seconds']:.3f} s, beside XLA's compile of the {v} step "
+              f"{r[v]['compile_seconds']:.2f} s." for v in names if "analysis_seconds" in r[v]]
     if r["steps_per_call"] > 1:
       parts.append("Collective wire MiB per update inside the loop: " + ", ".join(
           f"{v} {r[v]['loop_wire_bytes'] / MIB:.3f}" for v in names) + " (the table's column "
@@ -390,12 +397,11 @@ def _define_flags() -> None:
                        "compute-bound regime.", lower_bound=1)
   flags.DEFINE_integer("steps_per_call", 4, "Updates per call in the bf16-loop regime.",
                        lower_bound=2)
-  flags.DEFINE_multi_enum("regimes", ["weight-update-bound", "compute-bound", "bf16-loop"],
-                          ["weight-update-bound", "compute-bound", "bf16-loop"],
-                          "Regimes to run.")
+  regimes = ["weight-update-bound", "compute-bound", "partial-sharding", "bf16-loop"]
+  flags.DEFINE_multi_enum("regimes", regimes, regimes, "Regimes to run.")
   flags.DEFINE_integer("rounds", 15, "Timed updates per variant and regime.", lower_bound=1)
   flags.DEFINE_multi_integer("group_sizes", [2, 4], "G of the partial-sharding variants "
-                             "(shard_group_size, §5.2) in the weight-update-bound regime; each "
+                             "(shard_group_size, §5.2) in the partial-sharding regime; each "
                              "must divide --num_devices.")
   flags.DEFINE_integer("num_devices", 8, "Simulated CPU devices (N).", lower_bound=2)
   flags.DEFINE_string("output", None, "If set, a JSON file for the measurements.")
@@ -403,8 +409,9 @@ def _define_flags() -> None:
 
 def regimes_from_flags() -> list[Regime]:
   f = flags.FLAGS
-  every = {"weight-update-bound": Regime("weight-update-bound", f.update_bound_batch,
-                                         group_sizes=tuple(f.group_sizes)),
+  every = {"weight-update-bound": Regime("weight-update-bound", f.update_bound_batch),
+           "partial-sharding": Regime("partial-sharding", f.update_bound_batch,
+                                      group_sizes=tuple(f.group_sizes)),
            "compute-bound": Regime("compute-bound", f.compute_bound_batch),
            "bf16-loop": Regime("bf16-loop", f.update_bound_batch, f.steps_per_call)}
   return [every[name] for name in f.regimes]
