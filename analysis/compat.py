@@ -140,6 +140,23 @@ def scan_parts(eqn: JaxprEqn) -> tuple[ClosedJaxpr, int, int]:
   return p["jaxpr"], p["num_consts"], p["num_carry"]
 
 
+def scan_options(eqn: JaxprEqn) -> dict[str, Any]:
+  """The `lax.scan` keyword arguments that rebuild a scan equation's iteration
+  (length, reverse, unroll)."""
+  return {k: eqn.params[k] for k in ("length", "reverse", "unroll")}
+
+
+def without_result_layout(eqn: JaxprEqn) -> dict[str, Any]:
+  """Params that drop an equation's result layout (jax 0.10: `sharding` of
+  elementwise ops describes the whole value; a shard has none); {} if none."""
+  return {"sharding": None} if eqn.params.get("sharding") is not None else {}
+
+
+def has_result_layout(eqn: JaxprEqn) -> bool:
+  """Whether the equation fixes its result's layout (`sharding` / `out_sharding`)."""
+  return any(eqn.params.get(k) is not None for k in ("sharding", "out_sharding"))
+
+
 def collective_axes(eqn: JaxprEqn) -> tuple[Any, ...]:
   """The mesh axes a collective runs over, as a tuple of names."""
   p = eqn.params

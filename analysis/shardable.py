@@ -113,7 +113,7 @@ def _dot_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   lhs, rhs = (_shape(v) for v in eqn.invars)
   everything = tuple(range(len(lhs)))
   if (lhs == rhs and not lb and not rb and tuple(lc) == tuple(rc) == everything
-      and eqn.params.get("out_sharding") is None):
+      and not compat.has_result_layout(eqn)):
     return Kind.DOT_ALL
   return None
 

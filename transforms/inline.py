@@ -133,8 +133,7 @@ def _scan(eqn, ins, rename):
     out = _closed(body, rename)(*consts, *carry, *x)
     return out[:num_carry], out[num_carry:]
 
-  carry, ys = lax.scan(step, list(init), list(xs), length=eqn.params["length"],
-                       reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+  carry, ys = lax.scan(step, list(init), list(xs), **compat.scan_options(eqn))
   return [*carry, *ys]
 
 

@@ -163,9 +163,9 @@ def _elementwise(eqn: JaxprEqn, env: _Env) -> list[Any]:
   # Scalars meeting shards are cast to varying once per variable or literal value.
   keys = [_literal_key(x) if compat.is_literal(x) else x if x.aval.shape in ((), y.aval.shape)
           else None for x in eqn.invars]
-  # A `sharding` param describes the whole value's layout; shards have none.
-  extra = {"sharding": None} if eqn.params.get("sharding") is not None else {}
-  return compat.bind(eqn, *compat.match_varying(ins, keys, env.casts), **extra)
+  # A result layout describes the whole value; shards have none.
+  return compat.bind(eqn, *compat.match_varying(ins, keys, env.casts),
+                     **compat.without_result_layout(eqn))
 
 
 def _literal_key(atom) -> tuple:
@@ -333,8 +333,7 @@ def _loop(eqn: JaxprEqn, env: _Env) -> list[_Held]:
       out = run_body([*consts, *carry, *x])
       return out[:num_carry], out[num_carry:]
 
-    carry, ys = lax.scan(step, list(init), list(xs), length=eqn.params["length"],
-                         reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+    carry, ys = lax.scan(step, list(init), list(xs), **compat.scan_options(eqn))
     outs = [*carry, *ys]
   else:
     cond_consts, body_consts, init = ops[:cond_nconsts], ops[cond_nconsts:first], ops[first:]
