@@ -132,7 +132,7 @@ def _first_whole_reader(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes)
 def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
            axes: frozenset, state_outputs: set[int], num_shards: int,
            rare: set[int] = frozenset(), *, objective: str = "memory",
-           topology: costmodel.Topology | None = None) -> Decision:
+           topology: costmodel.Topology | None = None, extra_gather: int = 0) -> Decision:
   """Decides one cluster.
 
   Args:
@@ -150,6 +150,8 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
       "memory", and only where `predict` says sharded is no slower).
     topology: the N devices, for `predict`; None:
       `costmodel.default_topology(num_shards)`.
+    extra_gather: whole bytes of inputs it keeps sharded that are gathered
+      where read (weights with `shard_weights`, in their narrow dtype).
 
   Returns:
     The decision, with byte counts (whole-tensor bytes, before sharding) and
@@ -169,7 +171,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   gathered = [v for v in cluster.sharded if v not in layout.partial and (
       v in cluster.outside_readers or v in layout.whole_reads
       or any(p not in state_outputs for p in cluster.program_outputs.get(v, ())))]
-  all_gather = sum(nbytes(v) for v in gathered) + _branch_gathers(cluster, rare)
+  all_gather = sum(nbytes(v) for v in gathered) + _branch_gathers(cluster, rare) + extra_gather
   inputs = set(jaxpr.invars)
   io = (sum(nbytes(v) for v in cluster.reads if v in inputs)
         + sum(nbytes(v) * len(p) for v, p in cluster.program_outputs.items()))

@@ -21,7 +21,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               in_names: Sequence[str], out_names: Sequence[str],
               state_pairs: Mapping[int, int], min_size: int = 0,
               split_reason: str = "its in_spec splits it", objective: str = "memory",
-              topology: costmodel.Topology | None = None) -> Plan:
+              topology: costmodel.Topology | None = None, shard_weights: bool = False) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -38,6 +38,10 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     split_reason: why an input that differs across replicas does (shown in
       the Plan; `wus.pmap` points at replicated_argnums).
     objective, topology: as for `cost.decide` (the topology has N devices).
+    shard_weights: a weight whose next value the step returns, which the
+      forward pass reads only converted to one narrower float, stays sharded
+      between steps like optimizer state and is all-gathered in that float at
+      its first read (Fig. 4 right, Fig. 7, across calls instead of a loop).
 
   Returns:
     The frozen Plan.
@@ -47,7 +51,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
             and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
 
   ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, big, objective,
-             topology or costmodel.default_topology(num_shards))
+             topology or costmodel.default_topology(num_shards), shard_weights)
   planned = _plan(jaxpr, ctx, state_pairs, in_names, out_names)
   inputs = []
   state = set(state_pairs.values())
@@ -69,6 +73,7 @@ class _Ctx:
   big: object
   objective: str
   topology: costmodel.Topology
+  shard_weights: bool = False
 
 
 @dataclasses.dataclass
@@ -117,15 +122,18 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     layout = layouts.assign(jaxpr, c, ctx.num_shards, ctx.big)
     if not c.eqns:
       layout = _kept_whole_reason(jaxpr, c)
+    narrow = None  # Inputs kept sharded and gathered in a narrower float where read.
     if isinstance(layout, str):
       decision = cost.Decision(False, layout, 0, 0, 0)
       layout = layouts.Layout({}, frozenset(), frozenset())
       pairs = {}
     else:
-      narrow = {} if in_loop else None
+      narrow = {} if in_loop or ctx.shard_weights else None
       pairs = _state_pairs(c, layout, jaxpr, members, state_pairs, invar_pos, readers, narrow)
+      narrow_bytes = sum(x.aval.size * dtype.itemsize for x, dtype in (narrow or {}).items())
       decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards,
-                             rare, objective=ctx.objective, topology=ctx.topology)
+                             rare, objective=ctx.objective, topology=ctx.topology,
+                             extra_gather=0 if in_loop else narrow_bytes)
       if rare & set(c.nested) and decision.shard:
         decision = dataclasses.replace(decision, reason=decision.reason + "; " + ", ".join(
             f"the conditional at {source_line(jaxpr.eqns[i])} follows the loop counter: it "
@@ -135,6 +143,13 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         gather_dtypes.update(narrow)
         decision = dataclasses.replace(decision, reason=decision.reason + "; " + loops.placements(
             c, jaxpr, members, state_pairs, pairs, narrow, invar_pos, in_names, readers))
+      elif narrow and decision.shard:
+        gather_dtypes.update(narrow)
+        decision = dataclasses.replace(decision, reason=decision.reason + "; " + ", ".join(
+            f"{in_names[invar_pos[x]]} kept sharded between steps (shard_weights=True) and "
+            f"all-gathered in {dtype.name} at its first read: {x.aval.size * dtype.itemsize} B "
+            f"per step instead of {x.aval.size * x.aval.dtype.itemsize} B (Fig. 4 right, "
+            "Fig. 7)" for x, dtype in narrow.items()))
     across = sorted({a for i in c.seeds for a in compat.collective_axes(jaxpr.eqns[i])}
                     - ctx.axes)
     if across and decision.shard:
@@ -160,7 +175,10 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     for v in c.reads:
       if v in invar_pos:
         k = invar_pos[v]
-        if decision.shard and k in pairs.values():
+        if decision.shard and narrow and v in narrow and not in_loop:
+          input_reason[k] = (True, f"weight kept sharded (shard_weights=True): cluster {idx} "
+                                   f"updates it, the forward pass reads it in {narrow[v].name}")
+        elif decision.shard and k in pairs.values():
           input_reason[k] = (True, f"optimizer state: only cluster {idx} reads it")
         elif decision.shard:
           input_reason.setdefault(

@@ -33,6 +33,7 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
               shard_group_size: int | str | None = None,
               objective: str = "memory",
               topology: costmodel.Topology | None = None,
+              shard_weights: bool = False,
               donate_argnums: int | Sequence[int] = (),
               donate_argnames: str | Sequence[str] = ()
               ) -> ShardedStep | Callable[[Callable], ShardedStep]:
@@ -77,6 +78,13 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
       `wus.analysis.costmodel.Topology` of N devices (mesh axes fast to slow,
       latency, bandwidth, memory bandwidth). Default:
       `costmodel.default_topology` with one process's devices as the fast axis.
+    shard_weights: also keep sharded between calls the weights the forward
+      pass reads only in a narrower float (mixed precision): the step returns
+      them as `wus.ShardedArray`s, like optimizer state, and all-gathers them
+      in that float at their first read in the next call (Fig. 4 right,
+      Fig. 7, §4.2), a 16-bit gather where the all-reduce moved 32 bits. Off
+      by default: code other than the step must `wus.unshard` such params
+      (which gives the whole float32 weights).
     donate_argnums: positional arguments whose buffers the step may reuse for
       its outputs, as for `jax.jit(jax.shard_map(f, ...), donate_argnums=...)`:
       a donated argument (sharded state included) must not be used after the
@@ -111,7 +119,7 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
     return ShardedStep(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
                        axis_names=frozenset(axis_names), axis_name=axis_name,
                        min_shard_size=min_shard_size, shard_group_size=shard_group_size,
-                       objective=objective, topology=topology,
+                       objective=objective, topology=topology, shard_weights=shard_weights,
                        donate_argnums=donated_positions(f, donate_argnums, donate_argnames))
   return make if f is None else make(f)
 
@@ -160,7 +168,7 @@ class ShardedStep:
                check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
                shard_group_size: int | None = None,
                objective: str = "memory", topology: costmodel.Topology | None = None,
-               donate_argnums: frozenset = frozenset(),
+               shard_weights: bool = False, donate_argnums: frozenset = frozenset(),
                split_reason: str = "its in_spec splits it"):
     self._f = f
     self._mesh = mesh  # None: the mesh set with jax.set_mesh at call time.
@@ -174,6 +182,7 @@ class ShardedStep:
                         else int(shard_group_size))
     check_objective(objective)
     self._objective, self._topology = objective, topology
+    self._shard_weights = bool(shard_weights)
     self._donate_argnums = frozenset(donate_argnums)
     self._split_reason = split_reason
     self._cache: dict = {}
@@ -418,7 +427,7 @@ class ShardedStep:
     plan = make_plan(flat, facts, axes=axes, num_shards=num_shards,
                      in_names=in_names, out_names=out_names, state_pairs=pairs,
                      min_size=self._min_size, split_reason=self._split_reason,
-                     objective=self._objective,
+                     objective=self._objective, shard_weights=self._shard_weights,
                      topology=self._topology_for(mesh, axes, num_shards))
     if whole_reason is not None:
       plan = replicated_plan(plan, whole_reason)
