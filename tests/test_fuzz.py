@@ -64,7 +64,7 @@ class _Summary:
   """What the run saw, across every example hypothesis ran (shrinking included)."""
 
   def __init__(self):
-    self.start = time.perf_counter()
+    self.start: float | None = None        # At the first example (not at collection).
     self.counts = collections.Counter()
     self.kept = collections.Counter()       # Reasons of replicated clusters holding big tensors.
     self.rejected = collections.Counter()   # Why the unmodified step raised.
@@ -78,7 +78,7 @@ class _Summary:
             f"kept replicated {c['kept']}, failures {c['failed']} ({len(self.failures)} distinct); "
             f"rejected {c['rejected']} (unmodified step raised); "
             f"worst close diff {self.worst:.2g} of tolerance; "
-            f"{time.perf_counter() - self.start:.0f} s")
+            f"{time.perf_counter() - (self.start or time.perf_counter()):.0f} s")
 
   def as_dict(self) -> dict:
     return {"profile": PROFILE, "line": self.line(), "counts": dict(self.counts),
@@ -127,6 +127,7 @@ def _reason(text: str) -> str:
 @settings(settings.get_profile(f"wus-fuzz-{PROFILE}"))
 @given(case=fuzz_cases.cases())
 def test_wus_matches_unmodified_step(case):
+  SUMMARY.start = SUMMARY.start or time.perf_counter()
   note(f"Standalone reproduction (repro.py):\n{case.script()}")
   ns = case.build()  # A fuzzer bug (bad source) errors here; it is not a rejection.
   m = mesh(case.n)
