@@ -79,7 +79,7 @@ class _Graph:
 
 def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
                   num_shards: int, min_size: int = 0, *,
-                  inputs_sharded: bool = False) -> list[Cluster]:
+                  inputs_sharded: bool = False, held_sharded=frozenset()) -> list[Cluster]:
   """Finds the weight-update clusters of a flat (call-free) shard_map body.
 
   Args:
@@ -88,6 +88,9 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
     axes: the replica mesh axes; a gradient all-reduce runs over exactly these.
     num_shards: replicas along `axes` (N).
     min_size: tensors with fewer elements (and at least N) stay whole.
+    held_sharded: variables the rewrite already holds as shards (a loop's
+      carries kept sharded, e.g. a gradient accumulated on shards, §4.2):
+      their readers seed growth as the gradient all-reduces do.
     inputs_sharded: a conditional's branch: every big input arrives as a
       shard and seeds the growth, and everything found is one cluster.
 
@@ -124,6 +127,10 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
     return kind_cache[i]
 
   seeds = [i for i in range(len(eqns)) if kind(i) is Kind.REDUCE_SCATTER]
+  # Cluster.seeds are all-reduces; readers of held shards only seed the growth.
+  all_reduces = set(seeds) if held_sharded else None
+  seeds += [r for v in held_sharded for r in graph.readers[v]
+            if kind(r) is not None and r not in seeds]
   if inputs_sharded:
     seeds += [r for v in jaxpr.invars if big(v) for r in graph.readers[v]
               if kind(r) is not None and r not in seeds]
@@ -207,7 +214,8 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
                  for b in compat.cond_branches(eqns[i]))
 
   inputs = [v for v in jaxpr.invars if big(v)] if inputs_sharded else []
-  clusters = [_make_cluster(sorted(m), graph, big, kind, set(seeds), branches, inputs,
+  clusters = [_make_cluster(sorted(m), graph, big, kind,
+                            set(seeds) if all_reduces is None else all_reduces, branches, inputs,
                             whole.get(root, {}))
               for root, m in members.items()]
   return sorted(clusters, key=lambda c: min(c.eqns + tuple(c.kept_whole), default=-1))

@@ -199,6 +199,12 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
     return verdict(False, "reads no weights or optimizer state and returns nothing: "
                           "only computation that differs across replicas reads its result")
   extra = all_gather - (all_reduce + all_reduce // num_shards)
+  if extra > 0 and state_outputs and not cluster.seeds:
+    # Its gradient arrives as shards (a loop accumulated it on shards, §4.2):
+    # the all-reduce is gone already; the weights are gathered once here.
+    return slower() or verdict(
+        True, f"update on 1/N shards of a gradient that arrives as shards; optimizer state "
+              f"kept sharded, {all_gather} B all-gathered")
   if extra > 0 and state_outputs:
     # More all-gather than the all-reduce it replaces (its all-reduce runs
     # whole): taken for the optimizer state it keeps sharded between steps.

@@ -94,14 +94,14 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   `counters` are a loop body's inputs that count iterations: a conditional
   whose predicate depends on one is taken every k steps (§3.2).
   """
-  found = clusters_lib.find_clusters(jaxpr, ctx.facts, ctx.axes, ctx.num_shards, ctx.min_size)
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   rare = loops.rare_conds(jaxpr, counters)
   cluster_plans, shard_eqns, state_in, state_out, all_formats, bodies = [], {}, {}, {}, {}, {}
   gather_dtypes: dict = {}
   input_reason: dict[int, tuple[bool, str]] = {}
 
-  for i, loop in loops.plan_loops(jaxpr, ctx, in_names, label, _plan).items():
+  planned_loops = loops.plan_loops(jaxpr, ctx, in_names, label, _plan)
+  for i, loop in planned_loops.items():
     shard_eqns[i], bodies[i] = Kind.LOOP, (loop.program,)
     cluster_plans += loop.clusters
     all_formats.update(loop.formats)
@@ -114,6 +114,12 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         input_reason[in_pos] = (True, f"state of the loop at {source_line(jaxpr.eqns[i])}, "
                                       "sharded between steps")
 
+  # A loop's carries held as shards after it (a gradient accumulated on shards)
+  # seed clusters as the gradient all-reduces do (§4.2).
+  held = {jaxpr.eqns[i].outvars[k]: f for i, loop in planned_loops.items()
+          for k, f in loop.carries.items()}
+  found = clusters_lib.find_clusters(jaxpr, ctx.facts, ctx.axes, ctx.num_shards, ctx.min_size,
+                                     held_sharded=frozenset(held))
   readers = _readers(jaxpr)
   clustered = {i for c in found for i in c.eqns}
   for c in found:
@@ -123,6 +129,10 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     if not c.eqns:
       layout = _kept_whole_reason(jaxpr, c)
     narrow = None  # Inputs kept sharded and gathered in a narrower float where read.
+    if not isinstance(layout, str) and (mismatch := [
+        v for v in c.reads if v in held and layout.formats.get(v) != held[v]]):
+      layout = (f"{mismatch[0].aval.str_short()} leaves a loop as shards of another format "
+                "than this update needs")
     if isinstance(layout, str):
       decision = cost.Decision(False, layout, 0, 0, 0)
       layout = layouts.Layout({}, frozenset(), frozenset())
