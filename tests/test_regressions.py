@@ -290,3 +290,49 @@ def test_equal_shard_shapes_of_differently_shaped_tensors_within_an_ulp():
   assert_trees_equal(a[0], b[0], rtol=2 * 2.0 ** -23)
   assert_trees_equal(a[1], wus.unshard(b[1]), rtol=2 * 2.0 ** -23)
   assert len(sharded_leaves(b[1])) == 4
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
+    "known bug, found by the fuzzer: a [2, 6] tensor gets two formats in one step (flat, and "
+    "rows kept apart by adaptive_grad_clip's unitwise norm) and an elementwise op meets both"))
+def test_one_tensor_two_formats_adabelief_dog_agc():
+  """The fuzzer's case, as it printed it (N = 4, check_vma=False): the rewrite
+  reaches `sub` with shards [3] and [1, 6] of the same [2, 6] tensor. wus
+  raises (no wrong answer); this test passes once the layouts agree."""
+  def init(seed, shape, scale=0.1):
+    return jnp.asarray(scale * np.random.default_rng(seed).standard_normal(shape, np.float32))
+
+  params = {"tensor0": init(1, (2, 6)), "tensor1": init(11, (1,)), "tensor2": init(21, (1,)),
+            "conv3": {"kernel": init(31, (1, 2, 2, 4), 0.3), "bias": init(32, (4,))},
+            "scalar4": init(41, (), 0.5)}
+  tx = optax.chain(
+      optax.inject_hyperparams(optax.adabelief)(learning_rate=1e-2),
+      optax.contrib.dog(optax.constant_schedule(1e-3)),
+      optax.masked(optax.adaptive_grad_clip(1.0),
+                   lambda t: jax.tree.map(lambda x: jnp.ndim(x) >= 2, t)),
+      optax.add_decayed_weights(1e-2, mask=lambda t: {
+          k: jax.tree.map(lambda _: k in ("conv3", "tensor1"), v) for k, v in t.items()}))
+
+  def loss(params, x):
+    s = jnp.mean(jnp.tanh(x))
+    total = sum(jnp.sum(jnp.sin(params[k] * s)) for k in ("tensor0", "tensor1", "tensor2"))
+    img = x.reshape(-1, 4, 4, 1) * jnp.linspace(0.5, 1.5, 2)
+    h = jax.lax.conv_general_dilated(img, params["conv3"]["kernel"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    total = total + jnp.mean(jnp.tanh(h + params["conv3"]["bias"]) ** 2)
+    return total + jnp.mean(jnp.tanh(x * params["scalar4"]) ** 2)
+
+  def step(params, opt_state, x):
+    grads = jax.lax.pmean(jax.grad(loss)(params, x), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  m = mesh(4)
+  kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P()), check_vma=False)
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  a = b = (params, tx.init(params))
+  for i in range(3):
+    x = jax.device_put(np.random.default_rng(463 + 1000 * i).standard_normal((8, 16), np.float32),
+                       NamedSharding(m, P("data")))
+    a, b = ref(*a, x), ws(*b, x)
+  assert_trees_equal(a[0], b[0], rtol=1e-5, atol=1e-6)
