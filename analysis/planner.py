@@ -144,6 +144,15 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards,
                              rare, objective=ctx.objective, topology=ctx.topology,
                              extra_gather=0 if in_loop else narrow_bytes)
+      # A value the rewrite holds as shards has one format: a cluster that
+      # needs another format of a value an earlier cluster shards stays whole.
+      if decision.shard and (clash := next((v for v, f in layout.formats.items()
+                                             if all_formats.get(v, f) != f), None)) is not None:
+        name = loops.outer_name(clash, invar_pos, in_names, clash.aval.str_short())
+        decision = dataclasses.replace(decision, shard=False, reason=(
+            f"{name} is read as shards of another format by an earlier cluster (one value, "
+            "one format)"))
+        pairs = {}
       if rare & set(c.nested) and decision.shard:
         decision = dataclasses.replace(decision, reason=decision.reason + "; " + ", ".join(
             f"the conditional at {source_line(jaxpr.eqns[i])} follows the loop counter: it "
