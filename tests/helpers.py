@@ -150,6 +150,18 @@ def dense_step(tx, axis_name="data"):
   return step
 
 
+def run_both(step, args, xs, *, wus_kw=None, **kw):
+  """Runs `step` unmodified (`jax.jit(jax.shard_map(step, **kw))`) and under
+  `wus.shard_map(step, **kw, **wus_kw)` from the same `args`, one call per
+  batch of `xs`, feeding the state back. Returns (unmodified outputs, wus
+  outputs, the wus step)."""
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw, **(wus_kw or {}))
+  a = b = args
+  for x in xs:
+    a, b = ref(*a, x), ws(*b, x)
+  return a, b, ws
+
+
 def dense_inputs(m, steps=3):
   k = jax.random.split(jax.random.key(0), 2 + steps)
   params = {"w": 0.1 * jax.random.normal(k[0], (24, 40)), "b": 0.1 * jax.random.normal(k[1], (40,))}

@@ -17,7 +17,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, mesh, sharded_leaves
+from helpers import assert_trees_equal, mesh, run_both, sharded_leaves
 
 MICRO = 4
 
@@ -47,13 +47,10 @@ def test_update_after_an_accumulation_loop_runs_on_shards(check_vma, n):
   params = {"w": 0.1 * jax.random.normal(k[0], (64, 96)), "b": jnp.zeros(96)}
   kw = dict(mesh=m, in_specs=(P(), P(), P(None, "data")), out_specs=(P(), P()),
             check_vma=check_vma)
-  step = accumulating_step(tx)
-  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
-  a = b = (params, tx.init(params))
-  for i in range(3):
-    xs = jax.device_put(jax.random.normal(jax.random.key(i), (MICRO, 2 * n, 64)),
-                        NamedSharding(m, P(None, "data")))
-    a, b = ref(*a, xs), ws(*b, xs)
+  batches = [jax.device_put(jax.random.normal(jax.random.key(i), (MICRO, 2 * n, 64)),
+                            NamedSharding(m, P(None, "data"))) for i in range(3)]
+  a, b, ws = run_both(accumulating_step(tx), (params, tx.init(params)), batches, **kw)
+  xs = batches[-1]
   assert_trees_equal(a[0], b[0])  # Elementwise update: bit for bit.
   assert_trees_equal(a[1], wus.unshard(b[1]))
   assert {x.format.shape for x in sharded_leaves(b[1])} == {(64, 96), (96,)}

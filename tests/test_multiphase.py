@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, dense_step, sharded_leaves
+from helpers import assert_trees_equal, dense_step, run_both, sharded_leaves
 from wus.collectives import formatted
 
 AXES = ("replica", "data")
@@ -60,12 +60,10 @@ def test_sharded_over_both_axes_in_two_phases(shape, check_vma):
   k = jax.random.split(jax.random.key(0), 2)
   params = {"w": 0.1 * jax.random.normal(k[0], (24, 41)), "b": 0.1 * jax.random.normal(k[1], (41,))}
   kw = dict(mesh=mesh, in_specs=(P(), P(), BATCH), out_specs=(P(), P()), check_vma=check_vma)
-  step = dense_step(tx, AXES)
-  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
-  a = b = (params, tx.init(params))
-  for i in range(3):
-    x = jax.device_put(jax.random.normal(jax.random.key(i), (16, 24)), NamedSharding(mesh, BATCH))
-    a, b = ref(*a, x), ws(*b, x)
+  xs = [jax.device_put(jax.random.normal(jax.random.key(i), (16, 24)), NamedSharding(mesh, BATCH))
+        for i in range(3)]
+  a, b, ws = run_both(dense_step(tx, AXES), (params, tx.init(params)), xs, **kw)
+  x = xs[-1]
   # The gradient sums within "data" first, then across "replica": rounding only.
   assert_trees_equal(a[0], b[0], rtol=1e-6, atol=1e-7)
   assert_trees_equal(a[1], wus.unshard(b[1]), rtol=1e-6, atol=1e-7)

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, dense_step, sharded_leaves
+from helpers import assert_trees_equal, dense_step, run_both, sharded_leaves
 from wus.harness import report
 
 BATCH = P(("replica", "data"))
@@ -24,12 +24,11 @@ def test_sharded_within_the_data_axis_all_reduced_across_replica(shape, check_vm
   k = jax.random.split(jax.random.key(0), 3)
   params = {"w": 0.1 * jax.random.normal(k[0], (24, 40)), "b": 0.1 * jax.random.normal(k[1], (40,))}
   kw = dict(mesh=mesh, in_specs=(P(), P(), BATCH), out_specs=(P(), P()), check_vma=check_vma)
-  step = dense_step(tx, ("replica", "data"))
-  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, axis_name="data", **kw)
-  a = b = (params, tx.init(params))
-  for i in range(3):
-    x = jax.device_put(jax.random.normal(jax.random.key(i), (16, 24)), NamedSharding(mesh, BATCH))
-    a, b = ref(*a, x), ws(*b, x)
+  xs = [jax.device_put(jax.random.normal(jax.random.key(i), (16, 24)), NamedSharding(mesh, BATCH))
+        for i in range(3)]
+  a, b, ws = run_both(dense_step(tx, ("replica", "data")), (params, tx.init(params)), xs,
+                      wus_kw=dict(axis_name="data"), **kw)
+  x = xs[-1]
   # The gradient sums run in another order (within groups, then across): rounding only.
   assert_trees_equal(a[0], b[0], rtol=1e-6, atol=1e-7)
   assert_trees_equal(a[1], wus.unshard(b[1]), rtol=1e-6, atol=1e-7)
