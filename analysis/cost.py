@@ -31,6 +31,7 @@ more tensor adds bytes to a collective, not a collective.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from wus.analysis import compat
 from wus.analysis import costmodel
@@ -219,3 +220,39 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   partial = f", {reductions} reduction(s)" if reductions else ""
   return slower() or verdict(True, f"update on 1/N shards{partial}; {len(gathered)} "
                                    "all-gather(s)")
+
+
+def auto_group_size(plan, topology: costmodel.Topology) -> tuple[int | None, str]:
+  """`shard_group_size="auto"`: the G the cost model predicts fastest (§5.2), and why.
+
+  The workload is what the Plan of full sharding shards: the elements of
+  each sharded gradient, and the bytes per element the update reads and
+  writes (its saved bytes, scaled back to whole). G is chosen among the
+  divisors of N whose groups follow the topology's axes
+  (`costmodel.choose_group_size`); None means N, one group.
+
+  Args:
+    plan: the `plan.Plan` of the step sharded in one group of all N.
+    topology: the N devices.
+
+  Returns:
+    (G, or None for N; the choice and its predicted times in words).
+  """
+  n = plan.num_shards
+  grads = [t for c in plan.clusters if c.sharded for t in c.tensors if t.role == "gradient"]
+  if len(plan.axes) != 1 or not grads:
+    return None, (f"shard_group_size='auto': one group of all {n} replicas (nothing to group: "
+                  f"{'several sharding axes' if grads else 'no sharded update'})")
+  elements = sum(math.prod(t.shape) for t in grads)
+  io = sum(c.saved_bytes for c in plan.clusters if c.sharded) * n / max(n - 1, 1)
+  passes = max(1, round(io / (elements * grads[0].itemsize)))
+  workload = costmodel.Workload(tuple(math.prod(t.shape) for t in grads),
+                                costmodel.Optimizer("the step's update", ("x",) * passes, ()),
+                                grad_bytes=grads[0].itemsize, state_bytes=grads[0].itemsize)
+  best = costmodel.best_sharded(workload, topology)
+  full = costmodel.predict_sharded(workload, topology, n, bucket_bytes=best.bucket_bytes)
+  why = (f"shard_group_size='auto': the cost model chose G={best.group_size} of {n} "
+         f"(predicted collectives and update {best.total * 1e6:.3g} us per step, "
+         f"{full.total * 1e6:.3g} us with one group of {n}; topology "
+         f"{' x '.join(f'{a.name}={a.size}' for a in topology.axes)})")
+  return (None if best.group_size == n else best.group_size), why
