@@ -111,19 +111,14 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   def kind(i: int) -> Kind | None:
     """The shard kind of equation i, if it is redundant, shardable and big.
 
-    Big means a big output, or for a reduction or a conditional a big operand.
+    Big as its Kind says (`Kind.big_values`): a big output, or for a reduction
+    a big operand, or for a conditional any big value.
     """
     if i not in kind_cache:
       eqn = eqns[i]
       k = (shard_kind(eqn, ctx)
            if all(facts.is_redundant(v, ctx.axes) for v in eqn.outvars) else None)
-      if k in REDUCING:
-        k = k if big(eqn.invars[0]) else None
-      elif k is Kind.COND:
-        k = k if any(big(v) for v in [*eqn.invars, *eqn.outvars]) else None
-      elif not any(big(v) for v in eqn.outvars):
-        k = None
-      kind_cache[i] = k
+      kind_cache[i] = k if k is not None and any(map(big, k.big_values(eqn))) else None
     return kind_cache[i]
 
   seeds = [i for i in range(len(eqns)) if kind(i) is Kind.REDUCE_SCATTER]

@@ -22,29 +22,67 @@ from wus.analysis.compat import JaxprEqn
 from wus.analysis.redundancy import Redundancy
 
 
-class Kind(enum.Enum):
-  """How an equation runs on shards."""
+@dataclasses.dataclass(frozen=True)
+class Traits:
+  """What the passes ask of a `Kind`, besides its layout rule (`layouts.layout_rules`)
+  and its shard rule (`wus.transforms.rewrite.shard_rules`), both keyed by Kind.
 
-  ELEMENTWISE = "elementwise"  # Same op on the shards; rank-0 operands broadcast.
-  LAYOUT = "layout"            # Same elements in the same row-major order: the shard is unchanged.
-  REDUCE_UNIT = "reduce over size-1 dims"  # Each output element reduces one input element.
-  # Masked local reduce, then all-reduce the partial results (Fig. 6).
-  REDUCE_ALL = "reduce to a scalar"
-  REDUCE = "reduce over some dims"  # Local if the shard dim is kept, else partial results as above.
-  DOT_ALL = "inner product"  # dot_general contracting every dim: masked local dot, all-reduced sum.
-  BROADCAST = "broadcast scalar"  # A one-element operand broadcast to a big shape.
-  BROADCAST_DIMS = "broadcast along new dims"  # Local from the operand's shard, or from it whole.
-  COND = "conditional"  # Big operands enter every branch as shards; big results leave as shards.
-  LOOP = "loop"  # The body runs by its own plan; carried state stays sharded (§4.2).
-  # psum over (at least) the replica axes of a value that differs.
-  REDUCE_SCATTER = "reduce-scatter"
-  SUM_OF_COPIES = "psum of equal values"  # psum of a value equal on all its replicas: a local sum.
-  IDENTITY = "pmax/pmin of equal values"  # pmax / pmin of a value equal on all replicas.
+  Attributes:
+    doc: how the equation runs on shards.
+    big: which of its values must be big (worth sharding) for the equation
+      to run on shards: "outputs"; "operand", its first operand (a reduction
+      of a big tensor may return a small result); or "any" (a conditional).
+    partial: it leaves partial results over the shards that an all-reduce
+      combines (Fig. 6): the end of a phase of the schedule (§5.2).
+    update: it is part of the weight update, not the gradient all-reduce the
+      update reads (the two are scheduled apart, §5.2).
+  """
+
+  doc: str
+  big: str = "outputs"
+  partial: bool = False
+  update: bool = True
+
+
+class Kind(enum.Enum):
+  """How an equation runs on shards; each member's value is its `Traits`."""
+
+  ELEMENTWISE = Traits("elementwise: the same op on the shards; rank-0 operands broadcast")
+  LAYOUT = Traits("layout: same elements in the same row-major order; the shard is unchanged")
+  REDUCE_UNIT = Traits("reduce over size-1 dims: each output element reduces one input element")
+  REDUCE_ALL = Traits("reduce to a scalar: masked local reduce, all-reduced partial results",
+                      big="operand", partial=True)
+  REDUCE = Traits("reduce over some dims: local if the shard dim is kept, else as REDUCE_ALL",
+                  big="operand", partial=True)
+  DOT_ALL = Traits("inner product: masked local dot, all-reduced sum",
+                   big="operand", partial=True)
+  BROADCAST = Traits("broadcast scalar: a one-element operand broadcast to a big shape")
+  BROADCAST_DIMS = Traits("broadcast along new dims: local from the operand's shard or whole")
+  COND = Traits("conditional: big operands enter every branch as shards, big results leave "
+                "as shards", big="any")
+  LOOP = Traits("loop: the body runs by its own plan; carried state stays sharded (§4.2)")
+  REDUCE_SCATTER = Traits("reduce-scatter: psum over (at least) the replica axes of a value "
+                          "that differs", update=False)
+  SUM_OF_COPIES = Traits("psum of equal values: a local sum")
+  IDENTITY = Traits("pmax/pmin of equal values")
+
+  @property
+  def partial(self) -> bool:
+    return self.value.partial
+
+  @property
+  def update(self) -> bool:
+    return self.value.update
+
+  def big_values(self, eqn: JaxprEqn) -> list:
+    """The atoms of `eqn` of which one must be big for it to run on shards."""
+    return {"outputs": eqn.outvars, "operand": eqn.invars[:1],
+            "any": [*eqn.invars, *eqn.outvars]}[self.value.big]
 
 
 # Kinds that leave partial results over the shards, combined by an all-reduce
 # (Fig. 6); they read a big operand and may return a small result.
-REDUCING = frozenset({Kind.REDUCE_ALL, Kind.REDUCE, Kind.DOT_ALL})
+REDUCING = frozenset(k for k in Kind if k.partial)
 
 
 @dataclasses.dataclass(frozen=True)

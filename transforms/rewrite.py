@@ -36,7 +36,7 @@ from wus.analysis.compat import ClosedJaxpr, JaxprEqn
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan, Program
 from wus.analysis.primitives import REDUCTIONS, Reduction
-from wus.analysis.shardable import REDUCING, Kind
+from wus.analysis.shardable import Kind
 
 
 class _Held:
@@ -415,11 +415,11 @@ def _schedule(jaxpr, program: Program) -> list[int]:
   for i, eqn in enumerate(jaxpr.eqns):
     p = max((level.get(v, 0) for v in eqn.invars if not compat.is_literal(v)), default=0)
     kind = program.shard_eqns.get(i)
-    if kind is not None and kind is not Kind.REDUCE_SCATTER:
+    if kind is not None and kind.update:
       p |= 1
     if compat.side_effects(eqn):
       p = last_effect = max(p, last_effect)
-    done = p + (kind in REDUCING)
+    done = p + (kind is not None and kind.partial)
     for v in eqn.outvars:
       level[v] = done
     keys.append((p, i))
