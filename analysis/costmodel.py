@@ -583,6 +583,10 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
                   + wire_bytes(sum(gather), inner, "all-gather")))
 
 
+# The bucket limit of batched collectives the cost model did not choose (a
+# step with no sharded update; `wus.unshard`'s all-gathers).
+DEFAULT_BUCKET_BYTES = 4 * 2 ** 20
+
 # Candidate bucket limits of `choose_bucket_bytes`: 64 KiB to 1 GiB, powers of 2.
 BUCKET_CANDIDATES = tuple(2 ** k for k in range(16, 31))
 

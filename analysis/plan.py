@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from wus.analysis import costmodel
 from wus.analysis.formats import ShardFormat
 from wus.analysis.shardable import Kind
 
@@ -142,6 +143,9 @@ class Plan:
     objective: "memory" or "time", what the cluster decisions favour (`cost.decide`).
     across_groups: with groups, the batched all-reduces of gradient shards
       across them per step (Fig. 10, right), predicted.
+    bucket_bytes: the most bytes of tensors one batched collective moves
+      (§5.2), chosen by the cost model (`cost.bucket_bytes`).
+    buckets: that choice in words ("" when nothing is sharded).
   """
 
   axes: tuple
@@ -156,6 +160,8 @@ class Plan:
   groups: str = ""
   across_groups: int = 0
   objective: str = "memory"
+  bucket_bytes: int = costmodel.DEFAULT_BUCKET_BYTES
+  buckets: str = ""
 
   @property
   def shard_eqns(self) -> Mapping[int, Kind]:
@@ -209,6 +215,8 @@ class Plan:
       for t in c.tensors:
         fmt = str(t.format) if t.format is not None else "whole"
         lines.append(f"    {t.role:9s} {t.name:40s} {t.dtype:9s} {fmt}")
+    if self.buckets:
+      lines.append(self.buckets)
     lines.append("inputs:")
     for i in self.inputs:
       layout = "sharded" if i.sharded else "whole"

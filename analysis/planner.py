@@ -60,8 +60,10 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
         k, (False, _why_whole(v, facts, ctx, bool(planned.clusters), split_reason)))
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
                             k in state, v.aval.dtype.itemsize))
+  limit, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology, objective)
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
-              planned.program, planned.formats, planned.gather_dtypes, objective=objective)
+              planned.program, planned.formats, planned.gather_dtypes, objective=objective,
+              bucket_bytes=limit, buckets=buckets)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,32 +38,33 @@ def all_reduce(values: Sequence[jnp.ndarray], op: str, axis_name) -> list[jnp.nd
                                                          values)]
 
 
-def all_reduce_bucketed(values: Sequence[jnp.ndarray], axis_name) -> list[jnp.ndarray]:
+def all_reduce_bucketed(values: Sequence[jnp.ndarray], axis_name,
+                        bucket_bytes: int) -> list[jnp.ndarray]:
   """Per replica: psum of many tensors in few collectives (§5.2, Fig. 10).
 
-  Tensors of one dtype share an all-reduce, in buckets of `BUCKET_BYTES`;
-  larger ones keep their own. Partial sharding all-reduces the gradient
-  shards across the sharding groups with it.
+  Tensors of one dtype share an all-reduce, in buckets of at most
+  `bucket_bytes`; larger ones keep their own. Partial sharding all-reduces
+  the gradient shards across the sharding groups with it.
 
   Args:
     values: tensors, any shapes and dtypes.
     axis_name: the mesh axes to sum over.
+    bucket_bytes: bytes per bucket (`buckets`).
 
   Returns:
     The sums, shapes and dtypes as given.
   """
   def one(vs, _):
     return [lax.psum(vs[0], axis_name)] if len(vs) == 1 else all_reduce(vs, "sum", axis_name)
-  return _bucketed(one, values, [None] * len(values), [v.size for v in values])
+  return _bucketed(one, values, [None] * len(values), bucket_bytes, [v.size for v in values])
 
 
-# Tensors under this many bytes (whole) share collectives, in buckets of at
-# most this size; larger ones keep their own, which needs no copy (§5.2).
-BUCKET_BYTES = 4 * 2 ** 20
-
-
-def buckets(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[list[int]]:
+def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:
   """Groups positions 0..len(sizes)-1 into buckets of at most `limit` bytes.
+
+  Tensors under `limit` bytes share collectives; larger ones keep their own,
+  which needs no copy (§5.2). The Plan's limit is chosen by the cost model
+  (`wus.analysis.cost.bucket_bytes`).
 
   Args:
     sizes: bytes of each tensor.
@@ -89,10 +90,11 @@ def buckets(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[list[int]]:
   return out + [current] if current else out
 
 
-def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name) -> list[jnp.ndarray]:
+def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
+                   bucket_bytes: int) -> list[jnp.ndarray]:
   """Per replica: `formatted.reduce_scatter` of many tensors in few collectives.
 
-  Tensors of one dtype share a collective, in buckets of `BUCKET_BYTES`. In
+  Tensors of one dtype share a collective, in buckets of `bucket_bytes`. In
   one, each padded tensor is viewed as [N, its shard's elements] (replica r's
   rows are row r), the views are concatenated along the second dim and
   reduce-scattered over the first, so that this replica's part of the result
@@ -103,6 +105,7 @@ def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name) -> 
     values: tensors of shapes `fmt.shape`, different on every replica.
     fmts: a `ShardFormat` per tensor, all with the same `num_shards` (N).
     axis_name: the replica axes.
+    bucket_bytes: bytes of whole tensors per bucket (`buckets`).
 
   Returns:
     One shard per tensor: shape `fmt.shard_shape`, dtype of its value.
@@ -114,19 +117,21 @@ def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name) -> 
     mine = formatted.scatter_rows(jnp.concatenate(rows, axis=1), axis_name)[0]
     return [jnp.reshape(part, f.shard_shape)
             for part, f in zip(_cut(mine, [math.prod(f.shard_shape) for f in fmts]), fmts)]
-  return _bucketed(one, values, fmts)
+  return _bucketed(one, values, fmts, bucket_bytes)
 
 
-def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name) -> list[jnp.ndarray]:
+def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
+               bucket_bytes: int) -> list[jnp.ndarray]:
   """Per replica: `formatted.all_gather` of many shards in few collectives.
 
-  Shards of one dtype share a collective, in buckets of `BUCKET_BYTES` (of
+  Shards of one dtype share a collective, in buckets of `bucket_bytes` (of
   whole tensors); each replica contributes its shards concatenated (§5.2).
 
   Args:
     shards: shapes `fmt.shard_shape`.
     fmts: a `ShardFormat` per shard, all with the same `num_shards` (N).
     axis_name: the replica axes.
+    bucket_bytes: bytes of whole tensors per bucket (`buckets`).
 
   Returns:
     The whole tensors: shapes `fmt.shape`, dtypes of the shards, identical on
@@ -139,10 +144,10 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name) -> list
     every = formatted.gather(flat, axis_name, tiled=False)  # [N, total]: replica r's in row r.
     return [formatted.unpad(jnp.reshape(part, f.padded_shape), f) for part, f in
             zip(_cut(every, [math.prod(f.shard_shape) for f in fmts], axis=1), fmts)]
-  return _bucketed(one, shards, fmts)
+  return _bucketed(one, shards, fmts, bucket_bytes)
 
 
-def dtype_buckets(dtypes: Sequence, sizes: Sequence[int]) -> list[list[int]]:
+def dtype_buckets(dtypes: Sequence, sizes: Sequence[int], limit: int) -> list[list[int]]:
   """Positions of tensors grouped as the batched collectives group them: by
   dtype (in order of first appearance), then into `buckets` of their bytes.
 
@@ -151,15 +156,16 @@ def dtype_buckets(dtypes: Sequence, sizes: Sequence[int]) -> list[list[int]]:
   Args:
     dtypes: a dtype per tensor.
     sizes: bytes per tensor.
+    limit: bytes per bucket.
   """
   by_dtype: dict = {}
   for k, dtype in enumerate(dtypes):
     by_dtype.setdefault(dtype, []).append(k)
   return [[ks[b] for b in bucket] for ks in by_dtype.values()
-          for bucket in buckets([sizes[k] for k in ks])]
+          for bucket in buckets([sizes[k] for k in ks], limit)]
 
 
-def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence,
+def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence, limit: int,
               elements: Sequence[int] | None = None) -> list[jnp.ndarray]:
   """`collective(values, fmts)` per bucket of one dtype; results in the order given.
 
@@ -167,7 +173,7 @@ def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence,
   sizes = [(math.prod(fmts[k].shape) if elements is None else elements[k]) * x.dtype.itemsize
            for k, x in enumerate(values)]
   out: list = [None] * len(values)
-  for group in dtype_buckets([x.dtype for x in values], sizes):
+  for group in dtype_buckets([x.dtype for x in values], sizes, limit):
     for k, y in zip(group, collective([values[k] for k in group], [fmts[k] for k in group]),
                     strict=True):
       out[k] = y

@@ -56,7 +56,6 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import costmodel
-from wus.collectives import batched
 from wus.harness import (batches, calibrate, config as config_lib, datasets, optim, report,
                          steps, tasks, zero)
 
@@ -228,6 +227,7 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
       timings = step.timings(*fresh, data[0])
       out[name]["analysis_seconds"] = timings["analysis"]
       out[name]["rewrite_seconds"] = timings["rewrite"]
+      out[name]["bucket_bytes"] = step.plan(*fresh, data[0]).bucket_bytes
     for batch in data[:2]:  # Warm up: compile, and (wus) shard the state.
       fresh = steps.TrainState(*jax.block_until_ready(step(*fresh, batch))[:3])
     states[name] = fresh
@@ -264,7 +264,7 @@ def predict(result: dict, topology: costmodel.Topology) -> dict | None:
   Fed this machine's measured costs (`calibrate.measure`) and the measured
   median of the forward and backward pass alone as "rest"; nothing is fitted
   to the step times it is compared with. Adam, sharded N ways (G = N), the
-  collectives batched in wus's buckets (`wus.collectives.batched.BUCKET_BYTES`).
+  collectives batched in the wus step's buckets (`Plan.bucket_bytes`).
 
   Returns:
     {"replicated": StepPrediction, "wus": StepPrediction}, or None for a
@@ -274,10 +274,9 @@ def predict(result: dict, topology: costmodel.Topology) -> dict | None:
     return None
   workload = costmodel.Workload(tuple(result["tensor_elements"]), costmodel.OPTIMIZERS["adam"])
   rest = statistics.median(result["rest_seconds"])
-  return {"replicated": costmodel.predict_replicated(workload, topology, rest,
-                                                     batched.BUCKET_BYTES),
-          "wus": costmodel.predict_sharded(workload, topology, result["num_devices"], rest,
-                                           batched.BUCKET_BYTES)}
+  limit = result["wus"]["bucket_bytes"]
+  return {"replicated": costmodel.predict_replicated(workload, topology, rest, limit),
+          "wus": costmodel.predict_sharded(workload, topology, result["num_devices"], rest, limit)}
 
 
 def prediction_markdown(results: list[dict], topology: costmodel.Topology, raw: dict) -> str:

@@ -198,20 +198,20 @@ def test_buckets_keep_every_tensor_once_in_order_within_the_limit(sizes, limit):
 @compiled
 @given(st.integers(2, 8).flatmap(lambda n: st.lists(
     shard_formats(max_shards=n).map(lambda f: ShardFormat(f.shape, f.merged_shape, n)),
-    min_size=1, max_size=4)), DTYPES, st.integers(0, 2**32 - 1))
-def test_batched_collectives_equal_one_collective_per_tensor(fmts, dtype, seed):
-  """One reduce-scatter and one all-gather for all tensors: bit for bit what
-  the single-tensor collectives give, each replica's part holding its shard of
-  every tensor."""
+    min_size=1, max_size=4)), DTYPES, st.integers(0, 2**32 - 1), st.sampled_from([16, 2 ** 22]))
+def test_batched_collectives_equal_one_collective_per_tensor(fmts, dtype, seed, limit):
+  """One reduce-scatter and one all-gather per bucket of tensors: bit for bit
+  what the single-tensor collectives give, each replica's part holding its
+  shard of every tensor."""
   n = fmts[0].num_shards
   xs = [random_array((n, *f.shape), dtype, seed + k) for k, f in enumerate(fmts)]
 
   def f(*xs):
     xs = [x[0] for x in xs]
     one = [collectives.reduce_scatter(x, f, "data") for x, f in zip(xs, fmts)]
-    batched = collectives.batched.reduce_scatter(xs, fmts, "data")
+    batched = collectives.batched.reduce_scatter(xs, fmts, "data", limit)
     whole = [collectives.all_gather(s, f, "data") for s, f in zip(one, fmts)]
-    gathered = collectives.batched.all_gather(batched, fmts, "data")
+    gathered = collectives.batched.all_gather(batched, fmts, "data", limit)
     return [s[None] for s in one + batched], whole + gathered
 
   spec = NamedSharding(mesh(n), P("data"))

@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus import collectives
+from wus.analysis import costmodel
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
@@ -146,7 +147,8 @@ def unshard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
     returning the whole arrays (each device's value of shape `fmt.shape`).
   """
   def body(*shards):
-    return collectives.batched.all_gather(list(shards), list(fmts), axes)
+    return collectives.batched.all_gather(list(shards), list(fmts), axes,
+                                          costmodel.DEFAULT_BUCKET_BYTES)
   gather = jax.shard_map(body, mesh=mesh, in_specs=(shard_spec(axes),) * len(fmts),
                          out_specs=list(specs))
   home = groups.home(mesh)

@@ -119,14 +119,16 @@ class _Env:
     (Fig. 10)."""
     vs, self.summands = self.summands, []
     outs = collectives.batched.reduce_scatter([self.held[v].summand for v in vs],
-                                              [self.fmt(v) for v in vs], self.plan.axes)
+                                              [self.fmt(v) for v in vs], self.plan.axes,
+                                              self.plan.bucket_bytes)
     groups: dict = {}
     for v, x in zip(vs, outs, strict=True):
       self.held[v].shard, self.held[v].summand = x, None
       if self.held[v].across:
         groups.setdefault(self.held[v].across, []).append(v)
     for across, us in groups.items():
-      summed = collectives.batched.all_reduce_bucketed([self.held[u].shard for u in us], across)
+      summed = collectives.batched.all_reduce_bucketed([self.held[u].shard for u in us], across,
+                                                       self.plan.bucket_bytes)
       for u, x in zip(us, summed, strict=True):
         self.held[u].shard = x
 
@@ -135,7 +137,8 @@ class _Env:
     the narrower float of `plan.gather_dtypes` where it has one (Fig. 7)."""
     narrow = self.plan.gather_dtypes
     shards = [self.shard(v) if v not in narrow else self.shard(v).astype(narrow[v]) for v in vs]
-    outs = collectives.batched.all_gather(shards, [self.fmt(v) for v in vs], self.plan.axes)
+    outs = collectives.batched.all_gather(shards, [self.fmt(v) for v in vs], self.plan.axes,
+                                          self.plan.bucket_bytes)
     for v, x in zip(vs, outs, strict=True):
       self.held[v].whole = x
 

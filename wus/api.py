@@ -524,7 +524,8 @@ def _across_groups(plan: Plan) -> int:
   grads = [t for c in plan.clusters if c.sharded for t in c.tensors
            if t.role == "gradient" and t.format is not None]
   return len(collectives.batched.dtype_buckets(
-      [t.dtype for t in grads], [t.format.shard_size * t.itemsize for t in grads]))
+      [t.dtype for t in grads], [t.format.shard_size * t.itemsize for t in grads],
+      plan.bucket_bytes))
 
 
 def _argnums(argnums: int | Sequence[int]) -> frozenset:
