@@ -72,8 +72,8 @@ class _Env:
     return self.plan.formats[v]
 
   def big(self, v) -> bool:
-    return (not compat.is_literal(v) and formats.is_shardable_shape(
-        tuple(v.aval.shape), self.plan.num_shards, self.plan.min_size))
+    """Whether the Plan holds `v` as shards where the update reads or writes it."""
+    return not compat.is_literal(v) and v in self.plan.formats
 
   def whole(self, v) -> Any:
     if compat.is_literal(v):
@@ -147,10 +147,6 @@ class _Env:
     if self.plan.formats.get(v) == fmt:
       return self.shard(v)
     return collectives.shard(self.whole(v), fmt, self.plan.axes)
-
-  def operands(self, eqn: JaxprEqn) -> list[Any]:
-    """What a shard rule reads: shards of big values, small values whole."""
-    return [self.shard(v) if self.big(v) else self.whole(v) for v in eqn.invars]
 
 
 ShardRule = Callable[[JaxprEqn, _Env], list[Any]]
