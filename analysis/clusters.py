@@ -206,7 +206,7 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
 
   def branches(i: int) -> tuple[Cluster, ...]:
     return tuple(find_clusters(b.jaxpr, facts, axes, num_shards, min_size, inputs_sharded=True)[0]
-                 for b in compat.cond_branches(eqns[i]))
+                 for b in compat.cond(eqns[i]).branches)
 
   inputs = [v for v in jaxpr.invars if big(v)] if inputs_sharded else []
   clusters = [_make_cluster(sorted(m), graph, big, kind,

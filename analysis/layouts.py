@@ -180,9 +180,10 @@ def _broadcast(c: _Constraints, eqn, ins, outs, nested) -> None:
 
 
 def _cond(c: _Constraints, eqn, ins, outs, nested) -> str | None:
-  for branch, sub in zip(compat.cond_branches(eqn), nested, strict=True):
+  cond = compat.cond(eqn)
+  for branch, sub in zip(cond.branches, nested, strict=True):
     inner = branch.jaxpr
-    for x, v in zip(eqn.invars[1:], inner.invars, strict=True):
+    for x, v in zip(cond.operands, inner.invars, strict=True):
       if c.big(v):
         c.classes.union(x, v)
     for y, v in zip(eqn.outvars, inner.outvars, strict=True):

@@ -20,20 +20,19 @@ from wus.analysis.plan import Program
 
 
 @dataclasses.dataclass
-class Loop:
+class PlannedLoop:
   """A loop whose body runs the weight update on shards (§4.2)."""
 
   program: Program
   carries: dict           # Carry position -> format, for carries held as shards.
   read_whole: set         # Carries also read whole in the body (weights, Fig. 4 right).
-  first_carry: int        # Operand position of carry 0 in the loop equation.
   clusters: list
   formats: dict
   gather_dtypes: dict
 
 
 def plan_loops(jaxpr: Jaxpr, ctx, in_names, label: str,
-               plan_body: Callable) -> dict[int, Loop]:
+               plan_body: Callable) -> dict[int, PlannedLoop]:
   """Plans the body of every while / scan of `jaxpr` whose body shards something.
 
   Carried state (optimizer state) stays sharded across iterations: it is
@@ -45,32 +44,24 @@ def plan_loops(jaxpr: Jaxpr, ctx, in_names, label: str,
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   loops = {}
   for i, eqn in enumerate(jaxpr.eqns):
-    if eqn.primitive is compat.scan_p:
-      body, num_consts, num_carry = compat.scan_parts(eqn)
-      first, cond_reads = num_consts, set()
-    elif eqn.primitive is compat.while_p:
-      cond, cond_nconsts, body, num_consts = compat.while_parts(eqn)
-      num_carry = len(body.jaxpr.outvars)
-      first = cond_nconsts + num_consts
-      read = {v for e in cond.jaxpr.eqns for v in e.invars if not compat.is_literal(v)}
-      cond_reads = {k for k, v in enumerate(cond.jaxpr.invars[cond_nconsts:]) if v in read}
-    else:
+    if eqn.primitive not in (compat.scan_p, compat.while_p):
       continue
-    inner = body.jaxpr
+    loop = compat.loop(eqn)
+    inner, carry_in = loop.body.jaxpr, loop.body_carry
     names = [outer_name(op, invar_pos, in_names, f"loop input {k}")
-             for k, op in enumerate(eqn.invars[first - num_consts:])]
-    pairs = {k: num_consts + k for k in range(num_carry) if k not in cond_reads}
+             for k, op in enumerate(loop.body_operands)]
+    cond_reads = loop.cond_reads()
+    pairs = {k: j for k, j in enumerate(carry_in) if k not in cond_reads}
     where = f"loop at {source_line(eqn)}: "
-    counters = frozenset(inner.invars[num_consts + k] for k in range(num_carry)
-                         if counts(inner, num_consts + k, k))
-    planned = plan_body(inner, ctx, pairs, names, names[num_consts:num_consts + num_carry]
-                    + [f"loop output {k}" for k in range(len(inner.outvars) - num_carry)],
+    counters = frozenset(inner.invars[j] for k, j in enumerate(carry_in) if counts(inner, j, k))
+    planned = plan_body(inner, ctx, pairs, names, [names[j] for j in carry_in]
+                    + [f"loop output {k}" for k in range(len(inner.outvars) - loop.num_carry)],
                     label + where, in_loop=True, counters=counters)
     if planned.program.shard_eqns:
-      carries = {k - num_consts: f for k, f in planned.program.sharded_in.items()}
-      read_whole = {k for k in carries if inner.invars[num_consts + k] in planned.gather_dtypes}
-      loops[i] = Loop(planned.program, carries, read_whole, first, planned.clusters,
-                       planned.formats, planned.gather_dtypes)
+      carries = {j - loop.num_consts: f for j, f in planned.program.sharded_in.items()}
+      read_whole = {k for k in carries if inner.invars[carry_in[k]] in planned.gather_dtypes}
+      loops[i] = PlannedLoop(planned.program, carries, read_whole, planned.clusters,
+                             planned.formats, planned.gather_dtypes)
   return loops
 
 
@@ -94,7 +85,7 @@ def rare_conds(jaxpr: Jaxpr, counters: frozenset) -> set[int]:
   for i, eqn in enumerate(jaxpr.eqns):
     if any(v in depends for v in eqn.invars if not compat.is_literal(v)):
       depends.update(eqn.outvars)
-      if eqn.primitive is compat.cond_p and eqn.invars[0] in depends:
+      if eqn.primitive is compat.cond_p and compat.cond(eqn).index in depends:
         rare.add(i)
   return rare
 
@@ -103,15 +94,16 @@ def outer_name(v, invar_pos, in_names, default: str) -> str:
   return in_names[invar_pos[v]] if not compat.is_literal(v) and v in invar_pos else default
 
 
-def loop_state(jaxpr: Jaxpr, i: int, loop: Loop, y, x):
+def loop_state(jaxpr: Jaxpr, i: int, loop: PlannedLoop, y, x):
   """The format of (x in, y out) if they are a loop carry kept sharded between steps.
 
   Weights the body reads whole (Fig. 4 right) leave the step whole: the user
   reads them too.
   """
   eqn = jaxpr.eqns[i]
+  init = compat.loop(eqn).carry
   for k, fmt in loop.carries.items():
-    if (k not in loop.read_whole and eqn.outvars[k] is y and eqn.invars[loop.first_carry + k] is x
+    if (k not in loop.read_whole and eqn.outvars[k] is y and init[k] is x
         and all(x not in e.invars for j, e in enumerate(jaxpr.eqns) if j != i)
         and x not in jaxpr.outvars):
       return fmt

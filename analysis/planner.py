@@ -237,7 +237,7 @@ def _bodies(jaxpr: Jaxpr, c: clusters_lib.Cluster, layout: layouts.Layout,
   out = {}
   for i, subs in c.nested.items():
     progs = []
-    for branch, sub in zip(compat.cond_branches(jaxpr.eqns[i]), subs, strict=True):
+    for branch, sub in zip(compat.cond(jaxpr.eqns[i]).branches, subs, strict=True):
       inner = branch.jaxpr
       progs.append(Program(
           dict(sub.kinds),

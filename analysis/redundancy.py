@@ -209,8 +209,9 @@ def _call_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
 
 
 def _cond_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
-  pred, ops = ins[0], ins[1:]
-  outs = [_eval(b, ops, facts) for b in compat.cond_branches(eqn)]
+  cond = compat.cond(eqn)
+  pred, ops = cond.split(ins)
+  outs = [_eval(b, ops, facts) for b in cond.branches]
   return [_meet(rs, facts.all_axes) & pred for rs in zip(*outs, strict=True)]
 
 
@@ -231,27 +232,24 @@ def _fixed_point(step: Callable[[list[Rep]], list[Rep]], init: list[Rep],
 
 
 def _while_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
-  cond, cond_nconsts, body, body_nconsts = compat.while_parts(eqn)
-  cond_consts = ins[:cond_nconsts]
-  body_consts = ins[cond_nconsts:cond_nconsts + body_nconsts]
-  init = ins[cond_nconsts + body_nconsts:]
+  loop = compat.loop(eqn)
+  cond_consts, body_consts, init, _ = loop.split(ins)
 
   def step(carry: list[Rep]) -> list[Rep]:
     # A predicate that differs across replicas runs a different number of
     # iterations on each: every carry then varies too.
-    (pred,) = _eval(cond, cond_consts + carry, facts)
-    return [r & pred for r in _eval(body, body_consts + carry, facts)]
+    (pred,) = _eval(loop.cond, cond_consts + carry, facts)
+    return [r & pred for r in _eval(loop.body, body_consts + carry, facts)]
 
   return _fixed_point(step, init, len(facts.all_axes), "while")
 
 
 def _scan_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
-  body, num_consts, num_carry = compat.scan_parts(eqn)
-  consts, init = ins[:num_consts], ins[num_consts:num_consts + num_carry]
-  xs = ins[num_consts + num_carry:]
-  carry = _fixed_point(lambda c: _eval(body, consts + c + xs, facts)[:num_carry],
+  loop = compat.loop(eqn)
+  _, consts, init, xs = loop.split(ins)
+  carry = _fixed_point(lambda c: _eval(loop.body, consts + c + xs, facts)[:loop.num_carry],
                        init, len(facts.all_axes), "scan")
-  ys = _eval(body, consts + carry + xs, facts)[num_carry:]
+  ys = _eval(loop.body, consts + carry + xs, facts)[loop.num_carry:]
   return carry + ys
 
 

@@ -107,34 +107,19 @@ def _renamed(eqn, ins, rename):
   return compat.rebind(eqn, *ins, **params)
 
 
-def _closed(jaxpr: ClosedJaxpr, rename=None) -> Callable[..., list[Any]]:
-  return lambda *args: _eval(jaxpr.jaxpr, jaxpr.consts, args, rename=rename)
+def _closed(jaxpr: ClosedJaxpr, rename=None) -> Callable[[list[Any]], list[Any]]:
+  return lambda args: _eval(jaxpr.jaxpr, jaxpr.consts, args, rename=rename)
 
 
 def _cond(eqn, ins, rename):
-  branches = [lambda *a, f=_closed(b, rename): f(*a) for b in compat.cond_branches(eqn)]
-  return lax.switch(ins[0], branches, *ins[1:])
+  cond = compat.cond(eqn)
+  return cond.bind(ins, [_closed(b, rename) for b in cond.branches])
 
 
-def _while(eqn, ins, rename):
-  cond, cond_nconsts, body, body_nconsts = compat.while_parts(eqn)
-  cond_consts, body_consts = ins[:cond_nconsts], ins[cond_nconsts:cond_nconsts + body_nconsts]
-  init = ins[cond_nconsts + body_nconsts:]
-  return lax.while_loop(lambda c: _closed(cond, rename)(*cond_consts, *c)[0],
-                        lambda c: _closed(body, rename)(*body_consts, *c), list(init))
+def _loop(eqn, ins, rename):
+  loop = compat.loop(eqn)
+  cond = None if loop.cond is None else _closed(loop.cond, rename)
+  return loop.bind(ins, _closed(loop.body, rename), cond)
 
 
-def _scan(eqn, ins, rename):
-  body, num_consts, num_carry = compat.scan_parts(eqn)
-  consts, init, xs = ins[:num_consts], ins[num_consts:num_consts + num_carry], \
-      ins[num_consts + num_carry:]
-
-  def step(carry, x):
-    out = _closed(body, rename)(*consts, *carry, *x)
-    return out[:num_carry], out[num_carry:]
-
-  carry, ys = lax.scan(step, list(init), list(xs), **compat.scan_options(eqn))
-  return [*carry, *ys]
-
-
-_CONTROL = {compat.cond_p: _cond, compat.while_p: _while, compat.scan_p: _scan}
+_CONTROL = {compat.cond_p: _cond, compat.while_p: _loop, compat.scan_p: _loop}

@@ -297,11 +297,12 @@ def _cond(eqn: JaxprEqn, env: _Env) -> list[Any]:
   # Big operands enter every branch as shards; each branch is rewritten by its
   # own Program and returns its big results as shards.
   progs = env.program.bodies[env.current]
+  cond = compat.cond(eqn)
   ops = [env.shard(v) if k in progs[0].sharded_in else env.whole(v)
-         for k, v in enumerate(eqn.invars[1:])]
-  fns = [functools.partial(_run, b, p, env.plan) for b, p in
-         zip(compat.cond_branches(eqn), progs, strict=True)]
-  return lax.switch(env.whole(eqn.invars[0]), [lambda *a, f=f: f(a) for f in fns], *ops)
+         for k, v in enumerate(cond.operands)]
+  fns = [functools.partial(_run, b, p, env.plan)
+         for b, p in zip(cond.branches, progs, strict=True)]
+  return cond.bind([env.whole(cond.index), *ops], fns)
 
 
 shard_rules[Kind.COND] = _cond
@@ -312,34 +313,17 @@ def _loop(eqn: JaxprEqn, env: _Env) -> list[_Held]:
   # the loop) and leave as shards; they are gathered after the loop only where
   # something reads them whole (Fig. 4).
   (prog,) = env.program.bodies[env.current]
-  if eqn.primitive is compat.scan_p:
-    body, num_consts, num_carry = compat.scan_parts(eqn)
-    first = num_consts
-  else:
-    cond, cond_nconsts, body, num_consts = compat.while_parts(eqn)
-    num_carry, first = len(body.jaxpr.outvars), cond_nconsts + num_consts
-
-  def sharded(k: int) -> ShardFormat | None:
-    return prog.sharded_in.get(num_consts + k) if 0 <= k < num_carry else None
-
-  ops = [env.shard_as(v, sharded(pos - first)) if sharded(pos - first) else env.whole(v)
-         for pos, v in enumerate(eqn.invars)]
-  run_body = functools.partial(_run, body, prog, env.plan)
-  if eqn.primitive is compat.scan_p:
-    consts, init, xs = ops[:first], ops[first:first + num_carry], ops[first + num_carry:]
-
-    def step(carry, x):
-      out = run_body([*consts, *carry, *x])
-      return out[:num_carry], out[num_carry:]
-
-    carry, ys = lax.scan(step, list(init), list(xs), **compat.scan_options(eqn))
-    outs = [*carry, *ys]
-  else:
-    cond_consts, body_consts, init = ops[:cond_nconsts], ops[cond_nconsts:first], ops[first:]
-    whole = Program({}, {}, {})  # The condition reads only whole carries.
-    outs = lax.while_loop(lambda c: _run(cond, whole, env.plan, [*cond_consts, *c])[0],
-                          lambda c: run_body([*body_consts, *c]), list(init))
-  return [_Held(shard=x) if sharded(k) else _Held(whole=x) for k, x in enumerate(outs)]
+  loop = compat.loop(eqn)
+  fmts = [prog.sharded_in.get(j) for j in loop.body_carry]  # Per carry: its format or None.
+  ops = [*(env.whole(v) for v in loop.cond_consts + loop.consts),
+         *(env.shard_as(v, f) if f else env.whole(v)
+           for v, f in zip(loop.carry, fmts, strict=True)),
+         *(env.whole(v) for v in loop.xs)]
+  whole = Program({}, {}, {})  # The condition reads only whole carries.
+  outs = loop.bind(ops, functools.partial(_run, loop.body, prog, env.plan),
+                   lambda a: _run(loop.cond, whole, env.plan, a))
+  return [_Held(shard=x) if k < loop.num_carry and fmts[k] else _Held(whole=x)
+          for k, x in enumerate(outs)]
 
 
 shard_rules[Kind.LOOP] = _loop
