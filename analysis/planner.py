@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from wus.analysis import clusters as clusters_lib
-from wus.analysis import compat, cost, costmodel, formats, layouts, loops, precision
+from wus.analysis import compat, cost, costmodel, formats, layouts, loops, precision, shardable
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.plan import ClusterPlan, InputPlan, Plan, Program, TensorPlan
 from wus.analysis.redundancy import Redundancy
@@ -131,6 +131,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     if not c.eqns:
       layout = _kept_whole_reason(jaxpr, c)
     narrow = None  # Inputs kept sharded and gathered in a narrower float where read.
+    why_whole: dict[int, str] = {}  # shard_weights: weights this cluster updates, kept whole.
     if not isinstance(layout, str) and (mismatch := [
         v for v in c.reads if v in held and layout.formats.get(v) != held[v]]):
       layout = (f"{mismatch[0].aval.str_short()} leaves a loop as shards of another format "
@@ -141,7 +142,15 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       pairs = {}
     else:
       narrow = {} if in_loop or ctx.shard_weights else None
-      pairs = _state_pairs(c, layout, jaxpr, members, state_pairs, invar_pos, readers, narrow)
+      gathers: dict = {}  # Values all-gathered in a narrower float where read -> the dtype.
+      weights = ctx.shard_weights and not in_loop
+      through = frozenset()
+      if weights:
+        c, layout, through = _through_copies(c, layout, jaxpr, state_pairs, readers, ctx,
+                                             why_whole)
+        members = set(c.eqns)
+      pairs = _state_pairs(c, layout, jaxpr, members, state_pairs, invar_pos, readers, narrow,
+                           gathers, why_whole if weights else None, through)
       narrow_bytes = sum(x.aval.size * dtype.itemsize for x, dtype in (narrow or {}).items())
       decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards,
                              rare, objective=ctx.objective, topology=ctx.topology,
@@ -161,11 +170,11 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
             "gathers what it reads whole inside its branch, off the frequent path (§3.2)"
             for i in sorted(rare & set(c.nested))))
       if in_loop and decision.shard:
-        gather_dtypes.update(narrow)
+        gather_dtypes.update(gathers)
         decision = dataclasses.replace(decision, reason=decision.reason + "; " + loops.placements(
             c, jaxpr, members, state_pairs, pairs, narrow, invar_pos, in_names, readers))
       elif narrow and decision.shard:
-        gather_dtypes.update(narrow)
+        gather_dtypes.update(gathers)
         decision = dataclasses.replace(decision, reason=decision.reason + "; " + ", ".join(
             f"{in_names[invar_pos[x]]} kept sharded between steps (shard_weights=True) and "
             f"all-gathered in {dtype.name} at its first read: {x.aval.size * dtype.itemsize} B "
@@ -206,6 +215,11 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
               k, (False, f"read whole elsewhere; cluster {idx} slices it locally"))
         else:
           input_reason.setdefault(k, (False, f"cluster {idx} stays replicated"))
+    for k, why in why_whole.items():
+      if not input_reason.get(k, (False,))[0]:
+        before = input_reason.get(k, (False, f"cluster {idx} updates it"))[1]
+        input_reason[k] = (False, f"{before}; not kept sharded by shard_weights=True, which "
+                                  f"keeps weights read whole only in a narrower float: {why}")
     if decision.shard:
       shard_eqns.update(c.kinds)
       all_formats.update(layout.formats)
@@ -260,14 +274,23 @@ def _readers(jaxpr: Jaxpr) -> dict:
 
 def _state_pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
                  members: set[int], candidates: Mapping[int, int], invar_pos, readers: dict,
-                 narrow: dict | None = None) -> dict[int, int]:
+                 narrow: dict | None = None, gathers: dict | None = None,
+                 why_whole: dict | None = None, through: frozenset = frozenset()
+                 ) -> dict[int, int]:
   """The (output, input) state pairs this cluster can keep sharded between steps.
 
   A pair qualifies when only the cluster reads the input. With `narrow` (a
-  loop body), an input that is also read whole, but only ever converted to a
-  narrower float first (the forward pass of mixed-precision training),
-  qualifies too: it is all-gathered in that dtype where read (Fig. 4 right,
-  Fig. 7), and `narrow` records input -> dtype. `readers` is `_readers(jaxpr)`.
+  loop body, or `shard_weights`), an input that is also read whole, but only
+  ever converted to a narrower float first (the forward pass of
+  mixed-precision training), qualifies too: it is all-gathered in that dtype
+  where read (Fig. 4 right, Fig. 7); `narrow` records input -> dtype, and
+  `gathers` the values gathered narrow (the input, or a layout-only copy the
+  cluster holds as shards, `precision.Narrowed.gathered`) -> dtype. With
+  `why_whole`, an input that does not qualify for its whole reads records
+  input position -> why. `through` are inputs the cluster reads through
+  layout-only equations that others read too (`_through_copies`): only the
+  cluster reads them, but whole through those copies. `readers` is
+  `_readers(jaxpr)`.
   """
   outvars = {v for v in jaxpr.outvars if not compat.is_literal(v)}
   pairs = {}
@@ -278,13 +301,83 @@ def _state_pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
             and x.aval.dtype == y.aval.dtype
             and layout.formats.get(x) == layout.formats.get(y) is not None):
       continue
-    if readers.get(x, set()) <= members:
+    if readers.get(x, set()) <= members and x not in through:
       pairs[out_pos] = in_pos
-    elif narrow is not None and (
-        dtype := precision.narrowed(jaxpr, x, members, readers)) is not None:
+    elif narrow is not None:
+      read = precision.narrowed(jaxpr, x, members, readers)
+      if isinstance(read, str) or read.copies:
+        # Copies outside the cluster would read the narrow whole value and
+        # hand it to the update: the cluster must hold them (_through_copies).
+        if why_whole is not None:
+          why_whole[in_pos] = read if isinstance(read, str) else (
+              "the update also reads it through a layout change it does not hold")
+        continue
       pairs[out_pos] = in_pos
-      narrow[x] = dtype
+      narrow[x] = read.dtype
+      gathers.update(dict.fromkeys(read.gathered, read.dtype))
   return pairs
+
+
+def _through_copies(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
+                    candidates: Mapping[int, int], readers: dict, ctx: _Ctx,
+                    why_whole: dict
+                    ) -> tuple[clusters_lib.Cluster, layouts.Layout, frozenset]:
+  """`c` reading the weights it updates through layout-only equations (shard_weights).
+
+  `wus.pmap` squeezes the mapped axis off every argument: the update reads
+  the squeezed weight, which the forward pass reads too, so the squeeze is
+  no cluster equation (clusters grow backward only through values that only
+  they read) and the weight is no state pair. When the forward pass reads
+  the weight only narrow (`precision.narrowed`), the squeeze joins the
+  cluster and runs on the shard: the update reads the float32 shard, and the
+  forward pass the squeezed weight, all-gathered narrow.
+
+  Returns:
+    The cluster, its layout, and the weights it now reads through copies;
+    `c`, `layout` and none when nothing qualifies or the formats do not fit.
+    `why_whole` records weights kept whole: input position -> why.
+  """
+  members, copies, weights = set(c.eqns), set(), []
+  kind_ctx = shardable.Context(ctx.facts, ctx.axes)
+  outvars = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  for out_pos, in_pos in candidates.items():
+    x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
+    if (compat.is_literal(y) or y not in c.program_outputs or x in c.reads or x in outvars
+        or not ctx.big(x) or x.aval.dtype != y.aval.dtype
+        or not ctx.facts.is_redundant(x, ctx.axes)):
+      continue
+    read = precision.narrowed(jaxpr, x, members, readers)
+    if isinstance(read, str):
+      why_whole[in_pos] = read
+    elif read.copies and all(shardable.shard_kind(jaxpr.eqns[i], kind_ctx) is Kind.LAYOUT
+                             and all(map(ctx.big, jaxpr.eqns[i].outvars)) for i in read.copies):
+      copies |= set(read.copies)
+      weights.append(in_pos)
+  if not copies:
+    return c, layout, frozenset()
+  wider = _with_copies(c, jaxpr, sorted(copies), ctx.big)
+  wider_layout = layouts.assign(jaxpr, wider, ctx.num_shards, ctx.big)
+  if isinstance(wider_layout, str):
+    why_whole.update(dict.fromkeys(weights, f"the update cannot read it as shards: {wider_layout}"))
+    return c, layout, frozenset()
+  return wider, wider_layout, frozenset(jaxpr.invars[k] for k in weights)
+
+
+def _with_copies(c: clusters_lib.Cluster, jaxpr: Jaxpr, copies: list[int],
+                 big) -> clusters_lib.Cluster:
+  """`c` with the layout-only equations `copies` run on shards too.
+
+  Their results are read whole elsewhere only narrow: those reads are the
+  narrow all-gathers `cost.decide` counts as `extra_gather`, so they are
+  not `outside_readers` (whose whole reads would need a shard rule).
+  """
+  eqns = tuple(sorted({*c.eqns, *copies}))
+  made = {*c.sharded, *(v for i in copies for v in jaxpr.eqns[i].outvars)}
+  reads = tuple(dict.fromkeys(v for i in eqns for v in jaxpr.eqns[i].invars
+                              if big(v) and v not in made))
+  return dataclasses.replace(
+      c, eqns=eqns, kinds={**c.kinds, **dict.fromkeys(copies, Kind.LAYOUT)},
+      sharded=(*c.sharded, *(v for i in copies for v in jaxpr.eqns[i].outvars)), reads=reads)
 
 
 def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[TensorPlan, ...]:

@@ -2,38 +2,133 @@
 
 A weight the forward pass only ever reads converted to a narrower float
 (mixed precision) can be all-gathered in that dtype.
+
+Layout-only equations (`squeeze`, a `reshape` that keeps the row-major
+order, `expand_dims`, `pvary`) move no element and change none, so they
+commute with a conversion: the pass follows the weight through them. Those
+between the weight and the update (`wus.pmap`'s squeeze of the mapped axis,
+which both the update and the forward pass read) run on the shard, as the
+update does, so the update still reads the weight's own float32 shard; what
+they produce is then gathered instead of the weight itself, in its own shape.
+Those that only the forward pass reads run on the narrow whole value.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from wus.analysis import compat
-from wus.analysis.compat import Jaxpr
+from wus.analysis.compat import Jaxpr, JaxprEqn
 
 
-def narrowed(jaxpr: Jaxpr, x, members: set[int], readers: dict):
-  """The one narrower float dtype every whole reader of `x` converts it to, if any.
+@dataclasses.dataclass(frozen=True)
+class Narrowed:
+  """How the forward pass reads a weight the update keeps sharded: only narrow.
 
-  A small dataflow precision pass: follows `x` through pvary (a type change)
-  from each reader outside the cluster until a convert_element_type.
+  Attributes:
+    dtype: the one narrower float every whole read converts the weight to.
+    copies: layout-only equations outside the update between the weight and
+      what the update reads (pmap's squeeze): they join the update and run on
+      the shard.
+    gathered: the values read whole (the weight, or a copy the update holds
+      as shards), each all-gathered in `dtype` at its first read.
   """
-  found, stack = set(), [x]
-  while stack:
-    v = stack.pop()
-    for i in readers.get(v, ()):
+
+  dtype: np.dtype
+  copies: tuple[int, ...]
+  gathered: tuple
+
+
+def is_copy(eqn: JaxprEqn) -> bool:
+  """Whether `eqn` only changes the layout of one operand: same elements, same
+  row-major order (squeeze, expand_dims, a reshape without `dimensions`, pvary)."""
+  if len(eqn.invars) != 1 or len(eqn.outvars) != 1 or compat.is_literal(eqn.invars[0]):
+    return False
+  if eqn.primitive in (lax.squeeze_p, compat.pvary_p):
+    return True
+  if eqn.primitive is lax.reshape_p:
+    return eqn.params.get("dimensions") is None
+  if eqn.primitive is lax.broadcast_in_dim_p:  # Only size-1 dims added.
+    return math.prod(eqn.invars[0].aval.shape) == math.prod(eqn.outvars[0].aval.shape)
+  return False
+
+
+def narrowed(jaxpr: Jaxpr, x, members: set[int], readers: dict) -> Narrowed | str:
+  """How the equations outside the update `members` read `x`: only narrow, or why not.
+
+  Args:
+    jaxpr: the jaxpr.
+    x: a weight the update reads as shards (or reads through layout-only
+      equations, `is_copy`).
+    members: indices of the update's equations.
+    readers: variable -> indices of the equations that read it.
+
+  Returns:
+    The `Narrowed` read, or a reason (the first equation that reads `x`
+    otherwise than converted to one narrower float).
+  """
+  reads = {v for i in members for v in jaxpr.eqns[i].invars if not compat.is_literal(v)}
+  outvars = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+
+  def to_update(v) -> bool:
+    """Whether the update reads `v` or a layout-only copy of it."""
+    return v in reads or any(is_copy(jaxpr.eqns[i]) and to_update(jaxpr.eqns[i].outvars[0])
+                             for i in readers.get(v, ()))
+
+  # The values holding x's elements as shards: x, and the copies on its way to the update.
+  held, copies, todo = [x], [], [x]
+  while todo:
+    for i in sorted(readers.get(todo.pop(), ())):
       eqn = jaxpr.eqns[i]
-      if v is x and i in members:
+      if is_copy(eqn) and (i in members or to_update(eqn.outvars[0])):
+        copies += [] if i in members else [i]
+        held.append(eqn.outvars[0])
+        todo.append(eqn.outvars[0])
+  found, gathered, skip = set(), [], members | set(copies)
+  for v in held:
+    if not (readers.get(v, set()) - skip):
+      continue
+    dtypes = _whole_reads(jaxpr, v, skip, readers, outvars)
+    if isinstance(dtypes, str):
+      return dtypes
+    found |= dtypes
+    gathered.append(v)
+  if len(found) != 1:
+    return (f"read whole in {' and '.join(sorted(d.name for d in found))}" if found
+            else "not read whole")
+  return Narrowed(found.pop(), tuple(copies), tuple(gathered))
+
+
+def _whole_reads(jaxpr: Jaxpr, v, skip: set[int], readers: dict,
+                 outvars: set) -> set[np.dtype] | str:
+  """The narrower floats the readers of `v` outside `skip` convert it to.
+
+  The value is all-gathered narrow: it may only flow, through layout-only
+  equations, into conversions to a narrower float, and may not be returned.
+  A reason instead, if something reads it otherwise.
+  """
+  found, todo = set(), [v]
+  while todo:
+    u = todo.pop()
+    if u in outvars:
+      return f"{u.aval.str_short()} is returned"
+    for i in sorted(readers.get(u, ())):
+      eqn = jaxpr.eqns[i]
+      if u is v and i in skip:
         continue  # The update reads the shard.
       if eqn.primitive is lax.convert_element_type_p:
         new = np.dtype(eqn.params["new_dtype"])
-        if not (jnp.issubdtype(new, jnp.floating) and new.itemsize < x.aval.dtype.itemsize):
-          return None
+        if not (jnp.issubdtype(new, jnp.floating) and new.itemsize < v.aval.dtype.itemsize):
+          return (f"{eqn.primitive} at {compat.source_line(eqn)} reads it as {new.name}")
         found.add(new)
-      elif eqn.primitive is compat.pvary_p:
-        stack.extend(eqn.outvars)
+      elif is_copy(eqn):
+        todo.extend(eqn.outvars)
       else:
-        return None
-  return found.pop() if len(found) == 1 else None
+        return (f"{eqn.primitive} at {compat.source_line(eqn)} reads it in "
+                f"{u.aval.dtype.name}")
+  return found

@@ -37,7 +37,7 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
          donate_argnames: str | Iterable[str] = (),
          replicated_argnums: Iterable[int] = (), min_shard_size: int = 0,
          shard_group_size: int | str | None = None, objective: str = "memory",
-         topology: costmodel.Topology | None = None) -> Callable:
+         topology: costmodel.Topology | None = None, shard_weights: bool = False) -> Callable:
   """Like `jax.pmap`, with the weight update sharded across devices.
 
   Every argument means what it means to `jax.pmap`. Optimizer state comes back
@@ -71,6 +71,12 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
       state 1/G per device.
     objective, topology: what the cluster decisions favour, and the devices
       for the cost model, as for `wus.shard_map`.
+    shard_weights: as for `wus.shard_map`: also keep sharded between calls,
+      like optimizer state, the weights the forward pass reads only in a
+      narrower float (mixed precision), all-gathered in that float at their
+      first read in the next call (Fig. 4 right, Fig. 7). Off by default: the
+      step returns such params as `wus.ShardedArray`s, and `wus.unshard`
+      gives the whole float32 weights, stacked as `jax.pmap` returns them.
 
   Returns:
     A function called like the `jax.pmap` of `f`, with `.plan(*args,
@@ -92,7 +98,8 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
                   axis_size, donated_positions(f, _index_tuple(donate_argnums),
                                                _names(donate_argnames)),
                   _names(donate_argnames), frozenset(_index_tuple(replicated_argnums)),
-                  min_shard_size, shard_group_size, dict(objective=objective, topology=topology))
+                  min_shard_size, shard_group_size,
+                  dict(objective=objective, topology=topology, shard_weights=shard_weights))
 
 
 def _index_tuple(x: int | Iterable[int]) -> tuple[int, ...]:
@@ -121,7 +128,7 @@ class _Pmapped:
     self._replicated_argnums = replicated_argnums
     self._min_size = min_shard_size
     self._group_size = shard_group_size
-    self._decisions = decisions  # objective= and topology= of the cost model.
+    self._decisions = decisions  # objective=, topology= and shard_weights= of the planner.
     self._steps: dict[tuple, ShardedStep] = {}
     # Outputs of the last call that are identical on every device, by id.
     self._known: dict[int, weakref.ref] = {}
