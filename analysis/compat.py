@@ -559,6 +559,14 @@ def match_varying(values: Sequence[Any], keys: Sequence[Any] | None = None,
   return out
 
 
+def to_varying(x: Any, axes: Sequence[Any]) -> Any:
+  """`x` cast to vary over `axes` (with check_vma; a no-op without), moving no data."""
+  import jax
+  from jax import lax
+  missing = tuple(a for a in axes if a not in varying_axes(jax.typeof(x)))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def is_literal(atom: Any) -> bool:
   return isinstance(atom, Literal)
 

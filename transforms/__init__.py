@@ -1,7 +1,7 @@
 """Turning a jaxpr and its `Plan` into programs (DESIGN.md §3).
 
 Modules, one concern each:
-  inline     calls inlined (and all-reduces sunk below element moves) for the analysis
+  inline     calls inlined, all-reduces hoisted out of remat, scan and cond, for the analysis
   rewrite    the evaluate-and-retrace interpreter emitting the sharded step
   programs   the shard_state / step / unshard_state programs (§4.2)
   groups     sharding groups of G consecutive replicas of one axis, on a derived mesh (§5.2)

@@ -8,6 +8,15 @@ are dead, so the program computes exactly what it computed before.
 `checkpoint` (remat) is kept: it tells XLA what to recompute in the backward
 pass.
 
+Gradient all-reduces that AD leaves inside a sub-jaxpr (with check_vma, the
+transpose of a weight's pvary inside `jax.checkpoint` or a `lax.scan` over
+stacked layers) are hoisted out of it: a remat output, or a scan's stacked
+output, that is `psum(z)` of a value read by nothing else returns `z`, and the
+psum runs on the result after the equation (on the stacked result: one
+all-reduce for every layer). Each element sums the same values in the same
+order, so the program computes exactly what it did; the analysis then sees
+the all-reduce beside the update that reads it (§3.2).
+
 With `rename`, mesh axes are renamed on the way (`shard_group_size`, §5.2):
 each collective over a renamed axis runs over its tuple of axes instead and
 `axis_index` of it is the row-major index over the tuple, so the step runs
@@ -19,9 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from jax import lax
 
-from wus.analysis import compat
+from wus.analysis import compat, precision
 from wus.analysis.compat import ClosedJaxpr, Jaxpr
 
 INLINED = frozenset({compat.jit_p, compat.closed_call_p, compat.custom_jvp_call_p,
@@ -53,10 +63,12 @@ def inlined(jaxpr: ClosedJaxpr, rename: Mapping[Any, tuple] | None = None
 
 
 def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-          caller=None, rename: Mapping[Any, tuple] | None = None) -> list[Any]:
+          caller=None, rename: Mapping[Any, tuple] | None = None,
+          skip: frozenset = frozenset()) -> list[Any]:
   """Evaluates `jaxpr` with calls inlined (and axes renamed). Equations of an
   inlined call that keep no user frame are attributed to `caller`, the call's
-  equation."""
+  equation. The all-reduces whose ids are in `skip` (`hoistable`, here or in a
+  remat inside) return their operand."""
   env: dict = {}
 
   def read(v):
@@ -70,6 +82,9 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     env[v] = x
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
+    if id(eqn) in skip:
+      env[eqn.outvars[0]] = ins[0]  # An all-reduce hoisted out of this jaxpr.
+      continue
     if caller is not None and not compat.has_user_frame(eqn):
       eqn = compat.attributed(eqn, caller)
     if rename is not None:
@@ -81,6 +96,8 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     elif eqn.primitive in _CONTROL:
       with compat.source_of(eqn):
         outs = _CONTROL[eqn.primitive](eqn, ins, rename)
+    elif eqn.primitive is compat.remat_p:
+      outs = _remat(eqn, ins, rename, skip)
     elif rename is not None:
       outs = _renamed(eqn, ins, rename)
     else:
@@ -90,16 +107,53 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
   return [read(v) for v in jaxpr.outvars]
 
 
+def hoistable(jaxpr: Jaxpr, outputs: Sequence[int]) -> dict[int, Any]:
+  """Output position -> the all-reduce producing it, for those of `outputs`
+  that are a psum of one value over whole mesh axes (or a layout-only copy of
+  one, `precision.is_copy`: a psum commutes with it), read by nothing else."""
+  reads: dict = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if not compat.is_literal(v):
+        reads[v] = reads.get(v, 0) + 1
+  for v in jaxpr.outvars:
+    if not compat.is_literal(v):
+      reads[v] = reads.get(v, 0) + 1
+  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+  found = {}
+  for k in outputs:
+    v = jaxpr.outvars[k]
+    eqn = None if compat.is_literal(v) else producer.get(v)
+    while (eqn is not None and reads[v] == 1 and eqn.primitive is not compat.pvary_p
+           and precision.is_copy(eqn)):
+      v = eqn.invars[0]
+      eqn = producer.get(v)
+    if eqn is not None and eqn.primitive is compat.remat_p and reads[v] == 1:
+      j = list(eqn.outvars).index(v)  # A psum inside a remat (nn.scan over nn.remat).
+      if (inner := hoistable(compat.call_jaxpr(eqn).jaxpr, [j])):
+        found[k] = inner[j]
+      continue
+    if (eqn is not None and eqn.primitive in (compat.psum_p, compat.psum_invariant_p)
+        and len(eqn.invars) == 1 and not compat.has_axis_index_groups(eqn)
+        and not compat.is_literal(eqn.invars[0]) and reads[v] == 1):
+      found[k] = eqn
+  return found
+
+
+def _all_reduce(eqn, x, rename):
+  """The hoisted all-reduce `eqn` bound on `x` (axes renamed with `rename`)."""
+  if rename is None:
+    with compat.source_of(eqn):
+      return compat.bind(eqn, x)[0]
+  return _renamed(compat.in_current_mesh(eqn), [x], rename)[0]  # In the derived mesh.
+
+
 def _renamed(eqn, ins, rename):
   """Re-binds `eqn` with the renamed axes (`inlined`'s `rename`)."""
   params = compat.renamed_axes(eqn, rename)
   if eqn.primitive is compat.axis_index_p and params:
     with compat.source_of(eqn):  # Row-major over the tuple: group * G + index in group.
       return [lax.axis_index(params["axis_name"])]
-  if eqn.primitive is compat.remat_p:
-    inner = compat.call_jaxpr(eqn)
-    return compat.rebind_call(eqn, lambda *a: _eval(inner.jaxpr, inner.consts, a, eqn, rename),
-                              ins)
   if any(compat.names_axes(sub, rename) for sub in compat.sub_jaxprs(eqn)):
     raise NotImplementedError(f"{eqn.primitive} at {compat.source_line(eqn)} holds a jaxpr "
                               "that names the data-parallel axis; shard_group_size cannot "
@@ -107,19 +161,69 @@ def _renamed(eqn, ins, rename):
   return compat.rebind(eqn, *ins, **params)
 
 
-def _closed(jaxpr: ClosedJaxpr, rename=None) -> Callable[[list[Any]], list[Any]]:
-  return lambda args: _eval(jaxpr.jaxpr, jaxpr.consts, args, rename=rename)
+def _closed(jaxpr: ClosedJaxpr, rename=None, hoisted=()) -> Callable[[list[Any]], list[Any]]:
+  skip = frozenset(id(e) for e in hoisted)
+  return lambda args: _eval(jaxpr.jaxpr, jaxpr.consts, args, rename=rename, skip=skip)
+
+
+def _remat(eqn, ins, rename, skip: frozenset):
+  """A remat re-bound with its inner calls inlined and its output all-reduces
+  hoisted: run after it, or further out where `skip` says an enclosing loop or
+  conditional hoists them."""
+  inner = compat.call_jaxpr(eqn)
+  hoisted = hoistable(inner.jaxpr, range(len(inner.jaxpr.outvars)))
+  elide = skip | {id(e) for e in hoisted.values()}
+  outs = compat.rebind_call(
+      eqn, lambda *a: _eval(inner.jaxpr, inner.consts, a, eqn, rename, elide), ins)
+  return [_all_reduce(hoisted[k], x, rename) if k in hoisted and id(hoisted[k]) not in skip
+          else x for k, x in enumerate(outs)]
 
 
 def _cond(eqn, ins, rename):
+  """A conditional re-bound with inlined branches; an output that every branch
+  all-reduces (or where a branch gives zeros, e.g. a layer LayerDrop skips) is
+  all-reduced after it, the zeros cast to varying (psum of zeros is zeros)."""
   cond = compat.cond(eqn)
-  return cond.bind(ins, [_closed(b, rename) for b in cond.branches])
+  branches = [b.jaxpr for b in cond.branches]
+  every = range(len(branches[0].outvars))
+  psums = [hoistable(b, every) for b in branches]
+  hoisted = {}
+  for k in every:
+    found = [p[k] for p in psums if k in p]
+    if (found and all(k in p or _is_zero(b, b.outvars[k]) for b, p in zip(branches, psums))
+        and all(e.primitive is found[0].primitive and e.params == found[0].params
+                for e in found)):
+      hoisted[k] = found[0]
+
+  def branch(closed, psum):
+    run = _closed(closed, rename, [psum[k] for k in hoisted if k in psum])
+    def body(args):
+      return [compat.to_varying(x, [b for a in compat.collective_axes(hoisted[k])
+                                    for b in (rename or {}).get(a, (a,))])
+              if k in hoisted and k not in psum else x for k, x in enumerate(run(args))]
+    return body
+  outs = cond.bind(ins, [branch(b, p) for b, p in zip(cond.branches, psums)])
+  return [_all_reduce(hoisted[k], x, rename) if k in hoisted else x for k, x in enumerate(outs)]
+
+
+def _is_zero(jaxpr: Jaxpr, v) -> bool:
+  """Whether `v` is a literal zero or a broadcast of one in `jaxpr`."""
+  if not compat.is_literal(v):
+    eqn = next((e for e in jaxpr.eqns if v in e.outvars), None)
+    if eqn is None or eqn.primitive is not lax.broadcast_in_dim_p:
+      return False
+    v = eqn.invars[0]
+  return compat.is_literal(v) and not np.any(np.asarray(v.val))
 
 
 def _loop(eqn, ins, rename):
   loop = compat.loop(eqn)
   cond = None if loop.cond is None else _closed(loop.cond, rename)
-  return loop.bind(ins, _closed(loop.body, rename), cond)
+  body = loop.body.jaxpr
+  hoisted = ({} if loop.kind != "scan" else
+             hoistable(body, range(loop.num_carry, len(body.outvars))))
+  outs = loop.bind(ins, _closed(loop.body, rename, list(hoisted.values())), cond)
+  return [_all_reduce(hoisted[k], x, rename) if k in hoisted else x for k, x in enumerate(outs)]
 
 
 _CONTROL = {compat.cond_p: _cond, compat.while_p: _loop, compat.scan_p: _loop}
