@@ -21,7 +21,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               in_names: Sequence[str], out_names: Sequence[str],
               state_pairs: Mapping[int, int], min_size: int = 0,
               split_reason: str = "its in_spec splits it", objective: str = "memory",
-              topology: costmodel.Topology | None = None, shard_weights: bool = False) -> Plan:
+              topology: costmodel.Topology | None = None, shard_weights: bool = False,
+              state_whole: Mapping[int, str] | None = None) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -42,6 +43,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
       forward pass reads only converted to one narrower float, stays sharded
       between steps like optimizer state and is all-gathered in that float at
       its first read (Fig. 4 right, Fig. 7, across calls instead of a loop).
+    state_whole: input position -> why the caller keeps that state whole
+      between steps (left out of `state_pairs`), for the Plan.
 
   Returns:
     The frozen Plan.
@@ -54,10 +57,12 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
              topology or costmodel.default_topology(num_shards), shard_weights)
   planned = _plan(jaxpr, ctx, state_pairs, in_names, out_names)
   inputs = []
-  state = set(state_pairs.values())
+  state = set(state_pairs.values()) | set(state_whole or ())
   for k, v in enumerate(jaxpr.invars):
     sharded, reason = planned.input_reason.get(
         k, (False, _why_whole(v, facts, ctx, bool(planned.clusters), split_reason)))
+    if not sharded and k in (state_whole or {}):
+      reason = f"{state_whole[k]}; {reason}"
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
                             k in state, v.aval.dtype.itemsize))
   limit, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology, objective)

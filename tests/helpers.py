@@ -225,7 +225,9 @@ def make_train(tx, form: str, wrap_state: bool = False):
         return (i + 1, *_one_step(tx, p, s, xs[i])[:2])
       _, params, opt_state = jax.lax.while_loop(lambda c: c[0] < k, body, (0, params, opt_state))
       losses = jnp.zeros((k,))
-    return params, ({"state": opt_state} if wrap_state else opt_state), losses
+    # wrap_state: the state returned in a form that is not the input's structure
+    # (its leaves as a list), so it is no state pair: returned whole.
+    return params, (jax.tree.leaves(opt_state) if wrap_state else opt_state), losses
   return train
 
 

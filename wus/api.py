@@ -410,6 +410,17 @@ class ShardedStep:
     flat = compat.dce(compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0])
     if group_size is None:
       axes = self._replica_axes(mesh, manual, flat, [flat.invars[i] for i in pairs.values()])
+    # State split over other mesh axes too (tensor parallelism) stays whole
+    # between steps: sharded state is laid out over the replica axes only. Its
+    # update still runs on shards of this device's block.
+    replica = set(axes) | ({home.outer} if home is not None else set())
+    split_state = {}
+    for o, i in list(pairs.items()):
+      if other := (_spec_axes(in_specs[i]) | _spec_axes(out_specs[o])) - replica:
+        split_state[i] = (f"state split over {sorted(other)} by its in_spec or out_spec: kept "
+                          f"whole between steps (sharded state is laid out over {list(axes)} "
+                          "only)")
+        del pairs[o]
 
     # 3. Analyse and plan.
     arg_of_leaf = [a for a, arg in enumerate(args)
@@ -426,6 +437,7 @@ class ShardedStep:
     num_shards = math.prod(mesh.shape[a] for a in axes)
     plan = make_plan(flat, facts, axes=axes, num_shards=num_shards,
                      in_names=in_names, out_names=out_names, state_pairs=pairs,
+                     state_whole=split_state,
                      min_size=self._min_size, split_reason=self._split_reason,
                      objective=self._objective, shard_weights=self._shard_weights,
                      topology=self._topology_for(mesh, axes, num_shards))
@@ -614,30 +626,59 @@ def _match_state(args: tuple, out: Any) -> dict[int, int]:
   element with the same tree structure, preferring one whose leaves all have
   the same shapes and dtypes, then the element at the same position:
   `(params, opt_state, batch) -> (params, opt_state, metrics)` pairs params
-  and opt_state. Within a matched element, leaves pair where shape and dtype
-  agree (a hyperparameter whose dtype the update changes stays unpaired).
+  and opt_state. Then, for leaves still unpaired, the same with the parts one
+  level down on either side: the whole output (`return opt_update(...)`,
+  `(params, opt) -> (params, opt)` from one tuple argument), the children of
+  an output element or of an argument (`{"params": ..., "opt_state": ...,
+  "loss": ...}` from separate arguments; keyword arguments, which `wus.pmap`
+  passes as one dict). Within a matched part, leaves pair where shape and
+  dtype agree (a hyperparameter whose dtype the update changes stays unpaired).
   Returns flat output leaf position -> flat input leaf position.
   """
-  def parts(tree) -> list[tuple[Any, tuple, int]]:
-    """(treedef, leaf avals, first flat position) per top-level element."""
-    out, start = [], 0
-    for t in tree:
+  def parts(trees, start=0) -> list[tuple[Any, tuple, int]]:
+    """(treedef, leaf avals, first flat position) per tree, in flattening order."""
+    out = []
+    for t in trees:
       leaves, td = jax.tree.flatten(t, is_leaf=is_sharded)
       out.append((td, tuple(_aval(x) for x in leaves), start))
       start += len(leaves)
     return out
 
-  outs = parts(out if isinstance(out, (tuple, list)) else (out,))
-  pairs, used = {}, set()
-  for exact in (True, False):
-    for a, (td, avals, start) in enumerate(parts(args)):
-      if not avals or start in pairs.values():
+  def children(tree, start) -> list[tuple[Any, tuple, int]]:
+    """The parts one level down that are trees themselves (a bare array matches too much)."""
+    if is_sharded(tree):
+      return []
+    kids = jax.tree.leaves(tree, is_leaf=lambda x: x is not tree)
+    if len(kids) == 1 and kids[0] is tree:
+      return []
+    return [p for p in parts(kids, start) if p[0].num_nodes > 1]
+
+  pairs: dict[int, int] = {}
+  used: set[int] = set()  # Output leaves paired.
+
+  def match(ins, outs, exact: bool, same_position: bool) -> None:
+    for a, (td, avals, start) in enumerate(ins):
+      if not avals or any(start + j in pairs.values() for j in range(len(avals))):
         continue
-      for o in ([a] if a < len(outs) else []) + list(range(len(outs))):
-        if o in used or outs[o][0] != td or (exact and outs[o][1] != avals):
+      order = ([a] if same_position and a < len(outs) else []) + list(range(len(outs)))
+      for o in order:
+        otd, oavals, ostart = outs[o]
+        if (otd != td or (exact and oavals != avals)
+            or any(ostart + j in used for j in range(len(oavals)))):
           continue
-        used.add(o)
-        pairs.update({outs[o][2] + j: start + j for j, (x, y) in enumerate(zip(avals, outs[o][1]))
+        used.update(range(ostart, ostart + len(oavals)))
+        pairs.update({ostart + j: start + j for j, (x, y) in enumerate(zip(avals, oavals))
                       if x == y})
         break
+
+  top_out = parts(out if isinstance(out, (tuple, list)) else (out,))
+  top_in = parts(args)
+  for exact in (True, False):
+    match(top_in, top_out, exact, same_position=True)
+  # One level down on either side, for what is still unpaired.
+  outs = parts((out,)) + top_out + [c for t, (_, _, s) in zip(
+      out if isinstance(out, (tuple, list)) else (out,), top_out) for c in children(t, s)]
+  ins = top_in + [c for t, (_, _, s) in zip(args, top_in) for c in children(t, s)]
+  for exact in (True, False):
+    match(ins, outs, exact, same_position=False)
   return pairs

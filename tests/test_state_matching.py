@@ -1,0 +1,119 @@
+"""Which outputs are the next value of which inputs (the step's state), for the
+shapes steps really return. A missed pair leaves the optimizer state whole; a
+user-program sweep found these returned shapes and calling conventions missed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.example_libraries import optimizers
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import wus
+from helpers import assert_trees_equal, mesh, sharded_leaves
+
+N = 8
+TX = optax.adam(1e-2)
+
+
+def _params():
+  r = np.random.RandomState(0)
+  return {"w1": jnp.asarray(0.1 * r.randn(16, 64), jnp.float32),
+          "w2": jnp.asarray(0.1 * r.randn(64, 4), jnp.float32)}
+
+
+def _loss(p, x, y):
+  return jnp.mean((jax.nn.relu(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+
+def _batches(per_device_axis=False, steps=2):
+  r = np.random.RandomState(1)
+  shape = (N, 2) if per_device_axis else (2 * N,)
+  return [(r.randn(*shape, 16).astype(np.float32), r.randn(*shape, 4).astype(np.float32))
+          for _ in range(steps)]
+
+
+def _adam_state_sharded(opt_state) -> bool:
+  return len(sharded_leaves(opt_state)) == 4  # mu and nu of w1 and w2.
+
+
+def test_pmap_step_called_with_keyword_arguments():
+  """`step(params=p, opt_state=o, x=x, y=y)`: jax.pmap's keywords, the state
+  found among them (wus.pmap passes them as one dict)."""
+  def train_step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(_loss)(params, x, y)
+    grads = lax.pmean(grads, "batch")
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "batch")
+
+  params = _params()
+  state = jax.tree.map(lambda x: jnp.broadcast_to(x, (N, *x.shape)), (params, TX.init(params)))
+  ref, ws = jax.pmap(train_step, axis_name="batch"), wus.pmap(train_step, axis_name="batch")
+  a = b = state
+  for x, y in _batches(per_device_axis=True):
+    a = ref(params=a[0], opt_state=a[1], x=x, y=y)[:2]
+    b = ws(params=b[0], opt_state=b[1], x=x, y=y)[:2]
+  assert _adam_state_sharded(b[1])
+  assert_trees_equal(a, wus.unshard(b))
+
+
+def test_example_libraries_step_returns_the_optimizer_state_alone():
+  """JAX's examples/mnist_classifier.py: `return opt_update(i, g, opt_state)`."""
+  opt_init, opt_update, get_params = optimizers.adam(1e-2)
+
+  def update(i, opt_state, batch):
+    params = get_params(opt_state)
+    grads = lax.pmean(jax.grad(_loss)(params, *batch), "data")
+    return opt_update(i, grads, opt_state)
+
+  kw = dict(mesh=mesh(N), in_specs=(P(), P(), P("data")), out_specs=P())
+  ref, ws = jax.jit(jax.shard_map(update, **kw)), wus.shard_map(update, **kw)
+  a = b = opt_init(_params())
+  data = NamedSharding(mesh(N), P("data"))
+  for i, batch in enumerate(_batches()):
+    batch = jax.device_put(batch, data)
+    a, b = ref(i, a, batch), ws(i, b, batch)
+  assert len(sharded_leaves(b)) == 4  # m and v of w1 and w2; the weights are read whole.
+  assert_trees_equal(a, wus.unshard(b))
+
+
+def test_state_tuple_in_state_tuple_out():
+  """`step(state, batch) -> (new_params, new_opt_state)` with state = (params, opt_state)."""
+  def step(state, batch):
+    params, opt_state = state
+    grads = lax.pmean(jax.grad(_loss)(params, *batch), "data")
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  kw = dict(mesh=mesh(N), in_specs=(P(), P("data")), out_specs=P())
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  params = _params()
+  a = b = (params, TX.init(params))
+  data = NamedSharding(mesh(N), P("data"))
+  for batch in _batches():
+    batch = jax.device_put(batch, data)
+    a, b = ref(a, batch), ws(b, batch)
+  assert _adam_state_sharded(b[1])
+  assert_trees_equal(a, wus.unshard(b))
+
+
+def test_dict_of_state_and_metrics_from_separate_arguments():
+  """`step(params, opt_state, batch) -> {"params": ..., "opt_state": ..., "loss": ...}`."""
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(_loss)(params, *batch)
+    grads = lax.pmean(grads, "data")
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+            "loss": lax.pmean(loss, "data")}
+
+  kw = dict(mesh=mesh(N), in_specs=(P(), P(), P("data")), out_specs=P())
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  params = _params()
+  a = b = {"params": params, "opt_state": TX.init(params)}
+  data = NamedSharding(mesh(N), P("data"))
+  for batch in _batches():
+    batch = jax.device_put(batch, data)
+    a, b = ref(a["params"], a["opt_state"], batch), ws(b["params"], b["opt_state"], batch)
+  assert _adam_state_sharded(b["opt_state"])
+  assert_trees_equal(a, wus.unshard(b))
