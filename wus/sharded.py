@@ -66,7 +66,18 @@ class ShardedArray:
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(children[0], *aux)
+    data, fmt = children[0], aux[0]
+    if (isinstance(data, (jax.Array, np.ndarray, np.generic))
+        and tuple(np.shape(data)) != fmt.padded_shape):
+      # A per-leaf function reached the shards (flax.jax_utils.unreplicate,
+      # `tree_map(lambda x: x[0], state)`): its result would be no tensor.
+      raise TypeError(
+          f"a function mapped over a pytree turned the shards of a wus.ShardedArray (global "
+          f"shape {fmt.padded_shape}, the padded shards of a {list(fmt.shape)} tensor that wus "
+          f"keeps sharded between steps) into shape {tuple(np.shape(data))}. Call "
+          "wus.unshard(tree) first for whole arrays (e.g. before flax.jax_utils.unreplicate "
+          "or a checkpoint), or save wus.checkpointable(tree) with Orbax to keep it sharded.")
+    return cls(data, *aux)
 
   def __repr__(self) -> str:
     return f"ShardedArray({self.dtype}{list(self.format.shape)}, {self.format}, axes={self.axes})"
@@ -85,6 +96,21 @@ class ShardedArray:
   __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _needs_whole
   __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _needs_whole
   __lt__ = __le__ = __gt__ = __ge__ = _needs_whole
+
+
+def _not_serializable(x, *args):
+  raise TypeError(
+      f"{x!r} is sharded optimizer state: flax.serialization cannot save it (a checkpoint "
+      "would lose it). Save wus.checkpointable(tree) with Orbax (restored sharded with "
+      "step.state_target), or wus.unshard(tree) for whole arrays.")
+
+
+try:  # Flax checkpoints and to_bytes serialize through its registry: say what to do.
+  from flax import serialization as _serialization
+  _serialization.register_serialization_state(ShardedArray, _not_serializable,
+                                              _not_serializable, override=True)
+except ImportError:
+  pass
 
 
 def is_sharded(x: Any) -> bool:
