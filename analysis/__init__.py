@@ -1,9 +1,10 @@
 """Facts about a step's jaxpr, no rewriting (DESIGN.md §3).
 
 Modules, one concern each, in the order the passes run:
-  compat      the one place that touches JAX internals
+  compat      the one place that touches JAX internals (cond / while / scan records)
+  primitives  the facts every pass reads about a primitive, one table
   redundancy  which values are identical on every replica (§3.1)
-  shardable   which equations can run on shards, and how (`Kind`, §4.1)
+  shardable   which equations can run on shards, and how (`Kind` and its `Traits`, §4.1)
   clusters    weight-update clusters around the gradient all-reduces (§3.2)
   formats     `ShardFormat`: reshape, pad, split (§4.1, Fig. 6)
   layouts     a format for every tensor of a cluster
