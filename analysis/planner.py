@@ -231,8 +231,47 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       bodies.update(_bodies(jaxpr, c, layout, ctx.big))
       for out_pos, in_pos in pairs.items():
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
+  if not in_loop:
+    for out_pos, in_pos in state_pairs.items():
+      chain = None if in_pos in state_in else _passed_through(jaxpr, in_pos, out_pos, readers, ctx)
+      if chain is not None:
+        for j in chain:
+          shard_eqns[j] = Kind.LAYOUT
+        for v in [jaxpr.invars[in_pos], *(jaxpr.eqns[j].outvars[0] for j in chain)]:
+          all_formats[v] = formats.format_from_bounds(tuple(v.aval.shape), frozenset(),
+                                                      ctx.num_shards)
+        state_in[in_pos] = all_formats[jaxpr.invars[in_pos]]
+        state_out[out_pos] = all_formats[jaxpr.outvars[out_pos]]
+        input_reason[in_pos] = (True, "returned unchanged, read by nothing else (state another "
+                                      "step updates): kept sharded between steps as it came")
   return _Planned(Program(shard_eqns, state_in, state_out, bodies), cluster_plans,
                   input_reason, all_formats, gather_dtypes)
+
+
+def _passed_through(jaxpr: Jaxpr, in_pos: int, out_pos: int, readers: dict,
+                    ctx: _Ctx) -> list[int] | None:
+  """The layout-only equations (`wus.pmap`'s squeeze and expand_dims) by which
+  output `out_pos` returns input `in_pos` unchanged, if nothing else reads it
+  and it is identical on every replica and worth sharding; else None.
+
+  Such state (a GAN's discriminator state passed through the generator's
+  step) stays sharded between steps instead of being gathered and re-sharded
+  by each step that does not update it.
+  """
+  v, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
+  if compat.is_literal(y) or not ctx.big(v) or not ctx.facts.is_redundant(v, ctx.axes):
+    return None
+  outputs = [u for u in jaxpr.outvars if not compat.is_literal(u)]
+  chain, u = [], v
+  while u is not y:
+    (j, *more) = readers.get(u, ()) or (None,)
+    eqn = None if j is None else jaxpr.eqns[j]
+    if (more or eqn is None or u in outputs or eqn.primitive is compat.pvary_p
+        or not precision.is_copy(eqn)):
+      return None
+    chain.append(j)
+    u = eqn.outvars[0]
+  return chain if not readers.get(y) and outputs.count(y) == 1 else None
 
 
 def _kept_whole_reason(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> str:
