@@ -98,21 +98,6 @@ class ShardedArray:
   __lt__ = __le__ = __gt__ = __ge__ = _needs_whole
 
 
-def _not_serializable(x, *args):
-  raise TypeError(
-      f"{x!r} is sharded optimizer state: flax.serialization cannot save it (a checkpoint "
-      "would lose it). Save wus.checkpointable(tree) with Orbax (restored sharded with "
-      "step.state_target), or wus.unshard(tree) for whole arrays.")
-
-
-try:  # Flax checkpoints and to_bytes serialize through its registry: say what to do.
-  from flax import serialization as _serialization
-  _serialization.register_serialization_state(ShardedArray, _not_serializable,
-                                              _not_serializable, override=True)
-except ImportError:
-  pass
-
-
 def is_sharded(x: Any) -> bool:
   return isinstance(x, ShardedArray)
 
