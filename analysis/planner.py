@@ -115,9 +115,12 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     gather_dtypes.update(loop.gather_dtypes)
     all_formats.update({jaxpr.eqns[i].outvars[k]: f for k, f in loop.carries.items()})
     for out_pos, in_pos in state_pairs.items():
-      fmt = loops.loop_state(jaxpr, i, loop, jaxpr.outvars[out_pos], jaxpr.invars[in_pos])
-      if fmt is not None:
-        state_in[in_pos] = state_out[out_pos] = all_formats[jaxpr.invars[in_pos]] = fmt
+      state = loops.loop_state(jaxpr, i, loop, jaxpr.outvars[out_pos], jaxpr.invars[in_pos])
+      if state is not None:
+        all_formats.update(state.formats)
+        shard_eqns.update(dict.fromkeys(state.copies, Kind.LAYOUT))
+        state_in[in_pos] = state.formats[jaxpr.invars[in_pos]]
+        state_out[out_pos] = state.formats[jaxpr.outvars[out_pos]]
         input_reason[in_pos] = (True, f"state of the loop at {source_line(jaxpr.eqns[i])}, "
                                       "sharded between steps")
 
