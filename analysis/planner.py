@@ -236,14 +236,24 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
   if not in_loop:
     for out_pos, in_pos in state_pairs.items():
-      chain = None if in_pos in state_in else _passed_through(jaxpr, in_pos, out_pos, readers, ctx)
+      v = jaxpr.invars[in_pos]
+      if in_pos in state_in:
+        continue
+      if (jaxpr.outvars[out_pos] is v and v in all_formats and readers.get(v)
+          and readers[v] <= set(shard_eqns) and jaxpr.outvars.count(v) == 1):
+        # Read only by the sharded update, returned unchanged (prodigy's params0).
+        state_in[in_pos] = state_out[out_pos] = all_formats[v]
+        input_reason[in_pos] = (True, "state the update reads and returns unchanged: kept "
+                                      "sharded between steps")
+        continue
+      chain = _passed_through(jaxpr, in_pos, out_pos, readers, ctx)
       if chain is not None:
         for j in chain:
           shard_eqns[j] = Kind.LAYOUT
-        for v in [jaxpr.invars[in_pos], *(jaxpr.eqns[j].outvars[0] for j in chain)]:
-          all_formats[v] = formats.format_from_bounds(tuple(v.aval.shape), frozenset(),
+        for u in [v, *(jaxpr.eqns[j].outvars[0] for j in chain)]:
+          all_formats[u] = formats.format_from_bounds(tuple(u.aval.shape), frozenset(),
                                                       ctx.num_shards)
-        state_in[in_pos] = all_formats[jaxpr.invars[in_pos]]
+        state_in[in_pos] = all_formats[v]
         state_out[out_pos] = all_formats[jaxpr.outvars[out_pos]]
         input_reason[in_pos] = (True, "returned unchanged, read by nothing else (state another "
                                       "step updates): kept sharded between steps as it came")

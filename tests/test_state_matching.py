@@ -117,3 +117,26 @@ def test_dict_of_state_and_metrics_from_separate_arguments():
     a, b = ref(a["params"], a["opt_state"], batch), ws(b["params"], b["opt_state"], batch)
   assert _adam_state_sharded(b["opt_state"])
   assert_trees_equal(a, wus.unshard(b))
+
+
+def test_state_the_update_reads_and_returns_unchanged_stays_sharded():
+  """optax.contrib.prodigy keeps `params0`, the initial weights, for its distance
+  estimate: only the update reads it and it is returned as it came."""
+  from optax import contrib  # noqa: PLC0415
+  tx = contrib.prodigy(1.0)
+
+  def step(params, opt_state, batch):
+    grads = lax.pmean(jax.grad(_loss)(params, *batch), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  kw = dict(mesh=mesh(N), in_specs=(P(), P(), P("data")), out_specs=P())
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  params = _params()
+  a = b = (params, tx.init(params))
+  data = NamedSharding(mesh(N), P("data"))
+  for batch in _batches(steps=3):
+    batch = jax.device_put(batch, data)
+    a, b = ref(*a, batch), ws(*b, batch)
+  assert all(isinstance(x, wus.ShardedArray) for x in b[1].params0.values())
+  assert_trees_equal(a, wus.unshard(b), rtol=1e-5, atol=1e-6)  # Its sums, in another order.
