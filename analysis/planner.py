@@ -132,6 +132,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
                                      held_sharded=frozenset(held))
   readers = _readers(jaxpr)
   clustered = {i for c in found for i in c.eqns}
+  read_whole: set = set()  # Values a sharded cluster reads whole.
   for c in found:
     idx = len(cluster_plans)
     members = set(c.eqns)
@@ -231,6 +232,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     if decision.shard:
       shard_eqns.update(c.kinds)
       all_formats.update(layout.formats)
+      read_whole.update(layout.whole_reads)
       bodies.update(_bodies(jaxpr, c, layout, ctx.big))
       for out_pos, in_pos in pairs.items():
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
@@ -239,12 +241,16 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       v = jaxpr.invars[in_pos]
       if in_pos in state_in:
         continue
-      if (jaxpr.outvars[out_pos] is v and v in all_formats and readers.get(v)
-          and readers[v] <= set(shard_eqns) and jaxpr.outvars.count(v) == 1):
-        # Read only by the sharded update, returned unchanged (prodigy's params0).
+      y = jaxpr.outvars[out_pos]
+      if (v in all_formats and v not in read_whole and readers.get(v)
+          and all(shard_eqns.get(j) not in (None, Kind.LOOP) for j in readers[v])
+          and all_formats.get(y) == all_formats[v] and jaxpr.outvars.count(y) == 1):
+        # Read only as shards by sharded updates (several clusters: Sophia's nu, read by the
+        # step and refreshed from a Hessian estimate; or returned unchanged:
+        # prodigy's params0), its next value held in the same format.
         state_in[in_pos] = state_out[out_pos] = all_formats[v]
-        input_reason[in_pos] = (True, "state the update reads and returns unchanged: kept "
-                                      "sharded between steps")
+        input_reason[in_pos] = (True, "optimizer state: only sharded updates read it"
+                                      + (", and it is returned unchanged" if y is v else ""))
         continue
       chain = _passed_through(jaxpr, in_pos, out_pos, readers, ctx)
       if chain is not None:
