@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 
 from jax import lax
 
-from wus.analysis import compat
+from wus.analysis import compat, precision
+from wus.analysis import formats as formats_lib
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.plan import Program
 
@@ -94,20 +95,75 @@ def outer_name(v, invar_pos, in_names, default: str) -> str:
   return in_names[invar_pos[v]] if not compat.is_literal(v) and v in invar_pos else default
 
 
-def loop_state(jaxpr: Jaxpr, i: int, loop: PlannedLoop, y, x):
-  """The format of (x in, y out) if they are a loop carry kept sharded between steps.
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """A program input carried by a loop and returned after it, kept sharded between steps.
 
-  Weights the body reads whole (Fig. 4 right) leave the step whole: the user
-  reads them too.
+  Attributes:
+    formats: the format of every value on the way: the input, the layout-only
+      copies between it and the loop (`wus.pmap`'s squeeze of the mapped
+      axis) and between the loop and the output (its expand_dims), the output.
+    copies: those copies' equation indices; they run on shards (Kind.LAYOUT).
+  """
+
+  formats: Mapping
+  copies: tuple[int, ...]
+
+
+def loop_state(jaxpr: Jaxpr, i: int, loop: PlannedLoop, y, x) -> LoopState | None:
+  """How (x in, y out) are a loop carry kept sharded between steps, if they are.
+
+  x reaches the carry's initial value, and the carry's result reaches y,
+  directly or through layout-only copies that nothing else reads. Weights the
+  body reads whole (Fig. 4 right) leave the step whole: the user reads them too.
   """
   eqn = jaxpr.eqns[i]
   init = compat.loop(eqn).carry
+  readers: dict = {}
+  for j, e in enumerate(jaxpr.eqns):
+    for v in e.invars:
+      if not compat.is_literal(v):
+        readers.setdefault(v, []).append(j)
   for k, fmt in loop.carries.items():
-    if (k not in loop.read_whole and eqn.outvars[k] is y and init[k] is x
-        and all(x not in e.invars for j, e in enumerate(jaxpr.eqns) if j != i)
-        and x not in jaxpr.outvars):
-      return fmt
+    if k in loop.read_whole:
+      continue
+    into = _copies(jaxpr, x, init[k], readers, last=i)
+    out_of = _copies(jaxpr, eqn.outvars[k], y, readers)
+    if into is None or out_of is None or y not in jaxpr.outvars or x in jaxpr.outvars:
+      continue
+    values = [x, *(jaxpr.eqns[j].outvars[0] for j in into[:-1]), *(
+        jaxpr.eqns[j].outvars[0] for j in out_of)]
+    try:
+      formats = {v: formats_lib.ShardFormat(tuple(v.aval.shape), fmt.merged_shape,
+                                            fmt.num_shards) for v in values}
+    except ValueError:
+      continue  # Not a layout of the carry's format.
+    formats[eqn.outvars[k]] = fmt
+    return LoopState(formats, tuple(into[:-1]) + tuple(out_of))
   return None
+
+
+def _copies(jaxpr: Jaxpr, start, end, readers: dict, last: int | None = None
+            ) -> list[int] | None:
+  """The layout-only equations (one reader each) leading from `start` to `end`;
+  with `last`, the equation that finally reads `end` is `last` (appended)."""
+  chain, v = [], start
+  while v is not end:
+    rs = readers.get(v, [])
+    if len(rs) != 1 or v in jaxpr.outvars:
+      return None
+    e = jaxpr.eqns[rs[0]]
+    if e.primitive is compat.pvary_p or not precision.is_copy(e):
+      return None
+    chain.append(rs[0])
+    v = e.outvars[0]
+  if last is not None:
+    if readers.get(end, []) != [last]:
+      return None
+    chain.append(last)
+  elif readers.get(end):
+    return None
+  return chain
 
 
 def placements(c, jaxpr: Jaxpr, members: set[int], carries: Mapping[int, int],

@@ -115,9 +115,12 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     gather_dtypes.update(loop.gather_dtypes)
     all_formats.update({jaxpr.eqns[i].outvars[k]: f for k, f in loop.carries.items()})
     for out_pos, in_pos in state_pairs.items():
-      fmt = loops.loop_state(jaxpr, i, loop, jaxpr.outvars[out_pos], jaxpr.invars[in_pos])
-      if fmt is not None:
-        state_in[in_pos] = state_out[out_pos] = all_formats[jaxpr.invars[in_pos]] = fmt
+      state = loops.loop_state(jaxpr, i, loop, jaxpr.outvars[out_pos], jaxpr.invars[in_pos])
+      if state is not None:
+        all_formats.update(state.formats)
+        shard_eqns.update(dict.fromkeys(state.copies, Kind.LAYOUT))
+        state_in[in_pos] = state.formats[jaxpr.invars[in_pos]]
+        state_out[out_pos] = state.formats[jaxpr.outvars[out_pos]]
         input_reason[in_pos] = (True, f"state of the loop at {source_line(jaxpr.eqns[i])}, "
                                       "sharded between steps")
 
@@ -129,6 +132,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
                                      held_sharded=frozenset(held))
   readers = _readers(jaxpr)
   clustered = {i for c in found for i in c.eqns}
+  read_whole: set = set()  # Values a sharded cluster reads whole.
   for c in found:
     idx = len(cluster_plans)
     members = set(c.eqns)
@@ -228,19 +232,34 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     if decision.shard:
       shard_eqns.update(c.kinds)
       all_formats.update(layout.formats)
+      read_whole.update(layout.whole_reads)
       bodies.update(_bodies(jaxpr, c, layout, ctx.big))
       for out_pos, in_pos in pairs.items():
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
   if not in_loop:
     for out_pos, in_pos in state_pairs.items():
-      chain = None if in_pos in state_in else _passed_through(jaxpr, in_pos, out_pos, readers, ctx)
+      v = jaxpr.invars[in_pos]
+      if in_pos in state_in:
+        continue
+      y = jaxpr.outvars[out_pos]
+      if (v in all_formats and v not in read_whole and readers.get(v)
+          and all(shard_eqns.get(j) not in (None, Kind.LOOP) for j in readers[v])
+          and all_formats.get(y) == all_formats[v] and jaxpr.outvars.count(y) == 1):
+        # Read only as shards by sharded updates (several clusters: Sophia's nu, read by the
+        # step and refreshed from a Hessian estimate; or returned unchanged:
+        # prodigy's params0), its next value held in the same format.
+        state_in[in_pos] = state_out[out_pos] = all_formats[v]
+        input_reason[in_pos] = (True, "optimizer state: only sharded updates read it"
+                                      + (", and it is returned unchanged" if y is v else ""))
+        continue
+      chain = _passed_through(jaxpr, in_pos, out_pos, readers, ctx)
       if chain is not None:
         for j in chain:
           shard_eqns[j] = Kind.LAYOUT
-        for v in [jaxpr.invars[in_pos], *(jaxpr.eqns[j].outvars[0] for j in chain)]:
-          all_formats[v] = formats.format_from_bounds(tuple(v.aval.shape), frozenset(),
+        for u in [v, *(jaxpr.eqns[j].outvars[0] for j in chain)]:
+          all_formats[u] = formats.format_from_bounds(tuple(u.aval.shape), frozenset(),
                                                       ctx.num_shards)
-        state_in[in_pos] = all_formats[jaxpr.invars[in_pos]]
+        state_in[in_pos] = all_formats[v]
         state_out[out_pos] = all_formats[jaxpr.outvars[out_pos]]
         input_reason[in_pos] = (True, "returned unchanged, read by nothing else (state another "
                                       "step updates): kept sharded between steps as it came")

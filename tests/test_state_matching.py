@@ -117,3 +117,56 @@ def test_dict_of_state_and_metrics_from_separate_arguments():
     a, b = ref(a["params"], a["opt_state"], batch), ws(b["params"], b["opt_state"], batch)
   assert _adam_state_sharded(b["opt_state"])
   assert_trees_equal(a, wus.unshard(b))
+
+
+def test_state_the_update_reads_and_returns_unchanged_stays_sharded():
+  """optax.contrib.prodigy keeps `params0`, the initial weights, for its distance
+  estimate: only the update reads it and it is returned as it came."""
+  from optax import contrib  # noqa: PLC0415
+  tx = contrib.prodigy(1.0)
+
+  def step(params, opt_state, batch):
+    grads = lax.pmean(jax.grad(_loss)(params, *batch), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  kw = dict(mesh=mesh(N), in_specs=(P(), P(), P("data")), out_specs=P())
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  params = _params()
+  a = b = (params, tx.init(params))
+  data = NamedSharding(mesh(N), P("data"))
+  for batch in _batches(steps=3):
+    batch = jax.device_put(batch, data)
+    a, b = ref(*a, batch), ws(*b, batch)
+  assert all(isinstance(x, wus.ShardedArray) for x in b[1].params0.values())
+  assert_trees_equal(a, wus.unshard(b), rtol=1e-5, atol=1e-6)  # Its sums, in another order.
+
+
+def test_state_read_by_two_sharded_updates_stays_sharded():
+  """Sophia-style: the step reads the Hessian EMA `nu` (with the gradient's
+  momentum) and refreshes it from a Hutchinson estimate z * Hz whose
+  all-reduce is a second cluster's; both run on shards, so `nu` stays sharded."""
+  z = {"w1": jnp.sign(jnp.sin(jnp.arange(16 * 64.0))).reshape(16, 64),
+       "w2": jnp.sign(jnp.cos(jnp.arange(64 * 4.0))).reshape(64, 4)}
+
+  def step(params, state, batch):
+    def objective(p):
+      return lax.pmean(_loss(p, *batch), "data")
+    grads = jax.grad(objective)(params)
+    hz = jax.tree.map(jnp.multiply, z, jax.jvp(jax.grad(objective), (params,), (z,))[1])
+    mu = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, state["mu"], grads)
+    nu = jax.tree.map(lambda n, h: 0.99 * n + 0.01 * h, state["nu"], hz)
+    updates = jax.tree.map(lambda m, n: -1e-2 * m / jnp.maximum(n, 1e-8), mu, state["nu"])
+    return jax.tree.map(jnp.add, params, updates), {"mu": mu, "nu": nu}
+
+  kw = dict(mesh=mesh(N), in_specs=(P(), P(), P("data")), out_specs=P())
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw)
+  params = _params()
+  a = b = (params, {"mu": jax.tree.map(jnp.zeros_like, params),
+                    "nu": jax.tree.map(jnp.ones_like, params)})
+  data = NamedSharding(mesh(N), P("data"))
+  for batch in _batches(steps=3):
+    batch = jax.device_put(batch, data)
+    a, b = ref(*a, batch), ws(*b, batch)
+  assert len(sharded_leaves(b[1])) == 4, str(ws.plan(*a, batch))
+  assert_trees_equal(a, wus.unshard(b))
