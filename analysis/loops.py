@@ -110,60 +110,36 @@ class LoopState:
   copies: tuple[int, ...]
 
 
-def loop_state(jaxpr: Jaxpr, i: int, loop: PlannedLoop, y, x) -> LoopState | None:
+def loop_state(jaxpr: Jaxpr, i: int, loop: PlannedLoop, y, x, readers: dict
+               ) -> LoopState | None:
   """How (x in, y out) are a loop carry kept sharded between steps, if they are.
 
   x reaches the carry's initial value, and the carry's result reaches y,
-  directly or through layout-only copies that nothing else reads. Weights the
-  body reads whole (Fig. 4 right) leave the step whole: the user reads them too.
+  directly or through layout-only copies that nothing else reads
+  (`precision.copy_chain`). Weights the body reads whole (Fig. 4 right) leave
+  the step whole: the user reads them too. `readers` maps a variable to the
+  indices of the equations that read it.
   """
   eqn = jaxpr.eqns[i]
   init = compat.loop(eqn).carry
-  readers: dict = {}
-  for j, e in enumerate(jaxpr.eqns):
-    for v in e.invars:
-      if not compat.is_literal(v):
-        readers.setdefault(v, []).append(j)
+  if y not in jaxpr.outvars or x in jaxpr.outvars:
+    return None
   for k, fmt in loop.carries.items():
-    if k in loop.read_whole:
+    if k in loop.read_whole or set(readers.get(init[k], ())) != {i} or readers.get(y):
       continue
-    into = _copies(jaxpr, x, init[k], readers, last=i)
-    out_of = _copies(jaxpr, eqn.outvars[k], y, readers)
-    if into is None or out_of is None or y not in jaxpr.outvars or x in jaxpr.outvars:
+    into = precision.copy_chain(jaxpr, x, init[k], readers)
+    out_of = precision.copy_chain(jaxpr, eqn.outvars[k], y, readers)
+    if into is None or out_of is None:
       continue
-    values = [x, *(jaxpr.eqns[j].outvars[0] for j in into[:-1]), *(
-        jaxpr.eqns[j].outvars[0] for j in out_of)]
+    values = [x, *(jaxpr.eqns[j].outvars[0] for j in into + out_of)]
     try:
       formats = {v: formats_lib.ShardFormat(tuple(v.aval.shape), fmt.merged_shape,
                                             fmt.num_shards) for v in values}
     except ValueError:
       continue  # Not a layout of the carry's format.
     formats[eqn.outvars[k]] = fmt
-    return LoopState(formats, tuple(into[:-1]) + tuple(out_of))
+    return LoopState(formats, tuple(into + out_of))
   return None
-
-
-def _copies(jaxpr: Jaxpr, start, end, readers: dict, last: int | None = None
-            ) -> list[int] | None:
-  """The layout-only equations (one reader each) leading from `start` to `end`;
-  with `last`, the equation that finally reads `end` is `last` (appended)."""
-  chain, v = [], start
-  while v is not end:
-    rs = readers.get(v, [])
-    if len(rs) != 1 or v in jaxpr.outvars:
-      return None
-    e = jaxpr.eqns[rs[0]]
-    if e.primitive is compat.pvary_p or not precision.is_copy(e):
-      return None
-    chain.append(rs[0])
-    v = e.outvars[0]
-  if last is not None:
-    if readers.get(end, []) != [last]:
-      return None
-    chain.append(last)
-  elif readers.get(end):
-    return None
-  return chain
 
 
 def placements(c, jaxpr: Jaxpr, members: set[int], carries: Mapping[int, int],

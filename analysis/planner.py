@@ -107,6 +107,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   gather_dtypes: dict = {}
   input_reason: dict[int, tuple[bool, str]] = {}
 
+  readers = _readers(jaxpr)
   planned_loops = loops.plan_loops(jaxpr, ctx, in_names, label, _plan)
   for i, loop in planned_loops.items():
     shard_eqns[i], bodies[i] = Kind.LOOP, (loop.program,)
@@ -115,7 +116,8 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     gather_dtypes.update(loop.gather_dtypes)
     all_formats.update({jaxpr.eqns[i].outvars[k]: f for k, f in loop.carries.items()})
     for out_pos, in_pos in state_pairs.items():
-      state = loops.loop_state(jaxpr, i, loop, jaxpr.outvars[out_pos], jaxpr.invars[in_pos])
+      state = loops.loop_state(jaxpr, i, loop, jaxpr.outvars[out_pos], jaxpr.invars[in_pos],
+                               readers)
       if state is not None:
         all_formats.update(state.formats)
         shard_eqns.update(dict.fromkeys(state.copies, Kind.LAYOUT))
@@ -130,7 +132,6 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
           for k, f in loop.carries.items()}
   found = clusters_lib.find_clusters(jaxpr, ctx.facts, ctx.axes, ctx.num_shards, ctx.min_size,
                                      held_sharded=frozenset(held))
-  readers = _readers(jaxpr)
   clustered = {i for c in found for i in c.eqns}
   read_whole: set = set()  # Values a sharded cluster reads whole.
   for c in found:
@@ -278,19 +279,10 @@ def _passed_through(jaxpr: Jaxpr, in_pos: int, out_pos: int, readers: dict,
   by each step that does not update it.
   """
   v, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
-  if compat.is_literal(y) or not ctx.big(v) or not ctx.facts.is_redundant(v, ctx.axes):
+  if (compat.is_literal(y) or not ctx.big(v) or not ctx.facts.is_redundant(v, ctx.axes)
+      or readers.get(y) or jaxpr.outvars.count(y) != 1):
     return None
-  outputs = [u for u in jaxpr.outvars if not compat.is_literal(u)]
-  chain, u = [], v
-  while u is not y:
-    (j, *more) = readers.get(u, ()) or (None,)
-    eqn = None if j is None else jaxpr.eqns[j]
-    if (more or eqn is None or u in outputs or eqn.primitive is compat.pvary_p
-        or not precision.is_copy(eqn)):
-      return None
-    chain.append(j)
-    u = eqn.outvars[0]
-  return chain if not readers.get(y) and outputs.count(y) == 1 else None
+  return precision.copy_chain(jaxpr, v, y, readers)
 
 
 def _kept_whole_reason(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> str:

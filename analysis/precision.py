@@ -58,6 +58,34 @@ def is_copy(eqn: JaxprEqn) -> bool:
   return False
 
 
+def copy_chain(jaxpr: Jaxpr, start, end, readers: dict) -> list[int] | None:
+  """The layout-only equations (`is_copy`, no pvary) leading from `start` to `end`.
+
+  Each value on the way before `end` has exactly one reader and is no output
+  of `jaxpr`, so the chain can run on shards with nothing else noticing.
+
+  Args:
+    jaxpr: the jaxpr.
+    start, end: variables of `jaxpr` (the same one: an empty chain).
+    readers: variable -> indices of the equations that read it.
+
+  Returns:
+    The equations' indices in order, or None if there is no such chain.
+  """
+  chain, v = [], start
+  outputs = {u for u in jaxpr.outvars if not compat.is_literal(u)}
+  while v is not end:
+    rs = list(readers.get(v, ()))
+    if len(rs) != 1 or v in outputs:
+      return None
+    eqn = jaxpr.eqns[rs[0]]
+    if eqn.primitive is compat.pvary_p or not is_copy(eqn):
+      return None
+    chain.append(rs[0])
+    v = eqn.outvars[0]
+  return chain
+
+
 def narrowed(jaxpr: Jaxpr, x, members: set[int], readers: dict) -> Narrowed | str:
   """How the equations outside the update `members` read `x`: only narrow, or why not.
 

@@ -108,9 +108,20 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
 
 
 def hoistable(jaxpr: Jaxpr, outputs: Sequence[int]) -> dict[int, Any]:
-  """Output position -> the all-reduce producing it, for those of `outputs`
-  that are a psum of one value over whole mesh axes (or a layout-only copy of
-  one, `precision.is_copy`: a psum commutes with it), read by nothing else."""
+  """The gradient all-reduces that can move out of a sub-jaxpr through its outputs.
+
+  Args:
+    jaxpr: a remat's jaxpr, a scan's body or a conditional's branch.
+    outputs: positions among `jaxpr.outvars` to consider (a scan's stacked
+      outputs; for a carry, moving the psum would change the summation order).
+
+  Returns:
+    Output position -> the psum equation (of one operand, over whole mesh
+    axes) whose result the output is, directly or through layout-only copies
+    (`precision.copy_chain`'s equations; a psum commutes with them) or through
+    a remat inside, each read by nothing else. Skipping the psum inside and
+    binding it on the output after the equation changes no value.
+  """
   reads: dict = {}
   for eqn in jaxpr.eqns:
     for v in eqn.invars:
