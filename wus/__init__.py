@@ -9,6 +9,8 @@ from wus.analysis.plan import Plan
 from wus.api import ShardedStep
 from wus.api import shard_map
 from wus.errors import StateMismatchError
+from wus.jit import JitStep
+from wus.jit import jit
 from wus.pmap import pmap
 from wus.sharded import ShardedArray
 from wus.sharded import checkpointable

@@ -169,7 +169,9 @@ class ShardedStep:
                shard_group_size: int | None = None,
                objective: str = "memory", topology: costmodel.Topology | None = None,
                shard_weights: bool = False, donate_argnums: frozenset = frozenset(),
-               split_reason: str = "its in_spec splits it"):
+               split_reason: str = "its in_spec splits it",
+               match_state: Callable[[tuple, Any], dict[int, int]] | None = None,
+               names: tuple[Sequence[str], Sequence[str]] | None = None):
     self._f = f
     self._mesh = mesh  # None: the mesh set with jax.set_mesh at call time.
     self._in_specs, self._out_specs = in_specs, out_specs
@@ -185,6 +187,9 @@ class ShardedStep:
     self._shard_weights = bool(shard_weights)
     self._donate_argnums = frozenset(donate_argnums)
     self._split_reason = split_reason
+    # A front end that knows its state pairs and names (wus.jit's region) passes them.
+    self._match_state = match_state or _match_state
+    self._names = names
     self._cache: dict = {}
     functools.update_wrapper(self, f)
 
@@ -292,7 +297,8 @@ class ShardedStep:
 
   # --- Runtime. --------------------------------------------------------------
 
-  def _operands(self, leaves: list, prog: _Program) -> list:
+  @staticmethod
+  def _operands(leaves: list, prog: _Program) -> list:
     """The step's operands: sharded state checked, whole state sharded (§4.2).
 
     Sharded state this step's plan holds another way (the step's signature
@@ -380,7 +386,8 @@ class ShardedStep:
                     for v in eqn.invars)
     operand_avals = [traced[s[1]] if s[0] == "arg" else s[1] for s in sources]
     body_pos = {s[1]: k for k, s in enumerate(sources) if s[0] == "arg"}
-    pairs = {o: body_pos[i] for o, i in _match_state(args, out_shape).items() if i in body_pos}
+    pairs = {o: body_pos[i] for o, i in self._match_state(args, out_shape).items()
+             if i in body_pos}
     user_mesh, home, rename, grouping, whole_reason = mesh, None, None, "", None
     if group_size is not None:
       axes = self._replica_axes(mesh, manual, body, [body.invars[i] for i in pairs.values()])
@@ -430,10 +437,12 @@ class ShardedStep:
     facts = redundancy.analyze(flat, in_rep, manual)
     names = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(args, is_leaf=is_sharded)[0]]
-    in_names = [names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     out_names = [jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    if self._names is not None:
+      names, out_names = list(self._names[0]), list(self._names[1])
+    in_names = [names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
     num_shards = math.prod(mesh.shape[a] for a in axes)
     plan = make_plan(flat, facts, axes=axes, num_shards=num_shards,
                      in_names=in_names, out_names=out_names, state_pairs=pairs,

@@ -1,0 +1,209 @@
+"""`wus.jit` on global-view `jax.jit` steps, written as the JAX and Flax guides write them.
+
+Every test runs the unmodified `jax.jit` step and the `wus.jit` step from the
+same inputs and compares them (bit for bit for elementwise updates), on both
+mesh kinds: `jax.make_mesh`'s default Explicit axes (with `jax.set_mesh`, as
+the JAX sharding guide writes it) and Auto axes (`jax.sharding.Mesh`,
+MaxText, big_vision).
+"""
+
+import contextlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import wus
+from helpers import assert_trees_equal, collective_arrays
+from wus.sharded import is_sharded
+
+KINDS = ["auto", "explicit"]
+
+
+def _mesh(kind: str, n: int = 8):
+  return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n],
+                       axis_types=(AxisType.Auto if kind == "auto" else AxisType.Explicit,))
+
+
+def _context(mesh):
+  """What the user writes around the step: `jax.set_mesh` for Explicit axes."""
+  return jax.set_mesh(mesh) if mesh.axis_types[0] == AxisType.Explicit else contextlib.nullcontext()
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(32)(x))
+    x = nn.LayerNorm()(x)
+    return nn.Dense(10)(x)
+
+
+def _batches(mesh, n, batch=48, features=12):
+  rng = np.random.default_rng(0)
+  data = NamedSharding(mesh, P("data"))
+  return [{"x": jax.device_put(rng.normal(size=(batch, features)).astype(np.float32), data),
+           "y": jax.device_put(rng.integers(0, 10, size=(batch,)).astype(np.int32), data)}
+          for _ in range(n)]
+
+
+def _flax_step(model, tx):
+  def train_step(params, opt_state, batch):
+    def loss_fn(p):
+      logits = model.apply(p, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+  return train_step
+
+
+def _init(mesh, model, tx, features=12):
+  params = model.init(jax.random.key(0), jnp.ones((1, features)))
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  return params, tx.init(params)
+
+
+def _run(step, args, batches):
+  params, opt_state = args
+  for b in batches:
+    params, opt_state, metrics = step(params, opt_state, b)
+  return params, opt_state, metrics
+
+
+def _float_state(tree, n):
+  return [x for x in jax.tree.leaves(tree, is_leaf=is_sharded)
+          if jnp.issubdtype(x.dtype, jnp.floating) and int(np.prod(x.shape)) > n]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [8, 6])
+def test_flax_adam_step_bit_for_bit_with_state_sharded(kind, n):
+  mesh = _mesh(kind, n)
+  model, tx = MLP(), optax.adam(1e-2)
+  step = _flax_step(model, tx)
+  with _context(mesh):
+    args = _init(mesh, model, tx)
+    batches = _batches(mesh, 3, batch=8 * n)
+    ref = _run(jax.jit(step), args, batches)
+    out = _run(wus.jit(step), args, batches)
+  assert_trees_equal(ref, wus.unshard(out))
+  state = _float_state(out[1], n)
+  assert state and all(is_sharded(x) for x in state), [type(x) for x in state]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_reduce_scattered_and_weights_all_gathered(kind):
+  mesh = _mesh(kind)
+  model, tx = MLP(), optax.adam(1e-2)
+  step = _flax_step(model, tx)
+  with _context(mesh):
+    params, opt_state = _init(mesh, model, tx)
+    (batch,) = _batches(mesh, 1)
+    ws = wus.jit(step)
+    _, opt_state, _ = ws(params, opt_state, batch)
+    wus_hlo = ws.lower(params, opt_state, batch).compile().as_text().splitlines()
+    ref_hlo = jax.jit(step).lower(params, tx.init(params), batch).compile().as_text().splitlines()
+  # The unmodified step all-reduces the gradients (and the loss); wus reduce-scatters
+  # the gradients and all-reduces only the loss.
+  grads = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  ref_reduced = collective_arrays(ref_hlo, "all-reduce")
+  assert sum(_elements(a) for a in ref_reduced) == grads + 1, ref_reduced
+  assert collective_arrays(wus_hlo, "all-reduce") == ["f32[]"]
+  scattered = collective_arrays(wus_hlo, "reduce-scatter")
+  gathered = collective_arrays(wus_hlo, "all-gather")
+  assert scattered and gathered
+  assert 8 * sum(_elements(a) for a in scattered) >= grads
+  assert 8 * sum(_elements(a) for a in scattered) == sum(_elements(a) for a in gathered)
+
+
+def _elements(array: str) -> int:
+  dims = re.search(r"\[([\d,]*)\]", array).group(1)
+  return int(np.prod([int(d) for d in dims.split(",") if d]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_recompilation_across_calls_and_donation_honoured(kind):
+  mesh = _mesh(kind)
+  model, tx = MLP(), optax.adam(1e-2)
+  traces = []
+  inner = _flax_step(model, tx)
+
+  def step(params, opt_state, batch):
+    traces.append(1)
+    return inner(params, opt_state, batch)
+  with _context(mesh):
+    params, opt_state = _init(mesh, model, tx)
+    batches = _batches(mesh, 3)
+    ws = wus.jit(step, donate_argnums=(0, 1))
+    params, opt_state, _ = ws(params, opt_state, batches[0])
+    first = len(traces)
+    for b in batches[1:]:
+      old = opt_state
+      params, opt_state, _ = ws(params, opt_state, b)
+    assert len(traces) == first
+    assert ws._program((params, opt_state, batches[0]), {})[1].run._cache_size() == 1
+    assert all(x.data.is_deleted() for x in jax.tree.leaves(old, is_leaf=is_sharded)
+               if is_sharded(x))
+    with pytest.raises(ValueError, match="donated"):
+      ws(params, old, batches[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flax_train_state(kind):
+  mesh = _mesh(kind)
+  model, tx = MLP(), optax.adamw(1e-2, weight_decay=1e-2)
+
+  @jax.jit
+  def train_step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    grads = jax.grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads)
+
+  with _context(mesh):
+    params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 12)))["params"],
+                            NamedSharding(mesh, P()))
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    batches = _batches(mesh, 3)
+    ws = wus.jit(train_step.__wrapped__)
+    ref, out = state, state
+    for b in batches:
+      ref, out = train_step(ref, b), ws(out, b)
+  assert_trees_equal(ref, wus.unshard(out))
+  assert all(is_sharded(x) for x in _float_state(out.opt_state, 8))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_global_norm_clipping_within_summation_order(kind):
+  mesh = _mesh(kind)
+  model = MLP()
+  tx = optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2))
+  step = _flax_step(model, tx)
+  with _context(mesh):
+    args = _init(mesh, model, tx)
+    batches = _batches(mesh, 3)
+    ref = _run(jax.jit(step), args, batches)
+    out = _run(wus.jit(step), args, batches)
+  assert_trees_equal(ref, wus.unshard(out), rtol=1e-5, atol=1e-7)
+  assert all(is_sharded(x) for x in _float_state(out[1], 8))
+
+
+def test_no_batch_split_runs_unchanged_with_the_reason():
+  mesh = _mesh("auto")
+  model, tx = MLP(), optax.adam(1e-2)
+  step = _flax_step(model, tx)
+  params, opt_state = _init(mesh, model, tx)
+  batch = {"x": jnp.ones((16, 12)), "y": jnp.zeros((16,), jnp.int32)}
+  ws = wus.jit(step)
+  out = ws(params, opt_state, batch)
+  assert_trees_equal(jax.jit(step)(params, opt_state, batch), out)
+  plan = ws.plan(params, opt_state, batch)
+  assert not plan.state_inputs
+  assert "no argument is split" in str(plan)

@@ -1,0 +1,394 @@
+"""`wus.jit`: a global-view `jax.jit` step with its weight update sharded (DESIGN.md §1).
+
+The step is traced as `jax.jit` traces it. `analysis.global_view` finds where
+the batch ends in its global jaxpr: the gradient sums and the update that
+reads only whole values. The rest (the forward and backward pass) runs as
+GSPMD partitions it; the sums and the update run as a shard_map region over
+the batch axes through the pipeline of `wus.shard_map`, so the gradients are
+reduce-scattered, the update runs on 1/N of every tensor and optimizer state
+stays sharded between calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from wus.analysis import compat, global_view
+from wus.analysis.plan import InputPlan, Plan, Program
+from wus.api import ShardedStep, _match_state, check_alive
+from wus.sharded import ShardedArray, is_sharded
+from wus.transforms import inline, programs
+
+
+def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardings: Any = None,
+        static_argnums: int | Sequence[int] | None = None,
+        static_argnames: str | Sequence[str] | None = None,
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Sequence[str] | None = None,
+        min_shard_size: int = 0, objective: str = "memory",
+        topology: Any = None) -> JitStep | Callable[[Callable], JitStep]:
+  """Like `jax.jit`, with the weight update of a data-parallel step sharded across replicas.
+
+  Swap `jax.jit` for `wus.jit`; nothing else changes. For a step written on
+  global arrays, with the batch split over one or more mesh axes (placed with
+  `NamedSharding(mesh, P("data"))`, or by `in_shardings`) and the weights and
+  optimizer state whole (`P()` or unplaced), the gradient sums over the batch
+  become reduce-scatters, the update runs on 1/N of every tensor and the new
+  weights are all-gathered (§3, §4). Optimizer state comes back as
+  `wus.ShardedArray` leaves, to pass straight to the next call;
+  `wus.unshard` gives whole arrays. A step with no batch split, or whose
+  update wus cannot find, runs as `jax.jit` runs it, with the reason in
+  `.plan(...)`.
+
+  Args:
+    fun: the step, as for `jax.jit`.
+    in_shardings, out_shardings, static_argnums, static_argnames,
+      donate_argnums, donate_argnames: as for `jax.jit`.
+    min_shard_size, objective, topology: as for `wus.shard_map`.
+
+  Returns:
+    A `JitStep`, called like the `jax.jit` of `fun`, with `.plan(*args,
+    **kwargs)` and `.lower(*args, **kwargs)`. Used as a decorator without
+    `fun`, a function that makes one.
+
+  Example:
+    >>> step = wus.jit(train_step, donate_argnums=(0, 1))  # doctest: +SKIP
+    >>> params, opt_state, metrics = step(params, opt_state, batch)  # doctest: +SKIP
+  """
+  jit_kwargs = dict(in_shardings=in_shardings, out_shardings=out_shardings,
+                    static_argnums=static_argnums, static_argnames=static_argnames,
+                    donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+  jit_kwargs = {k: v for k, v in jit_kwargs.items() if v is not None}
+  options = dict(min_shard_size=min_shard_size, objective=objective, topology=topology)
+
+  def make(f: Callable) -> JitStep:
+    return JitStep(f, jit_kwargs, options)
+  return make if fun is None else make(fun)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+  """Everything compiled for one input signature."""
+
+  plan: Plan
+  run: Callable[..., Any]       # The jitted program of the flat dynamic leaves.
+  state_in: dict                # Flat leaf -> (ShardFormat, whole spec): passed sharded.
+  state_out: dict               # Flat output -> ShardFormat: returned sharded.
+  in_names: tuple[str, ...]
+  out_tree: Any
+  mesh: Mesh | None
+  axes: tuple
+  in_shardings: tuple = ()      # Per flat leaf: where the program takes it.
+
+  # What `ShardedStep._operands` reads of a program.
+  @property
+  def sources(self) -> tuple:
+    return tuple(("arg", k) for k in range(len(self.in_names)))
+
+
+class JitStep:
+  """A global-view step whose weight update runs on shards (from `wus.jit`)."""
+
+  def __init__(self, fun: Callable, jit_kwargs: dict, options: dict):
+    self._fun = fun
+    self._jit_kwargs = jit_kwargs
+    self._options = options
+    self._jitted = jax.jit(fun, **jit_kwargs)
+    self._cache: dict = {}
+    functools.update_wrapper(self, fun)
+
+  def __call__(self, *args, **kwargs):
+    leaves, prog = self._program(args, kwargs)
+    if prog.mesh is None:
+      return self._jitted(*args, **kwargs)
+    for k, x in enumerate(leaves):
+      check_alive(x, prog.in_names[k])
+    ops = ShardedStep._operands(leaves, prog) if prog.state_in else leaves
+    # Placed where the program takes them, so the next call compiles nothing new.
+    ops = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
+           for x, s in zip(ops, prog.in_shardings, strict=True)]
+    outs = prog.run(*ops)
+    wrapped = [ShardedArray(x, prog.state_out[k], prog.axes, P(), prog.mesh)
+               if k in prog.state_out else x for k, x in enumerate(outs)]
+    return jax.tree.unflatten(prog.out_tree, wrapped)
+
+  def plan(self, *args, **kwargs) -> Plan:
+    """The Plan for these arguments (whole or sharded state alike)."""
+    return self._program(args, kwargs)[1].plan
+
+  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+    """Lowers the steady-state step program (optimizer state already sharded)."""
+    leaves, prog = self._program(args, kwargs)
+    if prog.mesh is None:
+      return self._jitted.lower(*args, **kwargs)
+    spec = NamedSharding(prog.mesh, programs.shard_spec(prog.axes))
+    ops = [jax.ShapeDtypeStruct(prog.state_in[k][0].padded_shape, x.dtype, sharding=spec)
+           if k in prog.state_in else x for k, x in enumerate(leaves)]
+    return prog.run.lower(*ops)
+
+  # --- Tracing and planning. ----------------------------------------------------
+
+  def _program(self, args: tuple, kwargs: dict) -> tuple[list, _Compiled]:
+    static_nums, static_names = _static(self._fun, self._jit_kwargs)
+    dyn = (tuple(x for i, x in enumerate(args) if i not in static_nums),
+           {k: v for k, v in kwargs.items() if k not in static_names})
+    leaves, treedef = jax.tree.flatten(dyn, is_leaf=is_sharded)
+    statics = (tuple((i, args[i]) for i in sorted(static_nums) if i < len(args)),
+               tuple(sorted((k, kwargs[k]) for k in static_names if k in kwargs)))
+    key = (treedef, tuple(_signature(x) for x in leaves), statics)
+    if key not in self._cache:
+      self._cache[key] = self._build(args, kwargs, dyn, leaves)
+    return leaves, self._cache[key]
+
+  def _build(self, args: tuple, kwargs: dict, dyn: tuple, leaves: list) -> _Compiled:
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(dyn, is_leaf=is_sharded)[0]]
+    mesh = _mesh_of(leaves)
+    axes = _batch_axes(leaves, mesh)
+    whole = [_abstract(x, mesh) for x in leaves]
+    traced = self._trace(args, kwargs, whole)
+    out_tree = traced.out_tree
+
+    def unchanged(reason: str) -> _Compiled:
+      plan = _unchanged_plan(traced.jaxpr.jaxpr, paths, axes, mesh, reason)
+      return _Compiled(plan, self._jitted, {}, {}, tuple(paths), out_tree, None, axes)
+
+    if mesh is None or not axes:
+      return unchanged("no argument is split over a mesh axis (the batch), so there is no "
+                       "data parallelism to shard the update over")
+    flat = _flat(traced.jaxpr, mesh)
+    if compat.explicit_axes(mesh) >= set(axes):
+      splits = global_view.splits_from_types(flat.jaxpr, frozenset(axes))
+    else:
+      larger = _flat(self._trace(args, kwargs, [_larger(x, a, axes) for x, a in
+                                                zip(whole, leaves, strict=True)]).jaxpr, mesh)
+      splits = global_view.splits_from_sizes(flat.jaxpr, larger.jaxpr, axes)
+      if isinstance(splits, str):
+        return unchanged(splits)
+    region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape))
+    if isinstance(region, str):
+      return unchanged(region)
+    return self._compile(flat, region, dyn, traced, mesh, axes, paths)
+
+  def _trace(self, args: tuple, kwargs: dict, leaves: list):
+    """`jax.jit(fun).trace` on the arguments with `leaves` as their dynamic leaves."""
+    static_nums, static_names = _static(self._fun, self._jit_kwargs)
+    dyn_pos = [i for i in range(len(args)) if i not in static_nums]
+    dyn_names = sorted(k for k in kwargs if k not in static_names)
+    dyn_args, dyn_kwargs = jax.tree.unflatten(
+        jax.tree.structure((tuple(args[i] for i in dyn_pos),
+                            {k: kwargs[k] for k in dyn_names}), is_leaf=is_sharded), leaves)
+    full = list(args)
+    for i, x in zip(dyn_pos, dyn_args, strict=True):
+      full[i] = x
+    return self._jitted.trace(*full, **{**kwargs, **dyn_kwargs})
+
+  def _compile(self, flat, region: global_view.Region, dyn: tuple, traced, mesh: Mesh,
+               axes: tuple, paths: list[str]) -> _Compiled:
+    jaxpr = flat.jaxpr
+    inside = set(region.eqns)
+    outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
+                     if not compat.is_literal(v)}
+    in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
+    out_shape = jax.tree.unflatten(traced.out_tree, list(traced.out_info
+                                                         if isinstance(traced.out_info, list)
+                                                         else jax.tree.leaves(traced.out_info)))
+    region_in = {v: k for k, v in enumerate(region.invars)}
+    region_out = {v: k for k, v in enumerate(region.outvars)}
+    pairs = {}
+    for o, i in _match_state(dyn, out_shape).items():
+      ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
+      if (not compat.is_literal(ov) and ov in region_out and iv in region_in
+          and iv not in outside_reads
+          and not any(w is iv for w in jaxpr.outvars if not compat.is_literal(w))):
+        pairs[region_out[ov]] = region_in[iv]
+    in_names = [paths[in_pos[v]] if v in in_pos else _produced_by(jaxpr, v)
+                for v in region.invars]
+    out_names = [next(f"output {k}" for k, w in enumerate(jaxpr.outvars) if w is v)
+                 for v in region.outvars]
+    step = ShardedStep(
+        _region_fn(jaxpr, region, axes), mesh=mesh, in_specs=region.in_specs,
+        out_specs=(P(),) * len(region.outvars), check_vma=False, axis_names=frozenset(),
+        axis_name=axes, split_reason="split over the batch axes",
+        match_state=lambda a, o: dict(pairs), names=(in_names, out_names), **self._options)
+    region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                             sharding=NamedSharding(mesh, s))
+                        for v, s in zip(region.invars, region.in_specs, strict=True))
+    _, sub = step._program(region_args)
+    # Region input / output positions -> the step's flat leaves.
+    state_in = {in_pos[region.invars[k]]: (fmt, P()) for k, (fmt, _) in sub.state_in.items()}
+    state_out = {o: sub.plan.state_outputs[region_out[v]] for o, v in enumerate(jaxpr.outvars)
+                 if not compat.is_literal(v) and v in region_out
+                 and region_out[v] in sub.plan.state_outputs}
+    plan = _named_plan(sub.plan, in_names)
+    donated = tuple(k for k, info in enumerate(jax.tree.leaves(traced.args_info))
+                    if getattr(info, "donated", False))
+    shard = NamedSharding(mesh, programs.shard_spec(sub.plan.axes))
+    in_shardings = tuple(shard if k in state_in else _placement(x, mesh)
+                         for k, x in enumerate(jax.tree.leaves(dyn, is_leaf=is_sharded)))
+    run = jax.jit(functools.partial(_run, flat, region, sub), donate_argnums=donated,
+                  in_shardings=in_shardings)
+    return _Compiled(plan, run, state_in, state_out, tuple(paths), traced.out_tree, sub.mesh,
+                     tuple(sub.plan.axes), in_shardings)
+
+
+def _run(flat, region: global_view.Region, sub, *ops):
+  """The step: the forward and backward pass as traced, then the region's sharded step."""
+  jaxpr = flat.jaxpr
+  env = dict(zip(jaxpr.constvars, flat.consts, strict=True))
+  env.update(zip(jaxpr.invars, ops, strict=True))
+
+  def read(v):
+    return v.val if compat.is_literal(v) else env[v]
+  inside = set(region.eqns)
+  for i, eqn in enumerate(jaxpr.eqns):
+    if i not in inside:
+      env.update(zip(eqn.outvars, compat.bind(eqn, *[read(v) for v in eqn.invars]),
+                     strict=True))
+  region_ops = [read(region.invars[s[1]]) if s[0] == "arg" else s[1] for s in sub.sources]
+  env.update(zip(region.outvars, sub.step(*region_ops), strict=True))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _region_fn(jaxpr, region: global_view.Region, axes: tuple) -> Callable[..., list]:
+  """The region as one replica's program: each sum on its rows, then all-reduced."""
+  def fn(*ins):
+    env = dict(zip(region.invars, ins, strict=True))
+
+    def read(v):
+      return compat.retyped(v.val) if compat.is_literal(v) else env[v]
+    for i in region.eqns:
+      eqn = jaxpr.eqns[i]
+      outs = inline.eval_eqn(eqn, [read(v) for v in eqn.invars], rename={})
+      if i in region.moved or i in region.sums:
+        with compat.source_of(compat.in_current_mesh(eqn)):
+          outs = (lax.optimization_barrier(outs) if i in region.moved
+                  else [lax.psum(x, axes) for x in outs])
+      env.update(zip(eqn.outvars, outs, strict=True))
+    return tuple(read(v) for v in region.outvars)
+  return fn
+
+
+def _produced_by(jaxpr, v) -> str:
+  eqn = next(e for e in jaxpr.eqns if v in e.outvars)
+  return f"<{eqn.primitive} at {compat.source_line(eqn)}>"
+
+
+def _named_plan(plan: Plan, names: list[str]) -> Plan:
+  return plan
+
+
+def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: str) -> Plan:
+  """The Plan of a step wus runs unchanged, every input whole for `reason`."""
+  inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False, reason)
+                 for name, v in zip(paths, jaxpr.invars, strict=True))
+  n = math.prod(mesh.shape[a] for a in axes) if mesh is not None and axes else 1
+  return Plan(tuple(axes), n, 0, inputs, (), Program({}, {}, {}))
+
+
+# --- Arguments. ------------------------------------------------------------------
+
+
+def _static(fun: Callable, jit_kwargs: dict) -> tuple[frozenset, frozenset]:
+  """The static argument positions and names, inferred from each other as `jax.jit` does."""
+  return compat.static_args(fun, jit_kwargs.get("static_argnums"),
+                            jit_kwargs.get("static_argnames"))
+
+
+def _signature(x) -> tuple:
+  """The cache key of one leaf: logical shape, dtype, weak type, and the mesh axes it is
+  split over (sharded state keys as the whole value it stands for)."""
+  if is_sharded(x):
+    return (x.shape, x.dtype, False, _split(x.spec))
+  if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+    sharding = getattr(x, "sharding", None)
+    split = _split(sharding.spec) if isinstance(sharding, NamedSharding) else None
+    return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)), split)
+  return (type(x), ())
+
+
+def _split(spec: P) -> tuple | None:
+  """A PartitionSpec without trailing Nones; None when it splits nothing."""
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return tuple(entries) or None
+
+
+def _placement(x, mesh: Mesh) -> NamedSharding:
+  """Where the program takes a whole leaf: as placed on the mesh, else replicated."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and sharding.mesh == mesh and not is_sharded(x):
+    return sharding
+  return NamedSharding(mesh, P())
+
+
+def _mesh_of(leaves: list) -> Mesh | None:
+  """The mesh of the arguments (of the largest NamedSharding), or the one set with
+  `jax.set_mesh`; None for a single device."""
+  meshes = [x.mesh for x in leaves if is_sharded(x)]
+  meshes += [x.sharding.mesh for x in leaves if isinstance(getattr(x, "sharding", None),
+                                                           NamedSharding)]
+  meshes = [m for m in meshes if isinstance(m, Mesh) and m.size > 1]
+  if meshes:
+    return max(meshes, key=lambda m: m.size)
+  current = jax.sharding.get_mesh()
+  return None if current.empty or current.size == 1 else current
+
+
+def _batch_axes(leaves: list, mesh: Mesh | None) -> tuple:
+  """The mesh axes some argument is split over (the batch axes), in mesh order."""
+  if mesh is None:
+    return ()
+  used = set()
+  for x in leaves:
+    sharding = getattr(x, "sharding", None)
+    if not is_sharded(x) and isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+      for e in sharding.spec:
+        used.update(() if e is None else e if isinstance(e, tuple) else (e,))
+  return tuple(a for a in mesh.axis_names if a in used)
+
+
+def _abstract(x, mesh: Mesh | None):
+  """A leaf as traced: sharded state as the whole value it stands for."""
+  if is_sharded(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(x.mesh, x.spec))
+  return x
+
+
+def _larger(x, original, axes: tuple):
+  """`x` with every dim split over `axes` twice as large (for `splits_from_sizes`)."""
+  sharding = getattr(original, "sharding", None)
+  if is_sharded(original) or not isinstance(sharding, NamedSharding):
+    return x
+  shape = list(np.shape(x))
+  for d, e in enumerate(sharding.spec):
+    names = () if e is None else e if isinstance(e, tuple) else (e,)
+    if set(names) & set(axes):
+      shape[d] *= 2
+  if shape == list(np.shape(x)):
+    return x
+  return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=sharding,
+                              weak_type=bool(getattr(x, "weak_type", False)))
+
+
+def _flat(closed, mesh: Mesh):
+  """The traced jaxpr with its calls inlined and dead code dropped."""
+  avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
+                                sharding=_sharding_of(a, mesh)) for a in closed.in_avals]
+  flat = jax.make_jaxpr(inline.inlined(closed))(*avals)
+  return compat.ClosedJaxpr(compat.dce(flat.jaxpr), flat.consts)
+
+
+def _sharding_of(aval, mesh: Mesh):
+  spec, _ = compat.sharding_spec(aval)
+  return NamedSharding(mesh, P(*spec)) if spec and compat.explicit_axes(mesh) else None
