@@ -170,7 +170,7 @@ def _scatter_add(eqn, splits, is_zero) -> bool:
   # An embedding table's gradient: split rows of updates added into zeros.
   operand, indices, updates = splits
   dn = eqn.params["dimension_numbers"]
-  scatter = tuple(dn.update_scatter_dims)
+  scatter = [d for d in range(eqn.invars[2].aval.ndim) if d not in dn.update_window_dims]
   batch = [d for d in range(eqn.invars[1].aval.ndim) if d != eqn.invars[1].aval.ndim - 1]
   return (operand is None and is_zero(eqn.invars[0]) and updates is not None
           and len(batch) == len(scatter) and _paired(indices, updates, batch, scatter))

@@ -207,3 +207,147 @@ def test_no_batch_split_runs_unchanged_with_the_reason():
   plan = ws.plan(params, opt_state, batch)
   assert not plan.state_inputs
   assert "no argument is split" in str(plan)
+
+
+# --- Steps as the Flax examples and guides write them (Auto mesh: Flax's Embed
+# cannot take a split batch on an Explicit mesh without an out_sharding). ---------
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x, train):
+    h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16, deterministic=not train,
+                                        dropout_rate=0.1)(nn.LayerNorm()(x))
+    x = x + h
+    h = nn.Dense(16)(nn.Dropout(0.1, deterministic=not train)(nn.gelu(nn.Dense(32)(
+        nn.LayerNorm()(x)))))
+    return x + h
+
+
+class LM(nn.Module):
+  """A tied-embedding language model with a learned position table."""
+
+  @nn.compact
+  def __call__(self, tokens, train=True):
+    embed = nn.Embed(64, 16)
+    pos = self.param("pos", nn.initializers.normal(0.02), (8, 16))
+    x = Block()(embed(tokens) + pos[None], train)
+    return embed.attend(nn.LayerNorm()(x))
+
+
+def test_transformer_with_dropout_and_a_state_dict_holding_step_and_rng():
+  mesh = _mesh("auto")
+  model, tx = LM(), optax.adamw(1e-2)
+
+  def train_step(state, batch):
+    rng, dropout = jax.random.split(state["rng"])
+
+    def loss_fn(params):
+      logits = model.apply(params, batch[:, :-1], rngs={"dropout": dropout})
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    grads = jax.grad(loss_fn)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+            "step": state["step"] + 1, "rng": rng}
+
+  params = jax.device_put(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32),
+                                     train=False), NamedSharding(mesh, P()))
+  state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+           "rng": jax.random.key(1)}
+  rng = np.random.default_rng(0)
+  batches = [jax.device_put(rng.integers(0, 64, (16, 9)).astype(np.int32),
+                            NamedSharding(mesh, P("data"))) for _ in range(3)]
+  ref, out = state, state
+  ws = wus.jit(train_step)
+  for b in batches:
+    ref, out = jax.jit(train_step)(ref, b), ws(out, b)
+  assert_trees_equal(ref, wus.unshard(out))
+  # Every optimizer-state tensor, the tied embedding and the position table included.
+  assert all(is_sharded(x) for x in _float_state(out["opt_state"], 8))
+
+
+class CNN(nn.Module):
+  @nn.compact
+  def __call__(self, x, train=True):
+    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(nn.Conv(8, (3, 3))(x)))
+    return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+def test_cnn_with_batch_norm_statistics_and_momentum():
+  mesh = _mesh("auto")
+  model, tx = CNN(), optax.sgd(0.1, momentum=0.9)
+
+  def train_step(state, batch):
+    params, batch_stats, opt_state = state
+
+    def loss_fn(p):
+      logits, updates = model.apply({"params": p, "batch_stats": batch_stats}, batch["x"],
+                                    mutable=["batch_stats"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), updates
+    (_, new), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new["batch_stats"], opt_state
+
+  variables = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 8, 8, 3)), train=False),
+                             NamedSharding(mesh, P()))
+  state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+  rng = np.random.default_rng(0)
+  data = NamedSharding(mesh, P("data"))
+  batches = [{"x": jax.device_put(rng.normal(size=(16, 8, 8, 3)).astype(np.float32), data),
+              "y": jax.device_put(rng.integers(0, 10, 16).astype(np.int32), data)}
+             for _ in range(3)]
+  ref, out = state, state
+  ws = wus.jit(train_step)
+  for b in batches:
+    ref, out = jax.jit(train_step)(ref, b), ws(out, b)
+  assert_trees_equal(ref, wus.unshard(out))
+  assert all(is_sharded(x) for x in _float_state(out[2], 8))
+
+
+def test_flax_nnx_split_merge_step():
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.l1, self.l2 = nnx.Linear(12, 32, rngs=rngs), nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(nnx.relu(self.l1(x)))
+
+  mesh = _mesh("auto")
+  model = Model(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+  state = jax.device_put(state, NamedSharding(mesh, P()))
+
+  def train_step(state, batch):  # The Flax performance guide's functional form.
+    model, optimizer = nnx.merge(graphdef, state)
+
+    def loss_fn(model):
+      return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]),
+                                                             batch["y"]).mean()
+    grads = nnx.grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer))
+
+  ref, out = state, state
+  ws = wus.jit(train_step)
+  for b in _batches(mesh, 3):
+    ref, out = jax.jit(train_step)(ref, b), ws(out, b)
+  assert_trees_equal(ref, wus.unshard(out))
+  opt_state = out[1]
+  assert all(is_sharded(x) for x in _float_state(opt_state, 8))
+
+
+def test_multi_steps_apply_if_finite_and_bfloat16_moments():
+  mesh = _mesh("auto")
+  model = MLP()
+  tx = optax.MultiSteps(optax.apply_if_finite(optax.chain(
+      optax.clip_by_global_norm(1.0), optax.adam(1e-2, mu_dtype=jnp.bfloat16)), 3), 2)
+  step = _flax_step(model, tx)
+  args = _init(mesh, model, tx)
+  batches = _batches(mesh, 4)
+  ref = _run(jax.jit(step), args, batches)
+  out = _run(wus.jit(step), args, batches)
+  assert_trees_equal(ref, wus.unshard(out), rtol=1e-5, atol=1e-7)
+  assert all(is_sharded(x) for x in _float_state(out[1], 8))
