@@ -351,3 +351,44 @@ def test_multi_steps_apply_if_finite_and_bfloat16_moments():
   out = _run(wus.jit(step), args, batches)
   assert_trees_equal(ref, wus.unshard(out), rtol=1e-5, atol=1e-7)
   assert all(is_sharded(x) for x in _float_state(out[1], 8))
+
+
+@pytest.mark.parametrize("form", ["in_shardings", "keywords"])
+def test_jit_arguments_mean_what_they_mean_to_jax_jit(form):
+  """Decorator use; in_shardings placing an unplaced batch and out_shardings; a static
+  argument, keyword arguments and donate_argnames."""
+  mesh = _mesh("auto")
+  model, tx = MLP(), optax.adam(1e-2)
+  inner = _flax_step(model, tx)
+  data, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  rng = np.random.default_rng(0)
+  batches = [{"x": rng.normal(size=(48, 12)).astype(np.float32),
+              "y": rng.integers(0, 10, size=(48,)).astype(np.int32)} for _ in range(3)]
+  if form == "in_shardings":
+    def train_step(params, opt_state, batch):
+      return inner(params, opt_state, batch)
+    kw = dict(in_shardings=(whole, whole, data), out_shardings=(whole, None, whole))
+    call = {}
+  else:
+    def train_step(params, opt_state, batch, scale, *, extra):
+      params, opt_state, metrics = inner(params, opt_state, batch)
+      return params, opt_state, {"loss": metrics["loss"] * scale + extra}
+    kw = dict(static_argnums=3, donate_argnames="opt_state")
+    batches = [jax.device_put(b, data) for b in batches]
+    call = dict(extra=jnp.float32(1))
+  extra_args = () if form == "in_shardings" else (2.0,)
+  ref_step = jax.jit(train_step, **kw)
+  ws = wus.jit(**kw)(train_step)
+  params, opt_state = _init(mesh, model, tx)
+  ref, out = (params, jax.tree.map(jnp.copy, opt_state)), (params, opt_state)
+  for b in batches:
+    *ref, ref_m = ref_step(*ref, b, *extra_args, **call)
+    *out, out_m = ws(*out, b, *extra_args, **call)
+  assert_trees_equal((ref, ref_m), (wus.unshard(out), out_m))
+  assert all(is_sharded(x) for x in _float_state(out[1], 8))
+  assert out[0]["params"]["Dense_0"]["kernel"].sharding.is_equivalent_to(whole, 2)
+  names = [i.name for i in ws.plan(*out, batches[0], *extra_args, **call).inputs]
+  assert "opt_state[0].mu['params']['Dense_0']['kernel']" in names, names
+  target = ws.state_target(*out, batches[0], *extra_args, **call)
+  if form == "keywords":
+    assert target[0][3] == 2.0 and set(target[1]) == {"extra"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -135,6 +136,42 @@ class JitStep:
            if k in prog.state_in else x for k, x in enumerate(leaves)]
     return prog.run.lower(*ops)
 
+  def state_target(self, *args, **kwargs) -> tuple:
+    """The arguments as this step reads them, abstract: the target to restore a checkpoint into.
+
+    As `ShardedStep.state_target`: pass the parts you saved to Orbax's restore;
+    state this step keeps sharded comes back as `wus.ShardedArray`s in its
+    format, at this mesh's replica count.
+
+    Args:
+      args, kwargs: the step's arguments, concrete or abstract, whole or sharded.
+
+    Returns:
+      A tuple like `args` (static arguments as given): `jax.ShapeDtypeStruct`s
+      with the step's shardings for what it reads whole,
+      `wus.checkpoint.LogicalView`s for what it keeps sharded; with keyword
+      arguments, `(that tuple, a dict like kwargs)`.
+    """
+    from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
+    leaves, prog = self._program(args, kwargs)
+    out = []
+    for k, x in enumerate(leaves):
+      if k in prog.state_in:
+        out.append(checkpoint.restore_target(prog.state_in[k][0], prog.axes, P(), prog.mesh,
+                                             x.dtype))
+      else:
+        sharding = prog.in_shardings[k] if prog.in_shardings else getattr(x, "sharding", None)
+        out.append(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding,
+                                        weak_type=bool(getattr(x, "weak_type", False))))
+    static = _static(self._fun, self._jit_kwargs)[0]
+    dyn_args, dyn_kwargs = jax.tree.unflatten(_dyn_structure(args, kwargs, static,
+                                                             _static(self._fun,
+                                                                     self._jit_kwargs)[1]), out)
+    full = list(args)
+    for i, x in zip([i for i in range(len(args)) if i not in static], dyn_args, strict=True):
+      full[i] = x
+    return tuple(full) if not kwargs else (tuple(full), {**kwargs, **dyn_kwargs})
+
   # --- Tracing and planning. ----------------------------------------------------
 
   def _program(self, args: tuple, kwargs: dict) -> tuple[list, _Compiled]:
@@ -150,10 +187,11 @@ class JitStep:
     return leaves, self._cache[key]
 
   def _build(self, args: tuple, kwargs: dict, dyn: tuple, leaves: list) -> _Compiled:
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(dyn, is_leaf=is_sharded)[0]]
-    mesh = _mesh_of(leaves)
-    axes = _batch_axes(leaves, mesh)
+    paths = _arg_paths(self._fun, args, dyn, _static(self._fun, self._jit_kwargs)[0])
+    declared = _declared(self._jit_kwargs.get("in_shardings"), dyn[0], leaves)
+    mesh = _mesh_of(leaves, declared)
+    declared = [_named(s, mesh) for s in declared]
+    axes = _batch_axes(leaves, declared, mesh)
     whole = [_abstract(x, mesh) for x in leaves]
     traced = self._trace(args, kwargs, whole)
     out_tree = traced.out_tree
@@ -169,31 +207,30 @@ class JitStep:
     if compat.explicit_axes(mesh) >= set(axes):
       splits = global_view.splits_from_types(flat.jaxpr, frozenset(axes))
     else:
-      larger = _flat(self._trace(args, kwargs, [_larger(x, a, axes) for x, a in
-                                                zip(whole, leaves, strict=True)]).jaxpr, mesh)
+      larger = _flat(self._trace(args, kwargs, [
+          x if is_sharded(a) else _larger(x, d or getattr(a, "sharding", None), axes)
+          for x, a, d in zip(whole, leaves, declared, strict=True)]).jaxpr, mesh)
       splits = global_view.splits_from_sizes(flat.jaxpr, larger.jaxpr, axes)
       if isinstance(splits, str):
         return unchanged(splits)
     region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape))
     if isinstance(region, str):
       return unchanged(region)
-    return self._compile(flat, region, dyn, traced, mesh, axes, paths)
+    return self._compile(flat, region, dyn, traced, mesh, axes, paths, declared)
 
   def _trace(self, args: tuple, kwargs: dict, leaves: list):
     """`jax.jit(fun).trace` on the arguments with `leaves` as their dynamic leaves."""
     static_nums, static_names = _static(self._fun, self._jit_kwargs)
     dyn_pos = [i for i in range(len(args)) if i not in static_nums]
-    dyn_names = sorted(k for k in kwargs if k not in static_names)
     dyn_args, dyn_kwargs = jax.tree.unflatten(
-        jax.tree.structure((tuple(args[i] for i in dyn_pos),
-                            {k: kwargs[k] for k in dyn_names}), is_leaf=is_sharded), leaves)
+        _dyn_structure(args, kwargs, static_nums, static_names), leaves)
     full = list(args)
     for i, x in zip(dyn_pos, dyn_args, strict=True):
       full[i] = x
     return self._jitted.trace(*full, **{**kwargs, **dyn_kwargs})
 
   def _compile(self, flat, region: global_view.Region, dyn: tuple, traced, mesh: Mesh,
-               axes: tuple, paths: list[str]) -> _Compiled:
+               axes: tuple, paths: list[str], declared: list) -> _Compiled:
     jaxpr = flat.jaxpr
     inside = set(region.eqns)
     outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
@@ -213,7 +250,9 @@ class JitStep:
         pairs[region_out[ov]] = region_in[iv]
     in_names = [paths[in_pos[v]] if v in in_pos else _produced_by(jaxpr, v)
                 for v in region.invars]
-    out_names = [next(f"output {k}" for k, w in enumerate(jaxpr.outvars) if w is v)
+    out_paths = ["output" + jax.tree_util.keystr(p)
+                 for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    out_names = [next(out_paths[k] for k, w in enumerate(jaxpr.outvars) if w is v)
                  for v in region.outvars]
     step = ShardedStep(
         _region_fn(jaxpr, region, axes), mesh=mesh, in_specs=region.in_specs,
@@ -233,10 +272,15 @@ class JitStep:
     donated = tuple(k for k, info in enumerate(jax.tree.leaves(traced.args_info))
                     if getattr(info, "donated", False))
     shard = NamedSharding(mesh, programs.shard_spec(sub.plan.axes))
-    in_shardings = tuple(shard if k in state_in else _placement(x, mesh)
-                         for k, x in enumerate(jax.tree.leaves(dyn, is_leaf=is_sharded)))
+    in_shardings = tuple(shard if k in state_in else d or _placement(x, mesh) for k, (x, d) in
+                         enumerate(zip(jax.tree.leaves(dyn, is_leaf=is_sharded), declared,
+                                       strict=True)))
+    wanted = _declared(self._jit_kwargs.get("out_shardings"), out_shape,
+                       jax.tree.leaves(out_shape))
+    out_shardings = tuple(shard if k in state_out else _named(s, mesh)
+                          for k, s in enumerate(wanted))
     run = jax.jit(functools.partial(_run, flat, region, sub), donate_argnums=donated,
-                  in_shardings=in_shardings)
+                  in_shardings=in_shardings, out_shardings=out_shardings)
     return _Compiled(plan, run, state_in, state_out, tuple(paths), traced.out_tree, sub.mesh,
                      tuple(sub.plan.axes), in_shardings)
 
@@ -256,7 +300,7 @@ def _run(flat, region: global_view.Region, sub, *ops):
                      strict=True))
   region_ops = [read(region.invars[s[1]]) if s[0] == "arg" else s[1] for s in sub.sources]
   env.update(zip(region.outvars, sub.step(*region_ops), strict=True))
-  return [read(v) for v in jaxpr.outvars]
+  return tuple(read(v) for v in jaxpr.outvars)
 
 
 def _region_fn(jaxpr, region: global_view.Region, axes: tuple) -> Callable[..., list]:
@@ -279,8 +323,28 @@ def _region_fn(jaxpr, region: global_view.Region, axes: tuple) -> Callable[..., 
 
 
 def _produced_by(jaxpr, v) -> str:
+  """A name for a value of the forward or backward pass the region reads."""
   eqn = next(e for e in jaxpr.eqns if v in e.outvars)
   return f"<{eqn.primitive} at {compat.source_line(eqn)}>"
+
+
+def _arg_paths(fun: Callable, args: tuple, dyn: tuple, static: frozenset) -> list[str]:
+  """Each dynamic leaf's path under its parameter's name (`opt_state[0].mu['w']`)."""
+  try:
+    params = [p.name for p in inspect.signature(fun).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    params = []
+  dyn_pos = [i for i in range(len(args)) if i not in static]
+  out = []
+  for path, _ in jax.tree_util.tree_flatten_with_path(dyn, is_leaf=is_sharded)[0]:
+    kind, key, rest = path[0].idx, path[1], jax.tree_util.keystr(path[2:])
+    if kind == 1:  # A keyword argument.
+      out.append(f"{key.key}{rest}")
+    else:
+      i = dyn_pos[key.idx]
+      out.append(f"{params[i] if i < len(params) else f'args[{i}]'}{rest}")
+  return out
 
 
 def _named_plan(plan: Plan, names: list[str]) -> Plan:
@@ -304,6 +368,13 @@ def _static(fun: Callable, jit_kwargs: dict) -> tuple[frozenset, frozenset]:
                             jit_kwargs.get("static_argnames"))
 
 
+def _dyn_structure(args: tuple, kwargs: dict, static_nums: frozenset, static_names: frozenset):
+  """The tree structure of the dynamic arguments, `(args, kwargs)` as `jax.jit` flattens them."""
+  return jax.tree.structure(
+      (tuple(x for i, x in enumerate(args) if i not in static_nums),
+       {k: v for k, v in kwargs.items() if k not in static_names}), is_leaf=is_sharded)
+
+
 def _signature(x) -> tuple:
   """The cache key of one leaf: logical shape, dtype, weak type, and the mesh axes it is
   split over (sharded state keys as the whole value it stands for)."""
@@ -324,6 +395,26 @@ def _split(spec: P) -> tuple | None:
   return tuple(entries) or None
 
 
+def _declared(shardings: Any, tree: Any, leaves: list) -> list:
+  """Per leaf of `tree`, the sharding `in_shardings` / `out_shardings` (a pytree prefix, or
+  one for all) gives it; None where it gives none."""
+  if shardings is None:
+    return [None] * len(leaves)
+  def is_leaf(x):
+    return x is None or isinstance(x, (jax.sharding.Sharding, P))
+  if is_leaf(shardings):
+    return [shardings] * len(leaves)
+  return jax.tree.leaves(jax.tree.broadcast(shardings, tree, is_leaf=is_leaf),
+                         is_leaf=lambda x: x is None or is_leaf(x))
+
+
+def _named(sharding, mesh: Mesh | None):
+  """A PartitionSpec as a NamedSharding on `mesh` (other shardings as they are)."""
+  if isinstance(sharding, P) and mesh is not None:
+    return NamedSharding(mesh, sharding)
+  return sharding
+
+
 def _placement(x, mesh: Mesh) -> NamedSharding:
   """Where the program takes a whole leaf: as placed on the mesh, else replicated."""
   sharding = getattr(x, "sharding", None)
@@ -332,12 +423,12 @@ def _placement(x, mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def _mesh_of(leaves: list) -> Mesh | None:
-  """The mesh of the arguments (of the largest NamedSharding), or the one set with
-  `jax.set_mesh`; None for a single device."""
+def _mesh_of(leaves: list, declared: list) -> Mesh | None:
+  """The mesh of the arguments (of the largest NamedSharding, `in_shardings` included), or
+  the one set with `jax.set_mesh`; None for a single device."""
+  shardings = [getattr(x, "sharding", None) for x in leaves if not is_sharded(x)] + declared
   meshes = [x.mesh for x in leaves if is_sharded(x)]
-  meshes += [x.sharding.mesh for x in leaves if isinstance(getattr(x, "sharding", None),
-                                                           NamedSharding)]
+  meshes += [s.mesh for s in shardings if isinstance(s, NamedSharding)]
   meshes = [m for m in meshes if isinstance(m, Mesh) and m.size > 1]
   if meshes:
     return max(meshes, key=lambda m: m.size)
@@ -345,13 +436,13 @@ def _mesh_of(leaves: list) -> Mesh | None:
   return None if current.empty or current.size == 1 else current
 
 
-def _batch_axes(leaves: list, mesh: Mesh | None) -> tuple:
+def _batch_axes(leaves: list, declared: list, mesh: Mesh | None) -> tuple:
   """The mesh axes some argument is split over (the batch axes), in mesh order."""
   if mesh is None:
     return ()
   used = set()
-  for x in leaves:
-    sharding = getattr(x, "sharding", None)
+  for x, d in zip(leaves, declared, strict=True):
+    sharding = d or getattr(x, "sharding", None)
     if not is_sharded(x) and isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
       for e in sharding.spec:
         used.update(() if e is None else e if isinstance(e, tuple) else (e,))
@@ -365,10 +456,9 @@ def _abstract(x, mesh: Mesh | None):
   return x
 
 
-def _larger(x, original, axes: tuple):
-  """`x` with every dim split over `axes` twice as large (for `splits_from_sizes`)."""
-  sharding = getattr(original, "sharding", None)
-  if is_sharded(original) or not isinstance(sharding, NamedSharding):
+def _larger(x, sharding, axes: tuple):
+  """`x` with every dim `sharding` splits over `axes` twice as large (`splits_from_sizes`)."""
+  if not isinstance(sharding, NamedSharding):
     return x
   shape = list(np.shape(x))
   for d, e in enumerate(sharding.spec):
