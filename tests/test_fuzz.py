@@ -29,6 +29,7 @@ the first case behind each rejection and failure, as JSON to
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -133,13 +134,22 @@ def _reason(text: str) -> str:
 def test_wus_matches_unmodified_step(case):
   note(f"Standalone reproduction (repro.py):\n{case.script()}")
   ns = case.build()  # A fuzzer bug (bad source) errors here; it is not a rejection.
-  m = mesh(case.n)
+  m = mesh(case.n, case.front)
   kw = dict(mesh=m, in_specs=ns["IN_SPECS"], out_specs=ns["OUT_SPECS"], check_vma=case.check_vma)
+  if case.front == "shard_map":
+    unmodified, make_wus = jax.jit(jax.shard_map(ns["step"], **kw)), lambda: wus.shard_map(
+        ns["step"], **kw)
+  else:  # The global-view step under jax.jit, as the JAX sharding guide writes it.
+    unmodified, make_wus = jax.jit(ns["global_step"]), lambda: wus.jit(ns["global_step"])
+  with jax.set_mesh(m) if case.front != "shard_map" else contextlib.nullcontext():
+    _check(case, ns, m, unmodified, make_wus)
 
+
+def _check(case, ns, m, unmodified, make_wus):
   # The unmodified program first: if plain JAX / optax raises, the case is not a program.
   try:
     args, batches = ns["make_inputs"](m)
-    want = jax.block_until_ready(ns["run"](jax.jit(jax.shard_map(ns["step"], **kw)), args, batches))
+    want = jax.block_until_ready(ns["run"](unmodified, args, batches))
     reduces = ns["reorders_sums"](ns["tx"], args[0])  # Exact, or within `tolerance`.
   except Exception as e:  # noqa: BLE001
     SUMMARY.counts["rejected"] += 1
@@ -151,7 +161,7 @@ def test_wus_matches_unmodified_step(case):
   # wus: never skipped. Any exception or mismatch fails the case.
   SUMMARY.counts["run"] += 1
   try:
-    step = wus.shard_map(ns["step"], **kw)
+    step = make_wus()
     got = ns["run"](step, args, batches)
     msgs, worst = ns["compare"](want, got, reduces=reduces, bf16=case.bf16)
     plan = step.plan(*args, batches[0])
