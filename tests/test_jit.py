@@ -392,3 +392,56 @@ def test_jit_arguments_mean_what_they_mean_to_jax_jit(form):
   target = ws.state_target(*out, batches[0], *extra_args, **call)
   if form == "keywords":
     assert target[0][3] == 2.0 and set(target[1]) == {"extra"}
+
+
+def test_equinox_filter_jit_step_with_donation():
+  """The Equinox CNN example's step: `@eqx.filter_jit` becomes `@wus.filter_jit`."""
+  eqx = pytest.importorskip("equinox")
+
+  class CNN(eqx.Module):
+    layers: list
+
+    def __init__(self, key):
+      k1, k2, k3 = jax.random.split(key, 3)
+      self.layers = [eqx.nn.Conv2d(1, 4, kernel_size=3, key=k1), jax.nn.relu, jnp.ravel,
+                     eqx.nn.Linear(4 * 6 * 6, 32, key=k2), jax.nn.sigmoid,
+                     eqx.nn.Linear(32, 10, key=k3)]
+
+    def __call__(self, x):
+      for layer in self.layers:
+        x = layer(x)
+      return jax.nn.log_softmax(x)
+
+  def loss(model, x, y):
+    pred = jax.vmap(model)(x)
+    return -jnp.mean(jnp.take_along_axis(pred, y[:, None], axis=1))
+
+  optim = optax.adamw(3e-3)
+
+  def make_step(model, opt_state, x, y):
+    loss_value, grads = eqx.filter_value_and_grad(loss)(model, x, y)
+    updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss_value
+
+  mesh = _mesh("auto")
+  model = eqx.filter_shard(CNN(jax.random.key(0)), NamedSharding(mesh, P()))
+  opt_state = optim.init(eqx.filter(model, eqx.is_array))
+  rng = np.random.default_rng(0)
+  data = NamedSharding(mesh, P("data"))
+  batches = [(jax.device_put(rng.normal(size=(16, 1, 8, 8)).astype(np.float32), data),
+              jax.device_put(rng.integers(0, 10, 16).astype(np.int32), data)) for _ in range(3)]
+
+  def copy(tree):
+    return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, tree)
+  ref_step = eqx.filter_jit(make_step, donate="all")
+  ws = wus.filter_jit(make_step, donate="all")
+  ref, out = (copy(model), copy(opt_state)), (model, opt_state)
+  for x, y in batches:
+    *ref, ref_loss = ref_step(*ref, x, y)
+    old = out
+    *out, out_loss = ws(*out, x, y)
+    assert ref_loss == out_loss
+  assert_trees_equal(eqx.filter(ref, eqx.is_array), eqx.filter(wus.unshard(out), eqx.is_array))
+  assert all(is_sharded(x) for x in _float_state(out[1], 8))
+  with pytest.raises(ValueError, match="donated"):
+    ws(*old, *batches[0])
