@@ -445,3 +445,45 @@ def test_equinox_filter_jit_step_with_donation():
   assert all(is_sharded(x) for x in _float_state(out[1], 8))
   with pytest.raises(ValueError, match="donated"):
     ws(*old, *batches[0])
+
+
+def test_flax_nnx_jit_step_updating_model_optimizer_and_metrics_in_place():
+  """The Flax NNX MNIST tutorial's step: `@nnx.jit` becomes `@wus.nnx_jit`."""
+  from flax import nnx
+
+  class CNN(nnx.Module):
+    def __init__(self, *, rngs):
+      self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), rngs=rngs)
+      self.linear = nnx.Linear(4 * 8 * 8, 10, rngs=rngs)
+
+    def __call__(self, x):
+      x = nnx.relu(self.conv(x))
+      return self.linear(x.reshape(x.shape[0], -1))
+
+  def loss_fn(model, batch):
+    logits = model(batch["image"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), logits
+
+  def train_step(model, optimizer, metrics, batch):
+    (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])
+    optimizer.update(model, grads)
+
+  def make():
+    model = CNN(rngs=nnx.Rngs(0))
+    return (model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
+            nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")))
+
+  mesh = _mesh("auto")
+  rng = np.random.default_rng(0)
+  data = NamedSharding(mesh, P("data"))
+  batches = [{"image": jax.device_put(rng.normal(size=(16, 8, 8, 1)).astype(np.float32), data),
+              "label": jax.device_put(rng.integers(0, 10, 16).astype(np.int32), data)}
+             for _ in range(3)]
+  ref, out = make(), make()
+  ref_step, ws = nnx.jit(train_step), wus.nnx_jit(train_step)
+  for b in batches:
+    ref_step(*ref, b)
+    ws(*out, b)
+  assert_trees_equal(nnx.state(ref), wus.unshard(nnx.state(out)))
+  assert all(is_sharded(x) for x in _float_state(nnx.state(out[1]), 8))

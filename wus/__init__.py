@@ -12,6 +12,7 @@ from wus.errors import StateMismatchError
 from wus.jit import JitStep
 from wus.jit import filter_jit
 from wus.jit import jit
+from wus.nnx import nnx_jit
 from wus.pmap import pmap
 from wus.sharded import ShardedArray
 from wus.sharded import checkpointable
