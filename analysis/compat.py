@@ -632,3 +632,8 @@ def static_args(fun: Callable, argnums: Any, argnames: Any) -> tuple[frozenset, 
   if sig is not None:
     nums, names = _api_util.infer_argnums_and_argnames(sig, nums or None, names or None)
   return frozenset(nums), frozenset(names)
+
+
+def is_staging_tracer(x: Any) -> bool:
+  """Whether `x` is a tracer of `jax.jit` staging a jaxpr (not of `jax.grad` or `jax.vmap`)."""
+  return isinstance(x, _pe.DynamicJaxprTracer)

@@ -8,6 +8,7 @@ import functools
 import inspect
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -191,6 +192,7 @@ class ShardedStep:
     self._match_state = match_state or _match_state
     self._names = names
     self._cache: dict = {}
+    self._warned = False  # Warned once that a call runs as plain jax.shard_map.
     functools.update_wrapper(self, f)
 
   # --- Public. ---------------------------------------------------------------
@@ -211,12 +213,40 @@ class ShardedStep:
     Returns:
       (the outputs, a bool per flat output leaf).
     """
+    if (why := self._inside_transform(args)) is not None:
+      return self._as_jax_shard_map(args, why)
     leaves, prog = self._program(args, replicated)
     outs = prog.step(*self._operands(leaves, prog))
     wrapped = [ShardedArray(x, prog.plan.state_outputs[k], prog.plan.axes, prog.out_specs[k],
                             prog.mesh)
                if k in prog.plan.state_outputs else x for k, x in enumerate(outs)]
     return jax.tree.unflatten(prog.out_tree, wrapped), list(prog.out_replicated)
+
+  def _inside_transform(self, args: tuple) -> str | None:
+    """Why this call runs as plain `jax.shard_map`: it is inside `jax.grad`, `jax.vmap` or
+    another transformation (its arguments are their tracers), or inside `jax.jit` with
+    the mesh to come from `jax.set_mesh`; None otherwise."""
+    leaves = [x.data if is_sharded(x) else x for x in jax.tree.leaves(args, is_leaf=is_sharded)]
+    if any(isinstance(x, jax.core.Tracer) and not compat.is_staging_tracer(x) for x in leaves):
+      return "inside jax.grad, jax.vmap or another transformation of a function that calls it"
+    if self._mesh is None and any(isinstance(x, jax.core.Tracer) for x in leaves):
+      return "inside jax.jit with the mesh from jax.set_mesh"
+    return None
+
+  def _as_jax_shard_map(self, args: tuple, why: str) -> tuple[Any, list[bool]]:
+    """The call as `jax.shard_map` makes it: there is no weight update inside to shard
+    (the update, if any, is outside the mapped function)."""
+    if not self._warned:
+      self._warned = True
+      warnings.warn(
+          f"wus.shard_map({getattr(self._f, '__name__', self._f)}) called {why}: it runs as "
+          "jax.shard_map, with nothing sharded. To shard the weight update of a jax.jit "
+          "training step, use wus.jit on the step.", stacklevel=4)
+    smap = jax.shard_map(self._f, mesh=self._mesh, in_specs=self._in_specs,
+                         out_specs=self._out_specs, check_vma=self._check_vma,
+                         axis_names=self._axis_names)
+    out = smap(*unshard(args))
+    return out, [False] * len(jax.tree.leaves(out))
 
   def plan(self, *args, replicated: frozenset = frozenset()) -> Plan:
     """The Plan for these arguments (whole or sharded state alike)."""
