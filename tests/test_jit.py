@@ -487,3 +487,42 @@ def test_flax_nnx_jit_step_updating_model_optimizer_and_metrics_in_place():
     ws(*out, b)
   assert_trees_equal(nnx.state(ref), wus.unshard(nnx.state(out)))
   assert all(is_sharded(x) for x in _float_state(nnx.state(out[1]), 8))
+
+
+def test_boxed_partitioned_params_and_a_shard_map_inside_the_step():
+  """A linen TrainState whose params are boxed `nn.Partitioned` (logical axis metadata,
+  MaxText-style), and a per-replica augmentation written as a shard_map inside the step."""
+  mesh = _mesh("auto")
+
+  class Boxed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      dense = nn.Dense(32, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(),
+                                                            (None, None)))
+      return nn.Dense(10)(nn.relu(dense(x)))
+
+  model, tx = Boxed(), optax.adam(1e-2)
+
+  def augment(x):  # Each replica flips the sign of its rows with its own key.
+    key = jax.random.fold_in(jax.random.key(0), jax.lax.axis_index("data"))
+    return x * jnp.where(jax.random.bernoulli(key, 0.5, (x.shape[0], 1)), -1.0, 1.0)
+
+  def train_step(state, batch):
+    x = jax.shard_map(augment, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(batch["x"])
+
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
+  params = model.init(jax.random.key(0), jnp.ones((1, 12)))["params"]
+  assert isinstance(params["Dense_0"]["kernel"], nn.Partitioned)
+  state = train_state.TrainState.create(apply_fn=model.apply,
+                                        params=jax.device_put(params, NamedSharding(mesh, P())),
+                                        tx=tx)
+  ref, out = state, state
+  ws = wus.jit(train_step)
+  for b in _batches(mesh, 3):
+    ref, out = jax.jit(train_step)(ref, b), ws(out, b)
+  assert_trees_equal(ref, wus.unshard(out))
+  assert all(is_sharded(x) for x in _float_state(out.opt_state, 8))
