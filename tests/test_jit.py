@@ -526,3 +526,20 @@ def test_boxed_partitioned_params_and_a_shard_map_inside_the_step():
     ref, out = jax.jit(train_step)(ref, b), ws(out, b)
   assert_trees_equal(ref, wus.unshard(out))
   assert all(is_sharded(x) for x in _float_state(out.opt_state, 8))
+
+
+def test_state_split_over_a_mesh_axis_runs_unchanged_with_the_reason():
+  """Tensor parallelism (weights split over "model") is not served yet: nothing changes."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  model, tx = MLP(), optax.adam(1e-2)
+  step = _flax_step(model, tx)
+  params = model.init(jax.random.key(0), jnp.ones((1, 12)))
+  params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(
+      mesh, P(None, "model") if x.ndim == 2 else P())), params)
+  opt_state = tx.init(params)
+  batches = _batches(mesh, 2)
+  ws = wus.jit(step)
+  ref = _run(jax.jit(step), (params, opt_state), batches)
+  out = _run(ws, (params, opt_state), batches)
+  assert_trees_equal(ref, out)
+  assert "tensor or fully sharded data parallelism" in str(ws.plan(*out[:2], batches[0]))

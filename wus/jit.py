@@ -203,6 +203,12 @@ class JitStep:
     if mesh is None or not axes:
       return unchanged("no argument is split over a mesh axis (the batch), so there is no "
                        "data parallelism to shard the update over")
+    split_state = [paths[i] for i in _match_state(dyn, traced.out_info).values()
+                   if _batch_axes([leaves[i]], [declared[i]], mesh)]
+    if split_state:
+      return unchanged(f"state is split over mesh axes itself ({split_state[0]}: tensor or "
+                       "fully sharded data parallelism), which wus.jit does not serve yet; "
+                       "the step runs as jax.jit runs it")
     flat = _flat(traced.jaxpr, mesh)
     if compat.explicit_axes(mesh) >= set(axes):
       splits = global_view.splits_from_types(flat.jaxpr, frozenset(axes))
@@ -236,9 +242,7 @@ class JitStep:
     outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
                      if not compat.is_literal(v)}
     in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
-    out_shape = jax.tree.unflatten(traced.out_tree, list(traced.out_info
-                                                         if isinstance(traced.out_info, list)
-                                                         else jax.tree.leaves(traced.out_info)))
+    out_shape = traced.out_info
     region_in = {v: k for k, v in enumerate(region.invars)}
     region_out = {v: k for k, v in enumerate(region.outvars)}
     pairs = {}
