@@ -543,3 +543,29 @@ def test_state_split_over_a_mesh_axis_runs_unchanged_with_the_reason():
   out = _run(ws, (params, opt_state), batches)
   assert_trees_equal(ref, out)
   assert "tensor or fully sharded data parallelism" in str(ws.plan(*out[:2], batches[0]))
+
+
+def test_checkpoint_saved_at_8_restored_at_4_with_state_target(tmp_path):
+  """wus.jit state saved with stock Orbax (`wus.checkpointable`) and restored sharded for a
+  step on 4 devices: equal to the saved state, and training on from it matches jax.jit from
+  the same state."""
+  import orbax.checkpoint as ocp
+  model, tx = MLP(), optax.adam(1e-2)
+  step = _flax_step(model, tx)
+  mesh8, mesh4 = _mesh("auto", 8), _mesh("auto", 4)
+  params, opt_state = _init(mesh8, model, tx)
+  params, opt_state, _ = _run(wus.jit(step), (params, opt_state), _batches(mesh8, 2))
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(tmp_path / "ckpt", wus.checkpointable({"params": params, "opt_state": opt_state}))
+  ckptr.wait_until_finished()
+  whole = jax.device_put(jax.tree.map(np.asarray, wus.unshard((params, opt_state))),
+                         NamedSharding(mesh4, P()))
+  (batch,) = _batches(mesh4, 1, batch=32)
+  ws = wus.jit(step)
+  target_params, target_opt, _ = ws.state_target(*whole, batch)
+  restored = ckptr.restore(tmp_path / "ckpt", {"params": target_params, "opt_state": target_opt})
+  assert all(is_sharded(x) for x in _float_state(restored["opt_state"], 4))
+  assert_trees_equal(whole, wus.unshard((restored["params"], restored["opt_state"])))
+  ref = jax.jit(step)(*whole, batch)
+  out = ws(restored["params"], restored["opt_state"], batch)
+  assert_trees_equal(ref, wus.unshard(out))
