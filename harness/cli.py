@@ -36,6 +36,10 @@ flags.DEFINE_multi_enum("modes", list(steps.MODES), steps.MODES,
                         "seed: replicated (jax.shard_map, every replica updates every weight) "
                         "and/or wus (wus.shard_map, the weight update sharded). With both, the "
                         "two are compared at the end.")
+flags.DEFINE_enum("step", "shard_map", list(steps.STEP_STYLES),
+                  "How the training step is written: shard_map (per replica; the modes are "
+                  "jax.shard_map and wus.shard_map) or jit (on global arrays with the batch on a "
+                  "NamedSharding; the modes are jax.jit and wus.jit).")
 flags.DEFINE_string("data", None, "Training data: digits (the 8x8 handwritten digits "
                     "bundled with scikit-learn), stdlib (the bytes of Python's standard "
                     "library), synthetic (random, for step times), or a path: a .npz with "
@@ -128,7 +132,7 @@ def configs_from_flags() -> list[config_lib.RunConfig]:
                             "process 0)")
   output_dir = _output_dir(FLAGS.output_dir)
   configs = [config_lib.RunConfig.for_model(
-      FLAGS.model, mode=mode, data=FLAGS.data, optimizer=FLAGS.optimizer,
+      FLAGS.model, mode=mode, step=FLAGS.step, data=FLAGS.data, optimizer=FLAGS.optimizer,
       learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
       weight_decay=FLAGS.weight_decay, steps=FLAGS.steps, batch_size=FLAGS.batch_size,
       momentum=FLAGS.momentum, b1=FLAGS.beta1, b2=FLAGS.beta2, eps=FLAGS.adam_eps,

@@ -48,7 +48,11 @@ class RunConfig:
     steps: total updates of the run (a resumed run continues to it).
     batch_size: examples per replica per update; the global batch is
       `batch_size` times the number of devices.
-    mode: "replicated" (jax.shard_map) or "wus" (wus.shard_map).
+    mode: "replicated" (jax.shard_map, or jax.jit) or "wus" (wus.shard_map, or
+      wus.jit).
+    step: how the step is written: "shard_map" (per replica, mapped by
+      jax.shard_map / wus.shard_map) or "jit" (on global arrays, compiled by
+      jax.jit / wus.jit).
     momentum: LARS momentum.
     b1, b2, eps: Adam's parameters.
     seq_len: bytes per text example fed to a Transformer (default per model).
@@ -78,6 +82,7 @@ class RunConfig:
   steps: int
   batch_size: int
   mode: str = "wus"
+  step: str = "shard_map"
   momentum: float = 0.9
   b1: float = 0.9
   b2: float = 0.98

@@ -45,7 +45,7 @@ def build(config: RunConfig):
   dataset = datasets.load(config.data, kind, seq_len=config.seq_len,
                           image_size=config.image_size, seed=config.seed)
   task = tasks.make(config.model, num_classes=dataset.num_classes, seq_len=config.seq_len,
-                    axis_name=steps.AXIS_NAME)
+                    axis_name=steps.AXIS_NAME if config.step == "shard_map" else None)
   tx, schedule = optim.make(config.optimizer, **config.optimizer_hyperparameters())
   return dataset, task, tx, schedule
 
@@ -81,7 +81,7 @@ def fit(config: RunConfig, built=None) -> loop.Result:
       of another model or optimizer, or unreadable.
   """
   dataset, task, tx, schedule = built or build(config)
-  mesh = jax.make_mesh((jax.device_count(),), (steps.AXIS_NAME,))
+  mesh = steps.make_mesh(config.step)
   checkpointer = open_checkpoints(config, task) if config.output_dir else None
   first = jax.process_index() == 0
   if first:
@@ -133,7 +133,7 @@ def fit_modes(configs: list[RunConfig]) -> dict[str, dict]:
     summaries[config.mode] = last.summary
   times = [summaries.get(mode, {}).get("step_seconds") for mode in steps.MODES]
   if all(times) and _on_every_process(times[1] >= times[0]):
-    mesh = jax.make_mesh((jax.device_count(),), (steps.AXIS_NAME,))
+    mesh = steps.make_mesh(configs[0].step)
     batch = batches.train_batch(dataset.train, seed=configs[0].seed, step=0,
                                 batch_size=last.summary["global_batch"],
                                 sharding=NamedSharding(mesh, P(steps.AXIS_NAME)))
