@@ -12,6 +12,7 @@ from wus.errors import StateMismatchError
 from wus.pmap import pmap
 from wus.sharded import ShardedArray
 from wus.sharded import checkpointable
+from wus.sharded import is_sharded
 from wus.sharded import unshard
 
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Plan, replicated as replicated_plan
 from wus.analysis.planner import make_plan
 from wus.errors import StateMismatchError
-from wus.sharded import ShardedArray, is_sharded, unshard
+from wus.sharded import ShardedArray, check_alive, is_sharded, unshard
 from wus.transforms import gc_pause, groups, inline, programs
 
 
@@ -214,7 +214,12 @@ class ShardedStep:
     return jax.tree.unflatten(prog.out_tree, wrapped), list(prog.out_replicated)
 
   def plan(self, *args, replicated: frozenset = frozenset()) -> Plan:
-    """The Plan for these arguments (whole or sharded state alike)."""
+    """The Plan for these arguments (whole or sharded state alike).
+
+    Raises:
+      TypeError: no arguments (the plan is made for the arguments' shapes and dtypes).
+    """
+    needs_arguments(args, "plan")
     return self._program(args, replicated)[1].plan
 
   def state_target(self, *args, replicated: frozenset = frozenset()) -> tuple:
@@ -523,6 +528,15 @@ class ShardedStep:
     return tuple(a for a in mesh.axis_names if a in wanted)
 
 
+def needs_arguments(args: tuple, method: str) -> None:
+  """Raises TypeError for `step.<method>()` called without the step's arguments."""
+  if not args:
+    raise TypeError(
+        f"step.{method}() needs the step's arguments, as for a call: step.{method}(params, "
+        "opt_state, batch); the plan is made for their shapes and dtypes (concrete arrays, "
+        "or jax.ShapeDtypeStruct from jax.eval_shape)")
+
+
 def check_objective(objective: str) -> None:
   """Raises ValueError unless `objective` is one `cost.decide` knows."""
   if objective not in cost.OBJECTIVES:
@@ -567,15 +581,6 @@ def _spec_axes(spec: P) -> frozenset:
       continue
     out.update(entry if isinstance(entry, tuple) else (entry,))
   return frozenset(out)
-
-
-def check_alive(x, name: str) -> None:
-  """Raises ValueError if `x`'s buffers were donated to an earlier call."""
-  data = x.data if is_sharded(x) else x
-  if isinstance(data, jax.Array) and not isinstance(data, jax.core.Tracer) and data.is_deleted():
-    raise ValueError(
-        f"argument {name} was donated to an earlier call (donate_argnums) and its buffer is "
-        "gone; pass the value that call returned instead")
 
 
 def _normal(spec: P) -> tuple:

@@ -77,7 +77,7 @@ import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis.formats import ShardFormat
-from wus.sharded import ShardedArray, is_sharded
+from wus.sharded import ShardedArray, check_alive, is_sharded
 from wus.transforms import programs
 
 
@@ -203,14 +203,15 @@ def checkpointable(tree: Any) -> Any:
   """`wus.checkpointable`: each ShardedArray of `tree` as a `LogicalView` to save."""
   register()
 
-  def view(x):
+  def view(path, x):
+    check_alive(x, jax.tree_util.keystr(path), "wus.checkpointable")
     if not is_sharded(x):
       return x
     if isinstance(x.data, jax.core.Tracer):
       raise TypeError(f"{x!r} holds a tracer: checkpoints are saved outside jax.jit")
     return LogicalView(layout_of(x), x.dtype, x)
 
-  return jax.tree.map(view, tree, is_leaf=is_sharded)
+  return jax.tree_util.tree_map_with_path(view, tree, is_leaf=is_sharded)
 
 
 def restore_target(fmt: ShardFormat, axes: tuple, spec: P, mesh: Mesh, dtype) -> LogicalView:
