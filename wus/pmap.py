@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import costmodel
-from wus.api import ShardedStep, check_alive, check_objective, donated_positions
+from wus.api import (ShardedStep, check_alive, check_objective, donated_positions,
+                     needs_arguments)
 from wus.sharded import is_sharded
 from wus.transforms import groups
 
@@ -146,7 +147,8 @@ class _Pmapped:
     return out
 
   def plan(self, *args, **kwargs):
-    """The wus Plan for these arguments."""
+    """The wus Plan for these arguments (TypeError without any)."""
+    needs_arguments((*args, *kwargs.values()), "plan")
     step, dyn, replicated = self._prepare(args, kwargs, check=True)
     return step.plan(*dyn, replicated=replicated)
 
@@ -174,6 +176,7 @@ class _Pmapped:
       check_alive(x, jax.tree_util.keystr(path))
     leaves = [x for _, x in paths]
     axes = self._leaf_axes(dyn_pos, args, kwargs, treedef)
+    _check_mapped_ranks(paths, axes)
     mesh = self._mesh(leaves, axes)
     leaves = [self._place(x, ax, mesh) for x, ax in zip(leaves, axes, strict=True)]
     replicated = self._replicated(leaves, axes, treedef, dyn_pos)
@@ -290,6 +293,33 @@ class _Pmapped:
         shard_group_size=self._group_size, **self._decisions,
         donate_argnums=frozenset(donated),
         split_reason="mapped, and its per-device copies differ")
+
+
+def _check_mapped_ranks(paths: list, axes: tuple) -> None:
+  """Raises ValueError, as jax.pmap does, for a mapped leaf without the mapped axis (a
+  Python number), or mapped axes of different sizes (state not replicated with
+  `flax.jax_utils.replicate`), naming the arguments."""
+  sizes: dict[int, str] = {}
+  for (path, x), ax in zip(paths, axes, strict=True):
+    if ax is None:
+      continue
+    name = jax.tree_util.keystr(path)
+    if np.ndim(x) <= ax:
+      kind = type(x).__name__ if not hasattr(x, "shape") else "value"
+      raise ValueError(
+          f"pmap was requested to map argument {name} (a {kind} of shape {np.shape(x)}) "
+          f"along axis {ax}, which it does not have. Give every mapped argument a leading "
+          "axis of one entry per device (flax.jax_utils.replicate(state) for weights and "
+          "optimizer state), or pass in_axes=None for it (static configuration: "
+          "static_broadcasted_argnums)")
+    sizes.setdefault(np.shape(x)[ax], name)
+  if len(sizes) > 1:
+    raise ValueError(
+        "pmap got mapped axes of different sizes: "
+        + ", ".join(f"{size} (e.g. argument {name})" for size, name in sizes.items())
+        + ". Every mapped argument needs one entry per device along its mapped axis: "
+        "replicate weights and optimizer state (flax.jax_utils.replicate), split batches "
+        "per device, or pass in_axes=None for what is the same on every device")
 
 
 _UNMAPPED = object()
