@@ -90,3 +90,23 @@ def test_optax_outside_wus_says_to_unshard(trained, call):
   with pytest.raises(TypeError, match=r"wus\.unshard\(tree\)"):
     call(grads, sharded, params)
   call(grads, whole, params)
+
+
+def test_orbax_save_of_raw_sharded_state_fails_at_save_time(trained, tmp_path):
+  """Orbax flattens a ShardedArray into its padded shards: saving those would write no
+  tensor of the step's ([24, 40] as [960]), so the save fails with one line saying to save
+  wus.checkpointable(tree) (issue 23 item 4); that one restores."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  params, sharded, whole, _ = trained
+  state = {"params": params, "opt_state": sharded}
+  with pytest.raises(TypeError, match=r"^Orbax was given the padded shards of ShardedArray\("
+                     r"float32\[.*save wus\.checkpointable\(tree\) instead") as e:
+    ocp.StandardCheckpointer().save(tmp_path / "raw", state)
+  assert "\n" not in str(e.value)
+  with ocp.CheckpointManager(tmp_path / "managed") as manager:
+    with pytest.raises(TypeError, match=r"save wus\.checkpointable\(tree\) instead"):
+      manager.save(1, args=ocp.args.StandardSave(state))
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(tmp_path / "ok", wus.checkpointable(state))
+  restored = ocp.StandardCheckpointer().restore(tmp_path / "ok")
+  np.testing.assert_array_equal(restored["opt_state"][0]["mu"]["w"], whole[0].mu["w"])

@@ -77,7 +77,7 @@ import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis.formats import ShardFormat
-from wus.sharded import ShardedArray, check_alive, is_sharded
+from wus.sharded import ShardedArray, check_alive, holder_of, is_sharded
 from wus.transforms import programs
 
 
@@ -315,6 +315,12 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
     self._base.finalize(directory)
 
   async def serialize(self, values, infos, args=None):
+    for value, info in zip(values, infos, strict=True):
+      if (holder := holder_of(value)) is not None:
+        raise TypeError(
+            f"Orbax was given the padded shards of {holder!r} as array {info.name!r}, which "
+            "would restore as no tensor of the step's: save wus.checkpointable(tree) instead "
+            "(each tensor at its logical shape, restored by step.state_target)")
     args = list(args) if args else [ocp.type_handlers.SaveArgs()] * len(values)
     ours = [k for k, v in enumerate(values) if isinstance(v, LogicalView)]
     rest = [k for k in range(len(values)) if k not in set(ours)]

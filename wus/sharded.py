@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import weakref
 from typing import Any
 
 import jax
@@ -52,7 +54,8 @@ class ShardedArray:
       `data` is a tracer).
   """
 
-  __slots__ = ("data", "format", "axes", "spec", "mesh", "_dtype", "_traced_by_jax")
+  __slots__ = ("data", "format", "axes", "spec", "mesh", "_dtype", "_traced_by_jax",
+               "__weakref__")
 
   def __init__(self, data: jax.Array, format: ShardFormat, axes: tuple, spec: P,  # noqa: A002
                mesh: Mesh, dtype: Any = None):
@@ -60,6 +63,7 @@ class ShardedArray:
     self._dtype = np.dtype(data.dtype if dtype is None else dtype)
     # Rebuilt by JAX around a tracer (the argument of a traced function): not a wus step's.
     self._traced_by_jax = False
+    _remember(self)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -127,6 +131,7 @@ class ShardedArray:
     out = object.__new__(cls)
     out.data, (out.format, out.axes, out.spec, out.mesh, out._dtype) = data, aux
     out._traced_by_jax = isinstance(data, jax.core.Tracer)
+    _remember(out)
     return out
 
   def __repr__(self) -> str:
@@ -163,6 +168,27 @@ class ShardedArray:
   __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _needs_whole
   __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _needs_whole
   __lt__ = __le__ = __gt__ = __ge__ = _needs_whole
+
+
+# The live ShardedArrays, by the id of their shards: a saver that was handed a tree's leaves
+# (Orbax flattens a ShardedArray into its padded shards) asks `holder_of` whose they are.
+_HOLDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _remember(x: ShardedArray) -> None:
+  """Records `x` for `holder_of`; once Orbax is imported, makes its array handler wus's
+  (`wus.checkpoint.register`), so that a save of raw sharded state fails at save time."""
+  if isinstance(x.data, jax.Array) and not isinstance(x.data, jax.core.Tracer):
+    _HOLDERS[id(x.data)] = x
+    if "orbax.checkpoint" in sys.modules:
+      from wus import checkpoint  # noqa: PLC0415 -- Orbax is imported: registering is cheap
+      checkpoint.register()
+
+
+def holder_of(array: Any) -> ShardedArray | None:
+  """The live ShardedArray whose padded shards `array` is, or None."""
+  holder = _HOLDERS.get(id(array))
+  return holder if holder is not None and holder.data is array else None
 
 
 def is_sharded(x: Any) -> bool:
