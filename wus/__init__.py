@@ -13,6 +13,7 @@ from wus.pmap import pmap
 from wus.sharded import ShardedArray
 from wus.sharded import checkpointable
 from wus.sharded import is_sharded
+from wus.sharded import unreplicate
 from wus.sharded import unshard
 
 __version__ = "0.1.0"

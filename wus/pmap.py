@@ -152,6 +152,46 @@ class _Pmapped:
     step, dyn, replicated = self._prepare(args, kwargs, check=True)
     return step.plan(*dyn, replicated=replicated)
 
+  def state_target(self, *args, **kwargs) -> tuple:
+    """The arguments as this step reads them, abstract, to restore a checkpoint saved as
+    Flax's pmap examples save theirs: one copy (`wus.unreplicate(state)`) under
+    `wus.checkpointable`.
+
+    Pass the parts you saved to Orbax's restore (`ocp.StandardCheckpointer().restore(
+    path, target)`, `ocp.args.StandardRestore(target)`): mapped whole arrays (weights,
+    step counters) come back as the stacked per-device copies `flax.jax_utils.replicate`
+    gives, the state the step keeps sharded as `wus.ShardedArray`s for this step's
+    devices, whatever the device count the checkpoint was saved at. No `replicate` call
+    is needed after it.
+
+    Args:
+      args, kwargs: the step's arguments, concrete, as for a call.
+
+    Returns:
+      A tuple like `args` (static arguments as given), or `(args, kwargs)` with keyword
+      arguments: `wus.checkpoint.LogicalView`s (of the saved, unreplicated shapes) for
+      what is mapped or sharded, `jax.ShapeDtypeStruct`s for what is not mapped.
+
+    Example:
+      >>> ckptr.save(path, wus.checkpointable(wus.unreplicate(state)))  # doctest: +SKIP
+      >>> state, _ = ckptr.restore(path, p_train_step.state_target(state, batch))  # doctest: +SKIP
+    """
+    from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
+    needs_arguments((*args, *kwargs.values()), "state_target")
+    step, dyn, replicated = self._prepare(args, kwargs, check=True)
+    treedef = jax.tree.structure(dyn, is_leaf=is_sharded)
+    dyn_pos = [i for i in range(len(args)) if i not in self._static]
+    axes = self._leaf_axes(dyn_pos, args, kwargs, treedef)
+    targets = jax.tree.leaves(step.state_target(*dyn, replicated=replicated), is_leaf=is_sharded)
+    targets = [checkpoint.stacked_target(t, ax)
+               if ax is not None and isinstance(t, jax.ShapeDtypeStruct) else t
+               for t, ax in zip(targets, axes, strict=True)]
+    *positional, keywords = jax.tree.unflatten(treedef, targets)
+    out = list(args)
+    for i, x in zip(dyn_pos, positional, strict=True):
+      out[i] = x
+    return (tuple(out), keywords) if kwargs else tuple(out)
+
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """Lowers the steady-state step program, as `ShardedStep.lower`."""
     step, dyn, replicated = self._prepare(args, kwargs, check=True)

@@ -242,6 +242,31 @@ def unshard(tree: Any) -> Any:
   return jax.tree.unflatten(treedef, leaves)
 
 
+def unreplicate(tree: Any) -> Any:
+  """One copy of a `wus.pmap` step's state, as `flax.jax_utils.unreplicate` gives it,
+  with the state wus keeps sharded left sharded.
+
+  Every whole leaf becomes its first device's copy (`flax.jax_utils.unreplicate`);
+  each `ShardedArray` stays as it is (its copies are sharded, not repeated), and
+  `wus.checkpointable` saves it at the unreplicated shape. Save
+  `wus.checkpointable(wus.unreplicate(state))`, as Flax's pmap examples save
+  `unreplicate(state)`; restore with the step's `state_target`, at any device count.
+
+  Args:
+    tree: any pytree (e.g. a `TrainState` a `wus.pmap` step returned).
+
+  Returns:
+    The same structure: whole leaves unreplicated, ShardedArrays unchanged.
+  """
+  import flax.jax_utils  # noqa: PLC0415 -- Flax's own rule for each whole leaf
+
+  def one(path, x):
+    check_alive(x, jax.tree_util.keystr(path), "wus.unreplicate")
+    return x if is_sharded(x) else flax.jax_utils.unreplicate(x)
+
+  return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_sharded)
+
+
 def checkpointable(tree: Any) -> Any:
   """`tree` to save with stock Orbax: sharded state written in place at its logical shapes.
 
