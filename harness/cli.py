@@ -211,16 +211,6 @@ def flag_values() -> dict:
   return {f.name: f.value for f in FLAGS.get_key_flags_for_module(__name__)}
 
 
-def quiet_logs() -> None:
-  """Logs warnings and errors only, unless --verbosity was given.
-
-  absl's `app.run` turns on info logs, which JAX and Orbax write a lot of;
-  `--verbosity=0` shows them.
-  """
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-
-
 def setup_jax(config: config_lib.RunConfig) -> None:
   """Simulated devices and, for several processes, `jax.distributed` with gloo.
 

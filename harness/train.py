@@ -28,11 +28,10 @@ import sys
 
 import jax
 import numpy as np
-from absl import app
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from wus.harness import (batches, checkpoint, cli, datasets, errors, loop, optim, report,
+from wus.harness import (batches, checkpoint, cli, console, datasets, errors, loop, optim, report,
                          steps, tasks)
 from wus.harness.config import RunConfig
 
@@ -329,7 +328,6 @@ def time_note(replicated: dict, sharded: dict) -> str:
 
 
 def main(argv):
-  cli.quiet_logs()
   if len(argv) > 1:
     sys.exit(f"wus-train: error: unexpected arguments {argv[1:]}; flags are --name=value")
   try:
@@ -358,13 +356,7 @@ def main(argv):
 
 def run():
   """Entry point of the `wus-train` console script."""
-  # --help shows the docstring of __main__ and the flags of the module named
-  # sys.argv[0]; for a console script, that is a generated wrapper.
-  main_module = sys.modules["__main__"]
-  main_module.__doc__ = main_module.__doc__ or __doc__
-  for flag in cli.FLAGS.get_key_flags_for_module(cli.__name__):
-    cli.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-  app.run(main)
+  console.run_console(main, __doc__, cli.__name__)
 
 
 if __name__ == "__main__":
