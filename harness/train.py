@@ -284,6 +284,8 @@ def format_results(results: dict[str, dict]) -> str:
             "memory", report.table(summary_headers, summary_rows)]
   if both and split:
     parts.append(time_note(results[modes[0]], results[modes[1]]))
+  if both and (note := temp_note(results[modes[0]], results[modes[1]])):
+    parts.append(note)
   if all("collectives" in results[m] for m in modes):
     fields = [(m, f) for m in modes for f in ("count", "bytes", "wire_bytes")]
     parts += ["Collectives in the compiled step (from its optimized HLO; bytes per device: "
@@ -292,6 +294,26 @@ def format_results(results: dict[str, dict]) -> str:
                            [[kind, *(results[m]["collectives"][kind][f] for m, f in fields)]
                             for kind in report.COLLECTIVE_KINDS])]
   return "\n\n".join(parts)
+
+
+def temp_note(replicated: dict, sharded: dict) -> str:
+  """Says so, with the bytes, when wus's compiled step holds more temporary memory.
+
+  Args:
+    replicated, sharded: `loop.train` summaries with "memory" (`report.memory`).
+  """
+  before, after = replicated.get("memory", {}), sharded.get("memory", {})
+  if not before or not after or after["temp"] <= before["temp"]:
+    return ""
+  ratio = after["temp"] / max(before["temp"], 1)
+  return (f"wus's compiled step needs more temporary memory per device: {after['temp']:,} "
+          f"bytes against {before['temp']:,} replicated ({ratio:.2f}x, "
+          f"+{after['temp'] - before['temp']:,}), while its arguments fall from "
+          f"{before['argument']:,} to {after['argument']:,} bytes and its total from "
+          f"{before['total']:,} to {after['total']:,}: the batched collectives concatenate the "
+          "gradients of each bucket into one buffer before the reduce-scatter and cut the "
+          "gathered weights from another, and the update's shards are padded; at this size "
+          "those buffers are not small beside the state.")
 
 
 def time_note(replicated: dict, sharded: dict) -> str:

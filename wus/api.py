@@ -433,8 +433,7 @@ class ShardedStep:
     in_rep = [frozenset(manual) if s[0] == "arg" and s[1] in replicated
               else manual - _spec_axes(spec) for spec, s in zip(in_specs, sources, strict=True)]
     facts = redundancy.analyze(flat, in_rep, manual)
-    names = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(args, is_leaf=is_sharded)[0]]
+    names = argument_paths(self._f, args)
     in_names = [names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     out_names = [jax.tree_util.keystr(p)
@@ -526,6 +525,24 @@ class ShardedStep:
         raise ValueError(f"axis_name {sorted(wanted)} must be manual axes of the shard_map; "
                          f"they are {sorted(manual)}")
     return tuple(a for a in mesh.axis_names if a in wanted)
+
+
+def argument_paths(f: Callable, args: tuple) -> list[str]:
+  """Each flat leaf of `args` as `jax.tree_util.keystr` prints its path under the name of
+  `f`'s parameter it is passed to: `opt_state[0].mu['Dense_0']['kernel']` (`[1]` where
+  the parameter has no name)."""
+  try:
+    params = list(inspect.signature(f).parameters.values())
+  except (TypeError, ValueError):  # No signature (a builtin): positions.
+    params = []
+  named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  rest = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
+  out = []
+  for i, arg in enumerate(args):
+    name = (named[i] if i < len(named) else f"{rest}[{i - len(named)}]" if rest else f"[{i}]")
+    out += [name + jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_sharded)[0]]
+  return out
 
 
 def needs_arguments(args: tuple, method: str) -> None:

@@ -15,6 +15,7 @@ remembered, so passing them back to the next call costs no comparison.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
@@ -321,6 +322,7 @@ class _Pmapped:
           y if ax is None else jnp.expand_dims(y, ax)
           for y, ax in zip(out_leaves, out_axes_flat, strict=True)])
 
+    body.__signature__ = _dynamic_signature(f, dyn_pos)  # The Plan names arguments by it.
     in_specs = jax.tree.unflatten(treedef, [_spec(axis_name, ax) for ax in axes])
     out_specs = jax.tree.map(lambda ax: _spec(axis_name, ax), out_axes, is_leaf=lambda x: x is None)
     # Positions among the dynamic arguments; keyword arguments by name.
@@ -360,6 +362,20 @@ def _check_mapped_ranks(paths: list, axes: tuple) -> None:
         + ". Every mapped argument needs one entry per device along its mapped axis: "
         "replicate weights and optimizer state (flax.jax_utils.replicate), split batches "
         "per device, or pass in_axes=None for what is the same on every device")
+
+
+def _dynamic_signature(f: Callable, dyn_pos: list[int]) -> inspect.Signature:
+  """The signature of the step's body: `f`'s parameters at `dyn_pos` (positional), then
+  `kwargs`, the keyword arguments' dict, so that the Plan names them as `f` does."""
+  try:
+    params = [p for p in inspect.signature(f).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    params = []
+  names = [params[i].name if i < len(params) else f"arg{i}" for i in dyn_pos]
+  kind = inspect.Parameter.POSITIONAL_ONLY
+  last = "kwargs" if "kwargs" not in names else "keyword_arguments"
+  return inspect.Signature([inspect.Parameter(n, kind) for n in (*names, last)])
 
 
 _UNMAPPED = object()
