@@ -98,7 +98,8 @@ def test_default_axis_name_is_the_gradient_all_reduce_axis_on_a_2d_mesh():
   assert_trees_equal(a, wus.unshard(b))
   plan = step.plan(*b, x)
   assert plan.axes == ("data",) and plan.num_shards == 4
-  assert {i.name for i in plan.inputs if i.sharded} == {"opt_state[0].mu['w']", "opt_state[0].nu['w']"}
+  assert {i.name for i in plan.inputs if i.sharded} == {"opt_state[0].mu['w']",
+                                                        "opt_state[0].nu['w']"}
   # Forcing both axes finds no gradient all-reduce over them, and the Plan says so.
   both_axes = wus.shard_map(_dp_step(tx), **kw, axis_name=("data", "model")).plan(*a, x)
   assert not both_axes.clusters and not any(i.sharded for i in both_axes.inputs)
