@@ -14,6 +14,8 @@ import pytest
 
 from wus.harness import config, steps, train
 
+pytestmark = pytest.mark.slow  # Trains, then runs wus-train twice (README: Tests).
+
 FLAGS = {"model": "resnet_small", "steps": 2, "batch_size": 2, "eval_examples": 16,
          "eval_every": 0, "checkpoint_every": 0}
 
