@@ -121,7 +121,8 @@ def _run(weight_decay: bool, steps: int = 3, **kw):
 def _clusters(plan, names) -> list[str]:
   """The Plan's entries of the clusters that update one of `names`."""
   return [c for c in re.split(r"\n(?=cluster)", plan.details().split("inputs:")[0])
-          if c.startswith("cluster") and any(f"train_state[0]{k}" in c for k in names)]
+          if c.startswith("cluster") and any(f"train_state[0]{k}" in c or f" [0][0]{k}" in c
+                                             for k in names)]
 
 
 def _named(tree) -> dict:
