@@ -186,11 +186,11 @@ def fit_modes(configs: list[RunConfig]) -> dict[str, dict]:
   """
   built = build(configs[0])
   dataset, task, tx, _ = built
-  if jax.process_index() == 0:
-    print(describe(configs[0], dataset, task, tx, [c.mode for c in configs]), flush=True)
   for config in configs:
     if config.output_dir:
       checkpoint.check(config.output_dir / "checkpoints", identity(config, task))
+  if jax.process_index() == 0:  # Once the checkpoints are known good.
+    print(describe(configs[0], dataset, task, tx, [c.mode for c in configs]), flush=True)
   summaries = {}
   for config in configs:  # only the last state is kept: each is replicated on every device
     last = fit(config, built)

@@ -36,6 +36,10 @@ OPTIMIZERS = [
     ("lamb", lambda: optax.lamb(1e-2)),
     ("clip_adam", lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))),
 ]
+# The two parity families run adam by default, the reducing optimizers with --slow.
+SLOW_OPTIMIZERS = [pytest.param(name, make, id=name,
+                                marks=() if name == "adam" else pytest.mark.slow)
+                   for name, make in OPTIMIZERS]
 ROUNDING = dict(rtol=1e-6, atol=1e-7)  # Sums over N in another order (test_partial.py's).
 # Sizes G does not divide (7 for every G; 64 and 315 for some), a bfloat16 leaf, a scalar.
 SMALL = {"scalar": (), "v7": (7,), "conv": (3, 3, 5, 7), "big": (40, 24), "bias": (64,)}
@@ -46,7 +50,7 @@ def _vma_ids(check_vma):
   return "vma" if check_vma else "novma"
 
 
-@pytest.mark.parametrize("name,make_tx", OPTIMIZERS, ids=[o[0] for o in OPTIMIZERS])
+@pytest.mark.parametrize("name,make_tx", SLOW_OPTIMIZERS)
 @pytest.mark.parametrize("check_vma", [True, False], ids=_vma_ids)
 @pytest.mark.parametrize("n,g", SLOW_CASES)
 def test_dense_layer_matches_the_unmodified_step(n, g, check_vma, name, make_tx):
@@ -65,7 +69,7 @@ def test_dense_layer_matches_the_unmodified_step(n, g, check_vma, name, make_tx)
   assert b[0]["w"].sharding.mesh == m  # Whole values leave on the user's mesh.
 
 
-@pytest.mark.parametrize("name,make_tx", OPTIMIZERS, ids=[o[0] for o in OPTIMIZERS])
+@pytest.mark.parametrize("name,make_tx", SLOW_OPTIMIZERS)
 @pytest.mark.parametrize("check_vma", [True, False], ids=_vma_ids)
 @pytest.mark.parametrize("n,g", SLOW_CASES)
 def test_bit_for_bit_as_a_two_axis_mesh_sharded_by_hand(n, g, check_vma, name, make_tx):

@@ -16,8 +16,9 @@ from wus.harness import config, steps, train
 
 pytestmark = pytest.mark.slow  # Trains, then runs wus-train twice (README: Tests).
 
-FLAGS = {"model": "resnet_small", "steps": 2, "batch_size": 2, "eval_examples": 16,
-         "eval_every": 0, "checkpoint_every": 0}
+# decay_steps: the LARS schedule the 4-step resume continues (it would refuse one ending at 2).
+FLAGS = {"model": "resnet_small", "steps": 2, "decay_steps": 4, "batch_size": 2,
+         "eval_examples": 16, "eval_every": 0, "checkpoint_every": 0}
 
 
 @pytest.fixture(scope="module")
