@@ -2,12 +2,17 @@
 own flags, and JAX's and matplotlib's info logs stay off stderr unless --verbosity asks."""
 
 import os
+import shutil
 import subprocess
-import sys
+import sysconfig
 
 import pytest
 
-BIN = os.path.dirname(sys.executable)  # The console scripts `pip install -e .` made.
+
+def script(command: str) -> str:
+  """The console script `pip install -e .` made for this interpreter."""
+  path = os.path.join(sysconfig.get_path("scripts"), command)
+  return path if os.path.exists(path) else shutil.which(command)
 
 
 @pytest.mark.parametrize("command, doc, own_flags", [
@@ -20,7 +25,7 @@ BIN = os.path.dirname(sys.executable)  # The console scripts `pip install -e .` 
     ("wus-scale", "`wus-scale`: the cost model", ["--alpha_us", "--group_size", "--output"]),
 ])
 def test_help_shows_the_commands_own_flags(command, doc, own_flags):
-  out = subprocess.run([os.path.join(BIN, command), "--help"], capture_output=True, text=True,
+  out = subprocess.run([script(command), "--help"], capture_output=True, text=True,
                        timeout=300)
   text = out.stdout + out.stderr  # absl's --help exits with status 1
   for flag in own_flags:
@@ -31,7 +36,7 @@ def test_help_shows_the_commands_own_flags(command, doc, own_flags):
 def test_no_info_logs_on_stderr(tmp_path):
   """wus-memory on the smallest case: stderr has its progress lines only (before: JAX's
   'Unable to initialize backend' and matplotlib's 'generated new fontManager')."""
-  out = subprocess.run([os.path.join(BIN, "wus-memory"), "--models=mlp_large",
+  out = subprocess.run([script("wus-memory"), "--models=mlp_large",
                         "--num_devices=2", f"--output_dir={tmp_path}"],
                        capture_output=True, text=True, timeout=900, env={
                            **os.environ, "XLA_FLAGS": "", "MPLCONFIGDIR": str(tmp_path / "mpl")})
