@@ -174,7 +174,7 @@ def _collectives(hlo: str, kind: str) -> list[str]:
           if re.match(r"\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) " + kind + r"(?:-start)?\(", line)]
 
 
-@pytest.mark.parametrize("n,g", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("n,g", SLOW_CASES)
 def test_collectives_run_in_groups_of_g_and_across_them_batched(n, g):
   m, tx = mesh(n), optax.adam(1e-2)
   params, state, extra, data = inputs(tx, m, steps=1, params=make_params(SMALL))
