@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -571,9 +573,27 @@ def is_literal(atom: Any) -> bool:
   return isinstance(atom, Literal)
 
 
+# Libraries whose frames are not the user's code: a gradient all-reduce that AD makes from a
+# Flax layer's broadcast is located at the user's call of the layer, not inside Flax.
+_LIBRARIES = ("flax", "optax", "chex", "orbax", "wus")
+
+
+def _library_roots() -> tuple[str, ...]:
+  """The folders of the `_LIBRARIES` imported (and wus's sub-packages, installed apart)."""
+  names = (*_LIBRARIES, "wus.analysis", "wus.transforms", "wus.collectives", "wus.harness")
+  modules = [sys.modules.get(name) for name in names]
+  return tuple(os.path.dirname(m.__file__) + os.sep for m in modules
+               if m is not None and getattr(m, "__file__", None))
+
+
 def source_line(eqn: JaxprEqn) -> str:
-  """Where in the user's code `eqn` came from, as "file:line (function)"
-  (or its name stack, "jit(_where)", when tracing kept no user frame)."""
+  """Where in the user's code `eqn` came from, as "file:line:column (function)": the
+  innermost frame outside JAX and the libraries of `_LIBRARIES` (or JAX's own choice, or
+  the name stack, "jit(_where)", when tracing kept no such frame)."""
+  roots = _library_roots()
+  for frame in _source_info.user_frames(eqn.source_info.traceback):
+    if not frame.file_name.startswith(roots):
+      return f"{frame.file_name}:{frame.start_line}:{frame.start_column} ({frame.function_name})"
   return (_source_info.summarize(eqn.source_info) or str(eqn.source_info.name_stack)
           or "an unknown place")
 

@@ -100,7 +100,7 @@ def predict(all_reduce: int, all_gather: int, io: int, num_shards: int,
 
 
 def _microseconds(seconds: float) -> str:
-  return f"{seconds * 1e6:.3g} us"
+  return costmodel.format_seconds(seconds)
 
 
 def _branch_gathers(cluster: Cluster, rare: set[int]) -> int:
@@ -309,8 +309,9 @@ def bucket_bytes(clusters, num_shards: int, topology: costmodel.Topology,
   counts = chosen.collectives
   return limit, (f"collectives batched in buckets of at most {_mib(limit)}: "
                  f"{counts['reduce-scatter']} reduce-scatter(s), {counts['all-gather']} "
-                 f"all-gather(s), predicted {chosen.communication * 1e6:.3g} us (one bucket: "
-                 f"{one * 1e6:.3g} us; cost model, {objective} objective)")
+                 f"all-gather(s), predicted {costmodel.format_seconds(chosen.communication)} "
+                 f"(one bucket: {costmodel.format_seconds(one)}; cost model, {objective} "
+                 "objective)")
 
 
 def _mib(nbytes: int) -> str:

@@ -68,7 +68,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   limit, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology, objective)
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               planned.program, planned.formats, planned.gather_dtypes, objective=objective,
-              bucket_bytes=limit, buckets=buckets)
+              bucket_bytes=limit, buckets=buckets,
+              resolution=costmodel.resolution(ctx.topology))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,12 +51,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags
+from absl import flags
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import costmodel
-from wus.harness import (batches, calibrate, config as config_lib, datasets, optim, report,
+from wus.harness import (batches, calibrate, config as config_lib, console, datasets, optim, report,
                          steps, tasks, zero)
 
 VARIANTS = ("replicated", "gspmd_zero1", "handwritten", "wus")
@@ -454,7 +454,7 @@ def main(argv) -> None:
 def run() -> None:
   """Entry point of the `wus-bench` console script."""
   _define_flags()
-  app.run(main)
+  console.run_console(main, __doc__, __name__)
 
 
 if __name__ == "__main__":

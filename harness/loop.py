@@ -180,6 +180,8 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
                                       batch_size=global_batch, sharding=batch_sharding)
     state = checkpointer.restore(start, checkpoint.restore_target(
         train_step, jax.eval_shape(init), first_batch, replicated))
+    if log_enabled:
+      print(f"{config.mode}: resumed from step {start} of {checkpointer.directory}", flush=True)
   eval_batch = mesh.size * max(config.batch_size, MIN_EVAL_BATCH_PER_DEVICE)
   eval_step = functools.partial(evaluate, steps.make_eval_step(task, mesh),
                                 split=dataset.held_out, batch_size=eval_batch,

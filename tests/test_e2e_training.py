@@ -14,6 +14,8 @@ import pytest
 import wus
 from wus.harness import config, train
 
+pytestmark = pytest.mark.slow  # Minutes of training each (README: Tests).
+
 # The two modes compute the same update, but LARS's norms (and the gradient
 # all-reduce) are sums in another order: the losses agree to float32 rounding
 # at first; training then amplifies the rounding differences about tenfold every

@@ -16,6 +16,8 @@ from wus.nnx import nnx_jit
 from wus.pmap import pmap
 from wus.sharded import ShardedArray
 from wus.sharded import checkpointable
+from wus.sharded import is_sharded
+from wus.sharded import unreplicate
 from wus.sharded import unshard
 
 __version__ = "0.1.0"

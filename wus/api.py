@@ -22,7 +22,7 @@ from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Plan, replicated as replicated_plan
 from wus.analysis.planner import make_plan
 from wus.errors import StateMismatchError
-from wus.sharded import ShardedArray, is_sharded, unshard
+from wus.sharded import ShardedArray, check_alive, is_sharded, unshard
 from wus.transforms import gc_pause, groups, inline, programs
 
 
@@ -249,7 +249,12 @@ class ShardedStep:
     return out, [False] * len(jax.tree.leaves(out))
 
   def plan(self, *args, replicated: frozenset = frozenset()) -> Plan:
-    """The Plan for these arguments (whole or sharded state alike)."""
+    """The Plan for these arguments (whole or sharded state alike).
+
+    Raises:
+      TypeError: no arguments (the plan is made for the arguments' shapes and dtypes).
+    """
+    needs_arguments(args, "plan")
     return self._program(args, replicated)[1].plan
 
   def state_target(self, *args, replicated: frozenset = frozenset()) -> tuple:
@@ -465,8 +470,7 @@ class ShardedStep:
     in_rep = [frozenset(manual) if s[0] == "arg" and s[1] in replicated
               else manual - _spec_axes(spec) for spec, s in zip(in_specs, sources, strict=True)]
     facts = redundancy.analyze(flat, in_rep, manual)
-    names = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(args, is_leaf=is_sharded)[0]]
+    names = argument_paths(self._f, args)
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     out_names = [jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
@@ -562,6 +566,33 @@ class ShardedStep:
     return tuple(a for a in mesh.axis_names if a in wanted)
 
 
+def argument_paths(f: Callable, args: tuple) -> list[str]:
+  """Each flat leaf of `args` as `jax.tree_util.keystr` prints its path under the name of
+  `f`'s parameter it is passed to: `opt_state[0].mu['Dense_0']['kernel']` (`[1]` where
+  the parameter has no name)."""
+  try:
+    params = list(inspect.signature(f).parameters.values())
+  except (TypeError, ValueError):  # No signature (a builtin): positions.
+    params = []
+  named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  rest = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
+  out = []
+  for i, arg in enumerate(args):
+    name = (named[i] if i < len(named) else f"{rest}[{i - len(named)}]" if rest else f"[{i}]")
+    out += [name + jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_sharded)[0]]
+  return out
+
+
+def needs_arguments(args: tuple, method: str) -> None:
+  """Raises TypeError for `step.<method>()` called without the step's arguments."""
+  if not args:
+    raise TypeError(
+        f"step.{method}() needs the step's arguments, as for a call: step.{method}(params, "
+        "opt_state, batch); the plan is made for their shapes and dtypes (concrete arrays, "
+        "or jax.ShapeDtypeStruct from jax.eval_shape)")
+
+
 def check_objective(objective: str) -> None:
   """Raises ValueError unless `objective` is one `cost.decide` knows."""
   if objective not in cost.OBJECTIVES:
@@ -606,15 +637,6 @@ def _spec_axes(spec: P) -> frozenset:
       continue
     out.update(entry if isinstance(entry, tuple) else (entry,))
   return frozenset(out)
-
-
-def check_alive(x, name: str) -> None:
-  """Raises ValueError if `x`'s buffers were donated to an earlier call."""
-  data = x.data if is_sharded(x) else x
-  if isinstance(data, jax.Array) and not isinstance(data, jax.core.Tracer) and data.is_deleted():
-    raise ValueError(
-        f"argument {name} was donated to an earlier call (donate_argnums) and its buffer is "
-        "gone; pass the value that call returned instead")
 
 
 def _normal(spec: P) -> tuple:
