@@ -148,6 +148,9 @@ class Plan:
     buckets: that choice in words ("" when nothing is sharded).
     resolution: seconds; the cost model's predictions of a cluster below this are
       not shown (`costmodel.resolution`: one ring step's latency).
+    unchanged: why the step runs as the front end's JAX function would, with
+      nothing sharded (`wus.jit` of a step without data parallelism); "" when
+      it is planned.
 
   `str(plan)` (what `print` shows) is one line per cluster, the totals first;
   `plan.details()` the full table: every tensor with its format, every input.
@@ -168,6 +171,7 @@ class Plan:
   bucket_bytes: int = costmodel.DEFAULT_BUCKET_BYTES
   buckets: str = ""
   resolution: float = 0.0
+  unchanged: str = ""
 
   @property
   def shard_eqns(self) -> Mapping[int, Kind]:
@@ -212,6 +216,7 @@ class Plan:
     sharded = sum(c.sharded for c in self.clusters)
     lines = [f"wus plan: {sharded} of {len(self.clusters)} weight-update clusters sharded over "
              f"{self.axes} (N={self.num_shards}), {self.objective} objective",
+             *([f"  the step runs unchanged: {self.unchanged}"] if self.unchanged else []),
              f"  state kept sharded between steps: {_bytes(whole)} whole -> {_bytes(shard)} per "
              f"device (predicted); state kept whole: {_bytes(self.whole_state_bytes)} (weights, "
              "tiny tensors)",

@@ -360,7 +360,7 @@ def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: str) -> 
   inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False, reason)
                  for name, v in zip(paths, jaxpr.invars, strict=True))
   n = math.prod(mesh.shape[a] for a in axes) if mesh is not None and axes else 1
-  return Plan(tuple(axes), n, 0, inputs, (), Program({}, {}, {}))
+  return Plan(tuple(axes), n, 0, inputs, (), Program({}, {}, {}), unchanged=reason)
 
 
 # --- Arguments. ------------------------------------------------------------------
