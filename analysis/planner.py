@@ -22,7 +22,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               state_pairs: Mapping[int, int], min_size: int = 0,
               split_reason: str = "its in_spec splits it", objective: str = "memory",
               topology: costmodel.Topology | None = None, shard_weights: bool = False,
-              state_whole: Mapping[int, str] | None = None) -> Plan:
+              state_whole: Mapping[int, str] | None = None,
+              matched: Mapping[int, str] | None = None) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -32,9 +33,9 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     num_shards: N, the number of replicas along `axes`.
     in_names, out_names: a name (pytree path) per flat input / output.
     state_pairs: output position -> input position for outputs that are the
-      next value of an input (the step's state, matched by pytree structure).
-      Such a pair stays sharded between steps when only the update reads the
-      input.
+      next value of an input (the step's state, matched by position, name or
+      structure). Such a pair stays sharded between steps when only the
+      update reads the input.
     min_size: tensors with fewer elements stay replicated (never below N).
     split_reason: why an input that differs across replicas does (shown in
       the Plan; `wus.pmap` points at replicated_argnums).
@@ -45,6 +46,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
       its first read (Fig. 4 right, Fig. 7, across calls instead of a loop).
     state_whole: input position -> why the caller keeps that state whole
       between steps (left out of `state_pairs`), for the Plan.
+    matched: input position -> which output the state matching took for its
+      next value and by which rule, or why it found none, for the Plan.
 
   Returns:
     The frozen Plan.
@@ -64,7 +67,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     if not sharded and k in (state_whole or {}):
       reason = f"{state_whole[k]}; {reason}"
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
-                            k in state, v.aval.dtype.itemsize))
+                            k in state, v.aval.dtype.itemsize, (matched or {}).get(k, "")))
   limit, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology, objective)
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               planned.program, planned.formats, planned.gather_dtypes, objective=objective,
