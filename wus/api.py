@@ -734,7 +734,8 @@ def _match_state(args: tuple, out: Any, signature: Signature = Signature()) -> S
     3. structure: an input part and an output part pair when their tree
        structures, shapes and dtypes agree and no other unpaired part of
        either side has them (`return opt_update(...)`; `(params, opt)` from
-       one tuple argument); then the same with tree structures alone. Parts
+       one tuple argument); then the same with tree structures alone. One
+       level down, only subtrees (not bare arrays) pair by structure. Parts
        that several others match stay unpaired, and the Plan says why.
 
   Rules 1 and 2 need equal tree structures; within paired parts, leaves pair
@@ -797,7 +798,10 @@ def _match_state(args: tuple, out: Any, signature: Signature = Signature()) -> S
       cands = [o for o in outs if o.name == name and free(o, paired_out)]
       if len(found) == 1 and len(cands) == 1 and cands[0].treedef == found[0].treedef:
         pair(found[0], cands[0], f"name {name!r}")
-  # 3. Structure, where one part of each side matches.
+  # 3. Structure, where one part of each side matches; one level down only
+  # subtrees (a bare array there matches too much).
+  ins, outs = ([p for p in parts if p.level < 1 or p.treedef.num_nodes > 1]
+               for parts in (ins, outs))
   for exact in (True, False):
     def same(i: _Part, o: _Part) -> bool:
       return i.treedef == o.treedef and (not exact or i.avals == o.avals)
