@@ -1,4 +1,4 @@
-"""Updates that no gradient all-reduce reaches grow from roots (issue 19, bug 5).
+"""Updates that no gradient all-reduce reaches grow from roots (issue 19, bugs 4 and 5).
 
 A root is a value identical on every replica that an update reads together
 with state of its shape: a gradient AD formed from invariant values, the
@@ -10,6 +10,7 @@ the state and all-gathers the weight (`analysis.clusters.find_roots`).
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +31,58 @@ def _float_state_sharded(opt_state, n: int) -> dict[str, bool]:
   flat = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=wus.sharded.is_sharded)[0]
   return {jax.tree_util.keystr(p): isinstance(x, wus.ShardedArray) for p, x in flat
           if jnp.issubdtype(x.dtype, jnp.floating) and np.prod(x.shape) > n}
+
+
+# --- Bug 4: a position embedding under check_vma=True. ---------------------------------------
+
+class BertEmbedder(nn.Module):
+  """Token and position embeddings, LayerNorm, and a Dense head (Equinox BERT's
+  EmbedderBlock, with an output layer). The position table is read with indices
+  that are the same on every replica, `table[jnp.arange(seq)]`."""
+
+  vocab: int = 48
+  max_len: int = 24
+  dim: int = 32
+
+  @nn.compact
+  def __call__(self, tokens):
+    h = nn.Embed(self.vocab, self.dim, name="token")(tokens)
+    h = h + nn.Embed(self.max_len, self.dim, name="position")(jnp.arange(tokens.shape[-1]))
+    return nn.Dense(self.vocab)(nn.LayerNorm()(h))
+
+
+def _bert_step(model):
+  def step(params, opt_state, tokens):
+    def loss_fn(p):
+      logits = model.apply(p, tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    grads = lax.pmean(grads, "data")
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return step
+
+
+@pytest.mark.parametrize("n", [8, 6])
+def test_position_embedding_state_shards_under_check_vma(n):
+  """AD all-reduces the gathered rows' cotangent before the scatter-add that
+  builds the table's gradient (no shard rule). That all-reduce and scatter-add
+  run whole, as in the original step; the table's gradient is the root of its
+  Adam update, sliced locally, so the table's state shards like every other."""
+  model = BertEmbedder()
+  params = model.init(jax.random.key(0), jnp.zeros((2, 16), jnp.int32))
+  m = mesh(n)
+  tokens = [jax.device_put(jax.random.randint(jax.random.key(i), (2 * n, 17), 0, 48),
+                           NamedSharding(m, P("data"))) for i in range(3)]
+  kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  a, b, step = run_both(_bert_step(model), (params, TX.init(params)), tokens, **kw)
+  assert_trees_equal(a, wus.unshard(b))
+  sharded = _float_state_sharded(b[1], n)
+  assert sharded and all(sharded.values()), sharded
+  plan = step.plan(*b, tokens[0])
+  (table,) = [c for c in plan.clusters if any("position" in t.name for t in c.tensors)]
+  assert table.sharded and "scatter-add at" in table.reason, str(plan)
+  assert [t.role for t in table.tensors if t.role == "root"] == ["root"]
 
 
 # --- Bug 5: a weight-decay term formed from invariant values. -------------------------------
