@@ -26,7 +26,9 @@ class TensorPlan:
       produced it.
     shape: logical shape.
     dtype: numpy dtype name.
-    role: "gradient" (an all-reduce it replaces), "state" (an input kept
+    role: "gradient" (an all-reduce it replaces), "root" (a value identical
+      on every replica that an update no all-reduce reaches grows from, read
+      by a local slice: `clusters.find_roots`), "state" (an input kept
       sharded between steps), "weight" (an input the step also reads whole,
       sliced locally), or "output" (a result returned whole).
     format: its sharding format (None when the cluster stays replicated).
@@ -86,6 +88,9 @@ class InputPlan:
     state: whether an output is its next value (the step's state: weights,
       optimizer state), whether or not it is sharded.
     itemsize: bytes per element (typed PRNG keys have no numpy dtype).
+    matched: the output the step's state matching took for its next value and
+      the rule that found it (position, name, structure), or why it found
+      none although outputs share its tree structure; "" otherwise.
   """
 
   name: str
@@ -95,6 +100,7 @@ class InputPlan:
   reason: str
   state: bool = False
   itemsize: int = 4
+  matched: str = ""
 
   @property
   def nbytes(self) -> int:
@@ -259,7 +265,8 @@ class Plan:
     lines.append("inputs:")
     for i in self.inputs:
       layout = "sharded" if i.sharded else "whole"
-      lines.append(f"    {i.name:40s} {str(list(i.shape)):16s} {i.dtype:9s} {layout}: {i.reason}")
+      lines.append(f"    {i.name:40s} {str(list(i.shape)):16s} {i.dtype:9s} {layout}: {i.reason}"
+                   + (f"; {i.matched}" if i.matched else ""))
     whole, shard = self.state_bytes
     lines.append(f"totals: weight update {self.sharded_bytes} B on shards, "
                  f"{self.replicated_bytes} B in replicated clusters; state sharded "

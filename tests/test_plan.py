@@ -83,7 +83,7 @@ def _dp_step(tx):
 
 def test_default_axis_name_is_the_gradient_all_reduce_axis_on_a_2d_mesh():
   """On a (data, model) mesh the gradients are all-reduced over "data" only: the
-  default shards over "data" (N=4), not over both axes (which finds nothing)."""
+  default shards over "data" (N=4), where the all-reduce becomes a reduce-scatter."""
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   tx = optax.adam(1e-2)
   params = {"w": 0.1 * jnp.ones((64, 33)), "b": jnp.ones((3,))}
@@ -99,13 +99,24 @@ def test_default_axis_name_is_the_gradient_all_reduce_axis_on_a_2d_mesh():
   plan = step.plan(*b, x)
   assert plan.axes == ("data",) and plan.num_shards == 4
   assert {i.name for i in plan.inputs if i.sharded} == {"opt_state[0].mu['w']",
-                                                        "opt_state[0].nu['w']"}
-  # Forcing both axes finds no gradient all-reduce over them, and the Plan says so.
-  both_axes = wus.shard_map(_dp_step(tx), **kw, axis_name=("data", "model")).plan(*a, x)
-  assert not both_axes.clusters and not any(i.sharded for i in both_axes.inputs)
-  w = next(i for i in both_axes.inputs if i.name == "opt_state[0].mu['w']")
-  assert "no gradient all-reduce over exactly ['data', 'model']" in w.reason
-  assert "axis_name" in w.reason
+                                                          "opt_state[0].nu['w']"}
+  # Forced over both axes, no all-reduce spans them: the one over "data" runs
+  # whole, and its result, identical on all 8 devices, is the update's root,
+  # sliced locally (clusters.find_roots). The Plan says so; the step is exact.
+  forced = wus.shard_map(_dp_step(tx), **kw, axis_name=("data", "model"))
+  c = b = (params, tx.init(params))
+  for i in range(3):
+    x = jax.device_put(jax.random.normal(jax.random.key(i), (8, 64)),
+                       NamedSharding(mesh, P("data")))
+    c = forced(*c, x)
+  assert_trees_equal(a, wus.unshard(c))
+  both_axes = forced.plan(*c, x)
+  assert both_axes.num_shards == 8
+  assert {i.name for i in both_axes.inputs if i.sharded} == {"opt_state[0].mu['w']",
+                                                          "opt_state[0].nu['w']"}
+  (cluster,) = [c for c in both_axes.clusters if c.sharded]
+  assert "no all-reduce to make a reduce-scatter" in cluster.reason
+  assert "local slices (no communication) of psum_invariant at" in cluster.reason
 
 
 def test_totals_count_state_kept_whole():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -170,10 +171,11 @@ class ShardedStep:
                shard_group_size: int | None = None,
                objective: str = "memory", topology: costmodel.Topology | None = None,
                shard_weights: bool = False, donate_argnums: frozenset = frozenset(),
-               split_reason: str = "its in_spec splits it",
-               match_state: Callable[[tuple, Any], dict[int, int]] | None = None,
+               split_reason: str = "its in_spec splits it", signature: Signature | None = None,
+               match_state: Callable[[tuple, Any], StateMatch] | None = None,
                names: tuple[Sequence[str], Sequence[str]] | None = None):
     self._f = f
+    self._signature = Signature.of(f) if signature is None else signature
     self._mesh = mesh  # None: the mesh set with jax.set_mesh at call time.
     self._in_specs, self._out_specs = in_specs, out_specs
     self._check_vma = check_vma
@@ -189,7 +191,7 @@ class ShardedStep:
     self._donate_argnums = frozenset(donate_argnums)
     self._split_reason = split_reason
     # A front end that knows its state pairs and names (wus.jit's region) passes them.
-    self._match_state = match_state or _match_state
+    self._match_state = match_state
     self._names = names
     self._cache: dict = {}
     self._warned = False  # Warned once that a call runs as plain jax.shard_map.
@@ -421,8 +423,18 @@ class ShardedStep:
                     for v in eqn.invars)
     operand_avals = [traced[s[1]] if s[0] == "arg" else s[1] for s in sources]
     body_pos = {s[1]: k for k, s in enumerate(sources) if s[0] == "arg"}
-    pairs = {o: body_pos[i] for o, i in self._match_state(args, out_shape).items()
-             if i in body_pos}
+    match = (self._match_state(args, out_shape) if self._match_state is not None
+             else _match_state(args, out_shape, self._signature))
+    pairs = {o: body_pos[i] for o, i in match.pairs.items() if i in body_pos}
+    out_leaves, out_tree = jax.tree.flatten(out_shape)
+    out_names = [jax.tree_util.keystr(p)
+                 for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    if self._names is not None:
+      out_names = list(self._names[1])
+    # What the Plan says of each input's next value (the state matching).
+    matched = {body_pos[i]: why for i, why in match.how.items() if i in body_pos}
+    matched.update({body_pos[i]: f"next value {out_names[o]} (by {match.how[i]})"
+                    for o, i in match.pairs.items() if i in body_pos})
     user_mesh, home, rename, grouping, whole_reason = mesh, None, None, "", None
     if group_size is not None:
       axes = self._replica_axes(mesh, manual, body, [body.invars[i] for i in pairs.values()])
@@ -471,16 +483,13 @@ class ShardedStep:
               else manual - _spec_axes(spec) for spec, s in zip(in_specs, sources, strict=True)]
     facts = redundancy.analyze(flat, in_rep, manual)
     names = argument_paths(self._f, args)
-    out_leaves, out_tree = jax.tree.flatten(out_shape)
-    out_names = [jax.tree_util.keystr(p)
-                 for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     if self._names is not None:
-      names, out_names = list(self._names[0]), list(self._names[1])
+      names = list(self._names[0])
     in_names = [names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
     num_shards = math.prod(mesh.shape[a] for a in axes)
     plan = make_plan(flat, facts, axes=axes, num_shards=num_shards,
                      in_names=in_names, out_names=out_names, state_pairs=pairs,
-                     state_whole=split_state,
+                     state_whole=split_state, matched=matched,
                      min_size=self._min_size, split_reason=self._split_reason,
                      objective=self._objective, shard_weights=self._shard_weights,
                      topology=self._topology_for(mesh, axes, num_shards))
@@ -680,66 +689,206 @@ def _user_mesh(mesh: Mesh) -> Mesh:
   return mesh if home is None else home.mesh
 
 
-def _match_state(args: tuple, out: Any) -> dict[int, int]:
+# --- State matching: which output is the next value of which input. --------
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+  """How a front end's positional arguments map to the user's parameters.
+
+  Attributes:
+    names: the user function's positional parameter names, in order (empty
+      when its signature cannot be read: `*args`, builtins).
+    positions: per positional argument the step receives, its parameter
+      position (`wus.pmap` drops static arguments); None: 0, 1, 2, ...
+    keywords: the last argument is a dict of keyword arguments (`wus.pmap`),
+      each standing for the parameter of its name.
+  """
+
+  names: tuple[str, ...] = ()
+  positions: tuple[int, ...] | None = None
+  keywords: bool = False
+
+  @classmethod
+  def of(cls, f: Callable, **kw) -> Signature:
+    """`f`'s positional parameter names (none if they cannot be read)."""
+    try:
+      params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+      return cls((), **kw)
+    return cls(tuple(p.name for p in params
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateMatch:
+  """Which outputs are the next values of which inputs (the step's state).
+
+  Attributes:
+    pairs: flat output leaf position -> flat input leaf position.
+    how: flat input leaf position -> the rule that paired it ("position",
+      "name 'mom'", "structure"), or why it has no next value although
+      outputs share its tree structure; for the Plan.
+  """
+
+  pairs: dict[int, int]
+  how: dict[int, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+  """A subtree of the arguments or of the outputs, as `_match_state` compares them."""
+
+  position: int | None  # Parameter position (inputs) or tuple position (outputs), top level.
+  name: str | None      # Parameter name, keyword, dict key or attribute name.
+  label: str            # Its path, for the Plan.
+  level: int            # 0: an argument or output element (-1: the whole output); 1: one down.
+  treedef: Any
+  avals: tuple
+  start: int            # Its first flat leaf.
+
+  @property
+  def leaves(self) -> range:
+    return range(self.start, self.start + len(self.avals))
+
+
+def _parts(entries, start: int, level: int) -> list[tuple[_Part, Any]]:
+  """(part, subtree) per (position, name, label, subtree) entry, from flat leaf `start` on."""
+  out = []
+  for position, name, label, tree in entries:
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_sharded)
+    out.append((_Part(position, name, label, level, treedef, tuple(map(_aval, leaves)), start),
+                tree))
+    start += len(leaves)
+  return out
+
+
+def _kids(part: _Part, tree, positions: bool = False) -> list[tuple[_Part, Any]]:
+  """The parts one level below `tree` (none for a leaf), named by dict key or attribute."""
+  if is_sharded(tree):
+    return []
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
+  if len(flat) == 1 and not flat[0][0]:
+    return []
+  entries = []
+  for k, ((key,), kid) in enumerate(flat):
+    name = getattr(key, "name", getattr(key, "key", None))
+    entries.append((k if positions else None, name if isinstance(name, str) else None,
+                    part.label + jax.tree_util.keystr((key,)), kid))
+  return _parts(entries, part.start, part.level + 1)
+
+
+def _match_state(args: tuple, out: Any, signature: Signature = Signature()) -> StateMatch:
   """Pairs output leaves with the input leaves they are the next value of.
 
-  Each top-level argument is matched to the first unmatched top-level output
-  element with the same tree structure, preferring one whose leaves all have
-  the same shapes and dtypes, then the element at the same position:
-  `(params, opt_state, batch) -> (params, opt_state, metrics)` pairs params
-  and opt_state. Then, for leaves still unpaired, the same with the parts one
-  level down on either side: the whole output (`return opt_update(...)`,
-  `(params, opt) -> (params, opt)` from one tuple argument), the children of
-  an output element or of an argument (`{"params": ..., "opt_state": ...,
-  "loss": ...}` from separate arguments; keyword arguments, which `wus.pmap`
-  passes as one dict). Within a matched part, leaves pair where shape and
-  dtype agree (a hyperparameter whose dtype the update changes stays unpaired).
-  Returns flat output leaf position -> flat input leaf position.
-  """
-  def parts(trees, start=0) -> list[tuple[Any, tuple, int]]:
-    """(treedef, leaf avals, first flat position) per tree, in flattening order."""
-    out = []
-    for t in trees:
-      leaves, td = jax.tree.flatten(t, is_leaf=is_sharded)
-      out.append((td, tuple(_aval(x) for x in leaves), start))
-      start += len(leaves)
-    return out
+  Parts of the arguments (each argument or keyword argument, and its entries
+  one level down) are paired with parts of the output (the whole output, its
+  elements, and their entries one level down) by these rules, in order, each
+  for the parts still unpaired:
 
-  def children(tree, start) -> list[tuple[Any, tuple, int]]:
-    """The parts one level down that are trees themselves (a bare array matches too much)."""
-    if is_sharded(tree):
-      return []
-    kids = jax.tree.leaves(tree, is_leaf=lambda x: x is not tree)
-    if len(kids) == 1 and kids[0] is tree:
-      return []
-    return [p for p in parts(kids, start) if p[0].num_nodes > 1]
+    1. position: element i of a tuple output is the next value of the argument
+       at parameter position i (a keyword argument at its parameter's
+       position): `(params, opt_state, batch) -> (params, opt_state, metrics)`,
+       also when `wus.pmap` passes them as keywords;
+    2. name: an output under dict key or attribute k is the next value of the
+       parameter, keyword argument or argument entry named k (jaxline's
+       `{"params": ..., "mom": ...}` from `(params, mom, batch)`); a name that
+       several unpaired parts of one side carry decides nothing;
+    3. structure: an input part and an output part pair when their tree
+       structures, shapes and dtypes agree and no other unpaired part of
+       either side has them (`return opt_update(...)`; `(params, opt)` from
+       one tuple argument); then the same with tree structures alone. One
+       level down, only subtrees (not bare arrays) pair by structure. Parts
+       that several others match stay unpaired, and the Plan says why.
+
+  Rules 1 and 2 need equal tree structures; within paired parts, leaves pair
+  where shape and dtype agree (a hyperparameter whose dtype the update
+  changes stays unpaired).
+
+  Args:
+    args: the step's positional arguments (`wus.pmap`: and a dict of keywords).
+    out: its output tree (leaves with `shape` and `dtype`).
+    signature: how the arguments map to the user function's parameters.
+
+  Returns:
+    The StateMatch, in flat leaf positions (`jax.tree.leaves(args,
+    is_leaf=wus.sharded.is_sharded)`, `jax.tree.leaves(out)`).
+  """
+  names = signature.names
+  positional = args[:-1] if signature.keywords else args
+  positions = signature.positions or tuple(range(len(positional)))
+  entries = [(p, names[p] if p < len(names) else None, f"[{p}]", a)
+             for p, a in zip(positions, positional, strict=True)]
+  if signature.keywords:
+    entries += [(names.index(k) if k in names else None, k, k, a)
+                for k, a in sorted(args[-1].items())]
+  top_in = _parts(entries, 0, 0)
+  ins = [p for p, _ in top_in] + [k for p, a in top_in for k, _ in _kids(p, a)]
+  (whole, _), = _parts([(None, None, "", out)], 0, -1)
+  top_out = _kids(whole, out, positions=isinstance(out, (tuple, list)))
+  tops = [p for p, _ in top_out]
+  outs = [whole, *tops, *(k for p, o in top_out for k, _ in _kids(p, o))]
 
   pairs: dict[int, int] = {}
-  used: set[int] = set()  # Output leaves paired.
+  how: dict[int, str] = {}
 
-  def match(ins, outs, exact: bool, same_position: bool) -> None:
-    for a, (td, avals, start) in enumerate(ins):
-      if not avals or any(start + j in pairs.values() for j in range(len(avals))):
-        continue
-      order = ([a] if same_position and a < len(outs) else []) + list(range(len(outs)))
-      for o in order:
-        otd, oavals, ostart = outs[o]
-        if (otd != td or (exact and oavals != avals)
-            or any(ostart + j in used for j in range(len(oavals)))):
+  def free(part: _Part, taken) -> bool:
+    return bool(part.avals) and not any(j in taken for j in part.leaves)
+
+  def pair(i: _Part, o: _Part, rule: str) -> None:
+    for j, (x, y) in enumerate(zip(i.avals, o.avals, strict=True)):
+      if x == y:
+        pairs[o.start + j] = i.start + j
+        how[i.start + j] = rule
+    paired_out.update(o.leaves)
+    paired_in.update(i.leaves)
+
+  paired_in: set[int] = set()
+  paired_out: set[int] = set()
+  # 1. Position.
+  for i in ins:
+    o = next((o for o in tops if o.position is not None and o.position == i.position), None)
+    if (i.level == 0 and o is not None and o.treedef == i.treedef and free(i, paired_in)
+        and free(o, paired_out)):
+      pair(i, o, "position")
+  # 2. Name, arguments before their entries.
+  for level in (0, 1):
+    by_name = collections.defaultdict(list)
+    for i in ins:
+      if i.level == level and i.name is not None and free(i, paired_in):
+        by_name[i.name].append(i)
+    for name, found in by_name.items():
+      cands = [o for o in outs if o.name == name and free(o, paired_out)]
+      if len(found) == 1 and len(cands) == 1 and cands[0].treedef == found[0].treedef:
+        pair(found[0], cands[0], f"name {name!r}")
+  # 3. Structure, where one part of each side matches; one level down only
+  # subtrees (a bare array there matches too much).
+  ins, outs = ([p for p in parts if p.level < 1 or p.treedef.num_nodes > 1]
+               for parts in (ins, outs))
+  for exact in (True, False):
+    def same(i: _Part, o: _Part) -> bool:
+      return i.treedef == o.treedef and (not exact or i.avals == o.avals)
+    changed = True
+    while changed:
+      changed = False
+      for i in ins:
+        if not free(i, paired_in):
           continue
-        used.update(range(ostart, ostart + len(oavals)))
-        pairs.update({ostart + j: start + j for j, (x, y) in enumerate(zip(avals, oavals))
-                      if x == y})
-        break
-
-  top_out = parts(out if isinstance(out, (tuple, list)) else (out,))
-  top_in = parts(args)
-  for exact in (True, False):
-    match(top_in, top_out, exact, same_position=True)
-  # One level down on either side, for what is still unpaired.
-  outs = parts((out,)) + top_out + [c for t, (_, _, s) in zip(
-      out if isinstance(out, (tuple, list)) else (out,), top_out) for c in children(t, s)]
-  ins = top_in + [c for t, (_, _, s) in zip(args, top_in) for c in children(t, s)]
-  for exact in (True, False):
-    match(ins, outs, exact, same_position=False)
-  return pairs
+        cands = [o for o in outs if free(o, paired_out) and same(i, o)]
+        if (len(cands) == 1 and
+            [j for j in ins if free(j, paired_in) and same(j, cands[0])] == [i]):
+          pair(i, cands[0], "structure")
+          changed = True
+  # Parts left ambiguous.
+  for i in ins:
+    cands = [o.label or "the whole output" for o in outs if free(o, paired_out)
+             and o.treedef == i.treedef and o.avals == i.avals]
+    if free(i, paired_in) and cands:
+      others = [j.label for j in ins if j is not i and free(j, paired_in)
+                and j.treedef == i.treedef and j.avals == i.avals]
+      why = (f"no next value: its tree structure, shapes and dtypes match output(s) "
+             f"{', '.join(cands)}" + (f" and input(s) {', '.join(others)}" if others else "")
+             + ", so neither position nor name decides; return it at its argument's position "
+             "or under its parameter's name")
+      how.update(dict.fromkeys(i.leaves, why))
+  return StateMatch(pairs, how)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import compat, global_view
 from wus.analysis.plan import InputPlan, Plan, Program
-from wus.api import ShardedStep, _match_state, check_alive
+from wus.api import ShardedStep, Signature, StateMatch, _match_state, check_alive
 from wus.sharded import ShardedArray, is_sharded
 from wus.transforms import inline, programs
 
@@ -203,7 +203,7 @@ class JitStep:
     if mesh is None or not axes:
       return unchanged("no argument is split over a mesh axis (the batch), so there is no "
                        "data parallelism to shard the update over")
-    split_state = [paths[i] for i in _match_state(dyn, traced.out_info).values()
+    split_state = [paths[i] for i in self._state(args, dyn, traced.out_info).pairs.values()
                    if _batch_axes([leaves[i]], [declared[i]], mesh)]
     if split_state:
       return unchanged(f"state is split over mesh axes itself ({split_state[0]}: tensor or "
@@ -222,7 +222,7 @@ class JitStep:
     region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape))
     if isinstance(region, str):
       return unchanged(region)
-    return self._compile(flat, region, dyn, traced, mesh, axes, paths, declared)
+    return self._compile(flat, region, args, dyn, traced, mesh, axes, paths, declared)
 
   def _trace(self, args: tuple, kwargs: dict, leaves: list):
     """`jax.jit(fun).trace` on the arguments with `leaves` as their dynamic leaves."""
@@ -235,8 +235,15 @@ class JitStep:
       full[i] = x
     return self._jitted.trace(*full, **{**kwargs, **dyn_kwargs})
 
-  def _compile(self, flat, region: global_view.Region, dyn: tuple, traced, mesh: Mesh,
-               axes: tuple, paths: list[str], declared: list) -> _Compiled:
+  def _state(self, args: tuple, dyn: tuple, out: Any) -> StateMatch:
+    """Which outputs are the next values of which dynamic leaves (`_match_state`)."""
+    static = _static(self._fun, self._jit_kwargs)[0]
+    signature = Signature.of(self._fun, positions=tuple(i for i in range(len(args))
+                                                        if i not in static), keywords=True)
+    return _match_state((*dyn[0], dyn[1]), out, signature)
+
+  def _compile(self, flat, region: global_view.Region, args: tuple, dyn: tuple, traced,
+               mesh: Mesh, axes: tuple, paths: list[str], declared: list) -> _Compiled:
     jaxpr = flat.jaxpr
     inside = set(region.eqns)
     outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
@@ -245,13 +252,15 @@ class JitStep:
     out_shape = traced.out_info
     region_in = {v: k for k, v in enumerate(region.invars)}
     region_out = {v: k for k, v in enumerate(region.outvars)}
-    pairs = {}
-    for o, i in _match_state(dyn, out_shape).items():
+    pairs, how = {}, {}
+    match = self._state(args, dyn, out_shape)
+    for o, i in match.pairs.items():
       ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
       if (not compat.is_literal(ov) and ov in region_out and iv in region_in
           and iv not in outside_reads
           and not any(w is iv for w in jaxpr.outvars if not compat.is_literal(w))):
         pairs[region_out[ov]] = region_in[iv]
+        how[region_in[iv]] = match.how[i]
     in_names = [paths[in_pos[v]] if v in in_pos else _produced_by(jaxpr, v)
                 for v in region.invars]
     out_paths = ["output" + jax.tree_util.keystr(p)
@@ -262,7 +271,8 @@ class JitStep:
         _region_fn(jaxpr, region, axes), mesh=mesh, in_specs=region.in_specs,
         out_specs=(P(),) * len(region.outvars), check_vma=False, axis_names=frozenset(),
         axis_name=axes, split_reason="split over the batch axes",
-        match_state=lambda a, o: dict(pairs), names=(in_names, out_names), **self._options)
+        match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
+        names=(in_names, out_names), **self._options)
     region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                              sharding=NamedSharding(mesh, s))
                         for v, s in zip(region.invars, region.in_specs, strict=True))

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import costmodel
-from wus.api import (ShardedStep, check_alive, check_objective, donated_positions,
+from wus.api import (ShardedStep, Signature, check_alive, check_objective, donated_positions,
                      needs_arguments)
 from wus.sharded import is_sharded
 from wus.transforms import groups
@@ -334,7 +334,8 @@ class _Pmapped:
         axis_names=frozenset(), axis_name=axis_name, min_shard_size=self._min_size,
         shard_group_size=self._group_size, **self._decisions,
         donate_argnums=frozenset(donated),
-        split_reason="mapped, and its per-device copies differ")
+        split_reason="mapped, and its per-device copies differ",
+        signature=Signature.of(f, positions=tuple(dyn_pos), keywords=True))
 
 
 def _check_mapped_ranks(paths: list, axes: tuple) -> None:
