@@ -128,10 +128,10 @@ def test_update_not_rooted_at_an_all_reduce_shards_with_objective_memory(n):
   b, step, x = _run_decay(TX, n)
   assert all(_float_state_sharded(b[1], n).values())
   plan = step.plan(*b, x)
-  c = _cluster_of(plan, "[1][0].mu['w']")
+  c = _cluster_of(plan, "opt_state[0].mu['w']")
   assert c.sharded and "no all-reduce to make a reduce-scatter" in c.reason, str(plan)
-  assert "local slices (no communication) of [0]['w']" in c.reason
-  mu = next(i for i in plan.inputs if i.name == "[1][0].mu['w']")
+  assert "local slices (no communication) of params['w']" in c.reason
+  mu = next(i for i in plan.inputs if i.name == "opt_state[0].mu['w']")
   assert mu.sharded and mu.reason.startswith("optimizer state: only cluster")
 
 
@@ -142,7 +142,7 @@ def test_cheap_update_that_keeps_no_state_is_not_made_worse():
   b, step, x = _run_decay(optax.sgd(0.1), 8)
   assert not any(isinstance(v, wus.ShardedArray) for v in b[0].values())
   plan = step.plan(*b, x)
-  c = _cluster_of(plan, "[0]['w']")
+  c = _cluster_of(plan, "params['w']")
   assert not c.sharded and "would keep no optimizer state sharded" in c.reason, str(plan)
   assert f"would only add {9 * 7 * 4} B of all-gather" in c.reason
   hlo = step.lower(*b, x).compile().as_text().splitlines()

@@ -251,8 +251,8 @@ def test_nfnets_step_with_ema_called_with_keywords_returns_what_its_plan_says():
   for plan in plans:
     assert all(c.sharded for c in plan.clusters), str(plan)
     assert {i.name for i in plan.inputs if i.sharded} == (
-        _names("[0]['mom']") | _names("[0]['ema_params']")), str(plan)
-  mom = next(i for i in plans[0].inputs if i.name == "[0]['mom']['w1']")
+        _names("mom") | _names("ema_params")), str(plan)
+  mom = next(i for i in plans[0].inputs if i.name == "mom['w1']")
   assert mom.matched == "next value [1]['w1'] (by position)"
   assert str(plans[1]) == str(plans[2])  # One steady-state Plan.
 
@@ -264,7 +264,7 @@ def test_momentum_of_the_params_structure_comes_back_sharded_called_with_keyword
     return _momentum_sgd(params, mom, x, y)[:2]
 
   for plan in _run_as_planned(step, _state(), _names("[1]")):
-    assert {i.name for i in plan.inputs if i.sharded} == _names("[0]['mom']"), str(plan)
+    assert {i.name for i in plan.inputs if i.sharded} == _names("mom"), str(plan)
 
 
 def test_jaxline_style_dict_output_matched_by_name():
@@ -276,10 +276,10 @@ def test_jaxline_style_dict_output_matched_by_name():
 
   plans = _run_as_planned(step, _state(), _names("['mom']"), keywords=False)
   for plan in plans:
-    assert {i.name for i in plan.inputs if i.sharded} == _names("[1]"), str(plan)
+    assert {i.name for i in plan.inputs if i.sharded} == _names("mom"), str(plan)
   inputs = {i.name: i.matched for i in plans[0].inputs}
-  assert inputs["[1]['w1']"] == "next value ['mom']['w1'] (by name 'mom')"
-  assert inputs["[0]['w1']"] == "next value ['params']['w1'] (by name 'params')"
+  assert inputs["mom['w1']"] == "next value ['mom']['w1'] (by name 'mom')"
+  assert inputs["params['w1']"] == "next value ['params']['w1'] (by name 'params')"
 
 
 def test_state_no_rule_can_match_stays_whole_and_the_plan_says_why():
@@ -304,6 +304,6 @@ def test_state_no_rule_can_match_stays_whole_and_the_plan_says_why():
   assert_trees_equal(a, wus.unshard(b))
   assert not sharded_leaves(b)
   plan = ws.plan(b, batch)
-  mom = next(i for i in plan.inputs if i.name == "[0][1]['w1']")
+  mom = next(i for i in plan.inputs if i.name == "state[1]['w1']")
   assert not mom.sharded and not mom.state
   assert mom.matched.startswith("no next value") and "['a'], ['b']" in mom.matched, str(plan)

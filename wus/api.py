@@ -482,7 +482,7 @@ class ShardedStep:
     in_rep = [frozenset(manual) if s[0] == "arg" and s[1] in replicated
               else manual - _spec_axes(spec) for spec, s in zip(in_specs, sources, strict=True)]
     facts = redundancy.analyze(flat, in_rep, manual)
-    names = argument_paths(self._f, args)
+    names = argument_paths(self._f, args, self._signature.keywords)
     if self._names is not None:
       names = list(self._names[0])
     in_names = [names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
@@ -575,10 +575,11 @@ class ShardedStep:
     return tuple(a for a in mesh.axis_names if a in wanted)
 
 
-def argument_paths(f: Callable, args: tuple) -> list[str]:
+def argument_paths(f: Callable, args: tuple, keywords: bool = False) -> list[str]:
   """Each flat leaf of `args` as `jax.tree_util.keystr` prints its path under the name of
   `f`'s parameter it is passed to: `opt_state[0].mu['Dense_0']['kernel']` (`[1]` where
-  the parameter has no name)."""
+  the parameter has no name). With `keywords`, the last argument is a dict of keyword
+  arguments (`wus.pmap`), each leaf named under its keyword: `mom['w1']`."""
   try:
     params = list(inspect.signature(f).parameters.values())
   except (TypeError, ValueError):  # No signature (a builtin): positions.
@@ -587,9 +588,12 @@ def argument_paths(f: Callable, args: tuple) -> list[str]:
   rest = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
   out = []
   for i, arg in enumerate(args):
+    flat = jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_sharded)[0]
+    if keywords and i == len(args) - 1:
+      out += [f"{p[0].key}{jax.tree_util.keystr(p[1:])}" for p, _ in flat]
+      continue
     name = (named[i] if i < len(named) else f"{rest}[{i - len(named)}]" if rest else f"[{i}]")
-    out += [name + jax.tree_util.keystr(p)
-            for p, _ in jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_sharded)[0]]
+    out += [name + jax.tree_util.keystr(p) for p, _ in flat]
   return out
 
 
