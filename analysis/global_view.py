@@ -224,7 +224,9 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int]) -> 
     axis_sizes: mesh axis -> size.
 
   Returns:
-    The Region, or why the step has none (no gradient sum reaches an update).
+    The Region, or why the step has none. A region without gradient sums (the
+    gradients summed inside a loop, which GSPMD all-reduces there) still runs
+    as a shard_map: the planner's roots slice its whole gradients locally.
   """
   producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
 
@@ -289,9 +291,9 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int]) -> 
   outvars = tuple(dict.fromkeys(v for v in jaxpr.outvars
                                 if not compat.is_literal(v) and v in made))
   used = _used(jaxpr, inside, outvars)
-  if not any(i in used for i in sums):
-    return ("no gradient sum over the batch axes reaches an update that reads only whole "
-            "values (the step's forward and backward pass read every result)")
+  if not used:
+    return ("no update reads only whole values (the step's forward and backward pass read "
+            "every result)")
   inside = [i for i in inside if i in used]
   invars = tuple(dict.fromkeys(
       v for i in inside for v in jaxpr.eqns[i].invars

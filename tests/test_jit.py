@@ -569,3 +569,55 @@ def test_checkpoint_saved_at_8_restored_at_4_with_state_target(tmp_path):
   ref = jax.jit(step)(*whole, batch)
   out = ws(restored["params"], restored["opt_state"], batch)
   assert_trees_equal(ref, wus.unshard(out))
+
+
+class ScannedLayers(nn.Module):
+  """MaxText-style stacked layers: nn.scan over nn.remat, then an output Dense."""
+
+  @nn.compact
+  def __call__(self, x):
+    class Layer(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        return nn.relu(nn.Dense(16)(x)), None
+    x, _ = nn.scan(nn.remat(Layer), variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=3)()(x, None)
+    return nn.Dense(10)(x)
+
+
+@pytest.mark.parametrize("form", ["scanned_layers", "accumulation"])
+def test_gradients_summed_inside_scan_or_remat_shard_from_local_slices(form):
+  """A gradient GSPMD sums inside a loop (nn.scan over nn.remat layers; gradient
+  accumulation over micro-batches in a lax.scan) stays as the unmodified step computes it;
+  the update reads it whole and slices it locally, and the optimizer state shards."""
+  mesh = _mesh("auto")
+  model, tx = (ScannedLayers(), optax.adam(1e-2)) if form == "scanned_layers" else (
+      MLP(), optax.adam(1e-2))
+
+  def train_step(params, opt_state, batch):
+    def grads_of(p, x, y):
+      return jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+          model.apply(p, x), y).mean())(p)
+    if form == "scanned_layers":
+      grads = grads_of(params, batch["x"], batch["y"])
+    else:
+      micro = jax.tree.map(lambda v: v.reshape(2, -1, *v.shape[1:]), batch)
+      grads, _ = jax.lax.scan(lambda g, b: (jax.tree.map(jnp.add, g, grads_of(
+          params, b["x"], b["y"])), None), jax.tree.map(jnp.zeros_like, params), micro)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  features = 16 if form == "scanned_layers" else 12
+  params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, features))),
+                          NamedSharding(mesh, P()))
+  rng = np.random.default_rng(0)
+  data = NamedSharding(mesh, P("data"))
+  batches = [{"x": jax.device_put(rng.normal(size=(32, features)).astype(np.float32), data),
+              "y": jax.device_put(rng.integers(0, 10, 32).astype(np.int32), data)}
+             for _ in range(3)]
+  ref, out = (params, tx.init(params)), (params, tx.init(params))
+  ws = wus.jit(train_step)
+  for b in batches:
+    ref, out = jax.jit(train_step)(*ref, b), ws(*out, b)
+  assert_trees_equal(ref, wus.unshard(out))
+  assert all(is_sharded(x) for x in _float_state(out[1], 8))
