@@ -25,8 +25,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import compat, global_view
 from wus.analysis.plan import InputPlan, Plan, Program
-from wus.api import ShardedStep, Signature, StateMatch, _match_state, check_alive
-from wus.sharded import ShardedArray, is_sharded
+from wus import runtime
+from wus.api import ShardedStep
+from wus.matching import Signature, StateMatch, match_state
+from wus.sharded import ShardedArray, check_alive, is_sharded
 from wus.transforms import inline, programs
 
 
@@ -113,7 +115,7 @@ class JitStep:
       return self._jitted(*args, **kwargs)
     for k, x in enumerate(leaves):
       check_alive(x, prog.in_names[k])
-    ops = ShardedStep._operands(leaves, prog) if prog.state_in else leaves
+    ops = runtime.operands(leaves, prog) if prog.state_in else leaves
     # Placed where the program takes them, so the next call compiles nothing new.
     ops = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
            for x, s in zip(ops, prog.in_shardings, strict=True)]
@@ -240,7 +242,7 @@ class JitStep:
     static = _static(self._fun, self._jit_kwargs)[0]
     signature = Signature.of(self._fun, positions=tuple(i for i in range(len(args))
                                                         if i not in static), keywords=True)
-    return _match_state((*dyn[0], dyn[1]), out, signature)
+    return match_state((*dyn[0], dyn[1]), out, signature)
 
   def _compile(self, flat, region: global_view.Region, args: tuple, dyn: tuple, traced,
                mesh: Mesh, axes: tuple, paths: list[str], declared: list) -> _Compiled:

@@ -26,10 +26,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import costmodel
-from wus.api import (ShardedStep, Signature, check_alive, check_objective, donated_positions,
-                     needs_arguments)
-from wus.sharded import is_sharded
-from wus.transforms import groups
+from wus.api import ShardedStep
+from wus.matching import Signature
+from wus.options import Options
+from wus.runtime import donated_positions, needs_arguments
+from wus.sharded import check_alive, is_sharded
 
 
 def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, out_axes: Any = 0,
@@ -93,8 +94,7 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
     NotImplementedError: several processes (use `wus.shard_map`).
   """
   static = _index_tuple(static_broadcasted_argnums)
-  groups.check_group_size(shard_group_size)
-  check_objective(objective)
+  Options(min_shard_size, shard_group_size, objective, topology, shard_weights)
   return _Pmapped(f, "_internal_pmap_axis_name" if axis_name is None else axis_name, in_axes,
                   out_axes, static, tuple(devices) if devices is not None else None, backend,
                   axis_size, donated_positions(f, _index_tuple(donate_argnums),
