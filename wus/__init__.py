@@ -10,7 +10,7 @@ from wus.api import ShardedStep
 from wus.api import shard_map
 from wus.errors import StateMismatchError
 from wus.jit import JitStep
-from wus.jit import filter_jit
+from wus.filter_jit import filter_jit
 from wus.jit import jit
 from wus.nnx import nnx_jit
 from wus.pmap import pmap

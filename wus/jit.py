@@ -13,23 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from wus import jit_arguments, runtime
 from wus.analysis import compat, global_view
 from wus.analysis.plan import InputPlan, Plan, Program
-from wus import runtime
 from wus.api import ShardedStep
-from wus.matching import Signature, StateMatch, match_state
+from wus.matching import Signature, StateMatch, argument_paths, match_state
 from wus.sharded import ShardedArray, check_alive, is_sharded
-from wus.transforms import inline, programs
+from wus.transforms import global_view as global_view_program
+from wus.transforms import programs
 
 
 def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardings: Any = None,
@@ -106,6 +105,8 @@ class JitStep:
     self._jit_kwargs = jit_kwargs
     self._options = options
     self._jitted = jax.jit(fun, **jit_kwargs)
+    # Static argument positions and names, each inferred from the other as jax.jit does.
+    self._static, self._static_names = jit_arguments.static_args(fun, jit_kwargs)
     self._cache: dict = {}
     functools.update_wrapper(self, fun)
 
@@ -165,36 +166,30 @@ class JitStep:
         sharding = prog.in_shardings[k] if prog.in_shardings else getattr(x, "sharding", None)
         out.append(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding,
                                         weak_type=bool(getattr(x, "weak_type", False))))
-    static = _static(self._fun, self._jit_kwargs)[0]
-    dyn_args, dyn_kwargs = jax.tree.unflatten(_dyn_structure(args, kwargs, static,
-                                                             _static(self._fun,
-                                                                     self._jit_kwargs)[1]), out)
-    full = list(args)
-    for i, x in zip([i for i in range(len(args)) if i not in static], dyn_args, strict=True):
-      full[i] = x
-    return tuple(full) if not kwargs else (tuple(full), {**kwargs, **dyn_kwargs})
+    full, full_kwargs = self._with_dynamic(args, kwargs, out)
+    return tuple(full) if not kwargs else (tuple(full), full_kwargs)
 
   # --- Tracing and planning. ----------------------------------------------------
 
   def _program(self, args: tuple, kwargs: dict) -> tuple[list, _Compiled]:
-    static_nums, static_names = _static(self._fun, self._jit_kwargs)
-    dyn = (tuple(x for i, x in enumerate(args) if i not in static_nums),
-           {k: v for k, v in kwargs.items() if k not in static_names})
+    dyn = (tuple(x for i, x in enumerate(args) if i not in self._static),
+           {k: v for k, v in kwargs.items() if k not in self._static_names})
     leaves, treedef = jax.tree.flatten(dyn, is_leaf=is_sharded)
-    statics = (tuple((i, args[i]) for i in sorted(static_nums) if i < len(args)),
-               tuple(sorted((k, kwargs[k]) for k in static_names if k in kwargs)))
-    key = (treedef, tuple(_signature(x) for x in leaves), statics)
+    statics = (tuple((i, args[i]) for i in sorted(self._static) if i < len(args)),
+               tuple(sorted((k, kwargs[k]) for k in self._static_names if k in kwargs)))
+    key = (treedef, tuple(jit_arguments.leaf_key(x) for x in leaves), statics)
     if key not in self._cache:
       self._cache[key] = self._build(args, kwargs, dyn, leaves)
     return leaves, self._cache[key]
 
   def _build(self, args: tuple, kwargs: dict, dyn: tuple, leaves: list) -> _Compiled:
-    paths = _arg_paths(self._fun, args, dyn, _static(self._fun, self._jit_kwargs)[0])
-    declared = _declared(self._jit_kwargs.get("in_shardings"), dyn[0], leaves)
-    mesh = _mesh_of(leaves, declared)
-    declared = [_named(s, mesh) for s in declared]
-    axes = _batch_axes(leaves, declared, mesh)
-    whole = [_abstract(x, mesh) for x in leaves]
+    paths = argument_paths(self._fun, (*dyn[0], dyn[1]), keywords=True,
+                           positions=self._dynamic_positions(args))
+    declared = jit_arguments.declared(self._jit_kwargs.get("in_shardings"), dyn[0], leaves)
+    mesh = jit_arguments.mesh_of(leaves, declared)
+    declared = [jit_arguments.named(s, mesh) for s in declared]
+    axes = jit_arguments.batch_axes(leaves, declared, mesh)
+    whole = [jit_arguments.abstract(x, mesh) for x in leaves]
     traced = self._trace(args, kwargs, whole)
     out_tree = traced.out_tree
 
@@ -206,17 +201,17 @@ class JitStep:
       return unchanged("no argument is split over a mesh axis (the batch), so there is no "
                        "data parallelism to shard the update over")
     split_state = [paths[i] for i in self._state(args, dyn, traced.out_info).pairs.values()
-                   if _batch_axes([leaves[i]], [declared[i]], mesh)]
+                   if jit_arguments.batch_axes([leaves[i]], [declared[i]], mesh)]
     if split_state:
       return unchanged(f"state is split over mesh axes itself ({split_state[0]}: tensor or "
                        "fully sharded data parallelism), which wus.jit does not serve yet; "
                        "the step runs as jax.jit runs it")
-    flat = _flat(traced.jaxpr, mesh)
+    flat = jit_arguments.flat_jaxpr(traced.jaxpr, mesh)
     if compat.explicit_axes(mesh) >= set(axes):
       splits = global_view.splits_from_types(flat.jaxpr, frozenset(axes))
     else:
-      larger = _flat(self._trace(args, kwargs, [
-          x if is_sharded(a) else _larger(x, d or getattr(a, "sharding", None), axes)
+      larger = jit_arguments.flat_jaxpr(self._trace(args, kwargs, [
+          x if is_sharded(a) else jit_arguments.larger(x, d or getattr(a, "sharding", None), axes)
           for x, a, d in zip(whole, leaves, declared, strict=True)]).jaxpr, mesh)
       splits = global_view.splits_from_sizes(flat.jaxpr, larger.jaxpr, axes)
       if isinstance(splits, str):
@@ -226,22 +221,26 @@ class JitStep:
       return unchanged(region)
     return self._compile(flat, region, args, dyn, traced, mesh, axes, paths, declared)
 
+  def _dynamic_positions(self, args: tuple) -> tuple[int, ...]:
+    return tuple(i for i in range(len(args)) if i not in self._static)
+
+  def _with_dynamic(self, args: tuple, kwargs: dict, leaves: list) -> tuple[list, dict]:
+    """The arguments with `leaves` as their dynamic leaves."""
+    dyn_args, dyn_kwargs = jax.tree.unflatten(jit_arguments.dyn_structure(
+        args, kwargs, self._static, self._static_names), leaves)
+    full = list(args)
+    for i, x in zip(self._dynamic_positions(args), dyn_args, strict=True):
+      full[i] = x
+    return full, {**kwargs, **dyn_kwargs}
+
   def _trace(self, args: tuple, kwargs: dict, leaves: list):
     """`jax.jit(fun).trace` on the arguments with `leaves` as their dynamic leaves."""
-    static_nums, static_names = _static(self._fun, self._jit_kwargs)
-    dyn_pos = [i for i in range(len(args)) if i not in static_nums]
-    dyn_args, dyn_kwargs = jax.tree.unflatten(
-        _dyn_structure(args, kwargs, static_nums, static_names), leaves)
-    full = list(args)
-    for i, x in zip(dyn_pos, dyn_args, strict=True):
-      full[i] = x
-    return self._jitted.trace(*full, **{**kwargs, **dyn_kwargs})
+    full, full_kwargs = self._with_dynamic(args, kwargs, leaves)
+    return self._jitted.trace(*full, **full_kwargs)
 
   def _state(self, args: tuple, dyn: tuple, out: Any) -> StateMatch:
-    """Which outputs are the next values of which dynamic leaves (`_match_state`)."""
-    static = _static(self._fun, self._jit_kwargs)[0]
-    signature = Signature.of(self._fun, positions=tuple(i for i in range(len(args))
-                                                        if i not in static), keywords=True)
+    """Which outputs are the next values of which dynamic leaves (`match_state`)."""
+    signature = Signature.of(self._fun, positions=self._dynamic_positions(args), keywords=True)
     return match_state((*dyn[0], dyn[1]), out, signature)
 
   def _compile(self, flat, region: global_view.Region, args: tuple, dyn: tuple, traced,
@@ -270,7 +269,7 @@ class JitStep:
     out_names = [next(out_paths[k] for k, w in enumerate(jaxpr.outvars) if w is v)
                  for v in region.outvars]
     step = ShardedStep(
-        _region_fn(jaxpr, region, axes), mesh=mesh, in_specs=region.in_specs,
+        global_view_program.region_fn(jaxpr, region, axes), mesh=mesh, in_specs=region.in_specs,
         out_specs=(P(),) * len(region.outvars), check_vma=False, axis_names=frozenset(),
         axis_name=axes, split_reason="split over the batch axes",
         match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
@@ -284,58 +283,21 @@ class JitStep:
     state_out = {o: sub.plan.state_outputs[region_out[v]] for o, v in enumerate(jaxpr.outvars)
                  if not compat.is_literal(v) and v in region_out
                  and region_out[v] in sub.plan.state_outputs}
-    plan = _named_plan(sub.plan, in_names)
     donated = tuple(k for k, info in enumerate(jax.tree.leaves(traced.args_info))
                     if getattr(info, "donated", False))
     shard = NamedSharding(mesh, programs.shard_spec(sub.plan.axes))
-    in_shardings = tuple(shard if k in state_in else d or _placement(x, mesh) for k, (x, d) in
-                         enumerate(zip(jax.tree.leaves(dyn, is_leaf=is_sharded), declared,
+    in_shardings = tuple(
+        shard if k in state_in else d or jit_arguments.placement(x, mesh)
+        for k, (x, d) in enumerate(zip(jax.tree.leaves(dyn, is_leaf=is_sharded), declared,
                                        strict=True)))
-    wanted = _declared(self._jit_kwargs.get("out_shardings"), out_shape,
-                       jax.tree.leaves(out_shape))
-    out_shardings = tuple(shard if k in state_out else _named(s, mesh)
+    wanted = jit_arguments.declared(self._jit_kwargs.get("out_shardings"), out_shape,
+                                    jax.tree.leaves(out_shape))
+    out_shardings = tuple(shard if k in state_out else jit_arguments.named(s, mesh)
                           for k, s in enumerate(wanted))
-    run = jax.jit(functools.partial(_run, flat, region, sub), donate_argnums=donated,
-                  in_shardings=in_shardings, out_shardings=out_shardings)
-    return _Compiled(plan, run, state_in, state_out, tuple(paths), traced.out_tree, sub.mesh,
+    run = jax.jit(functools.partial(global_view_program.run, flat, region, sub),
+                  donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
+    return _Compiled(sub.plan, run, state_in, state_out, tuple(paths), traced.out_tree, sub.mesh,
                      tuple(sub.plan.axes), in_shardings)
-
-
-def _run(flat, region: global_view.Region, sub, *ops):
-  """The step: the forward and backward pass as traced, then the region's sharded step."""
-  jaxpr = flat.jaxpr
-  env = dict(zip(jaxpr.constvars, flat.consts, strict=True))
-  env.update(zip(jaxpr.invars, ops, strict=True))
-
-  def read(v):
-    return v.val if compat.is_literal(v) else env[v]
-  inside = set(region.eqns)
-  for i, eqn in enumerate(jaxpr.eqns):
-    if i not in inside:
-      env.update(zip(eqn.outvars, compat.bind(eqn, *[read(v) for v in eqn.invars]),
-                     strict=True))
-  region_ops = [read(region.invars[s[1]]) if s[0] == "arg" else s[1] for s in sub.sources]
-  env.update(zip(region.outvars, sub.step(*region_ops), strict=True))
-  return tuple(read(v) for v in jaxpr.outvars)
-
-
-def _region_fn(jaxpr, region: global_view.Region, axes: tuple) -> Callable[..., list]:
-  """The region as one replica's program: each sum on its rows, then all-reduced."""
-  def fn(*ins):
-    env = dict(zip(region.invars, ins, strict=True))
-
-    def read(v):
-      return compat.retyped(v.val) if compat.is_literal(v) else env[v]
-    for i in region.eqns:
-      eqn = jaxpr.eqns[i]
-      outs = inline.eval_eqn(eqn, [read(v) for v in eqn.invars], rename={})
-      if i in region.moved or i in region.sums:
-        with compat.source_of(compat.in_current_mesh(eqn)):
-          outs = (lax.optimization_barrier(outs) if i in region.moved
-                  else [lax.psum(x, axes) for x in outs])
-      env.update(zip(eqn.outvars, outs, strict=True))
-    return tuple(read(v) for v in region.outvars)
-  return fn
 
 
 def _produced_by(jaxpr, v) -> str:
@@ -344,259 +306,9 @@ def _produced_by(jaxpr, v) -> str:
   return f"<{eqn.primitive} at {compat.source_line(eqn)}>"
 
 
-def _arg_paths(fun: Callable, args: tuple, dyn: tuple, static: frozenset) -> list[str]:
-  """Each dynamic leaf's path under its parameter's name (`opt_state[0].mu['w']`)."""
-  try:
-    params = [p.name for p in inspect.signature(fun).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-  except (TypeError, ValueError):
-    params = []
-  dyn_pos = [i for i in range(len(args)) if i not in static]
-  out = []
-  for path, _ in jax.tree_util.tree_flatten_with_path(dyn, is_leaf=is_sharded)[0]:
-    kind, key, rest = path[0].idx, path[1], jax.tree_util.keystr(path[2:])
-    if kind == 1:  # A keyword argument.
-      out.append(f"{key.key}{rest}")
-    else:
-      i = dyn_pos[key.idx]
-      out.append(f"{params[i] if i < len(params) else f'args[{i}]'}{rest}")
-  return out
-
-
-def _named_plan(plan: Plan, names: list[str]) -> Plan:
-  return plan
-
-
 def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: str) -> Plan:
   """The Plan of a step wus runs unchanged, every input whole for `reason`."""
   inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False, reason)
                  for name, v in zip(paths, jaxpr.invars, strict=True))
   n = math.prod(mesh.shape[a] for a in axes) if mesh is not None and axes else 1
   return Plan(tuple(axes), n, 0, inputs, (), Program({}, {}, {}), unchanged=reason)
-
-
-# --- Arguments. ------------------------------------------------------------------
-
-
-def _static(fun: Callable, jit_kwargs: dict) -> tuple[frozenset, frozenset]:
-  """The static argument positions and names, inferred from each other as `jax.jit` does."""
-  return compat.static_args(fun, jit_kwargs.get("static_argnums"),
-                            jit_kwargs.get("static_argnames"))
-
-
-def _dyn_structure(args: tuple, kwargs: dict, static_nums: frozenset, static_names: frozenset):
-  """The tree structure of the dynamic arguments, `(args, kwargs)` as `jax.jit` flattens them."""
-  return jax.tree.structure(
-      (tuple(x for i, x in enumerate(args) if i not in static_nums),
-       {k: v for k, v in kwargs.items() if k not in static_names}), is_leaf=is_sharded)
-
-
-def _signature(x) -> tuple:
-  """The cache key of one leaf: logical shape, dtype, weak type, and the mesh axes it is
-  split over (sharded state keys as the whole value it stands for)."""
-  if is_sharded(x):
-    return (x.shape, x.dtype, False, _split(x.spec))
-  if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
-    sharding = getattr(x, "sharding", None)
-    split = _split(sharding.spec) if isinstance(sharding, NamedSharding) else None
-    return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)), split)
-  return (type(x), ())
-
-
-def _split(spec: P) -> tuple | None:
-  """A PartitionSpec without trailing Nones; None when it splits nothing."""
-  entries = list(spec)
-  while entries and entries[-1] is None:
-    entries.pop()
-  return tuple(entries) or None
-
-
-def _declared(shardings: Any, tree: Any, leaves: list) -> list:
-  """Per leaf of `tree`, the sharding `in_shardings` / `out_shardings` (a pytree prefix, or
-  one for all) gives it; None where it gives none."""
-  if shardings is None:
-    return [None] * len(leaves)
-  def is_leaf(x):
-    return x is None or isinstance(x, (jax.sharding.Sharding, P))
-  if is_leaf(shardings):
-    return [shardings] * len(leaves)
-  return jax.tree.leaves(jax.tree.broadcast(shardings, tree, is_leaf=is_leaf),
-                         is_leaf=lambda x: x is None or is_leaf(x))
-
-
-def _named(sharding, mesh: Mesh | None):
-  """A PartitionSpec as a NamedSharding on `mesh` (other shardings as they are)."""
-  if isinstance(sharding, P) and mesh is not None:
-    return NamedSharding(mesh, sharding)
-  return sharding
-
-
-def _placement(x, mesh: Mesh) -> NamedSharding:
-  """Where the program takes a whole leaf: as placed on the mesh, else replicated."""
-  sharding = getattr(x, "sharding", None)
-  if isinstance(sharding, NamedSharding) and sharding.mesh == mesh and not is_sharded(x):
-    return sharding
-  return NamedSharding(mesh, P())
-
-
-def _mesh_of(leaves: list, declared: list) -> Mesh | None:
-  """The mesh of the arguments (of the largest NamedSharding, `in_shardings` included), or
-  the one set with `jax.set_mesh`; None for a single device."""
-  shardings = [getattr(x, "sharding", None) for x in leaves if not is_sharded(x)] + declared
-  meshes = [x.mesh for x in leaves if is_sharded(x)]
-  meshes += [s.mesh for s in shardings if isinstance(s, NamedSharding)]
-  meshes = [m for m in meshes if isinstance(m, Mesh) and m.size > 1]
-  if meshes:
-    return max(meshes, key=lambda m: m.size)
-  current = jax.sharding.get_mesh()
-  return None if current.empty or current.size == 1 else current
-
-
-def _batch_axes(leaves: list, declared: list, mesh: Mesh | None) -> tuple:
-  """The mesh axes some argument is split over (the batch axes), in mesh order."""
-  if mesh is None:
-    return ()
-  used = set()
-  for x, d in zip(leaves, declared, strict=True):
-    sharding = d or getattr(x, "sharding", None)
-    if not is_sharded(x) and isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
-      for e in sharding.spec:
-        used.update(() if e is None else e if isinstance(e, tuple) else (e,))
-  return tuple(a for a in mesh.axis_names if a in used)
-
-
-def _abstract(x, mesh: Mesh | None):
-  """A leaf as traced: sharded state as the whole value it stands for."""
-  if is_sharded(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(x.mesh, x.spec))
-  return x
-
-
-def _larger(x, sharding, axes: tuple):
-  """`x` with every dim `sharding` splits over `axes` twice as large (`splits_from_sizes`)."""
-  if not isinstance(sharding, NamedSharding):
-    return x
-  shape = list(np.shape(x))
-  for d, e in enumerate(sharding.spec):
-    names = () if e is None else e if isinstance(e, tuple) else (e,)
-    if set(names) & set(axes):
-      shape[d] *= 2
-  if shape == list(np.shape(x)):
-    return x
-  return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=sharding,
-                              weak_type=bool(getattr(x, "weak_type", False)))
-
-
-def _flat(closed, mesh: Mesh):
-  """The traced jaxpr with its calls inlined and dead code dropped."""
-  avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
-                                sharding=_sharding_of(a, mesh)) for a in closed.in_avals]
-  flat = jax.make_jaxpr(inline.inlined(closed))(*avals)
-  return compat.ClosedJaxpr(compat.dce(flat.jaxpr), flat.consts)
-
-
-def _sharding_of(aval, mesh: Mesh):
-  spec, _ = compat.sharding_spec(aval)
-  return NamedSharding(mesh, P(*spec)) if spec and compat.explicit_axes(mesh) else None
-
-
-# --- Equinox-style steps. ----------------------------------------------------------
-
-
-def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **options
-               ) -> Callable:
-  """`wus.jit` for steps that take and return non-array leaves, as `equinox.filter_jit`.
-
-  Every JAX or NumPy array (and sharded state) among the arguments is traced;
-  every other leaf (an Equinox module's activation function, a Python float)
-  is static, part of the cache key. Outputs may hold non-array leaves too.
-  The one-line change for an Equinox step: `@eqx.filter_jit` becomes
-  `@wus.filter_jit`.
-
-  Args:
-    fun: the step.
-    donate: "none" or "all" (every array argument donated), as for
-      `equinox.filter_jit`; "all-except-first" and "warn" are not supported.
-    **options: as for `wus.jit` (`min_shard_size`, `objective`, `topology`).
-
-  Returns:
-    The step, called like `fun`.
-
-  Raises:
-    ValueError: another `donate`.
-    TypeError: at call time, a static leaf that is not hashable.
-  """
-  if donate not in ("none", "all"):
-    raise ValueError(f"filter_jit(donate={donate!r}): pass 'none' or 'all'")
-
-  def make(f: Callable) -> Callable:
-    outs: dict = {}  # Static key -> the outputs' structure and static leaves, from tracing.
-
-    def inner(static, *args, **kwargs):
-      treedef, static_leaves = static.value
-      leaves = [s if a is None else a for a, s in
-                zip(treedef.flatten_up_to((args, kwargs)), static_leaves, strict=True)]
-      call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
-      out = f(*call_args, **call_kwargs)
-      out_leaves, out_def = jax.tree.flatten(out, is_leaf=is_sharded)
-      keep = [_is_array(x) for x in out_leaves]
-      outs[static] = (out_def, [None if k else x for x, k in zip(out_leaves, keep, strict=True)])
-      return jax.tree.unflatten(out_def, [x if k else None for x, k in
-                                          zip(out_leaves, keep, strict=True)])
-
-    steps: dict[int, JitStep] = {}  # By the number of positional arguments (donation).
-
-    def step_for(num_args: int) -> JitStep:
-      if num_args not in steps:
-        donated = tuple(range(1, num_args + 1)) if donate == "all" else None
-        steps[num_args] = jit(inner, static_argnums=0, donate_argnums=donated, **options)
-      return steps[num_args]
-
-    @functools.wraps(f)
-    def wrapped(*args, **kwargs):
-      (args, kwargs), static = _filtered(args, kwargs)
-      result = step_for(len(args))(static, *args, **kwargs)
-      out_def, static_out = outs[static]
-      return jax.tree.unflatten(out_def, [s if x is None else x for x, s in
-                                          zip(out_def.flatten_up_to(result), static_out,
-                                              strict=True)])
-
-    def plan(*args, **kwargs) -> Plan:
-      (args, kwargs), static = _filtered(args, kwargs)
-      return step_for(len(args)).plan(static, *args, **kwargs)
-    wrapped.plan = plan
-    return wrapped
-  return make if fun is None else make(fun)
-
-
-def _is_array(x) -> bool:
-  return is_sharded(x) or isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _filtered(args, kwargs) -> tuple:
-  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_sharded)
-  keep = [_is_array(x) for x in leaves]
-  arrays = [x if k else None for x, k in zip(leaves, keep, strict=True)]
-  static = tuple(None if k else x for x, k in zip(leaves, keep, strict=True))
-  return jax.tree.unflatten(treedef, arrays), _Static((treedef, static))
-
-
-class _Static:
-  """Static leaves, hashed by value (by identity where they are not hashable)."""
-
-  def __init__(self, value):
-    self.value = value
-    try:
-      self._key = hash(value)
-    except TypeError:
-      self._key = None
-
-  def __hash__(self):
-    return self._key if self._key is not None else id(self.value)
-
-  def __eq__(self, other):
-    if not isinstance(other, _Static):
-      return False
-    if self._key is None or other._key is None:
-      return self.value is other.value
-    return self._key == other._key and self.value == other.value

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,11 +25,14 @@ def aval(x) -> tuple:
   return tuple(np.shape(x)), dtype if dtype is not None else np.result_type(type(x))
 
 
-def argument_paths(f: Callable, args: tuple, keywords: bool = False) -> list[str]:
+def argument_paths(f: Callable, args: tuple, keywords: bool = False,
+                   positions: Sequence[int] | None = None) -> list[str]:
   """Each flat leaf of `args` as `jax.tree_util.keystr` prints its path under the name of
   `f`'s parameter it is passed to: `opt_state[0].mu['Dense_0']['kernel']` (`[1]` where
   the parameter has no name). With `keywords`, the last argument is a dict of keyword
-  arguments (`wus.pmap`), each leaf named under its keyword: `mom['w1']`."""
+  arguments (`wus.pmap`, `wus.jit`), each leaf named under its keyword: `mom['w1']`.
+  `positions` gives each positional argument's parameter position (static arguments
+  left out); None: 0, 1, 2, ..."""
   try:
     params = list(inspect.signature(f).parameters.values())
   except (TypeError, ValueError):  # No signature (a builtin): positions.
@@ -42,6 +45,7 @@ def argument_paths(f: Callable, args: tuple, keywords: bool = False) -> list[str
     if keywords and i == len(args) - 1:
       out += [f"{p[0].key}{jax.tree_util.keystr(p[1:])}" for p, _ in flat]
       continue
+    i = i if positions is None else positions[i]
     name = (named[i] if i < len(named) else f"{rest}[{i - len(named)}]" if rest else f"[{i}]")
     out += [name + jax.tree_util.keystr(p) for p, _ in flat]
   return out
