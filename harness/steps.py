@@ -129,7 +129,8 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation):
   return train_step
 
 
-def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = None):
+def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = None, *,
+                   donate: bool = True, topology=None):
   """`train_step` over `mesh`, compiled by `jax.jit(jax.shard_map(...))` or by wus.
 
   Args:
@@ -137,19 +138,23 @@ def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = N
     train_step: from `make_train_step`.
     mesh: a mesh with the axis AXIS_NAME.
     group_size: wus only: `shard_group_size` (partial sharding, §5.2).
+    donate: donate the state arguments (the default, as MLPerf-style loops
+      update it in place).
+    topology: wus only: the devices, for its cost model
+      (`wus.analysis.costmodel.Topology`); None: its default.
 
   Returns:
     (params, model_state, opt_state, batch) -> (params, model_state, opt_state,
-    metrics), with the global batch split over AXIS_NAME; the state
-    arguments are donated (do not use them after the call). Both results have
-    `.lower(*args)` for the compiled program.
+    metrics), with the global batch split over AXIS_NAME; with `donate`, the
+    state arguments are donated (do not use them after the call). Both
+    results have `.lower(*args)` for the compiled program.
   """
   specs = {"in_specs": (P(), P(), P(), P(AXIS_NAME)), "out_specs": (P(), P(), P(), P())}
-  donate = (0, 1, 2)  # The state is updated in place, as MLPerf-style loops do.
+  donated = (0, 1, 2) if donate else ()
   if mode == "replicated":
-    return jax.jit(jax.shard_map(train_step, mesh=mesh, **specs), donate_argnums=donate)
-  return wus.shard_map(train_step, mesh=mesh, donate_argnums=donate,
-                       shard_group_size=group_size, **specs)
+    return jax.jit(jax.shard_map(train_step, mesh=mesh, **specs), donate_argnums=donated)
+  return wus.shard_map(train_step, mesh=mesh, donate_argnums=donated,
+                       shard_group_size=group_size, topology=topology, **specs)
 
 
 def make_update_step(tx: optax.GradientTransformation):
