@@ -77,7 +77,7 @@ import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis.formats import ShardFormat
-from wus.sharded import ShardedArray, is_sharded
+from wus.sharded import ShardedArray, check_alive, holder_of, is_sharded
 from wus.transforms import programs
 
 
@@ -129,6 +129,26 @@ class ShardedLayout:
     return NamedSharding(self.mesh, programs.shard_spec(self.axes))
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedLayout:
+  """Where a whole tensor a `wus.pmap` step reads as stacked per-device copies goes.
+
+  The `sharding` of a restore target `LogicalView` from `wus.pmap`'s `state_target`:
+  the checkpoint holds one copy (saved unreplicated, as Flax's pmap examples save
+  `flax.jax_utils.unreplicate(state)`); restoring puts it on every device of the
+  step, stacked along the mapped axis, as `flax.jax_utils.replicate` would.
+
+  Attributes:
+    shape: the saved shape (one copy).
+    axis: the mapped axis the copies are stacked along.
+    stacked: the sharding of the stacked array the step reads.
+  """
+
+  shape: tuple[int, ...]
+  axis: int
+  stacked: NamedSharding
+
+
 def _entries(spec: P, ndim: int) -> list:
   return [*spec, *(None,) * (ndim - len(spec))]
 
@@ -152,7 +172,8 @@ class LogicalView(jax.Array):
 
   __slots__ = ("layout", "shards", "_dtype")
 
-  def __init__(self, layout: ShardedLayout, dtype, shards: ShardedArray | None = None):
+  def __init__(self, layout: ShardedLayout | StackedLayout, dtype,
+               shards: ShardedArray | None = None):
     self.layout, self.shards, self._dtype = layout, shards, np.dtype(dtype)
 
   @property
@@ -176,7 +197,7 @@ class LogicalView(jax.Array):
     return self.size * self._dtype.itemsize
 
   @property
-  def sharding(self) -> ShardedLayout:  # What Orbax passes to the handler as the target's.
+  def sharding(self) -> ShardedLayout | StackedLayout:  # Orbax passes it to the handler.
     return self.layout
 
   @property
@@ -185,7 +206,8 @@ class LogicalView(jax.Array):
 
   def __repr__(self) -> str:
     kind = "to save" if self.shards is not None else "restore target"
-    return f"LogicalView({self._dtype}{list(self.shape)}, {self.layout.format}, {kind})"
+    where = getattr(self.layout, "format", "stacked per device")
+    return f"LogicalView({self._dtype}{list(self.shape)}, {where}, {kind})"
 
   def _unregistered(self, *args, **kwargs):
     raise TypeError(_UNREGISTERED)
@@ -203,14 +225,23 @@ def checkpointable(tree: Any) -> Any:
   """`wus.checkpointable`: each ShardedArray of `tree` as a `LogicalView` to save."""
   register()
 
-  def view(x):
+  def view(path, x):
+    check_alive(x, jax.tree_util.keystr(path), "wus.checkpointable")
     if not is_sharded(x):
       return x
     if isinstance(x.data, jax.core.Tracer):
       raise TypeError(f"{x!r} holds a tracer: checkpoints are saved outside jax.jit")
     return LogicalView(layout_of(x), x.dtype, x)
 
-  return jax.tree.map(view, tree, is_leaf=is_sharded)
+  return jax.tree_util.tree_map_with_path(view, tree, is_leaf=is_sharded)
+
+
+def stacked_target(target: jax.ShapeDtypeStruct, axis: int) -> LogicalView:
+  """The restore target of a whole tensor a `wus.pmap` step reads as stacked copies
+  (`target`, mapped along `axis`), from a checkpoint of one copy."""
+  register()
+  shape = tuple(d for k, d in enumerate(target.shape) if k != axis)
+  return LogicalView(StackedLayout(shape, axis, target.sharding), target.dtype)
 
 
 def restore_target(fmt: ShardFormat, axes: tuple, spec: P, mesh: Mesh, dtype) -> LogicalView:
@@ -314,6 +345,12 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
     self._base.finalize(directory)
 
   async def serialize(self, values, infos, args=None):
+    for value, info in zip(values, infos, strict=True):
+      if (holder := holder_of(value)) is not None:
+        raise TypeError(
+            f"Orbax was given the padded shards of {holder!r} as array {info.name!r}, which "
+            "would restore as no tensor of the step's: save wus.checkpointable(tree) instead "
+            "(each tensor at its logical shape, restored by step.state_target)")
     args = list(args) if args else [ocp.type_handlers.SaveArgs()] * len(values)
     ours = [k for k, v in enumerate(values) if isinstance(v, LogicalView)]
     rest = [k for k in range(len(values)) if k not in set(ours)]
@@ -333,12 +370,13 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
     if args is None:
       return await self._base.deserialize(infos, args)
     ours = [k for k, a in enumerate(args)
-            if isinstance(getattr(a, "sharding", None), ShardedLayout)]
+            if isinstance(getattr(a, "sharding", None), (ShardedLayout, StackedLayout))]
     rest = [k for k in range(len(infos)) if k not in set(ours)]
     # Wus state first: a checkpoint of another model fails here, naming the tensor.
     stores = _raise_first(await asyncio.gather(*(_open(infos[k], args[k]) for k in ours),
                                                return_exceptions=True))
-    jobs = [_read(store, infos[k], args[k]) for store, k in zip(stores, ours, strict=True)]
+    jobs = [(_read_stacked if isinstance(args[k].sharding, StackedLayout) else _read)(
+        store, infos[k], args[k]) for store, k in zip(stores, ours, strict=True)]
     if rest:
       jobs.append(self._base.deserialize([infos[k] for k in rest], [args[k] for k in rest]))
     # Every read finished before an error is raised (none left pending on a closed loop).
@@ -571,3 +609,20 @@ async def _read(store: ts.TensorStore, info, arg) -> ShardedArray:
             for device, index in indices.items()]
   data = jax.make_array_from_single_device_arrays(fmt.padded_shape, sharding, arrays)
   return ShardedArray(data, fmt, layout.axes, layout.spec, layout.mesh)
+
+
+async def _read_stacked(store: ts.TensorStore, info, arg) -> jax.Array:
+  """Reads one saved copy and stacks it on every device of `arg.sharding` (a StackedLayout)."""
+  layout: StackedLayout = arg.sharding
+  dtype = np.dtype(arg.dtype if getattr(arg, "dtype", None) is not None
+                   else store.dtype.numpy_dtype)
+  try:
+    copy = np.expand_dims(np.asarray(await store.read(), dtype), layout.axis)
+  except Exception as e:  # noqa: BLE001 -- TensorStore raises many kinds
+    raise CheckpointError(f"cannot read {_where(info)}: {_first_line(e)}") from e
+  sharding = layout.stacked
+  shape = list(layout.shape)
+  shape.insert(layout.axis, sharding.mesh.size)
+  indices = sharding.addressable_devices_indices_map(tuple(shape))
+  arrays = [jax.device_put(copy, device) for device in indices]
+  return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
