@@ -19,6 +19,15 @@ devices, with the state donated:
   wus_gG       `wus.shard_map(step, shard_group_size=G)`: partial sharding within
                groups of G devices (§5.2), in the partial-sharding regime.
 
+What a `jax.jit` user has (weight-update-bound regime), on the step written on
+global arrays (`steps.make_train_step(..., "jit")`), the batch placed on
+P("data"):
+
+  jit          `jax.jit(step)`: the state replicated, GSPMD all-reduces the
+               gradients.
+  gspmd_zero1  (above) the ZeRO-1 such a user writes by hand.
+  wus_jit      `wus.jit(step)`: the same step, one changed line.
+
 Regimes:
 
   weight-update-bound  large weights, a small per-replica batch.
@@ -78,6 +87,9 @@ from wus.harness import (batches, calibrate, config as config_lib, console, data
 VARIANTS = ("replicated", "gspmd_zero1", "handwritten", "handwritten_flat", "wus",
             "wus_undonated")
 ALTERNATIVES = VARIANTS[:4]
+# The variants of a `jax.jit` user (issue 20), compared among themselves.
+JIT_VARIANTS = ("jit", "wus_jit")
+JIT_ALTERNATIVES = ("jit", "gspmd_zero1")
 MIB = 2 ** 20
 
 # Targets of issues 5 and 22, checked on the measurements of one run.
@@ -107,6 +119,7 @@ class Regime:
     skip: variants left out (GSPMD ZeRO-1 cannot partition the Transformer's
       embedding lookup on a batch-split mesh in JAX 0.10: it asks for the
       gather's out_sharding).
+    jit: also the `jax.jit` user's variants (JIT_VARIANTS).
   """
 
   name: str
@@ -115,6 +128,7 @@ class Regime:
   group_sizes: tuple[int, ...] = ()
   model: str | None = None
   skip: tuple[str, ...] = ()
+  jit: bool = False
 
   @property
   def parts(self) -> bool:
@@ -127,7 +141,7 @@ class Regime:
       return ("replicated", "wus")
     if self.group_sizes:  # wus (G = N) is in the weight-update-bound regime.
       return ("replicated",) + tuple(f"wus_g{g}" for g in self.group_sizes)
-    return tuple(v for v in VARIANTS if v not in self.skip)
+    return tuple(v for v in VARIANTS + JIT_VARIANTS * self.jit if v not in self.skip)
 
 
 def group_size(variant: str) -> int | None:
@@ -178,6 +192,10 @@ def _variant_steps(regime: Regime, task: tasks.Task, tx, mesh: Mesh, state: step
     fresh = _copy(state)
     if name == "replicated":
       out[name] = steps.map_train_step(name, train_step, mesh), fresh
+    elif name in JIT_VARIANTS:
+      out[name] = steps.map_train_step("replicated" if name == "jit" else "wus",
+                                       steps.make_train_step(task, tx, "jit"), mesh, step="jit",
+                                       topology=topology), fresh
     elif name.startswith("wus"):
       out[name] = steps.map_train_step("wus", train_step, mesh, group_size(name),
                                        donate=name != "wus_undonated", topology=topology), fresh
@@ -220,7 +238,8 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     per run of the program, divided by steps_per_call), "loop_wire_bytes"
     (the same for the collectives inside the loop only: per update of a
     training loop, without what is gathered once per call after it),
-    "max_param_difference" (max |params - replicated params| after the run);
+    "max_param_difference" (max |params - replicated params| after the run;
+    wus_jit also "max_jit_param_difference", against jit's);
     wus also "analysis_seconds", "rewrite_seconds", "bucket_bytes",
     "alone_bytes" and "buckets" (the Plan's choice). With one update per call
     (`Regime.parts`) also "rest_seconds", "collectives_seconds" and
@@ -279,11 +298,12 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
                                     / regime.steps_per_call,
                  "step_seconds": []}
     if name.startswith("wus"):
-      timings = step.timings(*fresh, data[0])
       plan = step.plan(*fresh, data[0])
-      out[name].update(analysis_seconds=timings["analysis"], rewrite_seconds=timings["rewrite"],
-                       bucket_bytes=plan.bucket_bytes, alone_bytes=plan.alone_bytes,
+      out[name].update(bucket_bytes=plan.bucket_bytes, alone_bytes=plan.alone_bytes,
                        buckets=plan.buckets)
+    if hasattr(step, "timings"):  # wus.shard_map (wus.jit has no timings).
+      timings = step.timings(*fresh, data[0])
+      out[name].update(analysis_seconds=timings["analysis"], rewrite_seconds=timings["rewrite"])
     for batch in data[:2]:  # Warm up: compile, and (wus) shard the state.
       fresh = steps.TrainState(*jax.block_until_ready(step(*fresh, batch))[:3])
     states[name] = fresh
@@ -302,16 +322,22 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
       states[name] = steps.TrainState(*result[:3])
       if progress:
         progress()
-  reference = jax.tree.map(np.asarray, states["replicated"].params)
   for name in variants:
     seconds = out[name]["step_seconds"]
     out[name].update(median=statistics.median(seconds), min=min(seconds), max=max(seconds))
     out[name]["opt_state_per_device"] = report.bytes_per_device(states[name].opt_state)
-    out[name]["max_param_difference"] = max(
-        float(np.max(np.abs(np.asarray(a, np.float64) - b)))
-        for a, b in zip(jax.tree.leaves(states[name].params), jax.tree.leaves(reference),
-                        strict=True))
+    out[name]["max_param_difference"] = _max_difference(states[name].params,
+                                                         states["replicated"].params)
+  if "wus_jit" in variants:
+    out["wus_jit"]["max_jit_param_difference"] = _max_difference(states["wus_jit"].params,
+                                                                 states["jit"].params)
   return out
+
+
+def _max_difference(a, b) -> float:
+  """max |a - b| over the leaves of two trees of arrays."""
+  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
@@ -402,6 +428,7 @@ def targets(results: list[dict]) -> list[tuple[str, bool | None, str]]:
       wire = r[v]["wire_bytes"] / r["replicated"]["wire_bytes"]
       rows.append((f"{name}: {v} collective bytes <= replicated all-reduce's (§5.2)", wire <= 1,
                    f"ratio {wire:.4f}"))
+    rows += _jit_targets(r)
     if "wus" not in r:
       continue
     ws = r["wus"]
@@ -429,6 +456,37 @@ def targets(results: list[dict]) -> list[tuple[str, bool | None, str]]:
     rows.append((f"{name}: wus analysis + rewrite < {ANALYSIS_FRACTION:.0%} of XLA compile time",
                  fraction < ANALYSIS_FRACTION, f"{fraction:.1%}"))
   return rows
+
+
+def _jit_targets(r: dict) -> list[tuple[str, bool | None, str]]:
+  """Issue 20's targets of a regime with the `jax.jit` user's variants."""
+  if "wus_jit" not in r:
+    return []
+  name, wj, rows = r["regime"], r["wus_jit"], []
+  for alt in (a for a in JIT_ALTERNATIVES if a in r):
+    ratio = paired_ratio(wj["step_seconds"], r[alt]["step_seconds"])
+    rows.append((f"{name}: wus_jit step time <= {alt}'s (median of per-round ratios)",
+                 ratio <= TIME_RATIO, f"ratio {ratio:.3f}"))
+  share = wj["opt_state_per_device"] * r["num_devices"] / r["opt_state_bytes"]
+  rows.append((f"{name}: wus_jit optimizer state per device within {STATE_TOLERANCE:.0%} of "
+               "V/N", abs(share - 1) <= STATE_TOLERANCE, f"{share:.4f} x V/N"))
+  return rows
+
+
+def jit_markdown(r: dict) -> str:
+  """The `jax.jit` user's variants side by side: wus_jit's step time over each, state / (V/N)."""
+  names = [v for v in (*JIT_ALTERNATIVES, "wus_jit") if v in r]
+  if "wus_jit" not in names:
+    return ""
+  per = r["opt_state_bytes"] / r["num_devices"]
+  rows = [[v, 1e3 * r[v]["median"], paired_ratio(r["wus_jit"]["step_seconds"],
+                                                  r[v]["step_seconds"]),
+           r[v]["opt_state_per_device"] / per, r[v]["moves"]["copy"]["bytes"] / MIB,
+           r[v]["compile_cpu_seconds"]] for v in names]
+  return "\n\n".join([
+      "For a `jax.jit` user (the step on global arrays, the batch on P(\"data\")):",
+      report.table(["variant", "median ms/update", "wus_jit / it (per-round ratio, median)",
+                    "opt state / (V/N)", "HLO copy MiB", "XLA compile CPU s"], rows)])
 
 
 def _copy_free_targets(r: dict) -> list[tuple[str, bool | None, str]]:
@@ -502,8 +560,7 @@ def markdown(results: list[dict]) -> str:
                             "opt state MiB/device", "collective wire MiB/update",
                             "XLA compile s",
                             "max |Δ params| vs replicated"], rows)]
-    if (bound := limit_markdown(r)):
-      parts.append(bound)
+    parts += [text for text in (limit_markdown(r), jit_markdown(r)) if text]
     parts += [f"{v} analysis {r[v]['analysis_seconds']:.3f} s + rewrite "
               f"{r[v]['rewrite_seconds']:.3f} s, beside XLA's compile of the {v} step "
               f"{r[v]['compile_seconds']:.2f} s." for v in names if "analysis_seconds" in r[v]]
@@ -546,7 +603,7 @@ def _define_flags() -> None:
 
 def regimes_from_flags() -> list[Regime]:
   f = flags.FLAGS
-  every = {"weight-update-bound": Regime("weight-update-bound", f.update_bound_batch),
+  every = {"weight-update-bound": Regime("weight-update-bound", f.update_bound_batch, jit=True),
            "many-small-tensors": Regime(
                "many-small-tensors", f.update_bound_batch, model=f.small_tensors_model,
                skip=("gspmd_zero1",) if tasks.MODELS[f.small_tensors_model][0] == tasks.TEXT

@@ -66,14 +66,9 @@ def gspmd_step(task: tasks.Task, tx: optax.GradientTransformation, mesh: Mesh, o
   opt_shardings = jax.tree.map(lambda x: NamedSharding(mesh, zero1_spec(x.shape, mesh.size)),
                                opt_state)
 
-  def step(params, model_state, opt_state, batch):
-    (_, (model_state, metrics)), grads = jax.value_and_grad(task.loss, has_aux=True)(
-        params, model_state, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), model_state, opt_state, metrics
-
-  jitted = jax.jit(step, in_shardings=(replicated, replicated, opt_shardings,
-                                       NamedSharding(mesh, P(AXIS))),
+  jitted = jax.jit(steps.make_train_step(task, tx, "jit"),
+                   in_shardings=(replicated, replicated, opt_shardings,
+                                 NamedSharding(mesh, P(AXIS))),
                    out_shardings=(replicated, replicated, opt_shardings, replicated),
                    donate_argnums=(0, 1, 2))
   return jitted, lambda state: jax.device_put(state, opt_shardings)
