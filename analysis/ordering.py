@@ -23,6 +23,12 @@ A read precedes the gradient all-reduces its result flows into, and its
 own result, which no fusion recomputes, is a token that follows it.
 The rewrite makes the final all-gathers read one element of each value
 (`wus.collectives.after`): an ordering, no value changes.
+
+A weight that nothing but the update reads here is read before this
+program: `wus.jit` runs only a global step's gradient sums and update as
+the sharded program, the forward and backward pass before it, so every
+read of a weight there precedes one of the gradient sums, and the
+all-gathers follow all of them.
 """
 
 from __future__ import annotations
@@ -93,9 +99,12 @@ def gather_after(jaxpr: Jaxpr, shard_eqns: Mapping[int, Kind], formats: Mapping,
   written = {}  # aval -> the outputs an input of that aval may give its buffer to
   for k, (_, v) in enumerate(outs):
     written[_aval(v)] = written.get(_aval(v), 0) | 1 << k
-  need = [(reach[i], i) for v in inputs
-          for i in _reads(jaxpr, v, consumers, shard_eqns, set(seeds))
-          if before[i] & written[_aval(v)] != written[_aval(v)]]
+  need = []
+  for v in inputs:
+    reads = _reads(jaxpr, v, consumers, shard_eqns, set(seeds))
+    need += [(reach[i], i) for i in reads if before[i] & written[_aval(v)] != written[_aval(v)]]
+    if not reads:  # Read before the step (module docstring): after every gradient sum.
+      need += [(1 << b, None) for b in range(len(seeds))]
   chosen = []
   while any(m for m, _ in need):
     bit = max(range(len(seeds)), key=lambda b: sum(m >> b & 1 for m, _ in need))

@@ -249,17 +249,19 @@ def _global_net_step(params, opt_state, x):
   return optax.apply_updates(params, updates), opt_state, value
 
 
-def test_donated_jit_step_gathers_weights_without_a_copy():
-  """`wus.jit` runs its update through the same rewrite: with the state
+@pytest.mark.parametrize("topology", [None, _CPU], ids=["batched", "alone"])
+def test_donated_jit_step_gathers_weights_without_a_copy(topology):
+  """`wus.jit` runs its update through the same rewrite, the forward and
+  backward pass before it, outside the sharded program: with the state
   donated, the compiled step copies no parameter (without the ordering, XLA
-  copied a LayerNorm scale of this model), and it computes what `jax.jit`
-  computes, bit for bit."""
+  copied a LayerNorm scale of this model, and with collectives of their own
+  every kernel), and it computes what `jax.jit` computes, bit for bit."""
   m = mesh(N, "auto")
   whole = NamedSharding(m, P())
   params = jax.device_put(_Net().init(jax.random.key(0), jnp.zeros((1, 16)))["params"], whole)
   xs = [jax.device_put(jax.random.normal(jax.random.key(i), (2 * N, 16)),
                        NamedSharding(m, P("data"))) for i in range(3)]
-  donating = wus.jit(_global_net_step, donate_argnums=(0, 1))
+  donating = wus.jit(_global_net_step, donate_argnums=(0, 1), topology=topology)
   assert donating.plan(params, ADAM.init(params), xs[0]).program.gather_after
   hlo = donating.lower(params, ADAM.init(params), xs[0]).compile().as_text()
   assert report.data_movement(hlo)["parameter copy"].count == 0
