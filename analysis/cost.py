@@ -294,19 +294,19 @@ def sharded_workload(clusters) -> costmodel.Workload | None:
 
 
 def bucket_bytes(clusters, num_shards: int, topology: costmodel.Topology,
-                 objective: str = "memory") -> tuple[int, str]:
-  """The bucket limit of the batched collectives (§5.2), chosen by the cost model, and why.
+                 objective: str = "memory") -> tuple[int, int | None, str]:
+  """How the batched collectives group tensors (§5.2), chosen by the cost model, and why.
 
-  `costmodel.choose_bucket_bytes` on the sharded clusters' workload: the
-  smallest limit whose predicted reduce-scatters and all-gathers are within
-  1% of one bucket's (few latency terms, buffers no larger than needed).
-  The model does not price a bucket's buffers: the gradients of a bucket are
-  concatenated before its reduce-scatter and the gathered weights cut from
-  one result, temporary memory of a bucket's size. So with
-  `objective="memory"` the limit is at most `costmodel.DEFAULT_BUCKET_BYTES`
-  (4 MiB; measured on the main job: one 32 MiB bucket raised the compiled
-  step's memory from 0.38 to 0.65 of the replicated step's); with "time",
-  any of `costmodel.BUCKET_CANDIDATES`.
+  `costmodel.choose_batching` on the sharded clusters' workload: tensors of
+  `alone_bytes` or more (unpadded) keep a collective of their own, where the
+  predicted copy into and out of a bucket costs more than a collective's
+  latency; the rest share buckets, the smallest limit whose predicted
+  collectives and copies are within 1% of one bucket's. A bucket's
+  concatenated buffers are temporary memory the model does not price, so
+  with `objective="memory"` the limit is at most
+  `costmodel.DEFAULT_BUCKET_BYTES` (4 MiB; measured on the main job: one
+  32 MiB bucket raised the compiled step's memory from 0.38 to 0.65 of the
+  replicated step's); with "time", any of `costmodel.BUCKET_CANDIDATES`.
 
   Args:
     clusters: the `plan.ClusterPlan`s of the step.
@@ -315,22 +315,35 @@ def bucket_bytes(clusters, num_shards: int, topology: costmodel.Topology,
     objective: "memory" or "time" (`decide`).
 
   Returns:
-    (limit in bytes, the choice in words for the Plan).
+    (bucket limit in bytes, alone_bytes or None, the choice in words for the Plan).
   """
   workload = sharded_workload(clusters)
   if workload is None:
-    return costmodel.DEFAULT_BUCKET_BYTES, ""
+    return costmodel.DEFAULT_BUCKET_BYTES, None, ""
   candidates = [c for c in costmodel.BUCKET_CANDIDATES
                 if objective == "time" or c <= costmodel.DEFAULT_BUCKET_BYTES]
-  limit = costmodel.choose_bucket_bytes(workload, topology, num_shards, candidates=candidates)
-  one = costmodel.predict_sharded(workload, topology, num_shards).communication
-  chosen = costmodel.predict_sharded(workload, topology, num_shards, bucket_bytes=limit)
+  limit, alone = costmodel.choose_batching(workload, topology, num_shards, candidates=candidates)
+  one = costmodel.predict_sharded(workload, topology, num_shards)
+  chosen = costmodel.predict_sharded(workload, topology, num_shards, bucket_bytes=limit,
+                                     alone_bytes=alone)
   counts = chosen.collectives
-  return limit, (f"collectives batched in buckets of at most {_mib(limit)}: "
-                 f"{counts['reduce-scatter']} reduce-scatter(s), {counts['all-gather']} "
-                 f"all-gather(s), predicted {costmodel.format_seconds(chosen.communication)} "
-                 f"(one bucket: {costmodel.format_seconds(one)}; cost model, {objective} "
-                 "objective)")
+  sizes = [n * workload.grad_bytes for n in workload.tensors]
+  shards = [costmodel.shard_elements(n, num_shards, topology.tile_elements)
+            for n in workload.tensors]
+  padded = [num_shards * k != n for k, n in zip(shards, workload.tensors, strict=True)]
+  apart = sum(len(b) == 1 for b in costmodel.buckets(sizes, limit, alone, padded))
+  copied = costmodel.copied(sizes, limit, alone, padded)
+  by_size = ("every tensor under the limit shares one" if alone is None else
+             f"tensors of {_mib(alone)} or more keep their own unless padded")
+  return limit, alone, (
+      f"collectives batched in buckets of at most {_mib(limit)} ({by_size}: "
+      f"{apart} of {len(sizes)} tensors alone; {copied / 2 ** 20:.3g} MiB of gradients copied "
+      f"into buckets, the weights out of them, predicted "
+      f"{costmodel.format_seconds(chosen.copies)}): "
+      f"{counts['reduce-scatter']} reduce-scatter(s), {counts['all-gather']} all-gather(s), "
+      f"predicted {costmodel.format_seconds(chosen.communication + chosen.copies)} with the "
+      f"copies (one bucket: {costmodel.format_seconds(one.communication + one.copies)}; cost "
+      f"model, {objective} objective)")
 
 
 def _mib(nbytes: int) -> str:

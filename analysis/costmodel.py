@@ -25,6 +25,12 @@ The pieces (section numbers are those of Xu et al. 2020, arXiv:2004.13336):
   most bytes cross the fastest links.
 * Batched collectives (§5.2): tensors are grouped into buckets of at most
   `bucket_bytes`; a bucket is one collective, and so pays one latency term.
+  Batching copies: a tensor sharing a bucket is copied into the bucket's
+  buffer before a reduce-scatter and out of the gathered buffer after an
+  all-gather (`wus.collectives.batched`), each a read and a write of its
+  bytes at the memory bandwidth (`copy_seconds`). A tensor of `alone_bytes`
+  or more that needs no padding keeps its own collective and is not copied;
+  a padded tensor is copied either way.
 * Partial sharding in groups of G consecutive devices (§5.2, Fig. 10): the
   group spans the fastest axes (an axis may be split, see `Topology.split`);
   a reduce-scatter within the group, an all-reduce of the shards across the
@@ -305,24 +311,29 @@ def latency(axes: Sequence[Axis], kind: str = "reduce-scatter") -> float:
   return 2 * steps if kind == "all-reduce" else steps
 
 
-def buckets(sizes: Sequence[float], limit: float) -> list[list[int]]:
+def buckets(sizes: Sequence[float], limit: float, alone_bytes: float | None = None,
+            padded: Sequence[bool] = ()) -> list[list[int]]:
   """Groups positions 0..len(sizes)-1 into buckets of at most `limit` bytes.
 
   The rule of `wus.collectives.batched.buckets`: a tensor of `limit` bytes or
-  more gets a bucket of its own; the others fill buckets in order.
+  more, or of `alone_bytes` or more and not `padded`, gets a bucket of its
+  own; the others fill buckets in order.
 
   Args:
     sizes: bytes of each tensor.
     limit: bytes per bucket (math.inf: one bucket).
+    alone_bytes: see above; None: `limit`.
+    padded: per tensor, whether its format pads it (missing: False).
 
   Returns:
     Lists of positions, every position in exactly one.
   """
+  alone = limit if alone_bytes is None else min(alone_bytes, limit)
   out: list[list[int]] = []
   current: list[int] = []
   total = 0.0
   for i, size in enumerate(sizes):
-    if size >= limit:
+    if size >= limit or (size >= alone and not (i < len(padded) and padded[i])):
       out.append([i])
       continue
     if current and total + size > limit:
@@ -336,25 +347,46 @@ def buckets(sizes: Sequence[float], limit: float) -> list[list[int]]:
 
 
 def batched(collective: Callable[[float, Sequence[Axis]], float], sizes: Sequence[float],
-            axes: Sequence[Axis], bucket_bytes: float = math.inf) -> tuple[float, int]:
+            axes: Sequence[Axis], bucket_bytes: float = math.inf,
+            alone_bytes: float | None = None, padded: Sequence[bool] = ()) -> tuple[float, int]:
   """Seconds and count of `collective` over tensors of `sizes` bytes, batched (§5.2).
 
-  Each bucket (`buckets(sizes, bucket_bytes)`) is one collective on the sum of
-  its tensors' bytes: k tensors in one bucket pay one latency term instead of k.
+  Each bucket (`buckets(sizes, bucket_bytes, alone_bytes, padded)`) is one
+  collective on the sum of its tensors' bytes: k tensors in one bucket pay
+  one latency term instead of k. The copies batching makes are `copied`'s.
 
   Args:
     collective: `reduce_scatter`, `all_gather` or `all_reduce`.
     sizes: bytes per device of each tensor, as the collective takes them.
     axes: the axes it runs over, fast to slow.
-    bucket_bytes: the bucket limit, bytes.
+    bucket_bytes, alone_bytes, padded: as for `buckets`.
 
   Returns:
     (seconds, number of collectives); (0, 0) with no axis to cross or no tensor.
   """
   if not axes or not sizes:
     return 0.0, 0
-  groups = buckets(sizes, bucket_bytes)
+  groups = buckets(sizes, bucket_bytes, alone_bytes, padded)
   return sum(collective(sum(sizes[i] for i in b), axes) for b in groups), len(groups)
+
+
+def copied(sizes: Sequence[float], bucket_bytes: float = math.inf,
+           alone_bytes: float | None = None, padded: Sequence[bool] = (),
+           data: Sequence[float] | None = None) -> float:
+  """Bytes of the tensors a batched collective copies: those sharing a bucket, and padded ones.
+
+  Args and buckets as for `batched`; `data`: each tensor's own bytes, which
+  the copies move (default `sizes`, which may hold the layout's tile padding).
+  """
+  groups = buckets(sizes, bucket_bytes, alone_bytes, padded)
+  own = sizes if data is None else data
+  return sum(own[i] for b in groups for i in b
+             if len(b) > 1 or (i < len(padded) and padded[i]))
+
+
+def copy_seconds(nbytes: float, topology: Topology) -> float:
+  """Seconds to copy `nbytes` on each device: read and write them at its memory bandwidth."""
+  return 2 * nbytes / topology.memory_bandwidth
 
 
 # --- The weight update's memory traffic (§2.2) -----------------------------------
@@ -489,6 +521,15 @@ class StepPrediction:
     collectives: {"reduce-scatter", "all-reduce", "all-gather"}: collectives
       per step (one per bucket; a multi-phase collective counts once).
     wire_bytes: bytes each device sends per step, by the ring algorithms.
+    copies: seconds of the copies batching makes (into buckets before
+      reduce-scatters, out of gathered buffers after all-gathers; padding):
+      `copy_seconds` of `copied`. The replicated all-reduce copies nothing
+      (XLA combines it into one instruction of many buffers). Not in
+      `total`: the group size G is chosen on collectives and the update
+      (`choose_group_size`), the batching for that G on collectives and
+      copies (`choose_batching`); `with_copies` adds them.
+    alone_bytes: the `alone_bytes` of the batched collectives (None: the
+      bucket limit).
   """
 
   group_size: int
@@ -501,6 +542,8 @@ class StepPrediction:
   all_gather: float
   collectives: dict
   wire_bytes: float
+  copies: float = 0.0
+  alone_bytes: float | None = None
 
   @property
   def communication(self) -> float:
@@ -511,6 +554,11 @@ class StepPrediction:
   def total(self) -> float:
     """Predicted seconds per step: rest + collectives + update (nothing overlaps)."""
     return self.rest + self.communication + self.update
+
+  @property
+  def with_copies(self) -> float:
+    """`total` with the copies batching makes."""
+    return self.total + self.copies
 
 
 def wire_bytes(nbytes: float, axes: Sequence[Axis], kind: str) -> float:
@@ -551,7 +599,8 @@ def predict_replicated(workload: Workload, topology: Topology, rest: float = 0.0
 
 
 def predict_sharded(workload: Workload, topology: Topology, group_size: int,
-                    rest: float = 0.0, bucket_bytes: float = math.inf) -> StepPrediction:
+                    rest: float = 0.0, bucket_bytes: float = math.inf,
+                    alone_bytes: float | None = None) -> StepPrediction:
   """Predicted step with the weight update sharded in groups of `group_size` (§5.2, Fig. 10).
 
   rest
@@ -564,6 +613,8 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
     batched collective)
   + all-gather of the new weights within the group, in `gather_bytes`.
   The optimizer state stays sharded between steps: it is never gathered.
+  Beside them, `copies`: what batching copies (`copied`, at the memory
+  bandwidth).
 
   G = N: full sharding, no all-reduce across groups. G = 1: equals
   `predict_replicated`.
@@ -574,6 +625,7 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
     group_size: G.
     rest: seconds of the rest of the step.
     bucket_bytes: bucket limit of every batched collective, bytes.
+    alone_bytes: the reduce-scatters' and all-gathers' `alone_bytes` (`buckets`).
 
   Raises:
     ValueError: from `Topology.split`.
@@ -581,12 +633,20 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
   inner, outer = topology.split(group_size)
   tile, g = topology.tile_elements, group_size
   shards = [shard_elements(n, g, tile) for n in workload.tensors]
+  padded = [g * s != n for s, n in zip(shards, workload.tensors, strict=True)]
   scatter = [g * s * workload.grad_bytes for s in shards]   # input of the reduce-scatter
   reduced = [s * workload.grad_bytes for s in shards]       # what each device keeps
   gather = [g * s * workload.gather_bytes for s in shards]  # output of the all-gather
-  rs, rs_count = batched(reduce_scatter, scatter, inner, bucket_bytes)
+  rs, rs_count = batched(reduce_scatter, scatter, inner, bucket_bytes, alone_bytes, padded)
   ar, ar_count = batched(all_reduce, reduced, outer, bucket_bytes)
-  ag, ag_count = batched(all_gather, gather, inner, bucket_bytes)
+  ag, ag_count = batched(all_gather, gather, inner, bucket_bytes, alone_bytes, padded)
+  # The copies move the tensors' own bytes (wus pads a tensor by fewer than G
+  # elements; the tiles' padding is the layout's, copied or not).
+  grads = [n * workload.grad_bytes for n in workload.tensors]
+  weights = [n * workload.gather_bytes for n in workload.tensors]
+  copies = (copied(scatter, bucket_bytes, alone_bytes, padded, grads)  # G = 1: none.
+            + copied(gather, bucket_bytes, alone_bytes, padded, weights)
+            + (copied(reduced, bucket_bytes) if outer else 0.0)) if inner else 0.0
   norms = workload.optimizer.norms * len(workload.tensors) * _SCALAR_BYTES
   nar, nar_count = batched(all_reduce, [norms] if norms else [], inner)
   return StepPrediction(
@@ -597,7 +657,8 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
       wire_bytes=(wire_bytes(sum(scatter), inner, "reduce-scatter")
                   + wire_bytes(sum(reduced), outer, "all-reduce")
                   + wire_bytes(norms, inner, "all-reduce")
-                  + wire_bytes(sum(gather), inner, "all-gather")))
+                  + wire_bytes(sum(gather), inner, "all-gather")),
+      copies=copy_seconds(copies, topology), alone_bytes=alone_bytes)
 
 
 # The bucket limit of batched collectives the cost model did not choose (a
@@ -641,6 +702,49 @@ def choose_bucket_bytes(workload: Workload, topology: Topology, group_size: int 
     if communication(limit) <= best * (1 + tolerance):
       return limit
   return ordered[-1]
+
+
+# Candidate `alone_bytes` of `choose_batching`: 1 KiB to 1 GiB, powers of 2.
+ALONE_CANDIDATES = tuple(2 ** k for k in range(10, 31))
+
+
+def choose_batching(workload: Workload, topology: Topology, group_size: int, *,
+                    tolerance: float = 0.01, candidates: Sequence[int] = BUCKET_CANDIDATES,
+                    alone_candidates: Sequence[int] = ALONE_CANDIDATES
+                    ) -> tuple[int, int | None]:
+  """(bucket limit, alone_bytes) of the sharded step's batched collectives (§5.2).
+
+  Batching trades latency for copies (`buckets`): a tensor alone pays a
+  reduce-scatter's and an all-gather's latency, a tensor batched the copy
+  of its bytes into and out of the bucket. `alone_bytes` is the candidate
+  (or None: every tensor under the limit batched) with the least predicted
+  collectives and copies with one bucket for the rest; the limit is then the
+  smallest candidate within `tolerance` of that (as `choose_bucket_bytes`).
+  Where memory is fast next to the collectives' latency (accelerators), few
+  tensors are worth a collective of their own; where a collective is a
+  memory copy behind a thread rendezvous (CPU devices), most are.
+
+  Args:
+    workload: tensors and optimizer.
+    topology: devices.
+    group_size: G > 1.
+    tolerance: allowed relative excess over the best.
+    candidates: bucket limits to try, bytes.
+    alone_candidates: alone_bytes to try, bytes (None is always tried).
+
+  Returns:
+    (a limit from `candidates`, an alone_bytes from `alone_candidates` or None).
+  """
+  def seconds(limit: float, alone: int | None) -> float:
+    p = predict_sharded(workload, topology, group_size, bucket_bytes=limit, alone_bytes=alone)
+    return p.communication + p.copies
+
+  options = [None, *sorted(alone_candidates, reverse=True)]
+  alone = min(options, key=lambda a: seconds(math.inf, a))  # First (largest) of equals.
+  best = seconds(math.inf, alone)
+  ordered = sorted(candidates)
+  limit = next((c for c in ordered if seconds(c, alone) <= best * (1 + tolerance)), ordered[-1])
+  return limit, alone
 
 
 def choose_group_size(workload: Workload, topology: Topology, rest: float = 0.0,

@@ -118,12 +118,19 @@ class Program:
     sharded_out: output position -> format, for outputs returned as shards.
     bodies: for each conditional in `shard_eqns`, one Program per branch; for
       each loop, its body's Program.
+    gather_after: values the all-gathers of the outputs returned whole must
+      follow, so that donated inputs' buffers hold them with no copy
+      (`wus.analysis.ordering`; the step's Program only).
+    tied_outputs: positions of outputs computed whole that follow
+      `gather_after` too.
   """
 
   shard_eqns: Mapping[int, Kind]
   sharded_in: Mapping[int, ShardFormat]
   sharded_out: Mapping[int, ShardFormat]
   bodies: Mapping[int, tuple[Program, ...]] = dataclasses.field(default_factory=dict)
+  gather_after: tuple = ()
+  tied_outputs: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +158,10 @@ class Plan:
       across them per step (Fig. 10, right), predicted.
     bucket_bytes: the most bytes of tensors one batched collective moves
       (§5.2), chosen by the cost model (`cost.bucket_bytes`).
+    alone_bytes: tensors of this many bytes or more that need no padding
+      have a reduce-scatter and an all-gather of their own, with no copy
+      into or out of a bucket (`wus.collectives.batched.buckets`); None:
+      every tensor under `bucket_bytes` is batched.
     buckets: that choice in words ("" when nothing is sharded).
     resolution: seconds; the cost model's predictions of a cluster below this are
       not shown (`costmodel.resolution`: one ring step's latency).
@@ -175,6 +186,7 @@ class Plan:
   across_groups: int = 0
   objective: str = "memory"
   bucket_bytes: int = costmodel.DEFAULT_BUCKET_BYTES
+  alone_bytes: int | None = None
   buckets: str = ""
   resolution: float = 0.0
   unchanged: str = ""

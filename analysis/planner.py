@@ -10,7 +10,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from wus.analysis import clusters as clusters_lib
-from wus.analysis import compat, cost, costmodel, formats, layouts, loops, precision, shardable
+from wus.analysis import (compat, cost, costmodel, formats, layouts, loops, ordering, precision,
+                          shardable)
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.plan import ClusterPlan, InputPlan, Plan, Program, TensorPlan
 from wus.analysis.redundancy import Redundancy
@@ -73,10 +74,14 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
       reason = f"{state_whole[k]}; {reason}"
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
                             k in state, v.aval.dtype.itemsize, (matched or {}).get(k, "")))
-  limit, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology, objective)
+  limit, alone, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology,
+                                            objective)
+  after, tied = ordering.gather_after(jaxpr, planned.program.shard_eqns, planned.formats,
+                                      planned.program.sharded_out)
+  program = dataclasses.replace(planned.program, gather_after=after, tied_outputs=tied)
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
-              planned.program, planned.formats, planned.gather_dtypes, objective=objective,
-              bucket_bytes=limit, buckets=buckets,
+              program, planned.formats, planned.gather_dtypes, objective=objective,
+              bucket_bytes=limit, alone_bytes=alone, buckets=buckets,
               resolution=costmodel.resolution(ctx.topology))
 
 

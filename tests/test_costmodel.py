@@ -134,8 +134,47 @@ def test_partial_sharding_follows_fig_10():
   assert p.reduce_scatter == pytest.approx(cm.reduce_scatter(d, t.axes[:1]))
   assert p.all_reduce == pytest.approx(cm.all_reduce(d / 2, t.axes[1:]))
   assert p.all_gather == pytest.approx(cm.all_gather(d, t.axes[:1]))
+  # One bucket: every gradient copied into it (d), every weight out of the
+  # gathered one (d), the shards across groups into and out of theirs (d / 2).
+  assert p.copies == pytest.approx(2 * (d + d + d / 2) / t.memory_bandwidth)
   assert p.total == pytest.approx(p.rest + p.reduce_scatter + p.all_reduce + p.update
                                   + p.all_gather)
+  assert p.with_copies == pytest.approx(p.total + p.copies)
+
+
+def test_tensors_alone_are_not_copied_and_padded_ones_always_are():
+  """`alone_bytes`: unpadded tensors that large keep their own collectives and
+  are not copied (§5.2 batches for latency; the copy is memory traffic). A
+  padded tensor is copied by its padding either way, so it stays batched."""
+  sizes, padded = [100, 5000, 5000, 20], [False, False, True, False]
+  assert cm.buckets(sizes, 1e6, 1000, padded) == [[1], [0, 2, 3]]
+  assert cm.copied(sizes, 1e6, 1000, padded) == 100 + 5000 + 20
+  assert cm.copied(sizes, 1e6, None, padded) == sum(sizes)
+  from wus.collectives import batched  # pylint: disable=g-import-not-at-top
+  assert cm.buckets(sizes, 1e6, 1000, padded) == batched.buckets(sizes, 10 ** 6, 1000, padded)
+  t = _topology(8, alpha=1e-5, memory=1e9)
+  w = _workload(tensors=(8 * 1000, 8 * 1000, 3))  # The [3] pads.
+  alone = cm.predict_sharded(w, t, 8, alone_bytes=4000)
+  shared = cm.predict_sharded(w, t, 8)
+  assert (alone.collectives["reduce-scatter"], shared.collectives["reduce-scatter"]) == (3, 1)
+  assert alone.copies == pytest.approx(2 * 2 * 3 * 4 / 1e9)  # The [3] (padded), each way.
+  assert shared.copies == pytest.approx(2 * 2 * (2 * 32000 + 12) / 1e9)
+
+
+@pytest.mark.parametrize("memory, alone", [(1e9, True), (1e13, False)])
+def test_choose_batching_weighs_copies_against_latency(memory, alone):
+  """Slow memory (CPU devices): 256 KiB tensors keep their own collectives;
+  fast memory (HBM): copying them costs less than a collective's latency."""
+  t = _topology(8, alpha=2e-5, memory=memory)
+  w = _workload(tensors=(65536,) * 8 + (256,) * 8)
+  limit, chosen = cm.choose_batching(w, t, 8)
+  assert limit in cm.BUCKET_CANDIDATES
+  if alone:
+    assert chosen is not None and 256 * 4 * 8 < chosen <= 65536 * 4
+    p = cm.predict_sharded(w, t, 8, bucket_bytes=limit, alone_bytes=chosen)
+    assert p.collectives["reduce-scatter"] == 9  # 8 alone, the biases in one bucket.
+  else:
+    assert chosen is None
 
 
 def test_small_shards_combine_into_fewer_all_reduces():
@@ -261,5 +300,6 @@ def test_predictions_are_labelled_and_add_up():
   p = cm.predict_sharded(_workload(optimizer="lamb"), _topology(2, 4), 4, rest=0.01)
   assert "prediction" in cm.StepPrediction.__doc__
   assert p.total == pytest.approx(0.01 + p.communication + p.update)
+  assert p.copies > 0  # One bucket: every tensor copied into it and out.
   assert p.communication == pytest.approx(p.reduce_scatter + p.all_reduce + p.norm_all_reduce
                                           + p.all_gather)

@@ -26,6 +26,7 @@ from typing import Any
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -120,7 +121,7 @@ class _Env:
     vs, self.summands = self.summands, []
     outs = collectives.batched.reduce_scatter([self.held[v].summand for v in vs],
                                               [self.fmt(v) for v in vs], self.plan.axes,
-                                              self.plan.bucket_bytes)
+                                              self.plan.bucket_bytes, self.plan.alone_bytes)
     groups: dict = {}
     for v, x in zip(vs, outs, strict=True):
       self.held[v].shard, self.held[v].summand = x, None
@@ -132,15 +133,25 @@ class _Env:
       for u, x in zip(us, summed, strict=True):
         self.held[u].shard = x
 
-  def gather(self, vs: list) -> None:
+  def gather(self, vs: list, after: tuple = ()) -> None:
     """Gives each of `vs` (held as shards) its whole value, batched (§5.2); in
-    the narrower float of `plan.gather_dtypes` where it has one (Fig. 7)."""
+    the narrower float of `plan.gather_dtypes` where it has one (Fig. 7). The
+    all-gathers follow the values `after` (`Program.gather_after`)."""
     narrow = self.plan.gather_dtypes
     shards = [self.shard(v) if v not in narrow else self.shard(v).astype(narrow[v]) for v in vs]
+    if after and shards:
+      shards = collectives.after(shards, self.tokens(after))
     outs = collectives.batched.all_gather(shards, [self.fmt(v) for v in vs], self.plan.axes,
-                                          self.plan.bucket_bytes)
+                                          self.plan.bucket_bytes, self.plan.alone_bytes)
     for v, x in zip(vs, outs, strict=True):
       self.held[v].whole = x
+
+  def tokens(self, vs) -> list:
+    """The values of `vs` that vary over no mesh axis but the sharding axes (as
+    shards or whole): what `collectives.after` may tie the values gathered over
+    those axes to and leave them the same across the others (partial sharding)."""
+    values = [self.shard(u) if u in self.plan.formats else self.whole(u) for u in vs]
+    return [x for x in values if compat.varying_axes(jax.typeof(x)) <= set(self.plan.axes)]
 
   def shard_as(self, v, fmt: ShardFormat) -> Any:
     """The shard of `v` in `fmt`, which may differ from the plan's format for `v`."""
@@ -372,13 +383,23 @@ def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
       env.pending += [v for v, h in zip(eqn.outvars, held) if h.partial is not None]
     for v, h in zip(eqn.outvars, held, strict=True):
       env.held[v] = h
-  # The weights the step returns whole are all-gathered together.
-  env.gather(list(dict.fromkeys(
+  # The weights the step returns whole are all-gathered together, after
+  # `program.gather_after`; the outputs computed whole that are tied to them
+  # read one of the gathered values, which follows those values too and is
+  # the same on every replica, as they are.
+  gathered = list(dict.fromkeys(
       v for k, v in enumerate(inner.outvars) if k not in program.sharded_out
       and not compat.is_literal(v) and env.held[v].whole is None
-      and (env.held[v].shard is not None or env.held[v].summand is not None))))
-  return [env.shard(v) if k in program.sharded_out else env.whole(v)
+      and (env.held[v].shard is not None or env.held[v].summand is not None)))
+  env.gather(gathered, program.gather_after)
+  outs = [env.shard(v) if k in program.sharded_out else env.whole(v)
           for k, v in enumerate(inner.outvars)]
+  tied = sorted(program.tied_outputs) if gathered and program.gather_after else []
+  if tied:
+    for k, x in zip(tied, collectives.after([outs[k] for k in tied], [env.whole(gathered[0])]),
+                    strict=True):
+      outs[k] = x
+  return outs
 
 
 def _schedule(jaxpr, program: Program) -> list[int]:
