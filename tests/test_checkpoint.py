@@ -294,7 +294,7 @@ def test_checkpoint_of_another_model_is_one_line_and_changes_nothing(saved, tmp_
   before = snapshot(tmp_path)
   other = {**W.init_params(), "conv": np.zeros((3, 3, 5, 8), np.float32)}
   like = jax.eval_shape(lambda: (other, W.TX.init(other)))
-  with pytest.raises(checkpoint.CheckpointError) as e:
+  with pytest.raises(wus.CheckpointError) as e:
     ocp.StandardCheckpointer().restore(tmp_path / "ckpt", target(mesh(8), like))
   assert str(e.value) == (f"array 'opt_state.0.mu.conv' of the checkpoint in {tmp_path / 'ckpt'} "
                           "has shape (3, 3, 5, 7); the target expects (3, 3, 5, 8)")
@@ -314,7 +314,7 @@ def test_damaged_checkpoint_is_one_line_and_changes_nothing(saved, tmp_path, dam
   shutil.copytree(path, tmp_path / "ckpt")
   damage(tmp_path / "ckpt")
   before = snapshot(tmp_path)
-  with pytest.raises(checkpoint.CheckpointError) as e:
+  with pytest.raises(wus.CheckpointError) as e:
     restore(tmp_path / "ckpt", mesh(8))
   message = str(e.value)
   assert "\n" not in message and len(message) < 600, message
