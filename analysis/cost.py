@@ -37,7 +37,7 @@ import dataclasses
 import math
 
 from wus.analysis import compat
-from wus.analysis import costmodel
+from wus.analysis import costmodel, network
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.layouts import Layout
@@ -80,7 +80,7 @@ OBJECTIVES = ("memory", "time")
 
 
 def predict(all_reduce: int, all_gather: int, io: int, num_shards: int,
-            topology: costmodel.Topology) -> tuple[float, float]:
+            topology: network.Topology) -> tuple[float, float]:
   """(replicated, sharded) predicted seconds of one cluster's collectives and update (§3.2).
 
   Replicated: the all-reduce of `all_reduce` bytes and the update reading and
@@ -96,14 +96,14 @@ def predict(all_reduce: int, all_gather: int, io: int, num_shards: int,
   """
   axes = tuple(dataclasses.replace(a, alpha=0.0) for a in topology.axes)
   memory = topology.memory_bandwidth
-  replicated = costmodel.all_reduce(all_reduce, axes) + io / memory
-  sharded = (costmodel.reduce_scatter(all_reduce, axes) + costmodel.all_gather(all_gather, axes)
+  replicated = network.all_reduce(all_reduce, axes) + io / memory
+  sharded = (network.reduce_scatter(all_reduce, axes) + network.all_gather(all_gather, axes)
              + io / num_shards / memory)
   return replicated, sharded
 
 
 def _microseconds(seconds: float) -> str:
-  return costmodel.format_seconds(seconds)
+  return network.format_seconds(seconds)
 
 
 def _branch_gathers(cluster: Cluster, rare: set[int]) -> int:
@@ -136,7 +136,7 @@ def _first_whole_reader(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes)
 def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
            axes: frozenset, state_outputs: set[int], num_shards: int,
            rare: set[int] = frozenset(), *, objective: str = "memory",
-           topology: costmodel.Topology | None = None, extra_gather: int = 0,
+           topology: network.Topology | None = None, extra_gather: int = 0,
            sliced: list[str] | tuple = ()) -> Decision:
   """Decides one cluster.
 
@@ -154,7 +154,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
       saves memory traffic or keeps optimizer state sharded) or "time" (as
       "memory", and only where `predict` says sharded is no slower).
     topology: the N devices, for `predict`; None:
-      `costmodel.default_topology(num_shards)`.
+      `network.default_topology(num_shards)`.
     extra_gather: whole bytes of inputs it keeps sharded that are gathered
       where read (weights with `shard_weights`, in their narrow dtype).
     sliced: for a cluster grown from roots (`Cluster.roots`), the names of
@@ -169,7 +169,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   """
   if objective not in OBJECTIVES:
     raise ValueError(f"objective={objective!r}: use one of {OBJECTIVES}")
-  topology = topology or costmodel.default_topology(num_shards)
+  topology = topology or network.default_topology(num_shards)
   if topology.num_devices != num_shards:
     raise ValueError(f"the topology has {topology.num_devices} devices; the update is sharded "
                      f"over {num_shards}")
@@ -241,7 +241,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
                                    "all-gather(s)")
 
 
-def auto_group_size(plan, topology: costmodel.Topology) -> tuple[int | None, str]:
+def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, str]:
   """`shard_group_size="auto"`: the G the cost model predicts fastest (§5.2), and why.
 
   The workload is what the Plan of full sharding shards: the elements of
@@ -293,7 +293,7 @@ def sharded_workload(clusters) -> costmodel.Workload | None:
                             grad_bytes=grads[0].itemsize, state_bytes=grads[0].itemsize)
 
 
-def bucket_bytes(clusters, num_shards: int, topology: costmodel.Topology,
+def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
                  objective: str = "memory") -> tuple[int, int | None, str]:
   """How the batched collectives group tensors (§5.2), chosen by the cost model, and why.
 
@@ -331,18 +331,18 @@ def bucket_bytes(clusters, num_shards: int, topology: costmodel.Topology,
   shards = [costmodel.shard_elements(n, num_shards, topology.tile_elements)
             for n in workload.tensors]
   padded = [num_shards * k != n for k, n in zip(shards, workload.tensors, strict=True)]
-  apart = sum(len(b) == 1 for b in costmodel.buckets(sizes, limit, alone, padded))
-  copied = costmodel.copied(sizes, limit, alone, padded)
+  apart = sum(len(b) == 1 for b in network.buckets(sizes, limit, alone, padded))
+  copied = network.copied(sizes, limit, alone, padded)
   by_size = ("every tensor under the limit shares one" if alone is None else
              f"tensors of {_mib(alone)} or more keep their own unless padded")
   return limit, alone, (
       f"collectives batched in buckets of at most {_mib(limit)} ({by_size}: "
       f"{apart} of {len(sizes)} tensors alone; {copied / 2 ** 20:.3g} MiB of gradients copied "
       f"into buckets, the weights out of them, predicted "
-      f"{costmodel.format_seconds(chosen.copies)}): "
+      f"{network.format_seconds(chosen.copies)}): "
       f"{counts['reduce-scatter']} reduce-scatter(s), {counts['all-gather']} all-gather(s), "
-      f"predicted {costmodel.format_seconds(chosen.communication + chosen.copies)} with the "
-      f"copies (one bucket: {costmodel.format_seconds(one.communication + one.copies)}; cost "
+      f"predicted {network.format_seconds(chosen.communication + chosen.copies)} with the "
+      f"copies (one bucket: {network.format_seconds(one.communication + one.copies)}; cost "
       f"model, {objective} objective)")
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from wus.analysis import costmodel
+from wus.analysis import costmodel, network
 from wus.analysis.formats import ShardFormat
 from wus.analysis.shardable import Kind
 
@@ -164,7 +164,7 @@ class Plan:
       every tensor under `bucket_bytes` is batched.
     buckets: that choice in words ("" when nothing is sharded).
     resolution: seconds; the cost model's predictions of a cluster below this are
-      not shown (`costmodel.resolution`: one ring step's latency).
+      not shown (`network.resolution`: one ring step's latency).
     unchanged: why the step runs as the front end's JAX function would, with
       nothing sharded (`wus.jit` of a step without data parallelism); "" when
       it is planned.
@@ -246,8 +246,8 @@ class Plan:
     """The cluster's predicted times, or "" where the model does not resolve them."""
     if not c.replicated_seconds or max(c.sharded_seconds, c.replicated_seconds) < self.resolution:
       return ""
-    return (f"predicted {costmodel.format_seconds(c.sharded_seconds)} sharded, "
-            f"{costmodel.format_seconds(c.replicated_seconds)} replicated")
+    return (f"predicted {network.format_seconds(c.sharded_seconds)} sharded, "
+            f"{network.format_seconds(c.replicated_seconds)} replicated")
 
   def __str__(self) -> str:
     lines = self._totals()

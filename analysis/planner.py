@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from wus.analysis import clusters as clusters_lib
-from wus.analysis import (compat, cost, costmodel, formats, layouts, loops, ordering, precision,
+from wus.analysis import (compat, cost, network, formats, layouts, loops, ordering, precision,
                           shardable)
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.plan import ClusterPlan, InputPlan, Plan, Program, TensorPlan
@@ -22,7 +22,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               in_names: Sequence[str], out_names: Sequence[str],
               state_pairs: Mapping[int, int], min_size: int = 0,
               split_reason: str = "its in_spec splits it", objective: str = "memory",
-              topology: costmodel.Topology | None = None, shard_weights: bool = False,
+              topology: network.Topology | None = None, shard_weights: bool = False,
               state_whole: Mapping[int, str] | None = None,
               matched: Mapping[int, str] | None = None, roots: Sequence[int] = ()) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
@@ -62,7 +62,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
             and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
 
   ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, big, objective,
-             topology or costmodel.default_topology(num_shards), shard_weights,
+             topology or network.default_topology(num_shards), shard_weights,
              frozenset(jaxpr.invars[k] for k in roots))
   planned = _plan(jaxpr, ctx, state_pairs, in_names, out_names)
   inputs = []
@@ -82,7 +82,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               program, planned.formats, planned.gather_dtypes, objective=objective,
               bucket_bytes=limit, alone_bytes=alone, buckets=buckets,
-              resolution=costmodel.resolution(ctx.topology))
+              resolution=network.resolution(ctx.topology))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class _Ctx:
   min_size: int
   big: object
   objective: str
-  topology: costmodel.Topology
+  topology: network.Topology
   shard_weights: bool = False
   roots: frozenset = frozenset()  # Declared roots (variables of the step's jaxpr).
 

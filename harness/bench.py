@@ -80,7 +80,7 @@ from absl import flags
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wus.analysis import costmodel
+from wus.analysis import costmodel, network
 from wus.harness import (batches, calibrate, config as config_lib, console, datasets, limit,
                          optim, report, steps, tasks, zero)
 
@@ -210,7 +210,7 @@ def _variant_steps(regime: Regime, task: tasks.Task, tx, mesh: Mesh, state: step
 
 
 def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int = 0,
-               progress=None, topology: costmodel.Topology | None = None) -> dict:
+               progress=None, topology: network.Topology | None = None) -> dict:
   """Measures every variant of `regime` on `model` (Adam), interleaved.
 
   Args:
@@ -360,7 +360,7 @@ def limit_of(result: dict) -> dict | None:
   return {**parts, "total": sum(parts.values()), "rounds": rounds}
 
 
-def predict(result: dict, topology: costmodel.Topology) -> dict | None:
+def predict(result: dict, topology: network.Topology) -> dict | None:
   """The cost model's step times for a regime's replicated and wus steps (seconds per update).
 
   Fed this machine's measured costs (`calibrate.measure`) and the measured
@@ -383,7 +383,7 @@ def predict(result: dict, topology: costmodel.Topology) -> dict | None:
                                            alone)}
 
 
-def prediction_markdown(results: list[dict], topology: costmodel.Topology, raw: dict) -> str:
+def prediction_markdown(results: list[dict], topology: network.Topology, raw: dict) -> str:
   """Predicted beside measured, per regime with one update per call."""
   axis = topology.axes[0]
   (d0, t0), (d1, t1) = raw["all_reduce"]

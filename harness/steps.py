@@ -169,7 +169,7 @@ def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = N
     donate: donate the state arguments (the default, as MLPerf-style loops
       update it in place).
     topology: wus only: the devices, for its cost model
-      (`wus.analysis.costmodel.Topology`); None: its default.
+      (`wus.analysis.network.Topology`); None: its default.
 
   Returns:
     (params, model_state, opt_state, batch) -> (params, model_state, opt_state,

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, mesh, run_both
-from wus.analysis import costmodel
+from wus.analysis import costmodel, network
 from wus.harness import report
 
 N = 8
@@ -45,7 +45,7 @@ def _inputs():
 
 
 def _topology(alpha, memory_bandwidth=1e10):
-  return costmodel.Topology((costmodel.Axis("data", N, alpha=alpha, bandwidth=1e9),),
+  return network.Topology((network.Axis("data", N, alpha=alpha, bandwidth=1e9),),
                             memory_bandwidth=memory_bandwidth)
 
 

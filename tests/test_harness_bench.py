@@ -5,7 +5,7 @@ import statistics
 import jax
 import pytest
 
-from wus.analysis import costmodel
+from wus.analysis import network
 from wus.harness import bench, calibrate, steps
 
 pytestmark = pytest.mark.slow  # Times every variant of wus-bench (minutes; README: Tests).
@@ -77,7 +77,7 @@ def test_partial_sharding_rows_hold_v_over_g_and_move_no_more_bytes(partial):
     assert m["max_param_difference"] < 1e-5  # Summed within groups, then across: rounding.
   text = bench.markdown([r])
   assert "| wus_g2 " in text and "wus_g4 collective bytes <= replicated" in text
-  assert bench.predict(r, costmodel.default_topology(8)) is None  # No wus (G = N) row.
+  assert bench.predict(r, network.default_topology(8)) is None  # No wus (G = N) row.
 
 
 def test_bf16_loop_gathers_weights_in_16_bits(results):
@@ -147,7 +147,7 @@ def test_calibration_measures_this_machine():
 def test_cost_model_predicts_each_one_update_regime(results):
   """Fed made-up machine costs: the prediction adds the model's collectives and
   update to the measured forward and backward pass, and wus's update is 1/N."""
-  topology = costmodel.Topology((costmodel.Axis("measured", 8, 1e-5, 1e9),), 1e9)
+  topology = network.Topology((network.Axis("measured", 8, 1e-5, 1e9),), 1e9)
   for r in results:
     p = bench.predict(r, topology)
     if r["steps_per_call"] > 1:

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 from helpers import (SPECS, assert_trees_equal, batches, collective_arrays, collective_shapes,
                      first_args, make_params, make_step, mesh, run)
-from wus.analysis import costmodel
+from wus.analysis import network
 from wus.harness import report
 
 N = 8
@@ -210,7 +210,7 @@ def _net_step(params, opt_state, x):
 
 ADAM = optax.adam(1e-2)
 # CPU-like devices: the kernels keep collectives of their own (test_buckets.py).
-_CPU = costmodel.Topology((costmodel.Axis("data", N, alpha=5e-5, bandwidth=1e9),),
+_CPU = network.Topology((network.Axis("data", N, alpha=5e-5, bandwidth=1e9),),
                           memory_bandwidth=1e9)
 
 
