@@ -43,6 +43,7 @@ from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.layouts import Layout
 from wus.analysis.redundancy import Redundancy, why_differs
 from wus.analysis.shardable import REDUCING
+from wus.collectives import batched
 
 
 def nbytes(v: Var) -> int:
@@ -331,7 +332,7 @@ def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
   shards = [costmodel.shard_elements(n, num_shards, topology.tile_elements)
             for n in workload.tensors]
   padded = [num_shards * k != n for k, n in zip(shards, workload.tensors, strict=True)]
-  apart = sum(len(b) == 1 for b in network.buckets(sizes, limit, alone, padded))
+  apart = sum(len(b) == 1 for b in batched.buckets(sizes, limit, alone, padded))
   copied = network.copied(sizes, limit, alone, padded)
   by_size = ("every tensor under the limit shares one" if alone is None else
              f"tensors of {_mib(alone)} or more keep their own unless padded")

@@ -1,7 +1,7 @@
 r"""The network in the alpha-beta model: mesh axes, topologies and collective times.
 
-Pure Python, no JAX: every function takes sizes and hardware figures and
-returns a time. Everything this module returns is a **prediction** from the
+Pure Python (no JAX computation): every function takes sizes and hardware
+figures and returns a time. Everything this module returns is a **prediction** from the
 model, never a measurement. Units: bytes, seconds, bytes per second.
 
 * Collectives are ring algorithms (Thakur, Rabenseifner, Gropp 2005, the
@@ -38,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+
+from wus.collectives.batched import buckets  # The rule the batched collectives follow.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,41 +285,6 @@ def latency(axes: Sequence[Axis], kind: str = "reduce-scatter") -> float:
   """
   steps = sum((a.size - 1) * a.alpha for a in axes)
   return 2 * steps if kind == "all-reduce" else steps
-
-
-def buckets(sizes: Sequence[float], limit: float, alone_bytes: float | None = None,
-            padded: Sequence[bool] = ()) -> list[list[int]]:
-  """Groups positions 0..len(sizes)-1 into buckets of at most `limit` bytes.
-
-  The rule of `wus.collectives.batched.buckets`: a tensor of `limit` bytes or
-  more, or of `alone_bytes` or more and not `padded`, gets a bucket of its
-  own; the others fill buckets in order.
-
-  Args:
-    sizes: bytes of each tensor.
-    limit: bytes per bucket (math.inf: one bucket).
-    alone_bytes: see above; None: `limit`.
-    padded: per tensor, whether its format pads it (missing: False).
-
-  Returns:
-    Lists of positions, every position in exactly one.
-  """
-  alone = limit if alone_bytes is None else min(alone_bytes, limit)
-  out: list[list[int]] = []
-  current: list[int] = []
-  total = 0.0
-  for i, size in enumerate(sizes):
-    if size >= limit or (size >= alone and not (i < len(padded) and padded[i])):
-      out.append([i])
-      continue
-    if current and total + size > limit:
-      out.append(current)
-      current, total = [], 0.0
-    current.append(i)
-    total += size
-  if current:
-    out.append(current)
-  return out
 
 
 def batched(collective: Callable[[float, Sequence[Axis]], float], sizes: Sequence[float],

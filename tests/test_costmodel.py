@@ -7,6 +7,7 @@ import pytest
 
 from wus.analysis import costmodel as cm
 from wus.analysis import network as net
+from wus.collectives import batched
 
 A = net.Axis("a", 4, alpha=1e-6, bandwidth=1e9)
 
@@ -90,15 +91,9 @@ def test_batching_k_tensors_saves_k_minus_1_latencies(collective, kind, k):
   assert apart - together == pytest.approx((k - 1) * net.latency(axes, kind))
 
 
-@pytest.mark.parametrize("sizes,limit", [([10, 10, 30, 5, 5], 25), ([1] * 9, 4), ([7, 3, 9], 5)])
-def test_buckets_follow_the_collectives_rule(sizes, limit):
-  from wus.collectives import batched  # pylint: disable=g-import-not-at-top
-  assert net.buckets(sizes, limit) == batched.buckets(sizes, limit)
-
-
 def test_buckets():
-  assert sorted(net.buckets([10, 10, 30, 5, 5], limit=25)) == [[0, 1, 3], [2], [4]]
-  assert net.buckets([10, 10], limit=math.inf) == [[0, 1]]
+  assert sorted(batched.buckets([10, 10, 30, 5, 5], limit=25)) == [[0, 1, 3], [2], [4]]
+  assert batched.buckets([10, 10], limit=math.inf) == [[0, 1]]
 
 
 def test_group_of_everyone_is_full_sharding():
@@ -148,11 +143,9 @@ def test_tensors_alone_are_not_copied_and_padded_ones_always_are():
   are not copied (§5.2 batches for latency; the copy is memory traffic). A
   padded tensor is copied by its padding either way, so it stays batched."""
   sizes, padded = [100, 5000, 5000, 20], [False, False, True, False]
-  assert net.buckets(sizes, 1e6, 1000, padded) == [[1], [0, 2, 3]]
+  assert batched.buckets(sizes, 1e6, 1000, padded) == [[1], [0, 2, 3]]
   assert net.copied(sizes, 1e6, 1000, padded) == 100 + 5000 + 20
   assert net.copied(sizes, 1e6, None, padded) == sum(sizes)
-  from wus.collectives import batched  # pylint: disable=g-import-not-at-top
-  assert net.buckets(sizes, 1e6, 1000, padded) == batched.buckets(sizes, 10 ** 6, 1000, padded)
   t = _topology(8, alpha=1e-5, memory=1e9)
   w = _workload(tensors=(8 * 1000, 8 * 1000, 3))  # The [3] pads.
   alone = cm.predict_sharded(w, t, 8, alone_bytes=4000)
