@@ -10,9 +10,7 @@ against an uninterrupted run at 8 it agrees to a tolerance.
 """
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,13 +23,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpoint_worker as W
 import wus
-from helpers import PMAP_TX, assert_trees_equal, mesh, pmap_params, pmap_step, pmap_xs, stack
+from helpers import (PMAP_TX, assert_trees_equal, free_port, mesh, pmap_params, pmap_step, pmap_xs,
+                     stack)
 from wus import checkpoint
 
 SAVED_AT = 2  # updates before the save
 MORE = 2      # updates after each restore
 TOLERANCE = dict(rtol=2e-6, atol=1e-7)
-WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
+WORKER = W.__file__
 
 
 def fresh():
@@ -227,12 +226,6 @@ def test_plain_shard_map_checkpoint_restores_into_a_wus_step(tmp_path):
 
 
 # --- Several processes. ------------------------------------------------------------
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def workers(mode, folder, *, processes, start=0, steps=0):
