@@ -26,6 +26,8 @@ from jax._src import linear_util as _lu
 from jax._src import literals as _literals
 from jax._src import mesh as _mesh_lib
 from jax._src import dispatch as _dispatch
+from jax._src import config as _config
+from jax._src import shard_map as _shard_map
 from jax._src import pjit as _pjit
 from jax._src.lax import linalg as _linalg
 from jax._src.lax import ann as _ann
@@ -520,6 +522,19 @@ def shard_map_params(eqn: JaxprEqn) -> tuple[Jaxpr, Any, tuple, tuple, frozenset
   p = eqn.params
   return (p["jaxpr"], p["mesh"], p["in_specs"], p["out_specs"],
           frozenset(p["newly_manual_axes"]), p["check_vma"])
+
+
+def body_without_dead_code(eqn: JaxprEqn) -> Jaxpr:
+  """The body of shard_map equation `eqn` without dead code (`dce`).
+
+  Runs where the body's types hold (its manual axes, its check_vma), as
+  shard_map's own DCE rule does: with `jax_enable_checks` JAX type-checks the
+  result, and a body's varying types only check inside that context.
+  """
+  body, mesh, _, _, manual, check_vma = shard_map_params(eqn)
+  with (_shard_map._extend_axis_env(mesh, manual), _config._check_vma(check_vma),
+        _mesh_lib.use_abstract_mesh(_shard_map._as_manual_mesh(mesh, manual))):
+    return dce(body)
 
 
 def varying_axes(aval: Any) -> frozenset:

@@ -172,7 +172,7 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
         lambda *a: tuple(inline.inlined(ClosedJaxpr(body, ()), rename)(*a)), mesh=mesh,
         in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=check_vma,
         axis_names=manual))(*operand_avals)
-  flat = compat.dce(compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0])
+  flat = compat.body_without_dead_code(compat.shard_map_eqn(flat_outer))
   if group_size is None:
     axes = _replica_axes(options.axis_name, mesh, manual, flat,
                          [flat.invars[i] for i in pairs.values()])
