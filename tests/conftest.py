@@ -1,4 +1,4 @@
-"""Test set-up: 8 simulated CPU devices, and XLA rounding every operation.
+"""Test set-up: 8 simulated CPU devices, XLA rounding every operation, JAX's checks.
 
 Both must be fixed before JAX initializes its backend, so they live here.
 
@@ -30,6 +30,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_cpu_max_isa=AVX --xla_allow_excess_precision=false").strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -48,10 +49,22 @@ def pytest_configure(config):
     os.environ["WUS_SLOW"] = "1"  # Read by test_fuzz.py at import, after this hook.
 
 
+# Folders whose tests run with `jax_enable_checks`: JAX then type-checks every
+# jaxpr it builds (the rewritten step's included) and its tracing invariants, so
+# a rewrite that emits an ill-typed equation fails even where its numbers come
+# out right (issue 19 item 7).
+CHECKED = ("equivalence", "api", "transforms")
+
+
+@pytest.fixture(autouse=True)
+def _jax_checks(request):
+  with jax.enable_checks(request.node.path.parent.name in CHECKED):
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
   if os.environ.get("WUS_SLOW"):
     return
-  import pytest  # noqa: PLC0415
   skip = pytest.mark.skip(reason="slow: run with --slow (or WUS_SLOW=1)")
   for item in items:
     if "slow" in item.keywords:
