@@ -1,0 +1,187 @@
+"""The state a cluster keeps sharded between steps (§4.2): its state pairs.
+
+A weight or optimizer-state input keeps its shards from one step to the next
+when the cluster that updates it is its only reader (`pairs`), possibly
+through the layout-only equations `wus.pmap` adds (`through_copies`,
+`passed_through`), or when every other read converts it to a narrower float
+first (mixed precision, Fig. 4 right, Fig. 7). `continued` finds the rest of
+a replicated update that no cluster holds, so the Plan lists its state.
+
+`ctx` throughout is the planner's context: `facts` (the step's
+`Redundancy`), `axes` (the replica axes), `num_shards`, and `big` (whether a
+value is large enough to shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from wus.analysis import clusters as clusters_lib
+from wus.analysis import compat, layouts, precision, shardable
+from wus.analysis.compat import Jaxpr
+from wus.analysis.shardable import Kind
+
+
+def passed_through(jaxpr: Jaxpr, in_pos: int, out_pos: int, readers: dict,
+                    ctx) -> list[int] | None:
+  """The layout-only equations (`wus.pmap`'s squeeze and expand_dims) by which
+  output `out_pos` returns input `in_pos` unchanged, if nothing else reads it
+  and it is identical on every replica and worth sharding; else None.
+
+  Such state (a GAN's discriminator state passed through the generator's
+  step) stays sharded between steps instead of being gathered and re-sharded
+  by each step that does not update it.
+  """
+  v, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
+  if (compat.is_literal(y) or not ctx.big(v) or not ctx.facts.is_redundant(v, ctx.axes)
+      or readers.get(y) or jaxpr.outvars.count(y) != 1):
+    return None
+  return precision.copy_chain(jaxpr, v, y, readers)
+
+
+def pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
+                 members: set[int], candidates: Mapping[int, int], invar_pos, readers: dict,
+                 narrow: dict | None = None, gathers: dict | None = None,
+                 why_whole: dict | None = None, through: frozenset = frozenset()
+                 ) -> dict[int, int]:
+  """The (output, input) state pairs this cluster can keep sharded between steps.
+
+  A pair qualifies when only the cluster reads the input. With `narrow` (a
+  loop body, or `shard_weights`), an input that is also read whole, but only
+  ever converted to a narrower float first (the forward pass of
+  mixed-precision training), qualifies too: it is all-gathered in that dtype
+  where read (Fig. 4 right, Fig. 7); `narrow` records input -> dtype, and
+  `gathers` the values gathered narrow (the input, or a layout-only copy the
+  cluster holds as shards, `precision.Narrowed.gathered`) -> dtype. With
+  `why_whole`, an input that does not qualify for its whole reads records
+  input position -> why. `through` are inputs the cluster reads through
+  layout-only equations that others read too (`through_copies`): only the
+  cluster reads them, but whole through those copies. `readers` is
+  `planner._readers(jaxpr)`: variable -> the equations that read it.
+  """
+  outvars = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  pairs = {}
+  for out_pos, in_pos in candidates.items():
+    x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
+    if compat.is_literal(y) or not (y in c.program_outputs and x in c.reads and x not in outvars
+            and y not in layout.partial and x not in layout.whole_reads
+            and x.aval.dtype == y.aval.dtype
+            and layout.formats.get(x) == layout.formats.get(y) is not None):
+      continue
+    if readers.get(x, set()) <= members and x not in through:
+      pairs[out_pos] = in_pos
+    elif narrow is not None:
+      read = precision.narrowed(jaxpr, x, members, readers)
+      if isinstance(read, str) or read.copies:
+        # Copies outside the cluster would read the narrow whole value and
+        # hand it to the update: the cluster must hold them (through_copies).
+        if why_whole is not None:
+          why_whole[in_pos] = read if isinstance(read, str) else (
+              "the update also reads it through a layout change it does not hold")
+        continue
+      pairs[out_pos] = in_pos
+      narrow[x] = read.dtype
+      gathers.update(dict.fromkeys(read.gathered, read.dtype))
+  return pairs
+
+
+def through_copies(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
+                    candidates: Mapping[int, int], readers: dict, ctx,
+                    why_whole: dict
+                    ) -> tuple[clusters_lib.Cluster, layouts.Layout, frozenset]:
+  """`c` reading the weights it updates through layout-only equations (shard_weights).
+
+  `wus.pmap` squeezes the mapped axis off every argument: the update reads
+  the squeezed weight, which the forward pass reads too, so the squeeze is
+  no cluster equation (clusters grow backward only through values that only
+  they read) and the weight is no state pair. When the forward pass reads
+  the weight only narrow (`precision.narrowed`), the squeeze joins the
+  cluster and runs on the shard: the update reads the float32 shard, and the
+  forward pass the squeezed weight, all-gathered narrow.
+
+  Returns:
+    The cluster, its layout, and the weights it now reads through copies;
+    `c`, `layout` and none when nothing qualifies or the formats do not fit.
+    `why_whole` records weights kept whole: input position -> why.
+  """
+  members, copies, weights = set(c.eqns), set(), []
+  kind_ctx = shardable.Context(ctx.facts, ctx.axes)
+  outvars = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  for out_pos, in_pos in candidates.items():
+    x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
+    if (compat.is_literal(y) or y not in c.program_outputs or x in c.reads or x in outvars
+        or not ctx.big(x) or x.aval.dtype != y.aval.dtype
+        or not ctx.facts.is_redundant(x, ctx.axes)):
+      continue
+    read = precision.narrowed(jaxpr, x, members, readers)
+    if isinstance(read, str):
+      why_whole[in_pos] = read
+    elif read.copies and all(shardable.shard_kind(jaxpr.eqns[i], kind_ctx) is Kind.LAYOUT
+                             and all(map(ctx.big, jaxpr.eqns[i].outvars)) for i in read.copies):
+      copies |= set(read.copies)
+      weights.append(in_pos)
+  if not copies:
+    return c, layout, frozenset()
+  wider = _with_copies(c, jaxpr, sorted(copies), ctx.big)
+  wider_layout = layouts.assign(jaxpr, wider, ctx.num_shards, ctx.big)
+  if isinstance(wider_layout, str):
+    why_whole.update(dict.fromkeys(weights, f"the update cannot read it as shards: {wider_layout}"))
+    return c, layout, frozenset()
+  return wider, wider_layout, frozenset(jaxpr.invars[k] for k in weights)
+
+
+def _with_copies(c: clusters_lib.Cluster, jaxpr: Jaxpr, copies: list[int],
+                 big) -> clusters_lib.Cluster:
+  """`c` with the layout-only equations `copies` run on shards too.
+
+  Their results are read whole elsewhere only narrow: those reads are the
+  narrow all-gathers `cost.decide` counts as `extra_gather`, so they are
+  not `outside_readers` (whose whole reads would need a shard rule).
+  """
+  eqns = tuple(sorted({*c.eqns, *copies}))
+  made = {*c.sharded, *(v for i in copies for v in jaxpr.eqns[i].outvars)}
+  reads = tuple(dict.fromkeys(v for i in eqns for v in jaxpr.eqns[i].invars
+                              if big(v) and v not in made))
+  return dataclasses.replace(
+      c, eqns=eqns, kinds={**c.kinds, **dict.fromkeys(copies, Kind.LAYOUT)},
+      sharded=(*c.sharded, *(v for i in copies for v in jaxpr.eqns[i].outvars)), reads=reads)
+
+
+def continued(jaxpr: Jaxpr, c: clusters_lib.Cluster, clustered: set[int], readers: dict,
+               state_pairs: Mapping[int, int], ctx) -> tuple[clusters_lib.Cluster, dict]:
+  """The rest of a replicated cluster's weight update, which no cluster holds.
+
+  Growth stops at an equation with no shard rule (a matmul with the weight, a
+  product); the equations after it that every replica still repeats (all
+  outputs identical across `ctx.axes`, no side effects), with the ones of that
+  kind that feed them (the momentum of the same tensor), continue the same
+  update. Returned as a cluster with no seeds or equations, only the big
+  inputs they read (`reads`) and the outputs they return (`program_outputs`),
+  so that the Plan lists them with the cluster that keeps them whole; and the
+  pairs of `state_pairs` whose input only this update reads (state, not weight).
+  """
+  producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+  seen: set[int] = set()
+  todo = [r for v in c.sharded for r in readers.get(v, ())] + list(c.kept_whole)
+  while todo:
+    i = todo.pop()
+    if i in seen or i in clustered or not ctx.facts.repeats(jaxpr.eqns[i], ctx.axes):
+      continue
+    seen.add(i)
+    eqn = jaxpr.eqns[i]
+    todo += [r for v in eqn.outvars for r in readers.get(v, ())]
+    todo += [producer[v] for v in eqn.invars if not compat.is_literal(v) and v in producer]
+  inputs = set(jaxpr.invars) - set(c.reads)
+  reads = {v: None for r in sorted(seen) for v in jaxpr.eqns[r].invars
+           if not compat.is_literal(v) and v in inputs and ctx.big(v)}
+  made = {v for r in seen for v in jaxpr.eqns[r].outvars}
+  outputs: dict = {}
+  for p, v in enumerate(jaxpr.outvars):
+    if not compat.is_literal(v) and v in made and ctx.big(v) and v not in c.program_outputs:
+      outputs.setdefault(v, []).append(p)
+  update = seen | set(c.eqns)
+  pairs = {o: k for o, k in state_pairs.items()
+           if jaxpr.invars[k] in reads and readers.get(jaxpr.invars[k], set()) <= update}
+  return (clusters_lib.Cluster((), {}, (), (), tuple(reads), {},
+                               {v: tuple(p) for v, p in outputs.items()}), pairs)
