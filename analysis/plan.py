@@ -14,6 +14,7 @@ import numpy as np
 
 from wus.analysis import costmodel
 from wus.analysis.formats import ShardFormat
+from wus.analysis.owned import Ownership
 from wus.analysis.shardable import Kind
 
 
@@ -60,7 +61,9 @@ class ClusterPlan:
       longer reads or writes per step when sharded.
     replicated_seconds, sharded_seconds: the cost model's prediction of the
       cluster's collectives and update, replicated and sharded (seconds;
-      `cost.predict`), 0 where not predicted.
+      `cost.predict`), 0 where not predicted; for an owned cluster, owned.
+    owner: the replica that runs the cluster's update on whole tensors
+      (ownership, `Plan.owned`), or None; an owned cluster is not `sharded`.
   """
 
   index: int
@@ -72,6 +75,7 @@ class ClusterPlan:
   saved_bytes: int
   replicated_seconds: float = 0.0
   sharded_seconds: float = 0.0
+  owner: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +150,8 @@ class Plan:
     bucket_bytes: the most bytes of tensors one batched collective moves
       (§5.2), chosen by the cost model (`cost.bucket_bytes`).
     buckets: that choice in words ("" when nothing is sharded).
+    owned: the updates run on whole tensors by one replica each
+      (`wus.analysis.owned.Ownership`), or None.
   """
 
   axes: tuple
@@ -162,6 +168,7 @@ class Plan:
   objective: str = "memory"
   bucket_bytes: int = costmodel.DEFAULT_BUCKET_BYTES
   buckets: str = ""
+  owned: Ownership | None = None
 
   @property
   def shard_eqns(self) -> Mapping[int, Kind]:
@@ -206,10 +213,11 @@ class Plan:
     if self.groups:
       lines.append(self.groups)
     for c in self.clusters:
-      verdict = "SHARDED" if c.sharded else "replicated"
-      lines.append(f"cluster {c.index}: {verdict}: {c.reason}")
+      verdict = "SHARDED: " if c.sharded else "" if c.owner is not None else "replicated: "
+      lines.append(f"cluster {c.index}: {verdict}{c.reason}")
       if c.replicated_seconds:
-        lines.append(f"    predicted: {c.sharded_seconds * 1e6:.3g} us sharded, "
+        lines.append(f"    predicted: {c.sharded_seconds * 1e6:.3g} us "
+                     f"{'owned' if c.owner is not None else 'sharded'}, "
                      f"{c.replicated_seconds * 1e6:.3g} us replicated (collectives and update, "
                      f"{self.objective} objective)")
       for t in c.tensors:
@@ -217,6 +225,8 @@ class Plan:
         lines.append(f"    {t.role:9s} {t.name:40s} {t.dtype:9s} {fmt}")
     if self.buckets:
       lines.append(self.buckets)
+    if self.owned is not None:
+      lines.append(str(self.owned))
     lines.append("inputs:")
     for i in self.inputs:
       layout = "sharded" if i.sharded else "whole"
@@ -235,9 +245,9 @@ def replicated(plan: Plan, reason: str) -> Plan:
   The rewrite then replays the step unchanged.
   """
   clusters = tuple(dataclasses.replace(
-      c, sharded=False, reason=reason,
+      c, sharded=False, reason=reason, owner=None,
       tensors=tuple(dataclasses.replace(t, format=None) for t in c.tensors)) for c in plan.clusters)
   inputs = tuple(dataclasses.replace(i, sharded=False, reason=reason) if i.sharded else i
                  for i in plan.inputs)
   return dataclasses.replace(plan, inputs=inputs, clusters=clusters, program=Program({}, {}, {}),
-                             formats={}, gather_dtypes={})
+                             formats={}, gather_dtypes={}, owned=None)

@@ -1,0 +1,127 @@
+"""Ownership: updates that need whole tensors (Muon, Shampoo-like) run on one replica each.
+
+Every test compares the wus step with the unmodified step on the same inputs
+over several steps, bit for bit (the suite's strict XLA flags), and checks
+what ownership promises: the owned optimizer state lives only on its owner
+(about 1/N of it per device), and the Plan says who owns what.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import wus
+from helpers import assert_trees_equal, mesh, sharded_leaves, stack
+from wus.analysis.owned import OwnedFormat
+
+
+class MLP(nn.Module):
+  """Dense layers with biases: `depth` hidden [width, width] kernels of one shape."""
+
+  depth: int = 4
+  width: int = 32
+  wide: int = 0  # A last hidden layer `wide` x `wide` (0: none): a larger matrix.
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(nn.Dense(self.width)(x))
+    for _ in range(self.depth):
+      x = nn.tanh(nn.Dense(self.width)(x))
+    if self.wide:
+      x = nn.tanh(nn.Dense(self.wide)(nn.Dense(self.wide)(x)))
+    return nn.Dense(16)(x)
+
+
+def _step(model, tx, axis="data"):
+  def loss(params, x):
+    return jnp.mean(model.apply({"params": params}, x) ** 2)
+
+  def step(params, opt_state, x):
+    grads = jax.lax.pmean(jax.grad(loss)(params, x), axis)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return step
+
+
+def _run(model, tx, n, *, check_vma=True, steps=3):
+  """The unmodified and the wus shard_map step from the same inputs; (ref, wus, step, x)."""
+  m = mesh(n)
+  params = model.init(jax.random.key(0), jnp.ones((1, 16)))["params"]
+  kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P()), check_vma=check_vma)
+  ref, ws = jax.jit(jax.shard_map(_step(model, tx), **kw)), wus.shard_map(_step(model, tx), **kw)
+  a = b = (params, tx.init(params))
+  for i in range(steps):
+    x = jax.device_put(jax.random.normal(jax.random.key(10 + i), (2 * n, 16)),
+                       NamedSharding(m, P("data")))
+    a, b = ref(*a, x), ws(*b, x)
+  return a, b, ws, x
+
+
+def _owned(tree):
+  return [x for x in sharded_leaves(tree) if isinstance(x.format, OwnedFormat)]
+
+
+@pytest.mark.parametrize("n", [8, 6])
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+def test_muon_is_owned_and_bit_for_bit(n, check_vma):
+  """optax.contrib.muon on Flax Dense layers: the [32,32] kernels' Newton-Schulz
+  updates run on their owners, the biases' Adam fallback on shards."""
+  tx = optax.contrib.muon(1e-2)
+  ref, got, step, x = _run(MLP(depth=2 * n), tx, n, check_vma=check_vma)
+  assert_trees_equal(ref[0], got[0])
+  assert_trees_equal(ref[1], wus.unshard(got[1]))
+  owned = _owned(got[1])
+  assert len(owned) >= 2 * n and {x.format.shape for x in owned} >= {(32, 32)}
+  # Every replica owns whole tensors; each owned tensor on exactly one.
+  assert {x.format.slot.owner for x in owned} == set(range(n))
+  plan = step.plan(*got, x)
+  assert sum(c.owner is not None for c in plan.clusters) == len(owned)
+  assert any(c.sharded for c in plan.clusters)  # The biases' Adam: elementwise shards.
+
+
+def test_owned_state_lives_on_its_owner():
+  """Per device, the owned state is the row of its bank: about 1/N of the
+  whole (within 1.25/N), and each tensor's elements are on its owner alone."""
+  n = 8
+  _, got, _, _ = _run(MLP(depth=16), optax.contrib.muon(1e-2), n, steps=1)
+  owned = _owned(got[1])
+  whole = sum(np.prod(x.format.shape) * x.dtype.itemsize for x in owned)
+  per_device = sum(x.data.addressable_shards[0].data.nbytes for x in owned)
+  assert per_device <= 1.25 * whole / n
+  bank = owned[0].format.bank
+  shards = [x.data.addressable_shards for x in owned]
+  rows = np.stack([np.concatenate([np.asarray(s[d].data) for s in shards]) for d in range(n)])
+  for x, whole_x in zip(owned, wus.unshard(owned), strict=True):  # Its owner's row holds it.
+    slot = x.format.slot
+    np.testing.assert_array_equal(
+        rows[slot.owner, slot.offset:slot.offset + slot.size].reshape(x.format.shape), whole_x)
+  assert bank.padding * np.dtype(bank.dtype).itemsize < 0.25 * whole
+  with pytest.raises(ValueError, match="Pass the whole optimizer state together"):
+    wus.unshard(owned[0])  # Alone, its elements span the arrays of its whole bank.
+
+
+def test_plan_prints_owners_imbalance_and_padding():
+  _, got, step, x = _run(MLP(depth=10), optax.contrib.muon(1e-2), 8, steps=1)
+  text = str(step.plan(*got, x))
+  assert "OWNED by replica" in text and "slot" in text and "balanced by predicted cost" in text
+  assert "imbalance" in text and "padding of the gradient and weight rows" in text
+  assert "optimizer state owned by replica" in text
+
+
+def test_pmap_muon_bit_for_bit():
+  """jax.pmap with replicated state and `lax.pmean(grads)`, as Flax examples write it."""
+  model, tx, n = MLP(depth=8), optax.contrib.muon(1e-2), 8
+  params = model.init(jax.random.key(0), jnp.ones((1, 16)))["params"]
+  step = _step(model, tx, axis="batch")
+  ref, ws = jax.pmap(step, axis_name="batch"), wus.pmap(step, axis_name="batch")
+  a = b = (stack(params), stack(tx.init(params)))
+  for i in range(3):
+    x = jax.random.normal(jax.random.key(20 + i), (n, 2, 16))
+    a, b = ref(*a, x), ws(*b, x)
+  assert_trees_equal(a[0], b[0])
+  assert_trees_equal(a[1], wus.unshard(b[1]))
+  assert len(_owned(b[1])) >= n
