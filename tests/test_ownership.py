@@ -61,26 +61,68 @@ def _run(model, tx, n, *, check_vma=True, steps=3):
   return a, b, ws, x
 
 
+def shampoo_like(learning_rate: float, beta: float = 0.9, eps: float = 1e-3):
+  """A Shampoo-style preconditioned update in optax style: per matrix, EMAs of
+  g g^T and g^T g, and the update L^(-1/4) g R^(-1/4) (matrix roots by eigh);
+  SGD for the other leaves. Every path of a matrix's update meets a whole-tensor
+  operation."""
+  def root(a):
+    w, v = jnp.linalg.eigh(a)
+    return (v * (w + eps) ** -0.25) @ v.T
+
+  def init(params):
+    def stats(p):
+      return ((eps * jnp.eye(p.shape[0]), eps * jnp.eye(p.shape[1])) if p.ndim == 2
+              else (jnp.zeros(()), jnp.zeros(())))
+    return jax.tree.map(stats, params)
+
+  def update(grads, state, params=None):
+    def one(g, s):
+      if g.ndim != 2:
+        return -learning_rate * g, s
+      left = beta * s[0] + (1 - beta) * g @ g.T
+      right = beta * s[1] + (1 - beta) * g.T @ g
+      return -learning_rate * root(left) @ g @ root(right), (left, right)
+    out = jax.tree.map(one, grads, state, is_leaf=lambda x: isinstance(x, tuple))
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and not isinstance(x[0], tuple)  # noqa: E731
+    updates = jax.tree.map(lambda o: o[0], out, is_leaf=is_pair)
+    return updates, jax.tree.map(lambda o: o[1], out, is_leaf=is_pair)
+  return optax.GradientTransformation(init, update)
+
+
+OPTIMIZERS = [
+    ("muon", lambda: optax.contrib.muon(1e-2)),  # Its own Adam fallback for the biases.
+    ("muon_adamw", lambda: optax.multi_transform(
+        {"muon": optax.contrib.muon(1e-2), "adamw": optax.adamw(1e-2, weight_decay=1e-2)},
+        lambda p: jax.tree.map(lambda x: "muon" if x.ndim == 2 else "adamw", p))),
+    ("shampoo_like", lambda: shampoo_like(1e-2)),
+]
+
+
 def _owned(tree):
   return [x for x in sharded_leaves(tree) if isinstance(x.format, OwnedFormat)]
 
 
 @pytest.mark.parametrize("n", [8, 6])
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
-def test_muon_is_owned_and_bit_for_bit(n, check_vma):
-  """optax.contrib.muon on Flax Dense layers: the [32,32] kernels' Newton-Schulz
-  updates run on their owners, the biases' Adam fallback on shards."""
-  tx = optax.contrib.muon(1e-2)
+@pytest.mark.parametrize("name,make_tx", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+def test_owned_updates_are_bit_for_bit(name, make_tx, check_vma, n):
+  """On Flax Dense layers, the [32,32] kernels' matrix-wise updates (Muon's
+  Newton-Schulz, Shampoo-like roots) run on their owners; the biases' Adam,
+  AdamW or SGD on shards, in the same step."""
+  tx = make_tx()
   ref, got, step, x = _run(MLP(depth=2 * n), tx, n, check_vma=check_vma)
   assert_trees_equal(ref[0], got[0])
   assert_trees_equal(ref[1], wus.unshard(got[1]))
   owned = _owned(got[1])
-  assert len(owned) >= 2 * n and {x.format.shape for x in owned} >= {(32, 32)}
+  assert len(owned) >= 2 * n * (2 if name == "shampoo_like" else 1)
+  assert {x.format.shape for x in owned} >= {(32, 32)}
   # Every replica owns whole tensors; each owned tensor on exactly one.
   assert {x.format.slot.owner for x in owned} == set(range(n))
   plan = step.plan(*got, x)
-  assert sum(c.owner is not None for c in plan.clusters) == len(owned)
-  assert any(c.sharded for c in plan.clusters)  # The biases' Adam: elementwise shards.
+  assert sum(c.owner is not None for c in plan.clusters) >= 2 * n
+  if name != "shampoo_like":  # The biases' Adam(W): elementwise shards; SGD is too cheap.
+    assert any(c.sharded for c in plan.clusters)
 
 
 def test_owned_state_lives_on_its_owner():
