@@ -167,3 +167,57 @@ def test_pmap_muon_bit_for_bit():
   assert_trees_equal(a[0], b[0])
   assert_trees_equal(a[1], wus.unshard(b[1]))
   assert len(_owned(b[1])) >= n
+
+
+def _update_flops(model, tx, n, step=None, args=None):
+  """Per-device flops of the step's weight update: the compiled step's minus those of
+  the same step without the update (its forward and backward pass and all-reduce)."""
+  m = mesh(n)
+  params = model.init(jax.random.key(0), jnp.ones((1, 16)))["params"]
+  state = tx.init(params)
+  x = jax.device_put(jnp.ones((2 * n, 16)), NamedSharding(m, P("data")))
+  kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  full = _step(model, tx)
+
+  def grads_only(p, s, x):
+    g = jax.lax.pmean(jax.grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(p), "data")
+    return g, s
+
+  def flops(lowered):
+    return lowered.compile().cost_analysis()["flops"]
+  base = flops(jax.jit(jax.shard_map(grads_only, **kw)).lower(params, state, x))
+  ws = wus.shard_map(full, **kw)
+  return (flops(jax.jit(jax.shard_map(full, **kw)).lower(params, state, x)) - base,
+          flops(ws.lower(params, state, x)) - base, ws.plan(params, state, x))
+
+
+def test_update_flops_per_device_are_about_one_nth():
+  """XLA's cost analysis of the compiled steps (a conditional counts its costliest
+  branch): each device runs the Newton-Schulz iterations of its own matrices."""
+  n = 8
+  replicated, owned, _ = _update_flops(MLP(depth=16), optax.contrib.muon(1e-2), n)
+  assert owned <= 1.25 * replicated / n, (owned, replicated)
+
+
+def test_imbalanced_model_is_balanced_by_predicted_cost():
+  """14 [32,32] kernels, one [64,64] (4x the elements, 8x the Newton-Schulz flops) and a
+  few others at N = 8: each replica owns one [32,32] of the full round; the remainders
+  go largest first to the least loaded replica, so the [64,64] gets a replica with no
+  remainder beside it, and the busiest replica's predicted work is what it measures."""
+  n = 8
+  replicated, owned, plan = _update_flops(MLP(depth=14, wide=64), optax.contrib.muon(1e-2), n)
+  own = plan.owned
+  units = {c.index: c for c in plan.clusters if c.owner is not None}
+  by_shape = {}
+  for c in units.values():
+    grad = next(t for t in c.tensors if t.role == "gradient")
+    by_shape.setdefault(grad.shape, []).append(c.owner)
+  assert set(by_shape[(32, 32)]) == set(range(n))  # One each (a full round), then the rest.
+  big = by_shape[(64, 64)][0]
+  assert by_shape[(32, 32)].count(big) == 1  # Only its full-round slot beside the big one.
+  busiest = max(range(n), key=own.loads.__getitem__)
+  assert busiest == big and own.imbalance > 1
+  assert "imbalance" in str(plan)
+  # Measured: the costliest branch is the busiest replica's, well under replicated.
+  assert owned < 0.5 * replicated
+  assert owned >= own.loads[busiest] / sum(own.loads) * replicated * 0.8
