@@ -181,7 +181,7 @@ def banks(fmts: Sequence) -> dict:
           f"owned optimizer state: {len(members)} of the {len(bank.shapes)} tensors of one bank "
           f"({bank.dtype}, shapes {[list(s) for s in bank.shapes]}) were given; each lives whole "
           "only on its owner, in rows that span the arrays of all of them. Pass the whole "
-          "optimizer state together (to wus.unshard, or to the step).")
+          "optimizer state together (to wus.unshard, wus.checkpointable, a restore, or the step).")
   return {bank: [members[t] for t in range(len(bank.shapes))] for bank, members in out.items()}
 
 
