@@ -447,7 +447,8 @@ def main(argv) -> None:
   if muon:
     print("\n" + muon_bench.markdown(muon))
   topology, raw = calibrate.measure(mesh, steps.AXIS_NAME)
-  print("\n" + prediction_markdown(results, topology, raw))
+  if results:
+    print("\n" + prediction_markdown(results, topology, raw))
   for r in results:
     p = predict(r, topology)
     if p:
