@@ -192,8 +192,14 @@ class Plan:
 
   @property
   def replicated_bytes(self) -> int:
-    """Whole bytes of the weight-update tensors kept replicated."""
-    return sum(t.nbytes for c in self.clusters if not c.sharded for t in c.tensors
+    """Whole bytes of the weight-update tensors kept replicated (neither sharded nor owned)."""
+    return sum(t.nbytes for c in self.clusters if not c.sharded and c.owner is None
+               for t in c.tensors if t.role in ("state", "weight"))
+
+  @property
+  def owned_bytes(self) -> int:
+    """Whole bytes of the tensors updated whole by one replica each (ownership)."""
+    return sum(t.nbytes for c in self.clusters if c.owner is not None for t in c.tensors
                if t.role in ("state", "weight"))
 
   @property
@@ -233,7 +239,8 @@ class Plan:
       lines.append(f"    {i.name:40s} {str(list(i.shape)):16s} {i.dtype:9s} {layout}: {i.reason}")
     whole, shard = self.state_bytes
     lines.append(f"totals: weight update {self.sharded_bytes} B on shards, "
-                 f"{self.replicated_bytes} B in replicated clusters; state sharded "
+                 + (f"{self.owned_bytes} B owned, " if self.owned is not None else "")
+                 + f"{self.replicated_bytes} B in replicated clusters; state sharded "
                  f"{whole} B -> {shard} B per replica (predicted), state kept whole "
                  f"{self.whole_state_bytes} B (weights, tiny tensors: see inputs)")
     return "\n".join(lines)

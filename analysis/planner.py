@@ -244,8 +244,8 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
   owned = ownership.plan_ownership(jaxpr, ctx, candidates, shard_eqns, state_pairs, readers,
                                    in_names, out_names) if candidates else ownership.Owned()
-  for idx, plan in owned.clusters.items():
-    cluster_plans[idx] = plan
+  for idx, cluster_plan in owned.clusters.items():
+    cluster_plans[idx] = cluster_plan
   shard_eqns.update(owned.kinds)
   state_in.update(owned.state_in)
   state_out.update(owned.state_out)

@@ -99,7 +99,8 @@ def shard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
 
   One program for all of a step's state. Each device takes its own shard of
   its whole value (shape `fmt.shape`, laid out by `spec` as the step's in_spec
-  lays it out) with a local slice: no communication.
+  lays it out) with a local slice: no communication. Owned state
+  (`wus.analysis.owned`) is converted by bank, all of a bank's members together.
 
   Args:
     fmts: a format per tensor.
@@ -134,7 +135,8 @@ def unshard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
   """Sharded global arrays -> the whole tensors on every device, in one program.
 
   The all-gathers are batched (§5.2, `collectives.batched.all_gather`), so a
-  tree of many tensors costs a few collectives and one dispatch.
+  tree of many tensors costs a few collectives and one dispatch. Owned state
+  is gathered by bank: a member is whole only with all of its bank's columns.
 
   Args:
     fmts: a format per tensor.
