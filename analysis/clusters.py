@@ -10,12 +10,20 @@ outside it (weights, optimizer state, hyperparameters) are inputs: big ones
 are read as shards by a local slice, scalars and tiny ones whole.
 Clusters connect only through big tensors, so each weight's update is usually
 its own cluster.
+
+An update that no all-reduce reaches grows from its roots instead: values
+identical on every replica that it reads together with state of their shape
+(a gradient AD formed from invariant values, or that the caller all-reduced
+before the region: `jax.jit`'s gradients entering a shard_map with in_spec
+P()). Its shard of a root is a local slice, no communication (`find_roots`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+
+import jax.numpy as jnp
 
 from wus.analysis import compat
 from wus.analysis import formats
@@ -45,6 +53,9 @@ class Cluster:
       step, because a repeated equation without a shard rule reads their
       results whole: index -> that reader's index. `eqns` read their results
       by a local slice.
+    roots: the roots it grew from (`find_roots`): values identical on every
+      replica that it reads by a local slice (or computes on shards, where
+      only it reads what they are computed from).
   """
 
   eqns: tuple[int, ...]
@@ -56,6 +67,7 @@ class Cluster:
   program_outputs: dict[Var, tuple[int, ...]]
   nested: dict[int, tuple[Cluster, ...]] = dataclasses.field(default_factory=dict)
   kept_whole: dict[int, int] = dataclasses.field(default_factory=dict)
+  roots: tuple[Var, ...] = ()
 
 
 class _Graph:
@@ -79,7 +91,8 @@ class _Graph:
 
 def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
                   num_shards: int, min_size: int = 0, *,
-                  inputs_sharded: bool = False, held_sharded=frozenset()) -> list[Cluster]:
+                  inputs_sharded: bool = False, held_sharded=frozenset(),
+                  roots=frozenset(), state=frozenset()) -> list[Cluster]:
   """Finds the weight-update clusters of a flat (call-free) shard_map body.
 
   Args:
@@ -93,6 +106,12 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
       their readers seed growth as the gradient all-reduces do.
     inputs_sharded: a conditional's branch: every big input arrives as a
       shard and seeds the growth, and everything found is one cluster.
+    roots: values identical on every replica that an update reads whole and
+      may slice locally (a front end's gradients that arrive all-reduced):
+      their readers seed growth after the all-reduces' clusters are grown.
+    state: the step's state inputs (those with a next value): the updates of
+      the ones no all-reduce's cluster reads grow from their roots as well
+      (`find_roots`).
 
   Returns:
     The clusters, in the order of their first equation (with
@@ -122,8 +141,9 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
     return kind_cache[i]
 
   seeds = [i for i in range(len(eqns)) if kind(i) is Kind.REDUCE_SCATTER]
-  # Cluster.seeds are all-reduces; readers of held shards only seed the growth.
-  all_reduces = set(seeds) if held_sharded else None
+  # Cluster.seeds are all-reduces; readers of held shards and of roots only
+  # seed the growth.
+  all_reduces = set(seeds)
   seeds += [r for v in held_sharded for r in graph.readers[v]
             if kind(r) is not None and r not in seeds]
   if inputs_sharded:
@@ -154,9 +174,11 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   if inputs_sharded and seeds:
     for i in seeds:
       union(i, seeds[0])
-  def grow(todo: list[int]) -> None:
+  def grow(todo: list[int], reductions: bool = True) -> None:
     # Each equation is grown from once. A producer that fails the backward test
     # passes it when the last of its readers joins, and is found from that one.
+    # Without `reductions`, growth does not go backward into a reduction (the
+    # bias gradient a root is computed from: it stays whole, as the original).
     while todo:
       i = todo.pop()
       eqn = eqns[i]
@@ -169,21 +191,48 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
       for v in filter(big, eqn.invars):
         p = graph.producer.get(v)
         if (p is not None and kind(p) is not None and v not in graph.outputs
+            and (reductions or kind(p) not in REDUCING)
             and all(r in parent for r in graph.readers[v]) and add(p, i)):
           todo.append(p)
 
+  def join_reductions() -> None:
+    # Reductions of big tensors that the update reads only through small values
+    # (LARS and LAMB's ‖w‖, §4.1): growth through big tensors misses them, so
+    # every replica would reduce the whole weight. Each joins the first cluster
+    # its result reaches, and grows backward from there (`w * w` on the shard).
+    if parent:
+      for i in range(len(eqns)):
+        if i not in parent and kind(i) in REDUCING:
+          member = _reached_member(i, graph, parent, facts, ctx.axes)
+          if member is not None:
+            add(i, member)
+            grow([i])
+
   grow(list(seeds))
-  # Reductions of big tensors that the update reads only through small values
-  # (LARS and LAMB's ‖w‖, §4.1): growth through big tensors misses them, so
-  # every replica would reduce the whole weight. Each joins the first cluster
-  # its result reaches, and grows backward from there (`w * w` on the shard).
-  if parent:
-    for i in range(len(eqns)):
-      if i not in parent and kind(i) in REDUCING:
-        member = _reached_member(i, graph, parent, facts, ctx.axes)
-        if member is not None:
-          add(i, member)
-          grow([i])
+  join_reductions()
+  found_roots: frozenset = frozenset()
+  if (roots or state) and not inputs_sharded:
+    before = set(parent)
+    found_roots = frozenset(roots) | find_roots(jaxpr, facts, axes, big, state, before, kind, graph)
+    grown = [r for v in found_roots for r in graph.readers[v]
+             if kind(r) is not None and r not in parent]
+    for r in grown:
+      add(r, r)
+    # The update grows back to where its roots enter: through what only it
+    # reads, short of reductions (a gradient's) and of `join_reductions`,
+    # which would put the backward pass's sums on shards.
+    grow(grown, reductions=False)
+    # An update that reads a value computed whole from a cluster's result (the
+    # scatter-add that builds an embedding table's gradient from the
+    # all-reduced rows) joins that cluster: its all-reduce runs whole
+    # (`_kept_whole`), the update after it on shards.
+    for i in set(parent) - before:
+      for v in filter(big, eqns[i].invars):
+        p = graph.producer.get(v)
+        if p is not None and p not in parent:
+          for u in filter(big, eqns[p].invars):
+            if graph.producer.get(u) in before:
+              union(i, graph.producer[u])
 
   # Outside a conditional's branch (whose whole reads are gathered inside it),
   # equations whose big results a repeated equation without a shard rule
@@ -209,9 +258,8 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
                  for b in compat.cond(eqns[i]).branches)
 
   inputs = [v for v in jaxpr.invars if big(v)] if inputs_sharded else []
-  clusters = [_make_cluster(sorted(m), graph, big, kind,
-                            set(seeds) if all_reduces is None else all_reduces, branches, inputs,
-                            whole.get(root, {}))
+  clusters = [_make_cluster(sorted(m), graph, big, kind, all_reduces, branches, inputs,
+                            whole.get(root, {}), found_roots)
               for root, m in members.items()]
   return sorted(clusters, key=lambda c: min(c.eqns + tuple(c.kept_whole), default=-1))
 
@@ -258,7 +306,7 @@ def _reached_member(start: int, graph: _Graph, members, facts: Redundancy, axes:
 
 
 def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int], branches,
-                  inputs: list[Var], kept_whole: dict[int, int]) -> Cluster:
+                  inputs: list[Var], kept_whole: dict[int, int], roots=frozenset()) -> Cluster:
   eqns = graph.jaxpr.eqns
   inside = set(idx)
   sharded = inputs + [v for i in idx for v in eqns[i].outvars if big(v)]
@@ -279,7 +327,86 @@ def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int], bra
       program_outputs={v: tuple(graph.outputs[v]) for v in sharded if v in graph.outputs},
       nested={i: branches(i) for i in idx if kind(i) is Kind.COND},
       kept_whole=dict(kept_whole),
+      roots=tuple(v for v in _in_order(graph.jaxpr, roots)
+                  if any(r in inside for r in graph.readers[v])),
   )
+
+
+def find_roots(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset, big, state,
+               taken: set[int], kind=None, graph: _Graph | None = None) -> frozenset:
+  """The roots of the updates of `state` that no cluster reaches.
+
+  The update of a state input s is what every replica repeats on its way from
+  s to the outputs: the equations with a shard kind reachable from s's readers
+  through such equations, that reach an output. No all-reduce need feed it
+  (a weight decay AD forms from invariant values after a scalar psum; a
+  gradient already all-reduced outside the region). Its roots are the values
+  it reads but does not compute that have s's elements (non-unit dims), are
+  floats, are identical on every replica and are not state themselves: the
+  gradient entering the momentum. A cluster grown from a root reads it by a
+  local slice (`collectives.shard`, no communication).
+
+  Args:
+    jaxpr: the flat jaxpr.
+    facts: its redundancy analysis.
+    axes: the replica axes.
+    big: the predicate of tensors worth sharding.
+    state: the jaxpr's state inputs.
+    taken: equations already in clusters: state one of them reads is skipped.
+    kind: `find_clusters`' shard kind of an equation index (None: computed).
+    graph: `jaxpr`'s producers and readers, if the caller has them.
+
+  Returns:
+    The roots (variables of `jaxpr`).
+  """
+  graph = graph or _Graph(jaxpr)
+  if kind is None:
+    ctx = Context(facts, frozenset(axes))
+
+    def kind(i: int) -> Kind | None:
+      eqn = jaxpr.eqns[i]
+      if not facts.repeats(eqn, frozenset(axes)):
+        return None
+      k = shard_kind(eqn, ctx)
+      return k if k is not None and any(map(big, k.big_values(eqn))) else None
+
+  state = frozenset(state)
+  outputs = set(graph.outputs)
+  found: set = set()
+  for s in state:
+    if (not big(s) or not facts.is_redundant(s, frozenset(axes))
+        or any(r in taken for r in graph.readers[s])):
+      continue
+    reached, todo = set(), [r for r in graph.readers[s] if kind(r) is not None]
+    while todo:  # Forward from s through equations with a shard kind.
+      i = todo.pop()
+      if i not in reached:
+        reached.add(i)
+        todo += [r for v in jaxpr.eqns[i].outvars for r in graph.readers[v]
+                 if kind(r) is not None]
+    update: set[int] = set()
+    for i in sorted(reached, reverse=True):  # Those that reach an output (readers come later).
+      if any(v in outputs or any(r in update for r in graph.readers[v])
+             for v in jaxpr.eqns[i].outvars):
+        update.add(i)
+    made = {v for i in update for v in jaxpr.eqns[i].outvars}
+    shape = _nonunit(s)
+    found.update(v for i in update for v in jaxpr.eqns[i].invars
+                 if big(v) and v not in made and v not in state and _nonunit(v) == shape
+                 and jnp.issubdtype(v.aval.dtype, jnp.floating)
+                 and facts.is_redundant(v, frozenset(axes)))
+  return frozenset(found)
+
+
+def _in_order(jaxpr: Jaxpr, vs) -> list[Var]:
+  """`vs` (variables of `jaxpr`) in the order `jaxpr` defines them."""
+  if not vs:
+    return []
+  return [v for v in [*jaxpr.invars, *(o for e in jaxpr.eqns for o in e.outvars)] if v in vs]
+
+
+def _nonunit(v) -> tuple[int, ...]:
+  return tuple(d for d in v.aval.shape if d != 1)
 
 
 def gradient_axes(jaxpr: Jaxpr, state_shapes: set) -> frozenset | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -571,9 +573,27 @@ def is_literal(atom: Any) -> bool:
   return isinstance(atom, Literal)
 
 
+# Libraries whose frames are not the user's code: a gradient all-reduce that AD makes from a
+# Flax layer's broadcast is located at the user's call of the layer, not inside Flax.
+_LIBRARIES = ("flax", "optax", "chex", "orbax", "wus")
+
+
+def _library_roots() -> tuple[str, ...]:
+  """The folders of the `_LIBRARIES` imported (and wus's sub-packages, installed apart)."""
+  names = (*_LIBRARIES, "wus.analysis", "wus.transforms", "wus.collectives", "wus.harness")
+  modules = [sys.modules.get(name) for name in names]
+  return tuple(os.path.dirname(m.__file__) + os.sep for m in modules
+               if m is not None and getattr(m, "__file__", None))
+
+
 def source_line(eqn: JaxprEqn) -> str:
-  """Where in the user's code `eqn` came from, as "file:line (function)"
-  (or its name stack, "jit(_where)", when tracing kept no user frame)."""
+  """Where in the user's code `eqn` came from, as "file:line:column (function)": the
+  innermost frame outside JAX and the libraries of `_LIBRARIES` (or JAX's own choice, or
+  the name stack, "jit(_where)", when tracing kept no such frame)."""
+  roots = _library_roots()
+  for frame in _source_info.user_frames(eqn.source_info.traceback):
+    if not frame.file_name.startswith(roots):
+      return f"{frame.file_name}:{frame.start_line}:{frame.start_column} ({frame.function_name})"
   return (_source_info.summarize(eqn.source_info) or str(eqn.source_info.name_stack)
           or "an unknown place")
 
@@ -585,3 +605,55 @@ def side_effects(eqn: JaxprEqn) -> set:
   they use; it is not I/O, state or randomness.
   """
   return {e for e in eqn.effects if not isinstance(e, _core.NamedAxisEffect)}
+
+
+# --- Global-view steps (`wus.jit`). ---------------------------------------------
+
+# Equations that communicate between devices or enter manual (per-device) code:
+# an update region run inside a shard_map must not hold one.
+_MANUAL = frozenset({shard_map_p, psum_p, psum_invariant_p, pmax_p, pmin_p, pvary_p,
+                     all_gather_p, all_gather_invariant_p, reduce_scatter_p, all_to_all_p,
+                     ragged_all_to_all_p, ppermute_p, pbroadcast_p, axis_index_p})
+
+
+def has_manual_code(eqn: JaxprEqn) -> bool:
+  """Whether `eqn` is, or holds in a nested jaxpr, a collective or a shard_map."""
+  return eqn.primitive in _MANUAL or any(
+      has_manual_code(e) for sub in sub_jaxprs(eqn) for e in sub.eqns)
+
+
+def sharding_spec(aval: Any) -> tuple[tuple, frozenset]:
+  """(the PartitionSpec entries, the unreduced axes) of a value's type: empty
+  on a mesh with Auto axes, where the types carry no sharding."""
+  sharding = getattr(aval, "sharding", None)
+  if sharding is None or getattr(sharding, "spec", None) is None:
+    return (), frozenset()
+  spec = sharding.spec
+  return tuple(spec), frozenset(getattr(spec, "unreduced", ()) or ())
+
+
+def is_zero_literal(atom: Any) -> bool:
+  """Whether a literal is zero (every element)."""
+  return is_literal(atom) and not _np.any(_np.asarray(atom.val))
+
+
+def explicit_axes(mesh: Any) -> frozenset:
+  """The mesh axes of type Explicit (sharding in types, `jax.make_mesh`'s default)."""
+  from jax.sharding import AxisType
+  return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                   if t == AxisType.Explicit)
+
+
+def static_args(fun: Callable, argnums: Any, argnames: Any) -> tuple[frozenset, frozenset]:
+  """`jax.jit`'s static argument positions and names, each inferred from the other."""
+  nums = () if argnums is None else (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  names = () if argnames is None else (argnames,) if isinstance(argnames, str) else tuple(argnames)
+  sig = _api_util.fun_signature(fun)
+  if sig is not None:
+    nums, names = _api_util.infer_argnums_and_argnames(sig, nums or None, names or None)
+  return frozenset(nums), frozenset(names)
+
+
+def is_staging_tracer(x: Any) -> bool:
+  """Whether `x` is a tracer of `jax.jit` staging a jaxpr (not of `jax.grad` or `jax.vmap`)."""
+  return isinstance(x, _pe.DynamicJaxprTracer)

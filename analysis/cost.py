@@ -16,7 +16,10 @@ not state). It is taken when
     phase they replace, plus 1/N of it (room for gathering small statistics
     such as Adafactor's factored second moments), so communication barely
     grows; or, with more all-gather than that, it keeps optimizer state
-    sharded between steps (the memory objective, the default).
+    sharded between steps (the memory objective, the default). An update
+    grown from roots (`clusters.find_roots`: no all-reduce to make a
+    reduce-scatter, its gradient a local slice) only adds all-gathers: it is
+    taken only when it keeps optimizer state sharded.
 
 Every decision also carries the alpha-beta cost model's prediction
 (`costmodel`, ring collectives over the topology's axes, the update's bytes
@@ -100,7 +103,7 @@ def predict(all_reduce: int, all_gather: int, io: int, num_shards: int,
 
 
 def _microseconds(seconds: float) -> str:
-  return f"{seconds * 1e6:.3g} us"
+  return costmodel.format_seconds(seconds)
 
 
 def _branch_gathers(cluster: Cluster, rare: set[int]) -> int:
@@ -133,7 +136,8 @@ def _first_whole_reader(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes)
 def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
            axes: frozenset, state_outputs: set[int], num_shards: int,
            rare: set[int] = frozenset(), *, objective: str = "memory",
-           topology: costmodel.Topology | None = None, extra_gather: int = 0) -> Decision:
+           topology: costmodel.Topology | None = None, extra_gather: int = 0,
+           sliced: list[str] | tuple = ()) -> Decision:
   """Decides one cluster.
 
   Args:
@@ -153,6 +157,8 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
       `costmodel.default_topology(num_shards)`.
     extra_gather: whole bytes of inputs it keeps sharded that are gathered
       where read (weights with `shard_weights`, in their narrow dtype).
+    sliced: for a cluster grown from roots (`Cluster.roots`), the names of
+      the values identical on every replica it reads by a local slice.
 
   Returns:
     The decision, with byte counts (whole-tensor bytes, before sharding) and
@@ -199,6 +205,19 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   if not saved:
     return verdict(False, "reads no weights or optimizer state and returns nothing: "
                           "only computation that differs across replicas reads its result")
+  if cluster.roots and not cluster.seeds:
+    # No all-reduce to replace: the update reads values identical on every
+    # replica (its roots) by a local slice, and sharding it only adds the
+    # all-gathers. Taken for the optimizer state it keeps sharded, or not at all.
+    what = f"{', '.join(sliced) or 'its roots'}, identical on every replica"
+    if not state_outputs:
+      return verdict(False, f"no all-reduce to make a reduce-scatter: the update reads {what}, "
+                            "and would keep no optimizer state sharded between steps, so "
+                            f"sharding it would only add {all_gather} B of all-gather")
+    return slower() or verdict(
+        True, f"update on 1/N shards with no all-reduce to make a reduce-scatter: its roots "
+              f"are local slices (no communication) of {what}; optimizer state kept sharded "
+              f"at the cost of {all_gather} B of all-gather")
   extra = all_gather - (all_reduce + all_reduce // num_shards)
   if extra > 0 and state_outputs and not cluster.seeds:
     # Its gradient arrives as shards (a loop accumulated it on shards, §4.2):
@@ -309,8 +328,9 @@ def bucket_bytes(clusters, num_shards: int, topology: costmodel.Topology,
   counts = chosen.collectives
   return limit, (f"collectives batched in buckets of at most {_mib(limit)}: "
                  f"{counts['reduce-scatter']} reduce-scatter(s), {counts['all-gather']} "
-                 f"all-gather(s), predicted {chosen.communication * 1e6:.3g} us (one bucket: "
-                 f"{one * 1e6:.3g} us; cost model, {objective} objective)")
+                 f"all-gather(s), predicted {costmodel.format_seconds(chosen.communication)} "
+                 f"(one bucket: {costmodel.format_seconds(one)}; cost model, {objective} "
+                 "objective)")
 
 
 def _mib(nbytes: int) -> str:

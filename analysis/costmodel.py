@@ -180,6 +180,23 @@ DEFAULT_INTER_BANDWIDTH = 12.5e9  # bytes/s per device per direction
 DEFAULT_MEMORY_BANDWIDTH = 1e12   # bytes/s, HBM class
 
 
+def format_seconds(seconds: float) -> str:
+  """`seconds` in the unit that keeps 1-999 before the point: "71.3 us", "1.17 ms"."""
+  for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    if abs(seconds) >= scale:
+      return f"{seconds / scale:.3g} {unit}"
+  return f"{seconds / 1e-9:.3g} ns"
+
+
+def resolution(topology: Topology) -> float:
+  """The shortest time the model tells apart: one ring step's latency on the fastest axis.
+
+  Its per-cluster predictions leave latency out (batched collectives share it), so a
+  cluster's predicted time below this says only that the cluster is small.
+  """
+  return min((a.alpha for a in topology.axes), default=0.0)
+
+
 def default_topology(num_devices: int, devices_per_process: int | None = None, *,
                      intra_alpha: float = DEFAULT_INTRA_ALPHA,
                      intra_bandwidth: float = DEFAULT_INTRA_BANDWIDTH,

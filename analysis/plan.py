@@ -27,7 +27,9 @@ class TensorPlan:
       produced it.
     shape: logical shape.
     dtype: numpy dtype name.
-    role: "gradient" (an all-reduce it replaces), "state" (an input kept
+    role: "gradient" (an all-reduce it replaces), "root" (a value identical
+      on every replica that an update no all-reduce reaches grows from, read
+      by a local slice: `clusters.find_roots`), "state" (an input kept
       sharded between steps), "weight" (an input the step also reads whole,
       sliced locally), or "output" (a result returned whole).
     format: its sharding format (None when the cluster stays replicated).
@@ -90,6 +92,9 @@ class InputPlan:
     state: whether an output is its next value (the step's state: weights,
       optimizer state), whether or not it is sharded.
     itemsize: bytes per element (typed PRNG keys have no numpy dtype).
+    matched: the output the step's state matching took for its next value and
+      the rule that found it (position, name, structure), or why it found
+      none although outputs share its tree structure; "" otherwise.
   """
 
   name: str
@@ -99,6 +104,7 @@ class InputPlan:
   reason: str
   state: bool = False
   itemsize: int = 4
+  matched: str = ""
 
   @property
   def nbytes(self) -> int:
@@ -152,6 +158,14 @@ class Plan:
     buckets: that choice in words ("" when nothing is sharded).
     owned: the updates run on whole tensors by one replica each
       (`wus.analysis.owned.Ownership`), or None.
+    resolution: seconds; the cost model's predictions of a cluster below this are
+      not shown (`costmodel.resolution`: one ring step's latency).
+    unchanged: why the step runs as the front end's JAX function would, with
+      nothing sharded (`wus.jit` of a step without data parallelism); "" when
+      it is planned.
+
+  `str(plan)` (what `print` shows) is one line per cluster, the totals first;
+  `plan.details()` the full table: every tensor with its format, every input.
   """
 
   axes: tuple
@@ -169,6 +183,8 @@ class Plan:
   bucket_bytes: int = costmodel.DEFAULT_BUCKET_BYTES
   buckets: str = ""
   owned: Ownership | None = None
+  resolution: float = 0.0
+  unchanged: str = ""
 
   @property
   def shard_eqns(self) -> Mapping[int, Kind]:
@@ -214,29 +230,60 @@ class Plan:
     """Bytes of the step's state (inputs with a next value) each replica keeps whole."""
     return sum(i.nbytes for i in self.inputs if i.state and not i.sharded)
 
+  def _totals(self) -> list[str]:
+    whole, shard = self.state_bytes
+    sharded = sum(c.sharded for c in self.clusters)
+    owned = sum(c.owner is not None for c in self.clusters)
+    lines = [f"wus plan: {sharded} of {len(self.clusters)} weight-update clusters sharded"
+             + (f", {owned} owned" if owned else "") + f" over "
+             f"{self.axes} (N={self.num_shards}), {self.objective} objective",
+             *([f"  the step runs unchanged: {self.unchanged}"] if self.unchanged else []),
+             f"  state kept sharded between steps: {_bytes(whole)} whole -> {_bytes(shard)} per "
+             f"device (predicted); state kept whole: {_bytes(self.whole_state_bytes)} (weights, "
+             "tiny tensors)",
+             f"  weight update: {_bytes(self.sharded_bytes)} of tensors updated on shards, "
+             + (f"{_bytes(self.owned_bytes)} owned, " if self.owned is not None else "")
+             + f"{_bytes(self.replicated_bytes)} in replicated clusters"]
+    return lines + [f"  {x}" for x in (self.groups, self.buckets, self.owned) if x]
+
+  def _predicted(self, c: ClusterPlan) -> str:
+    """The cluster's predicted times, or "" where the model does not resolve them."""
+    if not c.replicated_seconds or max(c.sharded_seconds, c.replicated_seconds) < self.resolution:
+      return ""
+    return (f"predicted {costmodel.format_seconds(c.sharded_seconds)} "
+            f"{'owned' if c.owner is not None else 'sharded'}, "
+            f"{costmodel.format_seconds(c.replicated_seconds)} replicated")
+
   def __str__(self) -> str:
-    lines = [f"wus plan: weight update sharded over {self.axes} (N={self.num_shards})"]
-    if self.groups:
-      lines.append(self.groups)
+    lines = self._totals()
+    width = max([len(_label(c)) for c in self.clusters], default=0)
+    for c in self.clusters:
+      verdict = "SHARDED   " if c.sharded else "OWNED     " if c.owner is not None else "replicated"
+      where = next((t.name for t in c.tensors if t.role == "gradient"), "")
+      parts = [c.reason, where, self._predicted(c)]
+      lines.append(f"cluster {c.index:<3d} {verdict} {_label(c):{width}s}  "
+                   + "; ".join(p for p in parts if p))
+    kept = sum(i.sharded for i in self.inputs)
+    lines.append(f"inputs: {kept} kept sharded between steps, {len(self.inputs) - kept} whole. "
+                 "plan.details() lists every tensor, its format, and every input with why.")
+    return "\n".join(lines)
+
+  def details(self) -> str:
+    """The full table: every cluster's tensors and formats, every input and why."""
+    lines = self._totals()
     for c in self.clusters:
       verdict = "SHARDED: " if c.sharded else "" if c.owner is not None else "replicated: "
       lines.append(f"cluster {c.index}: {verdict}{c.reason}")
-      if c.replicated_seconds:
-        lines.append(f"    predicted: {c.sharded_seconds * 1e6:.3g} us "
-                     f"{'owned' if c.owner is not None else 'sharded'}, "
-                     f"{c.replicated_seconds * 1e6:.3g} us replicated (collectives and update, "
-                     f"{self.objective} objective)")
+      if predicted := self._predicted(c):
+        lines.append(f"    {predicted} (collectives and update, {self.objective} objective)")
       for t in c.tensors:
         fmt = str(t.format) if t.format is not None else "whole"
         lines.append(f"    {t.role:9s} {t.name:40s} {t.dtype:9s} {fmt}")
-    if self.buckets:
-      lines.append(self.buckets)
-    if self.owned is not None:
-      lines.append(str(self.owned))
     lines.append("inputs:")
     for i in self.inputs:
       layout = "sharded" if i.sharded else "whole"
-      lines.append(f"    {i.name:40s} {str(list(i.shape)):16s} {i.dtype:9s} {layout}: {i.reason}")
+      lines.append(f"    {i.name:40s} {str(list(i.shape)):16s} {i.dtype:9s} {layout}: {i.reason}"
+                   + (f"; {i.matched}" if i.matched else ""))
     whole, shard = self.state_bytes
     lines.append(f"totals: weight update {self.sharded_bytes} B on shards, "
                  + (f"{self.owned_bytes} B owned, " if self.owned is not None else "")
@@ -244,6 +291,26 @@ class Plan:
                  f"{whole} B -> {shard} B per replica (predicted), state kept whole "
                  f"{self.whole_state_bytes} B (weights, tiny tensors: see inputs)")
     return "\n".join(lines)
+
+
+def _label(c: ClusterPlan) -> str:
+  """A cluster in a few words: its weight (or state) tensor, and how many it holds."""
+  order = {"weight": 0, "state": 1, "output": 2, "gradient": 3}
+  main = min(c.tensors, key=lambda t: order.get(t.role, 4), default=None)
+  if main is None:
+    return "(no tensors)"
+  shape = ",".join(map(str, main.shape))
+  name = main.name if main.role != "gradient" else "gradient"
+  more = f" +{len(c.tensors) - 1}" if len(c.tensors) > 1 else ""
+  return f"{name} {main.dtype}[{shape}]{more}"
+
+
+def _bytes(n: int) -> str:
+  """`n` bytes in binary units: "512 B", "75.1 KiB", "6.25 MiB"."""
+  for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if n >= scale:
+      return f"{n / scale:.3g} {unit}"
+  return f"{n} B"
 
 
 def replicated(plan: Plan, reason: str) -> Plan:

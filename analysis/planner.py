@@ -23,7 +23,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               state_pairs: Mapping[int, int], min_size: int = 0,
               split_reason: str = "its in_spec splits it", objective: str = "memory",
               topology: costmodel.Topology | None = None, shard_weights: bool = False,
-              state_whole: Mapping[int, str] | None = None) -> Plan:
+              state_whole: Mapping[int, str] | None = None,
+              matched: Mapping[int, str] | None = None, roots: Sequence[int] = ()) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -33,9 +34,9 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     num_shards: N, the number of replicas along `axes`.
     in_names, out_names: a name (pytree path) per flat input / output.
     state_pairs: output position -> input position for outputs that are the
-      next value of an input (the step's state, matched by pytree structure).
-      Such a pair stays sharded between steps when only the update reads the
-      input.
+      next value of an input (the step's state, matched by position, name or
+      structure). Such a pair stays sharded between steps when only the
+      update reads the input.
     min_size: tensors with fewer elements stay replicated (never below N).
     split_reason: why an input that differs across replicas does (shown in
       the Plan; `wus.pmap` points at replicated_argnums).
@@ -46,6 +47,12 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
       its first read (Fig. 4 right, Fig. 7, across calls instead of a loop).
     state_whole: input position -> why the caller keeps that state whole
       between steps (left out of `state_pairs`), for the Plan.
+    matched: input position -> which output the state matching took for its
+      next value and by which rule, or why it found none, for the Plan.
+    roots: positions of inputs that are identical on every replica and that
+      an update reads whole, to be sliced locally (`clusters.find_roots`): a
+      front end's gradients that arrive all-reduced. The planner finds the
+      roots of the updates of state that no all-reduce reaches itself.
 
   Returns:
     The frozen Plan.
@@ -55,7 +62,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
             and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
 
   ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, big, objective,
-             topology or costmodel.default_topology(num_shards), shard_weights)
+             topology or costmodel.default_topology(num_shards), shard_weights,
+             frozenset(jaxpr.invars[k] for k in roots))
   planned = _plan(jaxpr, ctx, state_pairs, in_names, out_names)
   inputs = []
   state = set(state_pairs.values()) | set(state_whole or ())
@@ -65,11 +73,12 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     if not sharded and k in (state_whole or {}):
       reason = f"{state_whole[k]}; {reason}"
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
-                            k in state, v.aval.dtype.itemsize))
+                            k in state, v.aval.dtype.itemsize, (matched or {}).get(k, "")))
   limit, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology, objective)
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               planned.program, planned.formats, planned.gather_dtypes, objective=objective,
-              bucket_bytes=limit, buckets=buckets, owned=planned.owned)
+              bucket_bytes=limit, buckets=buckets, owned=planned.owned,
+              resolution=costmodel.resolution(ctx.topology))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +91,7 @@ class _Ctx:
   objective: str
   topology: costmodel.Topology
   shard_weights: bool = False
+  roots: frozenset = frozenset()  # Declared roots (variables of the step's jaxpr).
 
 
 @dataclasses.dataclass
@@ -132,8 +142,13 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   # seed clusters as the gradient all-reduces do (§4.2).
   held = {jaxpr.eqns[i].outvars[k]: f for i, loop in planned_loops.items()
           for k, f in loop.carries.items()}
+  # Outside loops, updates no all-reduce reaches grow from their roots (§3.1:
+  # redundant computation, whatever feeds it).
+  state = frozenset() if in_loop else frozenset(
+      jaxpr.invars[k] for k in state_pairs.values() if k not in state_in)
   found = clusters_lib.find_clusters(jaxpr, ctx.facts, ctx.axes, ctx.num_shards, ctx.min_size,
-                                     held_sharded=frozenset(held))
+                                     held_sharded=frozenset(held), state=state,
+                                     roots=frozenset() if in_loop else ctx.roots)
   clustered = {i for c in found for i in c.eqns}
   read_whole: set = set()  # Values a sharded cluster reads whole.
   candidates = []  # Replicated clusters of the step: ownership may run them on whole tensors.
@@ -167,7 +182,8 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       narrow_bytes = sum(x.aval.size * dtype.itemsize for x, dtype in (narrow or {}).items())
       decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards,
                              rare, objective=ctx.objective, topology=ctx.topology,
-                             extra_gather=0 if in_loop else narrow_bytes)
+                             extra_gather=0 if in_loop else narrow_bytes,
+                             sliced=_sliced(c, jaxpr, pairs, invar_pos, in_names))
       # A value the rewrite holds as shards has one format: a cluster that
       # needs another format of a value an earlier cluster shards stays whole.
       if decision.shard and (clash := next((v for v, f in layout.formats.items()
@@ -448,6 +464,23 @@ def _with_copies(c: clusters_lib.Cluster, jaxpr: Jaxpr, copies: list[int],
       sharded=(*c.sharded, *(v for i in copies for v in jaxpr.eqns[i].outvars)), reads=reads)
 
 
+def _sliced(c: clusters_lib.Cluster, jaxpr: Jaxpr, pairs, invar_pos, in_names) -> list[str]:
+  """What a cluster grown from roots reads by a local slice: its roots and the
+  weights it reads (not the state it keeps sharded), named for the Plan."""
+  if not c.roots:
+    return []
+  state = {jaxpr.invars[k] for k in pairs.values()}
+  return [_value_name(v, jaxpr, invar_pos, in_names) for v in c.reads if v not in state]
+
+
+def _value_name(v, jaxpr: Jaxpr, invar_pos, in_names) -> str:
+  """An input's pytree path, or the equation that computes `v`."""
+  if v in invar_pos:
+    return in_names[invar_pos[v]]
+  eqn = next(e for e in jaxpr.eqns if v in e.outvars)
+  return f"{eqn.primitive} at {source_line(eqn)}"
+
+
 def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[TensorPlan, ...]:
   def entry(name, v, role):
     return TensorPlan(name, tuple(v.aval.shape), v.aval.dtype.name, role, fmt(v),
@@ -456,8 +489,12 @@ def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[Tens
   state_in = set(pairs.values())
   out = [entry(f"all-reduce at {source_line(jaxpr.eqns[i])}", jaxpr.eqns[i].outvars[0], "gradient")
          for i in c.seeds]
+  # A cluster grown from roots reads them, and what they are computed from
+  # whole, by a local slice.
+  roots = [v for v in c.reads if v in c.roots or (c.roots and v not in invar_pos)]
+  out += [entry(_value_name(v, jaxpr, invar_pos, in_names), v, "root") for v in roots]
   for v in c.reads:
-    if v in invar_pos:
+    if v in invar_pos and v not in roots:
       k = invar_pos[v]
       out.append(entry(in_names[k], v, "state" if k in state_in else "weight"))
   for v, positions in c.program_outputs.items():

@@ -54,13 +54,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags
+from absl import flags
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import costmodel
-from wus.harness import (batches, calibrate, config as config_lib, datasets, muon_bench, optim,
-                         report, steps, tasks, zero)
+from wus.harness import (batches, calibrate, config as config_lib, console, datasets, muon_bench,
+                         optim, report, steps, tasks, zero)
 
 VARIANTS = ("replicated", "gspmd_zero1", "handwritten", "wus")
 ALTERNATIVES = VARIANTS[:3]
@@ -463,7 +463,7 @@ def main(argv) -> None:
 def run() -> None:
   """Entry point of the `wus-bench` console script."""
   _define_flags()
-  app.run(main)
+  console.run_console(main, __doc__, __name__)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,23 @@ def check(directory: pathlib.Path, identity: dict, *, read_arrays: bool = True) 
   return identity
 
 
+def saved_schedule(directory: pathlib.Path) -> tuple[int, dict] | None:
+  """(step, schedule record) of the latest checkpoint in `directory`, or None if there is
+  none or it has no schedule record (written before they were kept).
+
+  Every process must call it (Orbax synchronizes processes when it opens a folder).
+
+  Raises:
+    errors.InputError: the latest checkpoint has no readable record.
+  """
+  with _manager(directory, create=False) as peek:
+    step = peek.latest_step()
+    if step is None:
+      return None
+    schedule = _read_meta(peek, directory, step).get("schedule")
+  return None if schedule is None else (step, schedule)
+
+
 class Checkpointer:
   """Saves and restores training state in `directory` (one sub-folder per step).
 
@@ -201,6 +218,8 @@ class Checkpointer:
     identity: JSON-ready record of the model and optimizer; a checkpoint whose
       identity differs is refused.
     max_to_keep: how many of the latest checkpoints to keep.
+    schedule: JSON-ready record of the optimizer's schedule (`RunConfig.schedule`),
+      saved with every checkpoint, so that a resumed run continues it.
 
   Raises:
     errors.InputError: the latest checkpoint in `directory` is of another
@@ -208,13 +227,18 @@ class Checkpointer:
       has been changed then.
   """
 
-  def __init__(self, directory: pathlib.Path, identity: dict, *, max_to_keep: int):
+  def __init__(self, directory: pathlib.Path, identity: dict, *, max_to_keep: int,
+               schedule: dict | None = None):
     # Look before writing anything, with a manager that changes nothing. The
     # arrays are read when restored (`restore` reports damage as `check` does).
     self._identity = check(directory, identity, read_arrays=False)
-    self._directory = directory
+    self._directory, self._schedule = directory, schedule
     self._manager = _manager(directory, max_to_keep=max_to_keep, create=True,
                              cleanup_tmp_directories=True)
+
+  @property
+  def directory(self) -> pathlib.Path:
+    return self._directory
 
   def latest_step(self) -> int | None:
     """The step of the newest complete checkpoint, or None."""
@@ -228,7 +252,8 @@ class Checkpointer:
     """
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(wus.checkpointable(flax.serialization.to_state_dict(state))),
-        meta=ocp.args.JsonSave({"identity": self._identity})))
+        meta=ocp.args.JsonSave({"identity": self._identity,
+                                **({"schedule": self._schedule} if self._schedule else {})})))
 
   def restore(self, step: int, target: Any) -> Any:
     """The state saved as `step`, laid out as `target` says.

@@ -36,6 +36,10 @@ flags.DEFINE_multi_enum("modes", list(steps.MODES), steps.MODES,
                         "seed: replicated (jax.shard_map, every replica updates every weight) "
                         "and/or wus (wus.shard_map, the weight update sharded). With both, the "
                         "two are compared at the end.")
+flags.DEFINE_enum("step", "shard_map", list(steps.STEP_STYLES),
+                  "How the training step is written: shard_map (per replica; the modes are "
+                  "jax.shard_map and wus.shard_map) or jit (on global arrays with the batch on a "
+                  "NamedSharding; the modes are jax.jit and wus.jit).")
 flags.DEFINE_string("data", None, "Training data: digits (the 8x8 handwritten digits "
                     "bundled with scikit-learn), stdlib (the bytes of Python's standard "
                     "library), synthetic (random, for step times), or a path: a .npz with "
@@ -51,7 +55,12 @@ flags.DEFINE_float("learning_rate", None, "Peak learning rate, reached at the en
                    f"Default per model: {_defaults('learning_rate')}; with another optimizer "
                    f"than the model's: {config_lib.OPTIMIZER_LEARNING_RATES}.", lower_bound=0)
 flags.DEFINE_integer("warmup_steps", None, "Updates of linear learning-rate warmup. Default: "
-                     f"{config_lib.WARMUP_FRACTION:.0%} of --steps.", lower_bound=0)
+                     f"{config_lib.WARMUP_FRACTION:.0%} of the model's default --steps, "
+                     "whatever --steps is, so that a run resumed to more steps continues the "
+                     "schedule of an uninterrupted one.", lower_bound=0)
+flags.DEFINE_integer("decay_steps", None, "LARS: the update at which the polynomial decay "
+                     "reaches 0. Default: --steps of the run that started the schedule (a "
+                     "resumed run continues the saved one).", lower_bound=1)
 flags.DEFINE_float("weight_decay", None, "LARS weight decay on kernels (not on biases or "
                    f"batch-norm parameters). Default per model: {_defaults('weight_decay')}.",
                    lower_bound=0)
@@ -128,8 +137,9 @@ def configs_from_flags() -> list[config_lib.RunConfig]:
                             "process 0)")
   output_dir = _output_dir(FLAGS.output_dir)
   configs = [config_lib.RunConfig.for_model(
-      FLAGS.model, mode=mode, data=FLAGS.data, optimizer=FLAGS.optimizer,
+      FLAGS.model, mode=mode, step=FLAGS.step, data=FLAGS.data, optimizer=FLAGS.optimizer,
       learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
+      decay_steps=FLAGS.decay_steps,
       weight_decay=FLAGS.weight_decay, steps=FLAGS.steps, batch_size=FLAGS.batch_size,
       momentum=FLAGS.momentum, b1=FLAGS.beta1, b2=FLAGS.beta2, eps=FLAGS.adam_eps,
       seq_len=FLAGS.seq_len, image_size=FLAGS.image_size, seed=FLAGS.seed,
@@ -164,6 +174,7 @@ def _output_dir(flag: str | None) -> pathlib.Path | None:
 # data of `kind`) reads it.
 _READ_BY = {
     "momentum": lambda config, kind: config.optimizer == "lars",
+    "decay_steps": lambda config, kind: config.optimizer == "lars",
     "weight_decay": lambda config, kind: config.optimizer == "lars",
     "beta1": lambda config, kind: config.optimizer == "adam",
     "beta2": lambda config, kind: config.optimizer == "adam",
@@ -187,19 +198,21 @@ def _warn_ignored_flags(config: config_lib.RunConfig) -> None:
     logging.warning("ignoring %s: not read in this run (%s)", ", ".join(ignored), context)
 
 
+# The flags of `RunConfig.schedule`'s fields: field -> flag.
+SCHEDULE_FLAGS = {"learning_rate": "learning_rate", "warmup_steps": "warmup_steps",
+                  "decay_steps": "decay_steps", "weight_decay": "weight_decay",
+                  "momentum": "momentum", "b1": "beta1", "b2": "beta2", "eps": "adam_eps"}
+
+
+def given_schedule() -> dict[str, tuple[str, object]]:
+  """{schedule field: (flag, value)} of the schedule flags given on the command line."""
+  return {field: (flag, FLAGS[flag].value) for field, flag in SCHEDULE_FLAGS.items()
+          if FLAGS[flag].present}
+
+
 def flag_values() -> dict:
   """{name: value} of the flags defined here, as parsed."""
   return {f.name: f.value for f in FLAGS.get_key_flags_for_module(__name__)}
-
-
-def quiet_logs() -> None:
-  """Logs warnings and errors only, unless --verbosity was given.
-
-  absl's `app.run` turns on info logs, which JAX and Orbax write a lot of;
-  `--verbosity=0` shows them.
-  """
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
 
 
 def setup_jax(config: config_lib.RunConfig) -> None:

@@ -31,7 +31,15 @@ MODEL_DEFAULTS = {
 
 # The learning rate of an optimizer that is not the model's default.
 OPTIMIZER_LEARNING_RATES = {"lars": 1.0, "adam": 1e-3}
-WARMUP_FRACTION = 0.1  # of the steps, unless --warmup_steps says otherwise
+# Warmup: this fraction of the model's default --steps, unless --warmup_steps says otherwise.
+# Not of --steps: a run resumed to more steps continues the same schedule as an
+# uninterrupted run of that length.
+WARMUP_FRACTION = 0.1
+# What a checkpoint's schedule record holds, per optimizer: the hyperparameters of
+# `optim.make`, which a resumed run continues (`RunConfig.schedule`).
+SCHEDULE_FIELDS = {"lars": ("learning_rate", "warmup_steps", "decay_steps", "weight_decay",
+                            "momentum"),
+                   "adam": ("learning_rate", "warmup_steps", "b1", "b2", "eps")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +52,16 @@ class RunConfig:
     optimizer: "lars" or "adam".
     learning_rate: peak learning rate.
     warmup_steps: updates of linear warmup.
+    decay_steps: LARS: the update at which the rate reaches 0 (None: `steps`).
     weight_decay: LARS weight decay on weight matrices and kernels.
     steps: total updates of the run (a resumed run continues to it).
     batch_size: examples per replica per update; the global batch is
       `batch_size` times the number of devices.
-    mode: "replicated" (jax.shard_map) or "wus" (wus.shard_map).
+    mode: "replicated" (jax.shard_map, or jax.jit) or "wus" (wus.shard_map, or
+      wus.jit).
+    step: how the step is written: "shard_map" (per replica, mapped by
+      jax.shard_map / wus.shard_map) or "jit" (on global arrays, compiled by
+      jax.jit / wus.jit).
     momentum: LARS momentum.
     b1, b2, eps: Adam's parameters.
     seq_len: bytes per text example fed to a Transformer (default per model).
@@ -78,6 +91,8 @@ class RunConfig:
   steps: int
   batch_size: int
   mode: str = "wus"
+  step: str = "shard_map"
+  decay_steps: int | None = None
   momentum: float = 0.9
   b1: float = 0.9
   b2: float = 0.98
@@ -101,20 +116,29 @@ class RunConfig:
 
     A None override counts as not given. The learning rate defaults to the
     model's own if the optimizer is the model's, else to the optimizer's
-    (OPTIMIZER_LEARNING_RATES); warmup to WARMUP_FRACTION of the steps.
+    (OPTIMIZER_LEARNING_RATES); warmup to WARMUP_FRACTION of the model's default
+    steps.
     """
     given = {k: v for k, v in overrides.items() if v is not None}
     fields = {**MODEL_DEFAULTS[model], **given}
     if "learning_rate" not in given and fields["optimizer"] != MODEL_DEFAULTS[model]["optimizer"]:
       fields["learning_rate"] = OPTIMIZER_LEARNING_RATES[fields["optimizer"]]
-    fields.setdefault("warmup_steps", int(WARMUP_FRACTION * fields["steps"]))
+    fields.setdefault("warmup_steps", int(WARMUP_FRACTION * MODEL_DEFAULTS[model]["steps"]))
     return cls(model=model, **fields)
+
+  def schedule(self) -> dict:
+    """The optimizer's hyperparameters that a resumed run must continue (SCHEDULE_FIELDS),
+    with `decay_steps` resolved: saved with every checkpoint."""
+    out = {k: getattr(self, k) for k in SCHEDULE_FIELDS[self.optimizer]}
+    if "decay_steps" in out and out["decay_steps"] is None:
+      out["decay_steps"] = self.steps
+    return out
 
   def optimizer_hyperparameters(self) -> dict:
     """Keyword arguments of `optim.make(self.optimizer, ...)`."""
+    s = self.schedule()
     if self.optimizer == "lars":
-      return {"learning_rate": self.learning_rate, "warmup_steps": self.warmup_steps,
-              "total_steps": self.steps, "weight_decay": self.weight_decay,
-              "momentum": self.momentum}
-    return {"learning_rate": self.learning_rate, "warmup_steps": self.warmup_steps,
-            "b1": self.b1, "b2": self.b2, "eps": self.eps}
+      return {"learning_rate": s["learning_rate"], "warmup_steps": s["warmup_steps"],
+              "total_steps": s["decay_steps"], "weight_decay": s["weight_decay"],
+              "momentum": s["momentum"]}
+    return s

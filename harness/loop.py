@@ -169,7 +169,8 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
   batch_sharding = NamedSharding(mesh, P(steps.AXIS_NAME))
   global_batch = config.batch_size * mesh.size
   init = functools.partial(init_state, task, tx, dataset, config.seed)
-  train_step = steps.map_train_step(config.mode, steps.make_train_step(task, tx), mesh)
+  train_step = steps.map_train_step(config.mode, steps.make_train_step(task, tx, config.step),
+                                    mesh, step=config.step)
   start = checkpointer.latest_step() if checkpointer else None
   if start is None:
     start, state = 0, jax.jit(init, out_shardings=replicated,
@@ -179,6 +180,8 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
                                       batch_size=global_batch, sharding=batch_sharding)
     state = checkpointer.restore(start, checkpoint.restore_target(
         train_step, jax.eval_shape(init), first_batch, replicated))
+    if log_enabled:
+      print(f"{config.mode}: resumed from step {start} of {checkpointer.directory}", flush=True)
   eval_batch = mesh.size * max(config.batch_size, MIN_EVAL_BATCH_PER_DEVICE)
   eval_step = functools.partial(evaluate, steps.make_eval_step(task, mesh),
                                 split=dataset.held_out, batch_size=eval_batch,

@@ -37,11 +37,11 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from wus.harness import config as config_lib
-from wus.harness import optim, report, steps, tasks
+from wus.harness import console, optim, report, steps, tasks
 
 # Per model: its optimizer and the per-replica batch and input sizes reported.
 # ResNet-50 and the Transformer follow the paper's Table 1 (LARS, Adam); the
@@ -297,7 +297,7 @@ def main(argv) -> None:
 def run() -> None:
   """Entry point of the `wus-memory` console script."""
   _define_flags()
-  app.run(main)
+  console.run_console(main, __doc__, __name__)
 
 
 if __name__ == "__main__":

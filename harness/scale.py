@@ -34,10 +34,10 @@ import json
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from wus.analysis import costmodel
-from wus.harness import report
+from wus.harness import console, report
 
 MS = 1e3
 MIB = 2 ** 20
@@ -522,7 +522,7 @@ def main(argv) -> None:
 def run() -> None:
   """Entry point of the `wus-scale` console script."""
   _define_flags()
-  app.run(main)
+  console.run_console(main, __doc__, __name__)
 
 
 if __name__ == "__main__":

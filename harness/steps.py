@@ -31,13 +31,22 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import wus
 from wus.harness import tasks
 
 AXIS_NAME = "data"
 MODES = ("replicated", "wus")
+STEP_STYLES = ("shard_map", "jit")
+
+
+def make_mesh(step: str = "shard_map") -> Mesh:
+  """The 1-D mesh over every device with the axis AXIS_NAME. For "jit" steps its axis is
+  Auto (`jax.sharding.Mesh`'s kind): Flax's `nn.Embed` cannot take a batch split over an
+  Explicit axis (`jax.make_mesh`'s default) without an out_sharding."""
+  types = (AxisType.Auto,) if step == "jit" else None
+  return jax.make_mesh((jax.device_count(),), (AXIS_NAME,), axis_types=types)
 
 
 class TrainState(NamedTuple):
@@ -113,12 +122,17 @@ def local_gradients(task: tasks.Task, params, model_state, batch,
   return grads, model_state, metrics
 
 
-def make_train_step(task: tasks.Task, tx: optax.GradientTransformation):
-  """The per-replica step: (params, model_state, opt_state, batch) -> (..., metrics).
+def make_train_step(task: tasks.Task, tx: optax.GradientTransformation,
+                    step: str = "shard_map"):
+  """The step: (params, model_state, opt_state, batch) -> (..., metrics).
 
-  `batch` is this replica's share; `metrics` ({"loss", "accuracy"}, float32
-  scalars) are means over all replicas.
+  With step "shard_map", per replica: `batch` is this replica's share; with
+  "jit", on global arrays as a `jax.jit` step is written (`batch` is the
+  global batch, the loss its mean). `metrics` ({"loss", "accuracy"}, float32
+  scalars) are means over the global batch either way.
   """
+  if step == "jit":
+    return _global_train_step(task, tx)
 
   def train_step(params, model_state, opt_state, batch):
     grads, model_state, metrics = gradients(task, params, model_state, batch)
@@ -129,7 +143,20 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation):
   return train_step
 
 
-def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = None):
+def _global_train_step(task: tasks.Task, tx: optax.GradientTransformation):
+  """The step on global arrays, as a `jax.jit` step is written (no collectives)."""
+
+  def train_step(params, model_state, opt_state, batch):
+    (_, (model_state, metrics)), grads = jax.value_and_grad(task.loss, has_aux=True)(
+        params, model_state, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), model_state, opt_state, metrics
+
+  return train_step
+
+
+def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = None,
+                   step: str = "shard_map"):
   """`train_step` over `mesh`, compiled by `jax.jit(jax.shard_map(...))` or by wus.
 
   Args:
@@ -137,6 +164,8 @@ def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = N
     train_step: from `make_train_step`.
     mesh: a mesh with the axis AXIS_NAME.
     group_size: wus only: `shard_group_size` (partial sharding, §5.2).
+    step: "shard_map", or "jit" for a step on global arrays (`jax.jit` or
+      `wus.jit`; the batch must be placed split over AXIS_NAME).
 
   Returns:
     (params, model_state, opt_state, batch) -> (params, model_state, opt_state,
@@ -144,8 +173,10 @@ def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = N
     arguments are donated (do not use them after the call). Both results have
     `.lower(*args)` for the compiled program.
   """
-  specs = {"in_specs": (P(), P(), P(), P(AXIS_NAME)), "out_specs": (P(), P(), P(), P())}
   donate = (0, 1, 2)  # The state is updated in place, as MLPerf-style loops do.
+  if step == "jit":
+    return (jax.jit if mode == "replicated" else wus.jit)(train_step, donate_argnums=donate)
+  specs = {"in_specs": (P(), P(), P(), P(AXIS_NAME)), "out_specs": (P(), P(), P(), P())}
   if mode == "replicated":
     return jax.jit(jax.shard_map(train_step, mesh=mesh, **specs), donate_argnums=donate)
   return wus.shard_map(train_step, mesh=mesh, donate_argnums=donate,

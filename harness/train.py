@@ -20,17 +20,18 @@ Examples:
       --coordinator_address=127.0.0.1:12355
 """
 
+import dataclasses
 import json
+import math
 import pathlib
 import sys
 
 import jax
 import numpy as np
-from absl import app
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from wus.harness import (batches, checkpoint, cli, datasets, errors, loop, optim, report,
+from wus.harness import (batches, checkpoint, cli, console, datasets, errors, loop, optim, report,
                          steps, tasks)
 from wus.harness.config import RunConfig
 
@@ -45,7 +46,7 @@ def build(config: RunConfig):
   dataset = datasets.load(config.data, kind, seq_len=config.seq_len,
                           image_size=config.image_size, seed=config.seed)
   task = tasks.make(config.model, num_classes=dataset.num_classes, seq_len=config.seq_len,
-                    axis_name=steps.AXIS_NAME)
+                    axis_name=steps.AXIS_NAME if config.step == "shard_map" else None)
   tx, schedule = optim.make(config.optimizer, **config.optimizer_hyperparameters())
   return dataset, task, tx, schedule
 
@@ -55,6 +56,69 @@ def identity(config: RunConfig, task: tasks.Task) -> dict:
   return {**task.identity(), "optimizer": config.optimizer}
 
 
+def continue_schedule(config: RunConfig, given: dict) -> RunConfig:
+  """`config` with the schedule saved with its latest checkpoint, if any: a resumed run
+  continues the saved learning-rate schedule and optimizer hyperparameters exactly.
+
+  Every process must call it (after `cli.setup_jax`).
+
+  Args:
+    config: the run as its flags make it.
+    given: {schedule field: (flag, value)} of the flags given (`cli.given_schedule`).
+
+  Raises:
+    errors.InputError: a given flag differs from the saved schedule, or (LARS) the run
+      would go past the step where the saved schedule's rate reaches 0.
+  """
+  if not config.output_dir:
+    return config
+  found = checkpoint.saved_schedule(config.output_dir / "checkpoints")
+  if found is None:
+    return config
+  step, saved = found
+  where = f"the checkpoint at step {step} in {config.output_dir / 'checkpoints'}"
+  for field, value in saved.items():
+    if field in given and given[field][1] != value:
+      flag, mine = given[field]
+      raise errors.InputError(
+          f"--{flag}={mine} differs from the schedule saved with {where} ({field}={value}): "
+          "a resumed run continues the saved schedule; drop the flag, or use another "
+          "--output_dir")
+  config = dataclasses.replace(config, **{k: v for k, v in saved.items() if hasattr(config, k)})
+  if config.optimizer == "lars" and config.steps > config.decay_steps:
+    raise errors.InputError(
+        f"--steps={config.steps} goes past the LARS schedule saved with {where}, whose rate "
+        f"reaches 0 at update {config.decay_steps} (decay_steps): start a run with "
+        f"--decay_steps={config.steps} to extend it later, or use another --output_dir")
+  return config
+
+
+def describe(config: RunConfig, dataset, task: tasks.Task, tx, modes: list[str]) -> str:
+  """What the run trains, with what, on what: the lines `wus-train` starts with."""
+  abstract = jax.eval_shape(lambda: loop.init_state(task, tx, dataset, config.seed))
+  count = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params))
+  s = config.schedule()
+  if config.optimizer == "lars":
+    opt = (f"LARS (momentum {s['momentum']}, weight decay {s['weight_decay']:g}); learning "
+           f"rate 0 -> {s['learning_rate']:g} over {s['warmup_steps']} warmup updates, then "
+           f"polynomial decay (power 2) to 0 at update {s['decay_steps']}")
+  else:
+    opt = (f"Adam (b1 {s['b1']}, b2 {s['b2']}, eps {s['eps']:g}); learning rate 0 -> "
+           f"{s['learning_rate']:g} over {s['warmup_steps']} warmup updates, then "
+           "inverse-square-root decay")
+  devices = (f"{jax.device_count()} {jax.devices()[0].platform.upper()} devices in "
+             f"{jax.process_count()} process(es), one mesh axis {steps.AXIS_NAME!r}")
+  saving = (f"checkpoints every {config.checkpoint_every or config.steps} updates and metrics "
+            f"under {config.output_dir.parent}/<mode>/ (resumes from the latest)"
+            if config.output_dir else "nothing (no --output_dir: no checkpoints, no metrics)")
+  return "\n".join([
+      f"wus-train: {config.model}, {count:,} parameters",
+      f"  data: {dataset.description}",
+      f"  optimizer: {opt}",
+      f"  {config.steps} updates of {config.batch_size} examples per device; {devices}",
+      f"  modes: {', '.join(modes)}; saving: {saving}"])
+
+
 def open_checkpoints(config: RunConfig, task: tasks.Task) -> checkpoint.Checkpointer:
   """The checkpoints of `config` in `<output_dir>/checkpoints`, for `task` and the optimizer.
 
@@ -62,7 +126,8 @@ def open_checkpoints(config: RunConfig, task: tasks.Task) -> checkpoint.Checkpoi
     errors.InputError: they are of another model or optimizer, or unreadable.
   """
   return checkpoint.Checkpointer(config.output_dir / "checkpoints", identity(config, task),
-                                 max_to_keep=config.keep_checkpoints)
+                                 max_to_keep=config.keep_checkpoints,
+                                 schedule=config.schedule())
 
 
 def fit(config: RunConfig, built=None) -> loop.Result:
@@ -81,12 +146,9 @@ def fit(config: RunConfig, built=None) -> loop.Result:
       of another model or optimizer, or unreadable.
   """
   dataset, task, tx, schedule = built or build(config)
-  mesh = jax.make_mesh((jax.device_count(),), (steps.AXIS_NAME,))
+  mesh = steps.make_mesh(config.step)
   checkpointer = open_checkpoints(config, task) if config.output_dir else None
   first = jax.process_index() == 0
-  if first:
-    print(f"{config.mode}: {config.model} on {dataset.description}; "
-          f"{jax.device_count()} devices in {jax.process_count()} process(es)", file=sys.stderr)
   try:
     result = loop.train(config, task=task, dataset=dataset, tx=tx, schedule=schedule,
                         mesh=mesh, checkpointer=checkpointer, log_enabled=first)
@@ -127,13 +189,15 @@ def fit_modes(configs: list[RunConfig]) -> dict[str, dict]:
   for config in configs:
     if config.output_dir:
       checkpoint.check(config.output_dir / "checkpoints", identity(config, task))
+  if jax.process_index() == 0:  # Once the checkpoints are known good.
+    print(describe(configs[0], dataset, task, tx, [c.mode for c in configs]), flush=True)
   summaries = {}
   for config in configs:  # only the last state is kept: each is replicated on every device
     last = fit(config, built)
     summaries[config.mode] = last.summary
   times = [summaries.get(mode, {}).get("step_seconds") for mode in steps.MODES]
   if all(times) and _on_every_process(times[1] >= times[0]):
-    mesh = jax.make_mesh((jax.device_count(),), (steps.AXIS_NAME,))
+    mesh = steps.make_mesh(configs[0].step)
     batch = batches.train_batch(dataset.train, seed=configs[0].seed, step=0,
                                 batch_size=last.summary["global_batch"],
                                 sharding=NamedSharding(mesh, P(steps.AXIS_NAME)))
@@ -220,6 +284,8 @@ def format_results(results: dict[str, dict]) -> str:
             "memory", report.table(summary_headers, summary_rows)]
   if both and split:
     parts.append(time_note(results[modes[0]], results[modes[1]]))
+  if both and (note := temp_note(results[modes[0]], results[modes[1]])):
+    parts.append(note)
   if all("collectives" in results[m] for m in modes):
     fields = [(m, f) for m in modes for f in ("count", "bytes", "wire_bytes")]
     parts += ["Collectives in the compiled step (from its optimized HLO; bytes per device: "
@@ -228,6 +294,26 @@ def format_results(results: dict[str, dict]) -> str:
                            [[kind, *(results[m]["collectives"][kind][f] for m, f in fields)]
                             for kind in report.COLLECTIVE_KINDS])]
   return "\n\n".join(parts)
+
+
+def temp_note(replicated: dict, sharded: dict) -> str:
+  """Says so, with the bytes, when wus's compiled step holds more temporary memory.
+
+  Args:
+    replicated, sharded: `loop.train` summaries with "memory" (`report.memory`).
+  """
+  before, after = replicated.get("memory", {}), sharded.get("memory", {})
+  if not before or not after or after["temp"] <= before["temp"]:
+    return ""
+  ratio = after["temp"] / max(before["temp"], 1)
+  return (f"wus's compiled step needs more temporary memory per device: {after['temp']:,} "
+          f"bytes against {before['temp']:,} replicated ({ratio:.2f}x, "
+          f"+{after['temp'] - before['temp']:,}), while its arguments fall from "
+          f"{before['argument']:,} to {after['argument']:,} bytes and its total from "
+          f"{before['total']:,} to {after['total']:,}: the batched collectives concatenate the "
+          "gradients of each bucket into one buffer before the reduce-scatter and cut the "
+          "gathered weights from another, and the update's shards are padded; at this size "
+          "those buffers are not small beside the state.")
 
 
 def time_note(replicated: dict, sharded: dict) -> str:
@@ -264,32 +350,35 @@ def time_note(replicated: dict, sharded: dict) -> str:
 
 
 def main(argv):
-  cli.quiet_logs()
   if len(argv) > 1:
     sys.exit(f"wus-train: error: unexpected arguments {argv[1:]}; flags are --name=value")
   try:
     configs = cli.configs_from_flags()
     cli.setup_jax(configs[0])
+    given = cli.given_schedule()
+    configs = [continue_schedule(c, given) for c in configs]
     results = fit_modes(configs)
   except errors.InputError as e:
     sys.exit(f"wus-train: error: {e}")
   if jax.process_index() == 0:
     print(format_results(results))
+    print()
     if configs[0].output_dir:
       path = configs[0].output_dir.parent / "results.json"
       append_record(path, {"flags": cli.flag_values(), "modes": results})
-      print(f"\nAppended this run's results to {path}")
+      for c in configs:
+        print(f"Saved {c.mode}: checkpoints in {c.output_dir / 'checkpoints'} (latest: update "
+              f"{results[c.mode]['final_step']}), metrics in {c.output_dir / 'metrics.jsonl'} "
+              f"and {c.output_dir / 'tensorboard'}")
+      print(f"Appended this run's results to {path}")
+    else:
+      print("Nothing was saved (no --output_dir): pass --output_dir=DIR for checkpoints, "
+            "metrics and resuming.")
 
 
 def run():
   """Entry point of the `wus-train` console script."""
-  # --help shows the docstring of __main__ and the flags of the module named
-  # sys.argv[0]; for a console script, that is a generated wrapper.
-  main_module = sys.modules["__main__"]
-  main_module.__doc__ = main_module.__doc__ or __doc__
-  for flag in cli.FLAGS.get_key_flags_for_module(cli.__name__):
-    cli.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-  app.run(main)
+  console.run_console(main, __doc__, cli.__name__)
 
 
 if __name__ == "__main__":

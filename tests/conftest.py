@@ -19,6 +19,13 @@ rewrite itself. The flags hold for the whole test process; the one parity
 case that runs with XLA's defaults at a tolerance of a few ulps
 (`test_parity.py::test_with_default_xla_flags_within_a_few_ulps`) runs in a
 subprocess (`parity_worker.py`) whose XLA_FLAGS set only the device count.
+
+Profiles. `python -m pytest -q tests` runs the default profile; `--slow` (or
+WUS_SLOW=1) also runs the tests marked `slow`, the slowest end-to-end runs and
+the larger parametrizations of the parity families (each family keeps cases in
+the default profile), and turns the fuzzer's 8 fixed-seed cases into 100
+(tests/test_fuzz.py). .ci/run runs both. README.md ("Tests and exactness")
+gives the measured times.
 """
 
 import os
@@ -30,3 +37,27 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_addoption(parser):
+  parser.addoption("--slow", action="store_true", default=False,
+                   help="also run the tests marked slow and the fuzzer's 100-case profile "
+                        "(as WUS_SLOW=1)")
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: opt-in (--slow or WUS_SLOW=1): a long end-to-end "
+                                     "run or a larger parametrization")
+  config.addinivalue_line("markers", "fuzz: the differential fuzzer (20 cases; 100 with --slow)")
+  if config.getoption("--slow"):
+    os.environ["WUS_SLOW"] = "1"  # Read by test_fuzz.py at import, after this hook.
+
+
+def pytest_collection_modifyitems(config, items):
+  if os.environ.get("WUS_SLOW"):
+    return
+  import pytest  # noqa: PLC0415
+  skip = pytest.mark.skip(reason="slow: run with --slow (or WUS_SLOW=1)")
+  for item in items:
+    if "slow" in item.keywords:
+      item.add_marker(skip)

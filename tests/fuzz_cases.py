@@ -578,6 +578,9 @@ class Case:
   tx: Tx
   extra: bool   # A third argument {"count": int32, "key": typed PRNG key}, used for dropout.
   seed: int
+  # "shard_map": the per-replica step under jax.shard_map / wus.shard_map; "auto" or
+  # "explicit": the global-view step under jax.jit / wus.jit, on a mesh with axes of that type.
+  front: str = "shard_map"
 
   @property
   def bf16(self) -> bool:
@@ -588,7 +591,8 @@ class Case:
     shapes = ", ".join(f"{l.name}@{l.where}{list(l.dims)}{'/bf16' if l.dtype == 'bfloat16' else ''}"
                        f"{'/mixed' if l.mixed else ''}"
                        f"{'+' if l.flag else ''}" for l in self.layers)
-    return (f"Case(N={self.n}, check_vma={self.check_vma}, steps={self.steps}, extra={self.extra}, "
+    return (f"Case(N={self.n}, front={self.front}, check_vma={self.check_vma}, "
+            f"steps={self.steps}, extra={self.extra}, "
             f"layers=[{shapes}], tx={self.tx.code})")
 
   def script(self) -> str:
@@ -603,6 +607,11 @@ class Case:
         # Dropout with the key the caller passes, different on every replica.
         key = jax.random.fold_in(extra["key"], lax.axis_index("data"))
         keep = jax.random.bernoulli(key, 0.9, batch["x"].shape)
+        batch = dict(batch, x=jnp.where(keep, batch["x"], 0.0))
+        """), "  ") if self.extra else ""
+    global_dropout = textwrap.indent(textwrap.dedent("""\
+        # Dropout with the key the caller passes, over the whole batch.
+        keep = jax.random.bernoulli(extra["key"], 0.9, batch["x"].shape)
         batch = dict(batch, x=jnp.where(keep, batch["x"], 0.0))
         """), "  ") if self.extra else ""
     new_extra = ('  extra = {"count": extra["count"] + 1,\n'
@@ -664,6 +673,14 @@ def step(params, opt_state, {extra_arg}batch):
 {new_extra}  return params, opt_state, {ret_extra}lax.pmean(loss_value, "data")
 
 
+def global_step(params, opt_state, {extra_arg}batch):
+  # The same program on global arrays, as a jax.jit step: the mean loss over the whole batch.
+{global_dropout}  loss_value, grads = jax.value_and_grad(loss)(params, batch)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+{new_extra}  return params, opt_state, {ret_extra}loss_value
+
+
 IN_SPECS = (P(), P(), {spec_extra}P("data"))
 OUT_SPECS = (P(), P(), {spec_extra}P())
 
@@ -682,12 +699,19 @@ def make_inputs(mesh):
 
 
 if __name__ == "__main__":
-  mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
+  FRONT = {self.front!r}
+  mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N], axis_types=(
+      jax.sharding.AxisType.Auto if FRONT == "auto" else jax.sharding.AxisType.Explicit,))
+  jax.set_mesh(mesh).__enter__()
   args, batches = make_inputs(mesh)
   kw = dict(mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=CHECK_VMA)
-  want = run(jax.jit(jax.shard_map(step, **kw)), args, batches)
+  if FRONT == "shard_map":
+    want = run(jax.jit(jax.shard_map(step, **kw)), args, batches)
+    ws = wus.shard_map(step, **kw)
+  else:
+    want = run(jax.jit(global_step), args, batches)
+    ws = wus.jit(global_step)
   print("unmodified step ran")
-  ws = wus.shard_map(step, **kw)
   got = run(ws, args, batches)
   msgs, _ = compare(want, got, reduces=reorders_sums(tx, args[0]), bf16=BF16)
   print("\\n".join(msgs) or "wus matches the unmodified step")
@@ -711,7 +735,8 @@ def cases(draw) -> Case:
   tx = draw(top_transforms(_top_level_keys(ls)))
   return Case(n=draw(st.sampled_from(REPLICAS)), check_vma=draw(st.booleans()),
               steps=draw(st.sampled_from((2, 3))), layers=ls, tx=tx, extra=draw(st.booleans()),
-              seed=draw(st.integers(0, 999)))
+              seed=draw(st.integers(0, 999)),
+              front=draw(st.sampled_from(("shard_map", "shard_map", "auto", "explicit"))))
 
 
 # --- The Plan: what stayed replicated. ----------------------------------------

@@ -74,9 +74,11 @@ def make_step(tx, axis="data", loss=loss_fn):
 
 
 @functools.cache
-def mesh(n: int = 8):
-  """A 1-D "data" mesh over the first n devices (n = 6: not a power of two)."""
-  return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+def mesh(n: int = 8, kind: str = "shard_map"):
+  """A 1-D "data" mesh over the first n devices (n = 6: not a power of two); its axis Auto
+  for kind "auto" (`jax.make_mesh`'s default, Explicit, otherwise)."""
+  types = (jax.sharding.AxisType.Auto,) if kind == "auto" else None
+  return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=types)
 
 
 def sharded_leaves(tree) -> list:

@@ -51,15 +51,16 @@ def init_params() -> dict:
                      "b": 0.1 * jax.random.normal(k[3], (OUT,))}}
 
 
+def loss_fn(params: dict, batch: jax.Array) -> jax.Array:
+  """One replica's mean squared error on its rows of [x | y]."""
+  x, y = batch[:, :IN], batch[:, IN:]
+  h = jnp.tanh(x @ params["dense1"]["w"] + params["dense1"]["b"])
+  return jnp.mean((h @ params["dense2"]["w"] + params["dense2"]["b"] - y) ** 2)
+
+
 def make_step(tx):
   def step(params, opt_state, batch):
-    x, y = batch[:, :IN], batch[:, IN:]
-
-    def loss_fn(p):
-      h = jnp.tanh(x @ p["dense1"]["w"] + p["dense1"]["b"])
-      return jnp.mean((h @ p["dense2"]["w"] + p["dense2"]["b"] - y) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     grads = jax.lax.pmean(grads, AXES)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXES)

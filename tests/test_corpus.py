@@ -85,8 +85,13 @@ def _id(p):
   return f"{name}-{form}-n{n}-{'vma' if vma else 'novma'}"
 
 
-@pytest.mark.parametrize("name,grad_form,n,check_vma", SHARD_MAP_CASES,
-                         ids=[_id(p) for p in SHARD_MAP_CASES])
+# The default profile runs these; the others are opt-in (--slow; about a minute each).
+DEFAULT_SHARD_MAP = {("nnx", "pmean_loss", 8, True), ("mlp_adam", "pmean_grads", 6, True)}
+
+
+@pytest.mark.parametrize("name,grad_form,n,check_vma", [
+    pytest.param(*p, id=_id(p), marks=() if p in DEFAULT_SHARD_MAP else pytest.mark.slow)
+    for p in SHARD_MAP_CASES])
 def test_shard_map(name, grad_form, n, check_vma):
   c = case(name)
   m = mesh(n)
@@ -169,7 +174,9 @@ PMAP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,n,pmap_kw", PMAP_CASES, ids=[f"{p[0]}-n{p[1]}" for p in PMAP_CASES])
+@pytest.mark.parametrize("name,n,pmap_kw", [
+    pytest.param(*p, id=f"{p[0]}-n{p[1]}", marks=() if p[0] == "lm1b" else pytest.mark.slow)
+    for p in PMAP_CASES])
 def test_pmap_as_published(name, n, pmap_kw):
   """`jax.pmap(train_step, axis_name="batch")` -> `wus.pmap(...)`, nothing else."""
   c = case(name)

@@ -14,6 +14,8 @@ import pytest
 import wus
 from wus.harness import config, train
 
+pytestmark = pytest.mark.slow  # Minutes of training each (README: Tests).
+
 # The two modes compute the same update, but LARS's norms (and the gradient
 # all-reduce) are sums in another order: the losses agree to float32 rounding
 # at first; training then amplifies the rounding differences about tenfold every
@@ -113,3 +115,19 @@ def test_transformer_adam_on_text_matches_across_modes(model, batch_size):
                       rel_tol=1e-4)
   per_device = {m: r["state_bytes_per_device"]["opt_state"] for m, r in runs.items()}
   assert per_device["wus"] < per_device["replicated"] / 7  # 1/8 and Adam's count
+
+
+@pytest.mark.parametrize("model", ["transformer_small", "resnet_small"])
+def test_jit_step_trains_alike_in_both_modes(model):
+  """`wus-train --step=jit`: the step on global arrays under jax.jit and wus.jit (ResNet's
+  batch norm over the global batch)."""
+  runs = {mode: train.fit(config.RunConfig.for_model(
+              model, mode=mode, step="jit", steps=6, batch_size=2, seq_len=32,
+              eval_every=0, eval_examples=64, warmup_steps=2)).summary
+          for mode in ("replicated", "wus")}
+  np.testing.assert_allclose(runs["wus"]["losses"], runs["replicated"]["losses"],
+                             rtol=1e-5, atol=0)
+  per_device = {m: r["state_bytes_per_device"]["opt_state"] for m, r in runs.items()}
+  assert per_device["wus"] < per_device["replicated"] / 6
+  assert runs["wus"]["collectives"]["reduce-scatter"]["count"] > 0
+  assert runs["replicated"]["collectives"]["reduce-scatter"]["count"] == 0

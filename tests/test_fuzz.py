@@ -13,7 +13,8 @@ fails, and so does a Plan that cannot print. A cluster holding a big tensor
 may stay replicated ("kept replicated") if the Plan gives a reason.
 
 Profiles (registered here, applied only to this module's test):
-  python -m pytest -q tests/test_fuzz.py                  # "ci": fixed seed, bounded
+  python -m pytest -q tests/test_fuzz.py                  # "quick": 8, fixed seed
+  python -m pytest -q tests/test_fuzz.py --slow           # "ci": 100, fixed seed (WUS_SLOW=1)
   WUS_FUZZ=long python -m pytest -q tests/test_fuzz.py    # "long": hundreds, random seed
   WUS_FUZZ=long WUS_FUZZ_EXAMPLES=1000 ...                # any size (either profile)
 A failing example prints its complete standalone script (hypothesis `note`):
@@ -29,6 +30,7 @@ the first case behind each rejection and failure, as JSON to
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -44,20 +46,24 @@ import fuzz_cases
 import wus
 from helpers import mesh
 
-PROFILE = os.environ.get("WUS_FUZZ", "ci")
+PROFILE = os.environ.get("WUS_FUZZ") or ("ci" if os.environ.get("WUS_SLOW") else "quick")
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
 
-# Each example compiles the unmodified and the wus step (2-3 s of CPU): the CI
-# profile's 100 examples took 4 min 20 s on this machine's 2 shared cores.
+# Each example compiles the unmodified and the wus step: 20 "quick" examples took 255 s at
+# load 5.5-7 on this machine's 2 shared cores (2026-11-25), so the default runs 8 and --slow
+# the 100 of the "ci" profile.
 _EXAMPLES = os.environ.get("WUS_FUZZ_EXAMPLES")  # Overrides either profile's count.
+settings.register_profile("wus-fuzz-quick", max_examples=int(_EXAMPLES or 8), derandomize=True,
+                          deadline=None, database=None, suppress_health_check=_SUPPRESS,
+                          print_blob=False)
 settings.register_profile("wus-fuzz-ci", max_examples=int(_EXAMPLES or 100), derandomize=True,
                           deadline=None, database=None, suppress_health_check=_SUPPRESS,
                           print_blob=False)
 settings.register_profile("wus-fuzz-long", max_examples=int(_EXAMPLES or 400),
                           derandomize=False, deadline=None, database=None,
                           suppress_health_check=_SUPPRESS, print_blob=True)
-if PROFILE not in ("ci", "long"):
-  raise ValueError(f"WUS_FUZZ={PROFILE!r}: use 'ci' (the default) or 'long'")
+if PROFILE not in ("quick", "ci", "long"):
+  raise ValueError(f"WUS_FUZZ={PROFILE!r}: use 'quick' (the default), 'ci' (--slow) or 'long'")
 
 
 class _Summary:
@@ -128,18 +134,28 @@ def _reason(text: str) -> str:
   return re.sub(r" at <wus fuzz case [0-9a-f]+>:[0-9:]+", "", text)[:120]
 
 
+@pytest.mark.fuzz
 @settings(settings.get_profile(f"wus-fuzz-{PROFILE}"))
 @given(case=fuzz_cases.cases())
 def test_wus_matches_unmodified_step(case):
   note(f"Standalone reproduction (repro.py):\n{case.script()}")
   ns = case.build()  # A fuzzer bug (bad source) errors here; it is not a rejection.
-  m = mesh(case.n)
+  m = mesh(case.n, case.front)
   kw = dict(mesh=m, in_specs=ns["IN_SPECS"], out_specs=ns["OUT_SPECS"], check_vma=case.check_vma)
+  if case.front == "shard_map":
+    unmodified, make_wus = jax.jit(jax.shard_map(ns["step"], **kw)), lambda: wus.shard_map(
+        ns["step"], **kw)
+  else:  # The global-view step under jax.jit, as the JAX sharding guide writes it.
+    unmodified, make_wus = jax.jit(ns["global_step"]), lambda: wus.jit(ns["global_step"])
+  with jax.set_mesh(m) if case.front != "shard_map" else contextlib.nullcontext():
+    _check(case, ns, m, unmodified, make_wus)
 
+
+def _check(case, ns, m, unmodified, make_wus):
   # The unmodified program first: if plain JAX / optax raises, the case is not a program.
   try:
     args, batches = ns["make_inputs"](m)
-    want = jax.block_until_ready(ns["run"](jax.jit(jax.shard_map(ns["step"], **kw)), args, batches))
+    want = jax.block_until_ready(ns["run"](unmodified, args, batches))
     reduces = ns["reorders_sums"](ns["tx"], args[0])  # Exact, or within `tolerance`.
   except Exception as e:  # noqa: BLE001
     SUMMARY.counts["rejected"] += 1
@@ -151,7 +167,7 @@ def test_wus_matches_unmodified_step(case):
   # wus: never skipped. Any exception or mismatch fails the case.
   SUMMARY.counts["run"] += 1
   try:
-    step = wus.shard_map(ns["step"], **kw)
+    step = make_wus()
     got = ns["run"](step, args, batches)
     msgs, worst = ns["compare"](want, got, reduces=reduces, bf16=case.bf16)
     plan = step.plan(*args, batches[0])

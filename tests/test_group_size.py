@@ -27,11 +27,19 @@ from helpers import (PMAP_TX, SPECS, assert_trees_equal, dense_inputs, dense_ste
 
 CASES = [(8, 2), (8, 4), (6, 3)]  # (N, G)
 CASE_IDS = [f"N{n}G{g}" for n, g in CASES]
+# The parity families over every optimizer and vma mode run N = 8, G = 4 by default; the
+# other (N, G) are opt-in (--slow; up to 1.5 min each on a loaded machine).
+SLOW_CASES = [pytest.param(n, g, id=i, marks=() if (n, g) == (8, 4) else pytest.mark.slow)
+              for (n, g), i in zip(CASES, CASE_IDS, strict=True)]
 OPTIMIZERS = [
     ("adam", lambda: optax.adam(1e-2)),
     ("lamb", lambda: optax.lamb(1e-2)),
     ("clip_adam", lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))),
 ]
+# The two parity families run adam by default, the reducing optimizers with --slow.
+SLOW_OPTIMIZERS = [pytest.param(name, make, id=name,
+                                marks=() if name == "adam" else pytest.mark.slow)
+                   for name, make in OPTIMIZERS]
 ROUNDING = dict(rtol=1e-6, atol=1e-7)  # Sums over N in another order (test_partial.py's).
 # Sizes G does not divide (7 for every G; 64 and 315 for some), a bfloat16 leaf, a scalar.
 SMALL = {"scalar": (), "v7": (7,), "conv": (3, 3, 5, 7), "big": (40, 24), "bias": (64,)}
@@ -42,9 +50,9 @@ def _vma_ids(check_vma):
   return "vma" if check_vma else "novma"
 
 
-@pytest.mark.parametrize("name,make_tx", OPTIMIZERS, ids=[o[0] for o in OPTIMIZERS])
+@pytest.mark.parametrize("name,make_tx", SLOW_OPTIMIZERS)
 @pytest.mark.parametrize("check_vma", [True, False], ids=_vma_ids)
-@pytest.mark.parametrize("n,g", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("n,g", SLOW_CASES)
 def test_dense_layer_matches_the_unmodified_step(n, g, check_vma, name, make_tx):
   """A Dense layer with a bias as users write it (w [24, 40], b [40]), three steps."""
   m, tx = mesh(n), make_tx()
@@ -61,9 +69,9 @@ def test_dense_layer_matches_the_unmodified_step(n, g, check_vma, name, make_tx)
   assert b[0]["w"].sharding.mesh == m  # Whole values leave on the user's mesh.
 
 
-@pytest.mark.parametrize("name,make_tx", OPTIMIZERS, ids=[o[0] for o in OPTIMIZERS])
+@pytest.mark.parametrize("name,make_tx", SLOW_OPTIMIZERS)
 @pytest.mark.parametrize("check_vma", [True, False], ids=_vma_ids)
-@pytest.mark.parametrize("n,g", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("n,g", SLOW_CASES)
 def test_bit_for_bit_as_a_two_axis_mesh_sharded_by_hand(n, g, check_vma, name, make_tx):
   """The same step on a hand-made (M, G) mesh, pmean over both axes and
   axis_name= the inner one, sums in the same order: equal bit for bit."""
@@ -166,7 +174,7 @@ def _collectives(hlo: str, kind: str) -> list[str]:
           if re.match(r"\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) " + kind + r"(?:-start)?\(", line)]
 
 
-@pytest.mark.parametrize("n,g", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("n,g", SLOW_CASES)
 def test_collectives_run_in_groups_of_g_and_across_them_batched(n, g):
   m, tx = mesh(n), optax.adam(1e-2)
   params, state, extra, data = inputs(tx, m, steps=1, params=make_params(SMALL))

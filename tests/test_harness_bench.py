@@ -8,6 +8,8 @@ import pytest
 from wus.analysis import costmodel
 from wus.harness import bench, calibrate, steps
 
+pytestmark = pytest.mark.slow  # Times every variant of wus-bench (minutes; README: Tests).
+
 ROUNDS = 2
 
 

@@ -14,8 +14,11 @@ import pytest
 
 from wus.harness import config, steps, train
 
-FLAGS = {"model": "resnet_small", "steps": 2, "batch_size": 2, "eval_examples": 16,
-         "eval_every": 0, "checkpoint_every": 0}
+pytestmark = pytest.mark.slow  # Trains, then runs wus-train twice (README: Tests).
+
+# decay_steps: the LARS schedule the 4-step resume continues (it would refuse one ending at 2).
+FLAGS = {"model": "resnet_small", "steps": 2, "decay_steps": 4, "batch_size": 2,
+         "eval_examples": 16, "eval_every": 0, "checkpoint_every": 0}
 
 
 @pytest.fixture(scope="module")

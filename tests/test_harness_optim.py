@@ -43,6 +43,7 @@ def test_make_by_name():
   assert "mu" in tx.init({"w": jnp.ones(2)})[0]._fields
 
 
+@pytest.mark.slow  # Trains a ResNet (45 s when loaded).
 def test_lars_on_a_resnet_decays_and_scales_kernels_only():
   """MLPerf's LARS: kernels get weight decay and the trust ratio; biases and batch-norm
   scales and offsets get neither (their update is -learning_rate * gradient)."""

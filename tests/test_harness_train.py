@@ -168,3 +168,18 @@ def test_a_slower_wus_step_gets_its_update_timed_alone(monkeypatch):
   results = train.fit_modes(configs)
   assert all(r["update_seconds"] > 0 for r in results.values())
   assert "wus is not faster in this run" in train.format_results(results)
+
+
+def test_format_results_says_when_wus_needs_more_temporary_memory():
+  """The issue's small CNN: temporary memory 0.80 -> 3.30 MB while arguments fell."""
+  before = {"argument": 2_000_000, "output": 2_000_000, "alias": 0, "temp": 800_000,
+            "total": 4_800_000}
+  after = {"argument": 840_000, "output": 840_000, "alias": 0, "temp": 3_300_000,
+           "total": 4_980_000}
+  text = train.format_results({"replicated": summary([1.0], memory=before),
+                               "wus": summary([1.0], memory=after)})
+  assert ("wus's compiled step needs more temporary memory per device: 3,300,000 bytes "
+          "against 800,000 replicated (4.12x, +2,500,000), while its arguments fall from "
+          "2,000,000 to 840,000 bytes") in text
+  assert "temporary memory" not in train.format_results(
+      {"replicated": summary([1.0], memory=after), "wus": summary([1.0], memory=before)})

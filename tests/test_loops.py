@@ -26,8 +26,10 @@ FORMS = ["scan", "fori", "while"]
 REPLICAS = pytest.mark.parametrize("n", [8, 6])
 
 
-@REPLICAS
-@pytest.mark.parametrize("form", FORMS)
+# Every form at N = 8 and the scan at N = 6 are opt-in (--slow; up to 70 s each when loaded):
+# the default profile runs the fori_loop and the while_loop at N = 6 (every weight padded).
+@pytest.mark.parametrize("n", [pytest.param(8, marks=pytest.mark.slow), 6])
+@pytest.mark.parametrize("form", [pytest.param("scan", marks=pytest.mark.slow), "fori", "while"])
 @pytest.mark.parametrize("name,make_tx,tol", [
     ("adam", lambda: optax.adam(1e-2), {}),
     ("lars", lambda: optax.lars(0.1), dict(rtol=2e-6, atol=1e-7)),

@@ -148,10 +148,12 @@ def test_owned_state_lives_on_its_owner():
 
 def test_plan_prints_owners_imbalance_and_padding():
   _, got, step, x = _run(MLP(depth=10), optax.contrib.muon(1e-2), 8, steps=1)
-  text = str(step.plan(*got, x))
+  plan = step.plan(*got, x)
+  text = str(plan)  # The compact form: a line per cluster, the totals first.
   assert "OWNED by replica" in text and "slot" in text and "balanced by predicted cost" in text
   assert "imbalance" in text and "padding of the gradient and weight rows" in text
-  assert "optimizer state owned by replica" in text
+  assert "12 owned" in text.splitlines()[0] and " owned, " in text
+  assert "optimizer state owned by replica" in plan.details()  # Every input, with why.
 
 
 def test_pmap_muon_bit_for_bit():

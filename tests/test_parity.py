@@ -33,8 +33,12 @@ OPTIMIZERS = [
 ]
 
 
-@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
-@pytest.mark.parametrize("name,make_tx", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+# The default profile runs every optimizer under check_vma=True (jax.shard_map's default)
+# and adam under both; the other check_vma=False cases are opt-in (--slow).
+@pytest.mark.parametrize("name,make_tx,check_vma", [
+    pytest.param(name, make, vma, id=f"{name}-{'vma' if vma else 'novma'}",
+                 marks=() if vma or name == "adam" else pytest.mark.slow)
+    for vma in (True, False) for name, make in OPTIMIZERS])
 def test_matches_unmodified_step(name, make_tx, check_vma):
   ref, got, step = both(make_tx(), mesh(), check_vma=check_vma)
   params, state, extra, loss = got
@@ -79,7 +83,9 @@ def _stack(tree, n=8):
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), tree)
 
 
-@pytest.mark.parametrize("name,make_tx", [OPTIMIZERS[1], OPTIMIZERS[3]], ids=["momentum", "adam"])
+@pytest.mark.parametrize("name,make_tx", [
+    pytest.param(*OPTIMIZERS[1], id="momentum", marks=pytest.mark.slow),
+    pytest.param(*OPTIMIZERS[3], id="adam")])
 def test_pmap_matches_jax_pmap(name, make_tx):
   from helpers import make_params, make_step
   tx = make_tx()
@@ -117,7 +123,9 @@ def test_pmap_rejects_replicated_argument_with_differing_copies():
 SIX = [OPTIMIZERS[1], OPTIMIZERS[3], *REDUCING]
 
 
-@pytest.mark.parametrize("name,make_tx", SIX, ids=[n for n, _ in SIX])
+@pytest.mark.parametrize("name,make_tx", [
+    pytest.param(name, make, id=name, marks=() if name in ("adam", "lars") else pytest.mark.slow)
+    for name, make in SIX])
 def test_six_replicas(name, make_tx):
   """A replica count that is not a power of two: every shape pads differently
   ([7], [3,3,5,7], [64] and [1024,1024] are not multiples of 6)."""

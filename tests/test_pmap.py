@@ -98,7 +98,7 @@ def test_one_state_argument_with_per_device_statistics():
   assert_trees_equal(a, wus.unshard(b))
   assert sharded_leaves(b[2]) and not sharded_leaves(b[1])
   plan = ws.plan(b, pmap_xs(1)[0])
-  stat = next(i for i in plan.inputs if i.name == "[0][1]")
+  stat = next(i for i in plan.inputs if i.name == "train_state[1]")
   assert not stat.sharded and "per-device copies differ" in stat.reason
 
 

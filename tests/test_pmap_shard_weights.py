@@ -120,8 +120,9 @@ def _run(weight_decay: bool, steps: int = 3, **kw):
 
 def _clusters(plan, names) -> list[str]:
   """The Plan's entries of the clusters that update one of `names`."""
-  return [c for c in re.split(r"\n(?=cluster)", str(plan).split("inputs:")[0])
-          if c.startswith("cluster") and any(f"[0][0]{k}" in c for k in names)]
+  return [c for c in re.split(r"\n(?=cluster)", plan.details().split("inputs:")[0])
+          if c.startswith("cluster") and any(f"train_state[0]{k}" in c or f" [0][0]{k}" in c
+                                             for k in names)]
 
 
 def _named(tree) -> dict:
@@ -143,8 +144,8 @@ def test_weights_stay_sharded_and_match_jax_pmap(objective):
   assert_trees_equal(a[0], got)  # Elementwise update; the same bfloat16 copies.
   assert_trees_equal(a[1], b[1])  # BatchNorm statistics, per device.
   assert_trees_equal(a[2], wus.unshard(b[2]))
-  plan = str(ws.plan(b, _batch(0)))
-  assert plan.count("kept sharded between steps (shard_weights=True) and all-gathered in "
+  plan = ws.plan(b, _batch(0))
+  assert plan.details().count("kept sharded between steps (shard_weights=True) and all-gathered in "
                     "bfloat16") == len(narrow)
   # Sharded under "time" too: the gather moves as many bytes as the bfloat16
   # all-reduce's second half. BatchNorm's are slower sharded (a float32 gather).
@@ -177,9 +178,9 @@ def test_weight_decay_keeps_the_weights_whole():
   assert_trees_equal(a[0], b[0])
   assert_trees_equal(a[2], wus.unshard(b[2]))
   assert sharded_leaves(b[2])
-  inputs = str(ws.plan(b, _batch(0))).split("inputs:")[1]
+  inputs = ws.plan(b, _batch(0)).details().split("inputs:")[1]
   for k in KERNELS:
-    line = next(s for s in inputs.splitlines() if s.strip().startswith(f"[0][0]{k}"))
+    line = next(s for s in inputs.splitlines() if s.strip().startswith(f"train_state[0]{k}"))
     assert "whole" in line and "not kept sharded by shard_weights=True" in line, line
     assert re.search(r"square at .* reads it in float32", line), line
 
@@ -255,7 +256,7 @@ def test_dense_weights_stay_sharded(variant):
   a, b, ws, x = _run_dense(variant)
   assert len(sharded_leaves(b[0])) == 2
   assert_trees_equal(a, wus.unshard(b))
-  assert "[0]['w'] kept sharded between steps (shard_weights=True)" in str(ws.plan(*b, x))
+  assert "params['w'] kept sharded between steps (shard_weights=True)" in ws.plan(*b, x).details()
 
 
 def test_a_weight_the_step_returns_stays_whole():
@@ -263,7 +264,7 @@ def test_a_weight_the_step_returns_stays_whole():
   a, b, ws, x = _run_dense("returned")
   assert isinstance(b[0]["b"], wus.ShardedArray) and not isinstance(b[0]["w"], wus.ShardedArray)
   assert_trees_equal(a, wus.unshard(b))
-  assert "float32[1,64,96] is returned" in str(ws.plan(*b, x))
+  assert "float32[1,64,96] is returned" in ws.plan(*b, x).details()
 
 
 def test_unmapped_params_as_the_flax_imagenet_example():

@@ -215,7 +215,7 @@ def test_plan_prints_with_a_typed_key_in_the_state():
   params, xs = dense_inputs(mesh())
   step = wus.shard_map(dense_step(tx), mesh=mesh(), in_specs=(P(), P(), P("data")),
                        out_specs=(P(), P()))
-  text = str(step.plan(params, tx.init(params), xs[0]))
+  text = step.plan(params, tx.init(params), xs[0]).details()
   assert "rng_key" in text and "key<fry>" in text
 
 

@@ -1,8 +1,11 @@
 """`wus.shard_map` is a drop-in for `jax.shard_map`: the ways people call it work unchanged."""
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, dense_inputs, dense_step, mesh, sharded_leaves
@@ -51,3 +54,35 @@ def test_without_a_mesh_says_how_to_give_one():
     assert "jax.set_mesh" in str(e)
   else:
     raise AssertionError("expected a ValueError")
+
+
+def test_composes_under_jax_grad_and_vmap_as_jax_shard_map():
+  """The JAX parallel-programming guide's data-parallel loss: `@shard_map(out_specs=P())`
+  with the mesh from jax.set_mesh and in_specs inferred, differentiated under jax.jit.
+  There is no update inside to shard: it runs as jax.shard_map, with one warning."""
+  mesh = jax.make_mesh((8,), ("batch",))
+  params = {"w": jnp.arange(12.0).reshape(4, 3) / 10, "b": jnp.ones(3)}
+  rng = np.random.default_rng(0)
+  with jax.set_mesh(mesh):
+    batch = jax.device_put((rng.normal(size=(16, 4)).astype(np.float32),
+                            rng.normal(size=(16, 3)).astype(np.float32)),
+                           NamedSharding(mesh, P("batch")))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+
+    def loss_dp(params, batch):
+      inputs, targets = batch
+      predictions = jnp.tanh(inputs @ params["w"] + params["b"])
+      local_loss = jnp.mean(jnp.sum((predictions - targets) ** 2, axis=-1))
+      return jax.lax.pmean(local_loss, "batch")
+
+    want = jax.jit(jax.grad(jax.shard_map(out_specs=P())(loss_dp)))(params, batch)
+    with pytest.warns(UserWarning, match="use wus.jit"):
+      got = jax.jit(jax.grad(wus.shard_map(out_specs=P())(loss_dp)))(params, batch)
+    assert_trees_equal(want, got)
+    xs = jnp.stack([params["w"], 2 * params["w"]])
+    with pytest.warns(UserWarning, match="use wus.jit"):
+      vm = jax.vmap(lambda w: wus.shard_map(out_specs=P())(loss_dp)({"w": w, "b": params["b"]},
+                                                                    batch))(xs)
+    ref = jax.vmap(lambda w: jax.shard_map(out_specs=P())(loss_dp)({"w": w, "b": params["b"]},
+                                                                   batch))(xs)
+    assert_trees_equal(ref, vm)

@@ -41,7 +41,7 @@ def test_gradients_reduce_scattered_and_weights_all_gathered():
   sharded = [c for c in plan.clusters if c.sharded]
   assert len(sharded) == 4  # big, conv, bias, half; scalar and [7] stay whole.
   assert {t.name for c in sharded for t in c.tensors if t.role == "state"} == {
-      f"[1][0].{m}['{k}']" for m in ("mu", "nu") for k in ("big", "conv", "bias", "half")}
+      f"opt_state[0].{m}['{k}']" for m in ("mu", "nu") for k in ("big", "conv", "bias", "half")}
   text = ws.as_text()
   # Every sharded gradient is reduce-scattered and every weight all-gathered;
   # the small ones share collectives (§5.2), so there are fewer than tensors.

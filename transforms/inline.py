@@ -85,26 +85,30 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     if id(eqn) in skip:
       env[eqn.outvars[0]] = ins[0]  # An all-reduce hoisted out of this jaxpr.
       continue
-    if caller is not None and not compat.has_user_frame(eqn):
-      eqn = compat.attributed(eqn, caller)
-    if rename is not None:
-      eqn = compat.in_current_mesh(eqn)
-    if eqn.primitive in INLINED:
-      inner = compat.call_jaxpr(eqn)
-      outs = _eval(inner.jaxpr, inner.consts, ins,
-                   eqn if compat.has_user_frame(eqn) else caller, rename)
-    elif eqn.primitive in _CONTROL:
-      with compat.source_of(eqn):
-        outs = _CONTROL[eqn.primitive](eqn, ins, rename)
-    elif eqn.primitive is compat.remat_p:
-      outs = _remat(eqn, ins, rename, skip)
-    elif rename is not None:
-      outs = _renamed(eqn, ins, rename)
-    else:
-      outs = compat.bind(eqn, *ins)
-    for v, x in zip(eqn.outvars, outs, strict=True):
+    for v, x in zip(eqn.outvars, eval_eqn(eqn, ins, caller, rename, skip), strict=True):
       env[v] = x
   return [read(v) for v in jaxpr.outvars]
+
+
+def eval_eqn(eqn, ins: Sequence[Any], caller=None, rename: Mapping[Any, tuple] | None = None,
+             skip: frozenset = frozenset()) -> list[Any]:
+  """One equation of `_eval` on `ins` (its calls inlined), as a list of results."""
+  if caller is not None and not compat.has_user_frame(eqn):
+    eqn = compat.attributed(eqn, caller)
+  if rename is not None:
+    eqn = compat.in_current_mesh(eqn)
+  if eqn.primitive in INLINED:
+    inner = compat.call_jaxpr(eqn)
+    return _eval(inner.jaxpr, inner.consts, ins,
+                 eqn if compat.has_user_frame(eqn) else caller, rename)
+  if eqn.primitive in _CONTROL:
+    with compat.source_of(eqn):
+      return _CONTROL[eqn.primitive](eqn, ins, rename)
+  if eqn.primitive is compat.remat_p:
+    return _remat(eqn, ins, rename, skip)
+  if rename is not None:
+    return _renamed(eqn, ins, rename)
+  return compat.bind(eqn, *ins)
 
 
 def hoistable(jaxpr: Jaxpr, outputs: Sequence[int]) -> dict[int, Any]:

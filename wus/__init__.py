@@ -9,9 +9,15 @@ from wus.analysis.plan import Plan
 from wus.api import ShardedStep
 from wus.api import shard_map
 from wus.errors import StateMismatchError
+from wus.jit import JitStep
+from wus.filter_jit import filter_jit
+from wus.jit import jit
+from wus.nnx import nnx_jit
 from wus.pmap import pmap
 from wus.sharded import ShardedArray
 from wus.sharded import checkpointable
+from wus.sharded import is_sharded
+from wus.sharded import unreplicate
 from wus.sharded import unshard
 
 __version__ = "0.1.0"

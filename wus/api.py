@@ -1,28 +1,29 @@
-"""`wus.shard_map`: a data-parallel step with its weight update sharded (DESIGN.md §1)."""
+"""`wus.shard_map`: a data-parallel step with its weight update sharded (DESIGN.md §1).
+
+The front end of `jax.shard_map` steps: `ShardedStep` translates the
+`jax.shard_map` calling convention into the pipeline's `Step` and `Options`
+(`wus.pipeline`) and runs the compiled step with the shared runtime
+(`wus.runtime`). `wus.pmap` and `wus.jit` build on it.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import inspect
-import math
-import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
-from wus import collectives
-from wus.analysis import clusters, compat, cost, costmodel, redundancy
-from wus.analysis.compat import ClosedJaxpr
-from wus.analysis.plan import Plan, replicated as replicated_plan
-from wus.analysis.planner import make_plan
-from wus.errors import StateMismatchError
+from wus import pipeline, runtime
+from wus.analysis import compat, costmodel
+from wus.analysis.plan import Plan
+from wus.matching import Signature, StateMatch, aval
+from wus.options import Options
 from wus.sharded import ShardedArray, is_sharded, unshard
-from wus.transforms import gc_pause, groups, inline, programs
+from wus.transforms import programs
 
 
 def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = compat.INFER,
@@ -112,53 +113,16 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
     >>> step = wus.shard_map(train_step, mesh=mesh, shard_group_size=4,  # doctest: +SKIP
     ...     in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
   """
-  groups.check_group_size(shard_group_size)
-  check_objective(objective)
+  Options(min_shard_size, shard_group_size, objective, topology, shard_weights, axis_name)
 
   def make(f: Callable) -> ShardedStep:
     return ShardedStep(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
                        axis_names=frozenset(axis_names), axis_name=axis_name,
                        min_shard_size=min_shard_size, shard_group_size=shard_group_size,
                        objective=objective, topology=topology, shard_weights=shard_weights,
-                       donate_argnums=donated_positions(f, donate_argnums, donate_argnames))
+                       donate_argnums=runtime.donated_positions(f, donate_argnums,
+                                                                  donate_argnames))
   return make if f is None else make(f)
-
-
-def donated_positions(f: Callable, argnums: int | Sequence[int],
-                      argnames: str | Sequence[str]) -> frozenset:
-  """Positions of `f`'s donated parameters, from numbers and names (as `jax.jit`).
-
-  Raises:
-    ValueError: a name that is not a positional parameter of `f`.
-  """
-  names = [argnames] if isinstance(argnames, str) else list(argnames)
-  out = set(_argnums(argnums))
-  if names:
-    params = [p.name for p in inspect.signature(f).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    for name in names:
-      if name not in params:
-        raise ValueError(f"donate_argnames: {name!r} is not a positional parameter of "
-                         f"{getattr(f, '__name__', f)} (its parameters: {params})")
-      out.add(params.index(name))
-  return frozenset(out)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Program:
-  """Everything compiled for one input signature."""
-
-  plan: Plan
-  step: Callable[..., tuple]
-  sources: tuple        # Per step operand: ("arg", leaf index) or ("const", value).
-  state_in: dict        # Arg leaf index -> (ShardFormat, whole-value spec), inputs passed sharded.
-  in_names: tuple[str, ...]
-  out_specs: tuple      # Per flat output: its PartitionSpec in the user's program.
-  out_replicated: tuple  # Per flat output: identical on every replica of the plan's axes.
-  out_tree: Any
-  mesh: Mesh            # The mesh the programs run on (derived with shard_group_size).
-  user_mesh: Mesh       # The user's mesh: whole values enter and leave on it.
-  timings: dict         # Seconds: "trace", "analysis" (inline, plan); "rewrite" once lowered.
 
 
 class ShardedStep:
@@ -166,26 +130,22 @@ class ShardedStep:
 
   def __init__(self, f: Callable, *, mesh: Mesh | None, in_specs: Any, out_specs: Any,
                check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
-               shard_group_size: int | None = None,
+               shard_group_size: int | str | None = None,
                objective: str = "memory", topology: costmodel.Topology | None = None,
                shard_weights: bool = False, donate_argnums: frozenset = frozenset(),
-               split_reason: str = "its in_spec splits it"):
+               split_reason: str = "its in_spec splits it", signature: Signature | None = None,
+               match_state: Callable[[tuple, Any], StateMatch] | None = None,
+               names: tuple[Sequence[str], Sequence[str]] | None = None):
     self._f = f
+    self._step = pipeline.Step(f, in_specs, out_specs, check_vma, frozenset(axis_names),
+                               split_reason, Signature.of(f) if signature is None else signature,
+                               match_state, names)
+    self._options = Options(min_shard_size, shard_group_size, objective, topology,
+                            shard_weights, axis_name)
     self._mesh = mesh  # None: the mesh set with jax.set_mesh at call time.
-    self._in_specs, self._out_specs = in_specs, out_specs
-    self._check_vma = check_vma
-    self._axis_names = axis_names
-    self._axis_name = axis_name
-    self._min_size = min_shard_size
-    groups.check_group_size(shard_group_size)
-    self._group_size = (shard_group_size if shard_group_size in (None, "auto")
-                        else int(shard_group_size))
-    check_objective(objective)
-    self._objective, self._topology = objective, topology
-    self._shard_weights = bool(shard_weights)
     self._donate_argnums = frozenset(donate_argnums)
-    self._split_reason = split_reason
     self._cache: dict = {}
+    self._warned = False  # Warned once that a call runs as plain jax.shard_map.
     functools.update_wrapper(self, f)
 
   # --- Public. ---------------------------------------------------------------
@@ -206,15 +166,48 @@ class ShardedStep:
     Returns:
       (the outputs, a bool per flat output leaf).
     """
+    if (why := self._inside_transform(args)) is not None:
+      return self._as_jax_shard_map(args, why)
     leaves, prog = self._program(args, replicated)
-    outs = prog.step(*self._operands(leaves, prog))
+    outs = prog.step(*runtime.operands(leaves, prog))
     wrapped = [ShardedArray(x, prog.plan.state_outputs[k], prog.plan.axes, prog.out_specs[k],
                             prog.mesh)
                if k in prog.plan.state_outputs else x for k, x in enumerate(outs)]
     return jax.tree.unflatten(prog.out_tree, wrapped), list(prog.out_replicated)
 
+  def _inside_transform(self, args: tuple) -> str | None:
+    """Why this call runs as plain `jax.shard_map`: it is inside `jax.grad`, `jax.vmap` or
+    another transformation (its arguments are their tracers), or inside `jax.jit` with
+    the mesh to come from `jax.set_mesh`; None otherwise."""
+    leaves = [x.data if is_sharded(x) else x for x in jax.tree.leaves(args, is_leaf=is_sharded)]
+    if any(isinstance(x, jax.core.Tracer) and not compat.is_staging_tracer(x) for x in leaves):
+      return "inside jax.grad, jax.vmap or another transformation of a function that calls it"
+    if self._mesh is None and any(isinstance(x, jax.core.Tracer) for x in leaves):
+      return "inside jax.jit with the mesh from jax.set_mesh"
+    return None
+
+  def _as_jax_shard_map(self, args: tuple, why: str) -> tuple[Any, list[bool]]:
+    """The call as `jax.shard_map` makes it: there is no weight update inside to shard
+    (the update, if any, is outside the mapped function)."""
+    if not self._warned:
+      self._warned = True
+      warnings.warn(
+          f"wus.shard_map({getattr(self._f, '__name__', self._f)}) called {why}: it runs as "
+          "jax.shard_map, with nothing sharded. To shard the weight update of a jax.jit "
+          "training step, use wus.jit on the step.", stacklevel=4)
+    s = self._step
+    smap = jax.shard_map(s.f, mesh=self._mesh, in_specs=s.in_specs, out_specs=s.out_specs,
+                         check_vma=s.check_vma, axis_names=s.axis_names)
+    out = smap(*unshard(args))
+    return out, [False] * len(jax.tree.leaves(out))
+
   def plan(self, *args, replicated: frozenset = frozenset()) -> Plan:
-    """The Plan for these arguments (whole or sharded state alike)."""
+    """The Plan for these arguments (whole or sharded state alike).
+
+    Raises:
+      TypeError: no arguments (the plan is made for the arguments' shapes and dtypes).
+    """
+    runtime.needs_arguments(args, "plan")
     return self._program(args, replicated)[1].plan
 
   def state_target(self, *args, replicated: frozenset = frozenset()) -> tuple:
@@ -246,17 +239,17 @@ class ShardedStep:
     from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
     leaves, prog = self._program(args, replicated)
     mesh = prog.user_mesh
-    if self._in_specs is compat.INFER:
-      specs = [_user_spec(x) if is_sharded(x) else x.sharding.spec for x in leaves]
+    if self._step.in_specs is compat.INFER:
+      specs = [runtime.user_spec(x) if is_sharded(x) else x.sharding.spec for x in leaves]
     else:
-      specs = jax.tree.leaves(jax.tree.broadcast(self._in_specs, args, is_leaf=is_sharded))
+      specs = jax.tree.leaves(jax.tree.broadcast(self._step.in_specs, args, is_leaf=is_sharded))
     out = []
     for k, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
       if k in prog.state_in:
         fmt, spec = prog.state_in[k]
         out.append(checkpoint.restore_target(fmt, prog.plan.axes, spec, prog.mesh, x.dtype))
       else:
-        out.append(jax.ShapeDtypeStruct(np.shape(x), _aval(x)[1],
+        out.append(jax.ShapeDtypeStruct(np.shape(x), aval(x)[1],
                                         sharding=NamedSharding(mesh, spec),
                                         weak_type=bool(getattr(x, "weak_type", False))))
     return tuple(jax.tree.unflatten(jax.tree.structure(args, is_leaf=is_sharded), out))
@@ -290,395 +283,16 @@ class ShardedStep:
         ops.append(src[1] if src[0] == "const" else leaves[src[1]])
     return prog.step.lower(*ops)
 
-  # --- Runtime. --------------------------------------------------------------
-
-  def _operands(self, leaves: list, prog: _Program) -> list:
-    """The step's operands: sharded state checked, whole state sharded (§4.2).
-
-    Sharded state this step's plan holds another way (the step's signature
-    changed between calls, so its plan did) is gathered and re-sharded on the
-    same mesh, each conversion one program.
-
-    Raises:
-      ValueError: an argument's buffer was donated to an earlier call.
-      StateMismatchError: sharded state made for another mesh.
-    """
-    ops: list = []
-    expected = NamedSharding(prog.mesh, programs.shard_spec(prog.plan.axes))
-    whole_state = []  # (operand position, leaf, format, spec): sharded by one program.
-    regather = []     # (operand position, sharded leaf): gathered first.
-    for src in prog.sources:
-      if src[0] == "const":
-        ops.append(src[1])
-        continue
-      k = src[1]
-      x, (fmt, spec) = leaves[k], prog.state_in.get(k, (None, None))
-      check_alive(x, prog.in_names[k])
-      if is_sharded(x) and _fits(x, fmt, spec, prog.plan.axes, expected, prog.in_names[k]):
-        ops.append(x.data)
-      elif is_sharded(x):
-        regather.append((len(ops), x))
-        ops.append(None)
-      elif fmt is not None:
-        whole_state.append((len(ops), x, fmt, spec))
-        ops.append(None)
-      else:
-        ops.append(x)
-    if regather:
-      pos, xs = zip(*regather, strict=True)
-      for p, x in zip(pos, unshard(list(xs)), strict=True):
-        fmt, spec = prog.state_in.get(prog.sources[p][1], (None, None))
-        if fmt is None:
-          ops[p] = x
-        else:
-          whole_state.append((p, x, fmt, spec))
-    if whole_state:
-      pos, xs, fmts, specs = zip(*whole_state, strict=True)
-      shards = programs.shard_program(fmts, prog.mesh, prog.plan.axes, specs)(*xs)
-      for p, x in zip(pos, shards, strict=True):
-        ops[p] = x
-    return ops
-
-  def _program(self, args: tuple, replicated: frozenset = frozenset()) -> tuple[list, _Program]:
+  def _program(self, args: tuple, replicated: frozenset = frozenset()
+               ) -> tuple[list, pipeline.Compiled]:
     leaves, treedef = jax.tree.flatten(args, is_leaf=is_sharded)
     mesh = self._mesh if self._mesh is not None else jax.sharding.get_mesh()
     if mesh.empty:
       raise ValueError("wus.shard_map needs a mesh: pass mesh=, or call it inside "
                        "`with jax.set_mesh(mesh):`")
-    key = (treedef, tuple(_signature(x) for x in leaves), frozenset(replicated), mesh)
+    key = (treedef, tuple(runtime.leaf_signature(x) for x in leaves), frozenset(replicated), mesh)
     if key not in self._cache:
-      with gc_pause.paused():
-        build = functools.partial(self._build, args, leaves, treedef, frozenset(replicated), mesh)
-        if self._group_size != "auto":
-          self._cache[key] = build(self._group_size)
-        else:
-          whole = build(None)
-          g, why = cost.auto_group_size(whole.plan, self._topology_for(
-              whole.mesh, whole.plan.axes, whole.plan.num_shards))
-          prog = whole if g is None else build(g)
-          self._cache[key] = dataclasses.replace(prog, plan=dataclasses.replace(
-              prog.plan, groups="; ".join(filter(None, [why, prog.plan.groups]))))
+      self._cache[key] = pipeline.compile_step(self._step, self._options, args, leaves, treedef,
+                                               frozenset(replicated), mesh,
+                                               self._donate_argnums)
     return leaves, self._cache[key]
-
-  def _build(self, args: tuple, leaves: list, treedef, replicated: frozenset,
-             mesh: Mesh, group_size: int | None) -> _Program:
-    start = time.perf_counter()
-    # 1. Trace the user's step exactly as jax.shard_map would.
-    traced = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, _user_spec(x)))
-              if is_sharded(x) else x for x in leaves]
-    smap = jax.shard_map(self._f, mesh=mesh, in_specs=self._in_specs,
-                         out_specs=self._out_specs, check_vma=self._check_vma,
-                         axis_names=self._axis_names)
-    outer, out_shape = jax.make_jaxpr(smap, return_shape=True)(*jax.tree.unflatten(treedef, traced))
-    eqn = compat.shard_map_eqn(outer)
-    body, _, in_specs, out_specs, manual, check_vma = compat.shard_map_params(eqn)
-    if list(outer.jaxpr.outvars) != list(eqn.outvars):
-      raise NotImplementedError("wus.shard_map expects f's outputs to come from shard_map")
-    arg_pos = {v: k for k, v in enumerate(outer.jaxpr.invars)}
-    const_val = dict(zip(outer.jaxpr.constvars, outer.consts, strict=True))
-    sources = tuple(("arg", arg_pos[v]) if v in arg_pos else ("const", const_val[v])
-                    for v in eqn.invars)
-    operand_avals = [traced[s[1]] if s[0] == "arg" else s[1] for s in sources]
-    body_pos = {s[1]: k for k, s in enumerate(sources) if s[0] == "arg"}
-    pairs = {o: body_pos[i] for o, i in _match_state(args, out_shape).items() if i in body_pos}
-    user_mesh, home, rename, grouping, whole_reason = mesh, None, None, "", None
-    if group_size is not None:
-      axes = self._replica_axes(mesh, manual, body, [body.invars[i] for i in pairs.values()])
-      home, grouping, whole_reason = self._groups(mesh, axes, group_size)
-    if home is not None:
-      # 1b. The programs run on the mesh derived for the groups; the step is
-      # renamed onto it while it is inlined (transforms/groups.py).
-      mesh, rename = home.derived, home.rename
-      in_specs = tuple(home.derived_spec(p) for p in in_specs)
-      out_specs = tuple(home.derived_spec(p) for p in out_specs)
-      manual = (manual - {home.axis}) | {home.outer, home.inner}
-      operand_avals = [jax.ShapeDtypeStruct(np.shape(x), _aval(x)[1],
-                                            sharding=NamedSharding(mesh, p),
-                                            weak_type=bool(getattr(x, "weak_type", False)))
-                       for x, p in zip(operand_avals, in_specs, strict=True)]
-      axes = (home.inner,)
-
-    traced_at = time.perf_counter()
-    # 2. Inline calls and retrace, then drop dead code (as jax.jit does before
-    # lowering): the analysis works on one flat jaxpr, and an unused read of
-    # optimizer state does not keep it whole.
-    with groups.on(mesh) if home is not None else contextlib.nullcontext():
-      flat_outer = jax.make_jaxpr(jax.shard_map(
-          lambda *a: tuple(inline.inlined(ClosedJaxpr(body, ()), rename)(*a)), mesh=mesh,
-          in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=check_vma,
-          axis_names=manual))(*operand_avals)
-    flat = compat.dce(compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0])
-    if group_size is None:
-      axes = self._replica_axes(mesh, manual, flat, [flat.invars[i] for i in pairs.values()])
-    # State split over other mesh axes too (tensor parallelism) stays whole
-    # between steps: sharded state is laid out over the replica axes only. Its
-    # update still runs on shards of this device's block.
-    replica = set(axes) | ({home.outer} if home is not None else set())
-    split_state = {}
-    for o, i in list(pairs.items()):
-      if other := (_spec_axes(in_specs[i]) | _spec_axes(out_specs[o])) - replica:
-        split_state[i] = (f"state split over {sorted(other)} by its in_spec or out_spec: kept "
-                          f"whole between steps (sharded state is laid out over {list(axes)} "
-                          "only)")
-        del pairs[o]
-
-    # 3. Analyse and plan.
-    arg_of_leaf = [a for a, arg in enumerate(args)
-                   for _ in jax.tree.leaves(arg, is_leaf=is_sharded)]
-    in_rep = [frozenset(manual) if s[0] == "arg" and s[1] in replicated
-              else manual - _spec_axes(spec) for spec, s in zip(in_specs, sources, strict=True)]
-    facts = redundancy.analyze(flat, in_rep, manual)
-    names = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(args, is_leaf=is_sharded)[0]]
-    in_names = [names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
-    out_leaves, out_tree = jax.tree.flatten(out_shape)
-    out_names = [jax.tree_util.keystr(p)
-                 for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
-    num_shards = math.prod(mesh.shape[a] for a in axes)
-    plan = make_plan(flat, facts, axes=axes, num_shards=num_shards,
-                     in_names=in_names, out_names=out_names, state_pairs=pairs,
-                     state_whole=split_state,
-                     min_size=self._min_size, split_reason=self._split_reason,
-                     objective=self._objective, shard_weights=self._shard_weights,
-                     topology=self._topology_for(mesh, axes, num_shards))
-    if whole_reason is not None:
-      plan = replicated_plan(plan, whole_reason)
-    if group_size is not None:
-      across = _across_groups(plan) if home is not None else 0
-      if across:
-        grouping += (f"; the gradient shards are all-reduced across the {home.num_groups} "
-                     f"groups in {across} batched all-reduce(s)")
-      plan = dataclasses.replace(plan, group_size=group_size, groups=grouping,
-                                 across_groups=across)
-
-    # 4. Compile the rewritten step.
-    timings = {"trace": traced_at - start, "analysis": time.perf_counter() - traced_at}
-    donated = [k for k, s in enumerate(sources)
-               if s[0] == "arg" and arg_of_leaf[s[1]] in self._donate_argnums]
-    step = programs.step_program(ClosedJaxpr(flat, ()), plan, mesh=mesh, in_specs=in_specs,
-                                 out_specs=out_specs, axis_names=manual, check_vma=check_vma,
-                                 donate_argnums=donated, timings=timings, home=home)
-    state_in = {sources[k][1]: (fmt, in_specs[k]) for k, fmt in plan.state_inputs.items()}
-    # Identical on every replica: of all the data-parallel axes, also across groups.
-    same = frozenset(axes) | (frozenset((home.outer, home.inner)) if home is not None else set())
-    out_replicated = tuple(facts.is_redundant(v, same) for v in flat.outvars)
-    return _Program(plan, step, sources, state_in, tuple(names), tuple(out_specs),
-                    out_replicated, out_tree, mesh, user_mesh, timings)
-
-  def _groups(self, mesh: Mesh, axes: tuple,
-              group_size: int) -> tuple[groups.Groups | None, str, str | None]:
-    """The sharding groups of `shard_group_size` (§5.2): (the Groups, None for
-    G = N or G = 1; the grouping in words, for the Plan; the reason the update
-    stays replicated for G = 1, else None).
-
-    Raises:
-      ValueError: several sharding axes, or a G that does not divide N.
-    """
-    if len(axes) != 1:
-      raise ValueError(
-          f"shard_group_size groups the replicas of one mesh axis, but the update would be "
-          f"sharded over {list(axes)}; pass axis_name= one of them, or drop shard_group_size "
-          "and name the sharding axes of a mesh with the groups as an axis (partial sharding, "
-          "§5.2)")
-    (axis,) = axes
-    size, g = mesh.shape[axis], group_size
-    found = groups.derive(mesh, axis, g)  # Raises for a G that does not divide N.
-    if g == 1:
-      why = (f"shard_group_size=1: groups of one replica of {axis!r}, so nothing is sharded; "
-             "the update runs replicated as in the original step")
-      return None, why, why
-    if g == size:
-      return None, (f"shard_group_size={g}: one group of all {size} replicas of {axis!r} "
-                    "(plain sharding)"), None
-    return found, found.describe(), None
-
-  def _topology_for(self, mesh: Mesh, axes: tuple, num_shards: int) -> costmodel.Topology:
-    """The cost model's devices: the user's topology (of a sharding group's devices
-    when it describes all of the axis), or one from the mesh's processes."""
-    t = self._topology
-    if t is not None:
-      if t.num_devices == num_shards:
-        return t
-      try:  # Sharding groups: the axes of one group of consecutive devices.
-        return dataclasses.replace(t, axes=t.split(num_shards)[0])
-      except ValueError:
-        raise ValueError(f"topology= describes {t.num_devices} devices, but the update is "
-                         f"sharded over {num_shards} ({list(axes)}); describe those (or all "
-                         "the devices of the axis, for shard_group_size)") from None
-    # The devices of one sharding group (the other axes at 0), fast axis last.
-    group = mesh.devices[tuple(slice(None) if a in axes else 0 for a in mesh.axis_names)]
-    first = group.flat[0].process_index
-    local = sum(d.process_index == first for d in group.flat)
-    return costmodel.default_topology(num_shards, local if num_shards % local == 0 else None)
-
-  def _replica_axes(self, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
-    """The data-parallel axes, in mesh order."""
-    if self._axis_name is None:
-      wanted = clusters.gradient_axes(jaxpr, {tuple(v.aval.shape) for v in state}) or manual
-    else:
-      wanted = frozenset([self._axis_name] if isinstance(self._axis_name, str) else self._axis_name)
-      if not wanted <= manual:
-        raise ValueError(f"axis_name {sorted(wanted)} must be manual axes of the shard_map; "
-                         f"they are {sorted(manual)}")
-    return tuple(a for a in mesh.axis_names if a in wanted)
-
-
-def check_objective(objective: str) -> None:
-  """Raises ValueError unless `objective` is one `cost.decide` knows."""
-  if objective not in cost.OBJECTIVES:
-    raise ValueError(f"objective={objective!r}: pass one of {list(cost.OBJECTIVES)} (\"memory\" "
-                     "shards for the optimizer state it keeps sharded, \"time\" only where the "
-                     "cost model predicts no slower steps)")
-
-
-def _across_groups(plan: Plan) -> int:
-  """The batched all-reduces of the gradient shards across sharding groups (§5.2)."""
-  grads = [t for c in plan.clusters if c.sharded for t in c.tensors
-           if t.role == "gradient" and t.format is not None]
-  return len(collectives.batched.dtype_buckets(
-      [t.dtype for t in grads], [t.format.shard_size * t.itemsize for t in grads],
-      plan.bucket_bytes))
-
-
-def _argnums(argnums: int | Sequence[int]) -> frozenset:
-  return frozenset([argnums] if isinstance(argnums, int) else argnums)
-
-
-def _signature(x) -> tuple:
-  """The cache key of one argument leaf: logical shape, dtype, weak type."""
-  if is_sharded(x):
-    return (x.shape, x.dtype, False)
-  if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
-    return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)))
-  return (type(x), ())
-
-
-def _aval(x) -> tuple:
-  """(shape, dtype) of an argument or output leaf, without touching its data."""
-  dtype = getattr(x, "dtype", None)
-  return tuple(np.shape(x)), dtype if dtype is not None else np.result_type(type(x))
-
-
-def _spec_axes(spec: P) -> frozenset:
-  """The mesh axes a PartitionSpec splits over."""
-  out = set()
-  for entry in spec:
-    if entry is None:
-      continue
-    out.update(entry if isinstance(entry, tuple) else (entry,))
-  return frozenset(out)
-
-
-def check_alive(x, name: str) -> None:
-  """Raises ValueError if `x`'s buffers were donated to an earlier call."""
-  data = x.data if is_sharded(x) else x
-  if isinstance(data, jax.Array) and not isinstance(data, jax.core.Tracer) and data.is_deleted():
-    raise ValueError(
-        f"argument {name} was donated to an earlier call (donate_argnums) and its buffer is "
-        "gone; pass the value that call returned instead")
-
-
-def _normal(spec: P) -> tuple:
-  """A PartitionSpec without trailing Nones: P() and P(None,) lay out alike."""
-  entries = list(spec)
-  while entries and entries[-1] is None:
-    entries.pop()
-  return tuple(entries)
-
-
-def _fits(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedSharding, name: str) -> bool:
-  """Whether `x` is sharded exactly as this step expects; False if it only needs
-  converting (same mesh, another format or a tensor this step reads whole; or
-  sharded in groups of another size on the same mesh, `shard_group_size`).
-
-  Raises:
-    StateMismatchError: `x` lives on another mesh.
-  """
-  if x.mesh != expected.mesh and _user_mesh(x.mesh) == _user_mesh(expected.mesh):
-    return False
-  if x.mesh != expected.mesh:
-    raise StateMismatchError(
-        f"argument {name} was sharded on another mesh ({x}, on {x.mesh}); this step runs on "
-        f"{expected.mesh}. Pass wus.unshard(state), placed on this step's mesh, to re-shard it "
-        "for this step.")
-  traced = isinstance(x.data, jax.core.Tracer)  # Under jax.jit: its in_shardings decide.
-  return (fmt is not None and x.format == fmt and x.axes == axes
-          and _normal(x.spec) == _normal(spec)
-          and (traced or x.data.sharding.is_equivalent_to(expected, x.data.ndim)))
-
-
-def _user_spec(x: ShardedArray) -> P:
-  """The PartitionSpec of `x`'s whole value over the user's mesh."""
-  home = groups.home(x.mesh)
-  return x.spec if home is None else home.user_spec(x.spec)
-
-
-def _user_mesh(mesh: Mesh) -> Mesh:
-  """The user's mesh `mesh` was derived from for sharding groups, or `mesh`."""
-  home = groups.home(mesh)
-  return mesh if home is None else home.mesh
-
-
-def _match_state(args: tuple, out: Any) -> dict[int, int]:
-  """Pairs output leaves with the input leaves they are the next value of.
-
-  Each top-level argument is matched to the first unmatched top-level output
-  element with the same tree structure, preferring one whose leaves all have
-  the same shapes and dtypes, then the element at the same position:
-  `(params, opt_state, batch) -> (params, opt_state, metrics)` pairs params
-  and opt_state. Then, for leaves still unpaired, the same with the parts one
-  level down on either side: the whole output (`return opt_update(...)`,
-  `(params, opt) -> (params, opt)` from one tuple argument), the children of
-  an output element or of an argument (`{"params": ..., "opt_state": ...,
-  "loss": ...}` from separate arguments; keyword arguments, which `wus.pmap`
-  passes as one dict). Within a matched part, leaves pair where shape and
-  dtype agree (a hyperparameter whose dtype the update changes stays unpaired).
-  Returns flat output leaf position -> flat input leaf position.
-  """
-  def parts(trees, start=0) -> list[tuple[Any, tuple, int]]:
-    """(treedef, leaf avals, first flat position) per tree, in flattening order."""
-    out = []
-    for t in trees:
-      leaves, td = jax.tree.flatten(t, is_leaf=is_sharded)
-      out.append((td, tuple(_aval(x) for x in leaves), start))
-      start += len(leaves)
-    return out
-
-  def children(tree, start) -> list[tuple[Any, tuple, int]]:
-    """The parts one level down that are trees themselves (a bare array matches too much)."""
-    if is_sharded(tree):
-      return []
-    kids = jax.tree.leaves(tree, is_leaf=lambda x: x is not tree)
-    if len(kids) == 1 and kids[0] is tree:
-      return []
-    return [p for p in parts(kids, start) if p[0].num_nodes > 1]
-
-  pairs: dict[int, int] = {}
-  used: set[int] = set()  # Output leaves paired.
-
-  def match(ins, outs, exact: bool, same_position: bool) -> None:
-    for a, (td, avals, start) in enumerate(ins):
-      if not avals or any(start + j in pairs.values() for j in range(len(avals))):
-        continue
-      order = ([a] if same_position and a < len(outs) else []) + list(range(len(outs)))
-      for o in order:
-        otd, oavals, ostart = outs[o]
-        if (otd != td or (exact and oavals != avals)
-            or any(ostart + j in used for j in range(len(oavals)))):
-          continue
-        used.update(range(ostart, ostart + len(oavals)))
-        pairs.update({ostart + j: start + j for j, (x, y) in enumerate(zip(avals, oavals))
-                      if x == y})
-        break
-
-  top_out = parts(out if isinstance(out, (tuple, list)) else (out,))
-  top_in = parts(args)
-  for exact in (True, False):
-    match(top_in, top_out, exact, same_position=True)
-  # One level down on either side, for what is still unpaired.
-  outs = parts((out,)) + top_out + [c for t, (_, _, s) in zip(
-      out if isinstance(out, (tuple, list)) else (out,), top_out) for c in children(t, s)]
-  ins = top_in + [c for t, (_, _, s) in zip(args, top_in) for c in children(t, s)]
-  for exact in (True, False):
-    match(ins, outs, exact, same_position=False)
-  return pairs

@@ -78,7 +78,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis.formats import ShardFormat
 from wus.analysis.owned import is_owned
-from wus.sharded import ShardedArray, is_sharded
+from wus.sharded import ShardedArray, check_alive, holder_of, is_sharded
 from wus.transforms import programs
 
 
@@ -130,6 +130,26 @@ class ShardedLayout:
     return NamedSharding(self.mesh, programs.shard_spec(self.axes))
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedLayout:
+  """Where a whole tensor a `wus.pmap` step reads as stacked per-device copies goes.
+
+  The `sharding` of a restore target `LogicalView` from `wus.pmap`'s `state_target`:
+  the checkpoint holds one copy (saved unreplicated, as Flax's pmap examples save
+  `flax.jax_utils.unreplicate(state)`); restoring puts it on every device of the
+  step, stacked along the mapped axis, as `flax.jax_utils.replicate` would.
+
+  Attributes:
+    shape: the saved shape (one copy).
+    axis: the mapped axis the copies are stacked along.
+    stacked: the sharding of the stacked array the step reads.
+  """
+
+  shape: tuple[int, ...]
+  axis: int
+  stacked: NamedSharding
+
+
 def _entries(spec: P, ndim: int) -> list:
   return [*spec, *(None,) * (ndim - len(spec))]
 
@@ -155,8 +175,8 @@ class LogicalView(jax.Array):
 
   __slots__ = ("layout", "shards", "_dtype", "bank")
 
-  def __init__(self, layout: ShardedLayout, dtype, shards: ShardedArray | None = None,
-               bank: list | None = None):
+  def __init__(self, layout: ShardedLayout | StackedLayout, dtype,
+               shards: ShardedArray | None = None, bank: list | None = None):
     self.layout, self.shards, self._dtype, self.bank = layout, shards, np.dtype(dtype), bank
 
   @property
@@ -180,7 +200,7 @@ class LogicalView(jax.Array):
     return self.size * self._dtype.itemsize
 
   @property
-  def sharding(self) -> ShardedLayout:  # What Orbax passes to the handler as the target's.
+  def sharding(self) -> ShardedLayout | StackedLayout:  # Orbax passes it to the handler.
     return self.layout
 
   @property
@@ -189,7 +209,8 @@ class LogicalView(jax.Array):
 
   def __repr__(self) -> str:
     kind = "to save" if self.shards is not None else "restore target"
-    return f"LogicalView({self._dtype}{list(self.shape)}, {self.layout.format}, {kind})"
+    where = getattr(self.layout, "format", "stacked per device")
+    return f"LogicalView({self._dtype}{list(self.shape)}, {where}, {kind})"
 
   def _unregistered(self, *args, **kwargs):
     raise TypeError(_UNREGISTERED)
@@ -211,14 +232,23 @@ def checkpointable(tree: Any) -> Any:
   banks = programs.banks([x.format if is_sharded(x) else None for x in leaves])
   members = {b: [leaves[k] for k in ks] for b, ks in banks.items()}  # Raises if one is missing.
 
-  def view(x):
+  def view(path, x):
+    check_alive(x, jax.tree_util.keystr(path), "wus.checkpointable")
     if not is_sharded(x):
       return x
     if isinstance(x.data, jax.core.Tracer):
       raise TypeError(f"{x!r} holds a tracer: checkpoints are saved outside jax.jit")
     return LogicalView(layout_of(x), x.dtype, x, members.get(getattr(x.format, "bank", None)))
 
-  return jax.tree.map(view, tree, is_leaf=is_sharded)
+  return jax.tree_util.tree_map_with_path(view, tree, is_leaf=is_sharded)
+
+
+def stacked_target(target: jax.ShapeDtypeStruct, axis: int) -> LogicalView:
+  """The restore target of a whole tensor a `wus.pmap` step reads as stacked copies
+  (`target`, mapped along `axis`), from a checkpoint of one copy."""
+  register()
+  shape = tuple(d for k, d in enumerate(target.shape) if k != axis)
+  return LogicalView(StackedLayout(shape, axis, target.sharding), target.dtype)
 
 
 def restore_target(fmt: ShardFormat, axes: tuple, spec: P, mesh: Mesh, dtype) -> LogicalView:
@@ -322,6 +352,12 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
     self._base.finalize(directory)
 
   async def serialize(self, values, infos, args=None):
+    for value, info in zip(values, infos, strict=True):
+      if (holder := holder_of(value)) is not None:
+        raise TypeError(
+            f"Orbax was given the padded shards of {holder!r} as array {info.name!r}, which "
+            "would restore as no tensor of the step's: save wus.checkpointable(tree) instead "
+            "(each tensor at its logical shape, restored by step.state_target)")
     args = list(args) if args else [ocp.type_handlers.SaveArgs()] * len(values)
     ours = [k for k, v in enumerate(values) if isinstance(v, LogicalView)]
     rest = [k for k in range(len(values)) if k not in set(ours)]
@@ -341,16 +377,18 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
     if args is None:
       return await self._base.deserialize(infos, args)
     ours = [k for k, a in enumerate(args)
-            if isinstance(getattr(a, "sharding", None), ShardedLayout)]
+            if isinstance(getattr(a, "sharding", None), (ShardedLayout, StackedLayout))]
     rest = [k for k in range(len(infos)) if k not in set(ours)]
     # Wus state first: a checkpoint of another model fails here, naming the tensor.
     stores = _raise_first(await asyncio.gather(*(_open(infos[k], args[k]) for k in ours),
                                                return_exceptions=True))
-    owned = [k for k in ours if is_owned(args[k].sharding.format)]
+    owned = [k for k in ours if isinstance(args[k].sharding, ShardedLayout)
+             and is_owned(args[k].sharding.format)]
     banks = programs.banks([args[k].sharding.format for k in owned])  # Raises if one is missing.
     store_of = dict(zip(ours, stores, strict=True))
     sharded = [k for k in ours if k not in set(owned)]
-    jobs = [_read(store_of[k], infos[k], args[k]) for k in sharded]
+    jobs = [(_read_stacked if isinstance(args[k].sharding, StackedLayout) else _read)(
+        store_of[k], infos[k], args[k]) for k in sharded]
     jobs += [_read_bank([(store_of[owned[j]], infos[owned[j]], args[owned[j]]) for j in js])
              for js in banks.values()]
     ours = sharded + [owned[j] for js in banks.values() for j in js]
@@ -658,3 +696,20 @@ async def _read_bank(members: list) -> list[ShardedArray]:
     data = jax.make_array_from_single_device_arrays(f.padded_shape, sharding, arrays)
     out.append(ShardedArray(data, f, layout.axes, members[t][2].sharding.spec, layout.mesh))
   return out
+
+
+async def _read_stacked(store: ts.TensorStore, info, arg) -> jax.Array:
+  """Reads one saved copy and stacks it on every device of `arg.sharding` (a StackedLayout)."""
+  layout: StackedLayout = arg.sharding
+  dtype = np.dtype(arg.dtype if getattr(arg, "dtype", None) is not None
+                   else store.dtype.numpy_dtype)
+  try:
+    copy = np.expand_dims(np.asarray(await store.read(), dtype), layout.axis)
+  except Exception as e:  # noqa: BLE001 -- TensorStore raises many kinds
+    raise CheckpointError(f"cannot read {_where(info)}: {_first_line(e)}") from e
+  sharding = layout.stacked
+  shape = list(layout.shape)
+  shape.insert(layout.axis, sharding.mesh.size)
+  indices = sharding.addressable_devices_indices_map(tuple(shape))
+  arrays = [jax.device_put(copy, device) for device in indices]
+  return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)

@@ -15,6 +15,7 @@ remembered, so passing them back to the next call costs no comparison.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
@@ -25,9 +26,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import costmodel
-from wus.api import ShardedStep, check_alive, check_objective, donated_positions
-from wus.sharded import is_sharded
-from wus.transforms import groups
+from wus.api import ShardedStep
+from wus.matching import Signature
+from wus.options import Options
+from wus.runtime import donated_positions, needs_arguments
+from wus.sharded import check_alive, is_sharded
 
 
 def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, out_axes: Any = 0,
@@ -91,8 +94,7 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
     NotImplementedError: several processes (use `wus.shard_map`).
   """
   static = _index_tuple(static_broadcasted_argnums)
-  groups.check_group_size(shard_group_size)
-  check_objective(objective)
+  Options(min_shard_size, shard_group_size, objective, topology, shard_weights)
   return _Pmapped(f, "_internal_pmap_axis_name" if axis_name is None else axis_name, in_axes,
                   out_axes, static, tuple(devices) if devices is not None else None, backend,
                   axis_size, donated_positions(f, _index_tuple(donate_argnums),
@@ -146,9 +148,50 @@ class _Pmapped:
     return out
 
   def plan(self, *args, **kwargs):
-    """The wus Plan for these arguments."""
+    """The wus Plan for these arguments (TypeError without any)."""
+    needs_arguments((*args, *kwargs.values()), "plan")
     step, dyn, replicated = self._prepare(args, kwargs, check=True)
     return step.plan(*dyn, replicated=replicated)
+
+  def state_target(self, *args, **kwargs) -> tuple:
+    """The arguments as this step reads them, abstract, to restore a checkpoint saved as
+    Flax's pmap examples save theirs: one copy (`wus.unreplicate(state)`) under
+    `wus.checkpointable`.
+
+    Pass the parts you saved to Orbax's restore (`ocp.StandardCheckpointer().restore(
+    path, target)`, `ocp.args.StandardRestore(target)`): mapped whole arrays (weights,
+    step counters) come back as the stacked per-device copies `flax.jax_utils.replicate`
+    gives, the state the step keeps sharded as `wus.ShardedArray`s for this step's
+    devices, whatever the device count the checkpoint was saved at. No `replicate` call
+    is needed after it.
+
+    Args:
+      args, kwargs: the step's arguments, concrete, as for a call.
+
+    Returns:
+      A tuple like `args` (static arguments as given), or `(args, kwargs)` with keyword
+      arguments: `wus.checkpoint.LogicalView`s (of the saved, unreplicated shapes) for
+      what is mapped or sharded, `jax.ShapeDtypeStruct`s for what is not mapped.
+
+    Example:
+      >>> ckptr.save(path, wus.checkpointable(wus.unreplicate(state)))  # doctest: +SKIP
+      >>> state, _ = ckptr.restore(path, p_train_step.state_target(state, batch))  # doctest: +SKIP
+    """
+    from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
+    needs_arguments((*args, *kwargs.values()), "state_target")
+    step, dyn, replicated = self._prepare(args, kwargs, check=True)
+    treedef = jax.tree.structure(dyn, is_leaf=is_sharded)
+    dyn_pos = [i for i in range(len(args)) if i not in self._static]
+    axes = self._leaf_axes(dyn_pos, args, kwargs, treedef)
+    targets = jax.tree.leaves(step.state_target(*dyn, replicated=replicated), is_leaf=is_sharded)
+    targets = [checkpoint.stacked_target(t, ax)
+               if ax is not None and isinstance(t, jax.ShapeDtypeStruct) else t
+               for t, ax in zip(targets, axes, strict=True)]
+    *positional, keywords = jax.tree.unflatten(treedef, targets)
+    out = list(args)
+    for i, x in zip(dyn_pos, positional, strict=True):
+      out[i] = x
+    return (tuple(out), keywords) if kwargs else tuple(out)
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """Lowers the steady-state step program, as `ShardedStep.lower`."""
@@ -174,6 +217,7 @@ class _Pmapped:
       check_alive(x, jax.tree_util.keystr(path))
     leaves = [x for _, x in paths]
     axes = self._leaf_axes(dyn_pos, args, kwargs, treedef)
+    _check_mapped_ranks(paths, axes)
     mesh = self._mesh(leaves, axes)
     leaves = [self._place(x, ax, mesh) for x, ax in zip(leaves, axes, strict=True)]
     replicated = self._replicated(leaves, axes, treedef, dyn_pos)
@@ -278,6 +322,7 @@ class _Pmapped:
           y if ax is None else jnp.expand_dims(y, ax)
           for y, ax in zip(out_leaves, out_axes_flat, strict=True)])
 
+    body.__signature__ = _dynamic_signature(f, dyn_pos)  # The Plan names arguments by it.
     in_specs = jax.tree.unflatten(treedef, [_spec(axis_name, ax) for ax in axes])
     out_specs = jax.tree.map(lambda ax: _spec(axis_name, ax), out_axes, is_leaf=lambda x: x is None)
     # Positions among the dynamic arguments; keyword arguments by name.
@@ -289,7 +334,49 @@ class _Pmapped:
         axis_names=frozenset(), axis_name=axis_name, min_shard_size=self._min_size,
         shard_group_size=self._group_size, **self._decisions,
         donate_argnums=frozenset(donated),
-        split_reason="mapped, and its per-device copies differ")
+        split_reason="mapped, and its per-device copies differ",
+        signature=Signature.of(f, positions=tuple(dyn_pos), keywords=True))
+
+
+def _check_mapped_ranks(paths: list, axes: tuple) -> None:
+  """Raises ValueError, as jax.pmap does, for a mapped leaf without the mapped axis (a
+  Python number), or mapped axes of different sizes (state not replicated with
+  `flax.jax_utils.replicate`), naming the arguments."""
+  sizes: dict[int, str] = {}
+  for (path, x), ax in zip(paths, axes, strict=True):
+    if ax is None:
+      continue
+    name = jax.tree_util.keystr(path)
+    if np.ndim(x) <= ax:
+      kind = type(x).__name__ if not hasattr(x, "shape") else "value"
+      raise ValueError(
+          f"pmap was requested to map argument {name} (a {kind} of shape {np.shape(x)}) "
+          f"along axis {ax}, which it does not have. Give every mapped argument a leading "
+          "axis of one entry per device (flax.jax_utils.replicate(state) for weights and "
+          "optimizer state), or pass in_axes=None for it (static configuration: "
+          "static_broadcasted_argnums)")
+    sizes.setdefault(np.shape(x)[ax], name)
+  if len(sizes) > 1:
+    raise ValueError(
+        "pmap got mapped axes of different sizes: "
+        + ", ".join(f"{size} (e.g. argument {name})" for size, name in sizes.items())
+        + ". Every mapped argument needs one entry per device along its mapped axis: "
+        "replicate weights and optimizer state (flax.jax_utils.replicate), split batches "
+        "per device, or pass in_axes=None for what is the same on every device")
+
+
+def _dynamic_signature(f: Callable, dyn_pos: list[int]) -> inspect.Signature:
+  """The signature of the step's body: `f`'s parameters at `dyn_pos` (positional), then
+  `kwargs`, the keyword arguments' dict, so that the Plan names them as `f` does."""
+  try:
+    params = [p for p in inspect.signature(f).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    params = []
+  names = [params[i].name if i < len(params) else f"arg{i}" for i in dyn_pos]
+  kind = inspect.Parameter.POSITIONAL_ONLY
+  last = "kwargs" if "kwargs" not in names else "keyword_arguments"
+  return inspect.Signature([inspect.Parameter(n, kind) for n in (*names, last)])
 
 
 _UNMAPPED = object()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import weakref
 from typing import Any
 
 import jax
@@ -13,14 +15,32 @@ from wus.analysis.formats import ShardFormat
 from wus.transforms import programs
 
 
+_UNSHARD = ("Call wus.unshard(tree) for whole arrays (it gathers a whole tree in one program), "
+            "or save wus.checkpointable(tree) with Orbax to keep it sharded.")
+
+
 @jax.tree_util.register_pytree_node_class
 class ShardedArray:
   """A tensor kept sharded across replicas between steps (§4.2), e.g. Adam's `mu`.
 
-  It stands where the user's pytree had a whole array. `data` is a global
-  `jax.Array` laid out across the mesh; `wus.checkpointable` saves it with
-  Orbax without gathering, at its logical shape; `wus.unshard` gives the whole
-  array back, laid out as the step's out_spec laid it out (`spec`).
+  It stands where the user's pytree had a whole array, and answers what an array
+  answers about itself: `shape`, `dtype`, `ndim`, `size` and `nbytes` are the
+  whole (logical, unpadded) tensor's, as the step's program sees it; `sharding`
+  and `nbytes_per_device` describe the shards. Its values are not an array's:
+  used as one (arithmetic, NumPy, `jnp`, a plain jitted function, an optax call,
+  pickling) it raises a TypeError saying to call `wus.unshard` (whole arrays) or
+  `wus.checkpointable` (to save it). `wus.unshard` gives the whole array back,
+  laid out as the step's out_spec laid it out (`spec`).
+
+  It is a pytree node with one child, `data`, so that it crosses `jax.jit`
+  (`jax.jit(wus.shard_map(...))`); a function mapped over a pytree therefore
+  sees the padded shards (`jax.tree.map(f, tree)`), unless it is mapped with
+  `is_leaf=wus.is_sharded`. A mapped function that changes the shards' shape
+  (`x[0]`, `flax.jax_utils.unreplicate`) raises; one that returns no array
+  (`lambda x: x.shape`) leaves a ShardedArray holding its result, which prints.
+  Inside a JAX transformation (`jax.jit`, `jax.grad`, `jax.shard_map`, ...),
+  sharded state that JAX hands to the traced function may go to a wus step only:
+  any other use raises.
 
   Attributes:
     data: global array, shape `format.padded_shape`, dtype of the tensor,
@@ -34,11 +54,16 @@ class ShardedArray:
       `data` is a tracer).
   """
 
-  __slots__ = ("data", "format", "axes", "spec", "mesh")
+  __slots__ = ("data", "format", "axes", "spec", "mesh", "_dtype", "_traced_by_jax",
+               "__weakref__")
 
   def __init__(self, data: jax.Array, format: ShardFormat, axes: tuple, spec: P,  # noqa: A002
-               mesh: Mesh):
+               mesh: Mesh, dtype: Any = None):
     self.data, self.format, self.axes, self.spec, self.mesh = data, format, tuple(axes), spec, mesh
+    self._dtype = np.dtype(data.dtype if dtype is None else dtype)
+    # Rebuilt by JAX around a tracer (the argument of a traced function): not a wus step's.
+    self._traced_by_jax = False
+    _remember(self)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -51,18 +76,43 @@ class ShardedArray:
 
   @property
   def dtype(self) -> np.dtype:
-    return self.data.dtype
+    data = getattr(self.data, "dtype", None)
+    return self._dtype if data is None else np.dtype(data)
 
   @property
   def ndim(self) -> int:
-    return len(self.format.shape)
+    return len(self.shape)
 
   @property
   def size(self) -> int:
+    """Elements of the whole value (`shape`), without the shards' padding."""
     return math.prod(self.shape)
 
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the whole value (`shape`), as a whole array of it would hold."""
+    return self.size * self.dtype.itemsize
+
+  @property
+  def nbytes_per_device(self) -> int:
+    """Bytes each device holds: one shard of `format.shard_shape`, padding included."""
+    return self.format.shard_size * self.dtype.itemsize
+
+  @property
+  def sharding(self) -> jax.sharding.NamedSharding:
+    """How the padded shards (`data`, shape `format.padded_shape`) lie on the mesh: the
+    leading dim split over `axes`. Not a sharding of `shape`: one replica's shard is a
+    range of the row-major tensor, in general not a box of it."""
+    return jax.sharding.NamedSharding(self.mesh, P(self.axes[0] if len(self.axes) == 1
+                                                   else tuple(self.axes)))
+
   def tree_flatten(self):
-    return (self.data,), (self.format, self.axes, self.spec, self.mesh)
+    if self._traced_by_jax:
+      raise TypeError(
+          f"{self!r} is optimizer state wus keeps sharded between steps, passed into a JAX "
+          "transformation (jax.jit, jax.grad, jax.shard_map, lax.scan, ...) of a function that "
+          "is not a wus step; only a wus step reads it there. " + _UNSHARD)
+    return (self.data,), (self.format, self.axes, self.spec, self.mesh, self._dtype)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -76,17 +126,39 @@ class ShardedArray:
           f"shape {fmt.padded_shape}, the padded shards of a {list(fmt.shape)} tensor that wus "
           f"keeps sharded between steps) into shape {tuple(np.shape(data))}. Call "
           "wus.unshard(tree) first for whole arrays (e.g. before flax.jax_utils.unreplicate "
-          "or a checkpoint), or save wus.checkpointable(tree) with Orbax to keep it sharded.")
-    return cls(data, *aux)
+          "or a checkpoint), or save wus.checkpointable(tree) with Orbax to keep it sharded. "
+          "To map over ShardedArrays as leaves, pass is_leaf=wus.is_sharded.")
+    out = object.__new__(cls)
+    out.data, (out.format, out.axes, out.spec, out.mesh, out._dtype) = data, aux
+    out._traced_by_jax = isinstance(data, jax.core.Tracer)
+    _remember(out)
+    return out
 
   def __repr__(self) -> str:
-    return f"ShardedArray({self.dtype}{list(self.format.shape)}, {self.format}, axes={self.axes})"
+    shape = ",".join(map(str, self.shape))
+    where = (f"{self.format.num_shards} shards of {list(self.format.shard_shape)} over "
+             f"{self.axes}")
+    if not isinstance(self.data, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+      # What a function mapped over the tree returned for the shards (`lambda x: x.shape`).
+      return f"ShardedArray({self.dtype}[{shape}], {where}; mapped: {self.data!r})"
+    return f"ShardedArray({self.dtype}[{shape}], {where})"
 
   def _needs_whole(self, *args, **kwargs):
     raise TypeError(
         f"{self!r} is a shard of a tensor that wus keeps sharded between steps (optimizer "
         "state); it cannot be used as an array. Pass it back to the wus step that returned "
-        "it, or call wus.unshard(tree) for whole arrays.")
+        "it. " + _UNSHARD)
+
+  def __reduce__(self):
+    raise TypeError(f"{self!r} cannot be pickled: its shards live on devices. Pickle "
+                    "wus.unshard(tree) (whole arrays), or save wus.checkpointable(tree) with "
+                    "Orbax to keep it sharded.")
+
+  def __copy__(self):
+    return self
+
+  def __deepcopy__(self, memo):  # The shards are immutable jax.Arrays: shared, as jax.Array does.
+    return self
 
   # Used as an array (jax.numpy, NumPy, arithmetic, indexing): say what to do.
   __jax_array__ = __array__ = __getitem__ = __iter__ = __len__ = _needs_whole
@@ -98,8 +170,44 @@ class ShardedArray:
   __lt__ = __le__ = __gt__ = __ge__ = _needs_whole
 
 
+# The live ShardedArrays, by the id of their shards: a saver that was handed a tree's leaves
+# (Orbax flattens a ShardedArray into its padded shards) asks `holder_of` whose they are.
+_HOLDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _remember(x: ShardedArray) -> None:
+  """Records `x` for `holder_of`; once Orbax is imported, makes its array handler wus's
+  (`wus.checkpoint.register`), so that a save of raw sharded state fails at save time."""
+  if isinstance(x.data, jax.Array) and not isinstance(x.data, jax.core.Tracer):
+    _HOLDERS[id(x.data)] = x
+    if "orbax.checkpoint" in sys.modules:
+      from wus import checkpoint  # noqa: PLC0415 -- Orbax is imported: registering is cheap
+      checkpoint.register()
+
+
+def holder_of(array: Any) -> ShardedArray | None:
+  """The live ShardedArray whose padded shards `array` is, or None."""
+  holder = _HOLDERS.get(id(array))
+  return holder if holder is not None and holder.data is array else None
+
+
 def is_sharded(x: Any) -> bool:
+  """Whether `x` is a `ShardedArray`: pass as `is_leaf=` to map over whole tensors."""
   return isinstance(x, ShardedArray)
+
+
+def check_alive(x: Any, name: str, reader: str = "") -> None:
+  """Raises ValueError if `x`'s buffers (a ShardedArray's shards) were donated to a call.
+
+  Reading a deleted buffer crashes the process in some JAX paths (gathering it), so
+  every public function that reads state checks first.
+  """
+  data = x.data if is_sharded(x) else x
+  if isinstance(data, jax.Array) and not isinstance(data, jax.core.Tracer) and data.is_deleted():
+    where = f"{reader} got " if reader else ""
+    raise ValueError(
+        f"{where}argument {name or 'tree'}, whose buffer was donated to an earlier call "
+        "(donate_argnums) and is gone; pass the value that call returned instead")
 
 
 def unshard(tree: Any) -> Any:
@@ -118,9 +226,11 @@ def unshard(tree: Any) -> Any:
   Returns:
     The same structure with every ShardedArray replaced by its whole array.
   """
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_sharded)
+  paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
+  leaves = [x for _, x in paths]
   groups: dict = {}
-  for k, x in enumerate(leaves):
+  for (path, x), k in zip(paths, range(len(leaves)), strict=True):
+    check_alive(x, jax.tree_util.keystr(path), "wus.unshard")
     if is_sharded(x):
       groups.setdefault((x.mesh, x.axes), []).append(k)
   for (mesh, axes), ks in groups.items():
@@ -130,6 +240,31 @@ def unshard(tree: Any) -> Any:
     for k, whole in zip(ks, gather(*[x.data for x in xs]), strict=True):
       leaves[k] = whole
   return jax.tree.unflatten(treedef, leaves)
+
+
+def unreplicate(tree: Any) -> Any:
+  """One copy of a `wus.pmap` step's state, as `flax.jax_utils.unreplicate` gives it,
+  with the state wus keeps sharded left sharded.
+
+  Every whole leaf becomes its first device's copy (`flax.jax_utils.unreplicate`);
+  each `ShardedArray` stays as it is (its copies are sharded, not repeated), and
+  `wus.checkpointable` saves it at the unreplicated shape. Save
+  `wus.checkpointable(wus.unreplicate(state))`, as Flax's pmap examples save
+  `unreplicate(state)`; restore with the step's `state_target`, at any device count.
+
+  Args:
+    tree: any pytree (e.g. a `TrainState` a `wus.pmap` step returned).
+
+  Returns:
+    The same structure: whole leaves unreplicated, ShardedArrays unchanged.
+  """
+  import flax.jax_utils  # noqa: PLC0415 -- Flax's own rule for each whole leaf
+
+  def one(path, x):
+    check_alive(x, jax.tree_util.keystr(path), "wus.unreplicate")
+    return x if is_sharded(x) else flax.jax_utils.unreplicate(x)
+
+  return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_sharded)
 
 
 def checkpointable(tree: Any) -> Any:

@@ -1,0 +1,324 @@
+"""The weight update of a global-view step (`wus.jit`): where the batch ends (§3 for jax.jit).
+
+A `jax.jit` step written on global arrays has no collectives in its jaxpr:
+the partitioner (GSPMD) adds them where a value split over the batch axes is
+summed into one that is not. Its weight update is still the computation every
+replica repeats: the equations that read no value split over the batch. This
+module finds, in the step's global jaxpr (calls inlined),
+
+* which values are split over the data-parallel (batch) mesh axes, and on
+  which dims (`Splits`): from the values' types on a mesh with Explicit axes
+  (`splits_from_types`), or, with Auto axes, from a second trace at another
+  batch size (`splits_from_sizes`: a dim whose size follows the batch is
+  split);
+* the gradient sums: equations that sum a split value over every dim it is
+  split on (`sum_rules`, keyed by primitive: `reduce_sum`, a `dot_general` or
+  convolution contracting those dims, a scatter-add of split updates into
+  zeros). Computed on this replica's rows, each gives this replica's part of
+  the sum, which an all-reduce completes: where GSPMD puts its all-reduce;
+* the update region (`find_region`): the sums whose results only the update
+  reads, and the equations that read no split value and whose results no
+  other equation needs (the forward and backward pass never read them).
+
+`wus.jit` runs the region as a shard_map over the batch axes, each sum on its
+rows followed by a `psum`; the pipeline of `wus.shard_map` then finds its
+weight-update clusters at those all-reduces and turns them into
+reduce-scatters (§3.2, Fig. 3). Which values are split changes only where the
+region is cut, never what it computes: a sum computed on any rows and
+all-reduced is the sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from wus.analysis import compat
+from wus.analysis.compat import Jaxpr, JaxprEqn, Var
+
+# Per value split over the batch axes: one entry per dim, None (not split) or
+# the tuple of mesh axes the dim is split over. A value not in the map is
+# whole; one mapped to all-None entries is not whole on every replica either
+# (unreduced, or split in a way the rules do not follow).
+Splits = Mapping[Var, tuple]
+
+
+def spec_of(split: tuple | None) -> P:
+  """The PartitionSpec of a value's split (P() for a whole value)."""
+  if split is None:
+    return P()
+  return P(*[None if e is None else (e[0] if len(e) == 1 else e) for e in split])
+
+
+def splits_from_types(jaxpr: Jaxpr, axes: frozenset) -> dict[Var, tuple]:
+  """The splits over `axes` that a mesh with Explicit axes writes in the types.
+
+  Args:
+    jaxpr: a global jaxpr traced on such a mesh (`f32[16@data,4]`).
+    axes: the batch mesh axes.
+
+  Returns:
+    Value -> its split, for the values split over (or unreduced along) `axes`.
+  """
+  out = {}
+  for v in _values(jaxpr):
+    spec, unreduced = compat.sharding_spec(v.aval)
+    entries = tuple(_only(e, axes) for e in spec) + (None,) * (v.aval.ndim - len(spec))
+    if any(entries) or unreduced & axes:
+      out[v] = entries if not unreduced & axes else (None,) * v.aval.ndim
+  return out
+
+
+def splits_from_sizes(jaxpr: Jaxpr, larger: Jaxpr, axes: tuple) -> dict[Var, tuple] | str:
+  """The splits of `jaxpr`'s values, from a trace of the same step at a larger batch.
+
+  A dim whose size differs between the two traces follows the batch; it is
+  taken to be split over `axes`, as the batch inputs are.
+
+  Args:
+    jaxpr: the step's global jaxpr (Auto axes: no splits in the types).
+    larger: the same step traced with every batch input's split dims larger.
+    axes: the batch mesh axes.
+
+  Returns:
+    Value -> its split; or why the traces cannot be compared (the step's
+    equations depend on the batch size).
+  """
+  if len(jaxpr.eqns) != len(larger.eqns) or len(jaxpr.invars) != len(larger.invars):
+    return "the step's equations change with the batch size"
+  pairs = list(zip(jaxpr.invars, larger.invars, strict=True))
+  for e, f in zip(jaxpr.eqns, larger.eqns, strict=True):
+    if e.primitive is not f.primitive or len(e.outvars) != len(f.outvars):
+      return (f"the step's equations change with the batch size ({e.primitive} at "
+              f"{compat.source_line(e)})")
+    pairs += zip(e.outvars, f.outvars, strict=True)
+  entry = tuple(axes)
+  out = {}
+  for v, w in pairs:
+    a, b = getattr(v.aval, "shape", ()), getattr(w.aval, "shape", ())
+    if len(a) != len(b):
+      return f"a value's rank changes with the batch size ({v.aval.str_short()})"
+    if a != b:
+      out[v] = tuple(entry if m != n else None for m, n in zip(a, b, strict=True))
+  return out
+
+
+def _values(jaxpr: Jaxpr):
+  yield from jaxpr.invars
+  for eqn in jaxpr.eqns:
+    yield from eqn.outvars
+
+
+def _only(entry, axes: frozenset) -> tuple | None:
+  """A PartitionSpec entry restricted to `axes` (None if it names none)."""
+  if entry is None:
+    return None
+  names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n in axes)
+  return names or None
+
+
+# --- Gradient sums. ------------------------------------------------------------
+
+# A sum rule says whether an equation, given its operands' splits, sums over
+# every dim any operand is split on (its result is then whole, and the
+# equation run on each replica's rows gives that replica's part of the sum).
+SumRule = Callable[[JaxprEqn, list, Callable[[Var], bool]], bool]
+sum_rules: dict[compat.Primitive, SumRule] = {}
+
+
+def _split_dims(split) -> set[int]:
+  return {d for d, e in enumerate(split or ()) if e is not None}
+
+
+def _reduce_sum(eqn, splits, is_zero) -> bool:
+  (split,) = splits
+  return split is not None and _split_dims(split) <= set(eqn.params["axes"])
+sum_rules[lax.reduce_sum_p] = _reduce_sum
+
+
+def _paired(lhs, rhs, lhs_dims, rhs_dims) -> bool:
+  """Every split dim of each operand is one of its `dims`, paired dims split alike."""
+  if not (_split_dims(lhs) <= set(lhs_dims) and _split_dims(rhs) <= set(rhs_dims)):
+    return False
+  return all((lhs or (None,) * (d + 1))[d] == (rhs or (None,) * (e + 1))[e]
+             for d, e in zip(lhs_dims, rhs_dims, strict=True))
+
+
+def _dot_general(eqn, splits, is_zero) -> bool:
+  (lc, rc), _ = eqn.params["dimension_numbers"]
+  lhs, rhs = splits
+  return (lhs is not None or rhs is not None) and _paired(lhs, rhs, lc, rc)
+sum_rules[lax.dot_general_p] = _dot_general
+
+
+def _conv(eqn, splits, is_zero) -> bool:
+  # A kernel's gradient: the batch is the contracted feature dim of both
+  # operands (JAX's transpose of a convolution with respect to its kernel).
+  dn = eqn.params["dimension_numbers"]
+  lhs, rhs = splits
+  return (eqn.params["feature_group_count"] == 1 and eqn.params["batch_group_count"] == 1
+          and (lhs is not None or rhs is not None)
+          and _paired(lhs, rhs, (dn.lhs_spec[1],), (dn.rhs_spec[1],)))
+sum_rules[lax.conv_general_dilated_p] = _conv
+
+
+def _scatter_add(eqn, splits, is_zero) -> bool:
+  # An embedding table's gradient: split rows of updates added into zeros.
+  operand, indices, updates = splits
+  dn = eqn.params["dimension_numbers"]
+  scatter = [d for d in range(eqn.invars[2].aval.ndim) if d not in dn.update_window_dims]
+  batch = [d for d in range(eqn.invars[1].aval.ndim) if d != eqn.invars[1].aval.ndim - 1]
+  return (operand is None and is_zero(eqn.invars[0]) and updates is not None
+          and len(batch) == len(scatter) and _paired(indices, updates, batch, scatter))
+sum_rules[lax.scatter_add_p] = _scatter_add
+
+
+# --- The update region. ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+  """The part of a global step that runs as a shard_map: the sums and the update.
+
+  Attributes:
+    eqns: positions in the jaxpr's equations, in order.
+    sums: those that are gradient sums (run on this replica's rows, then
+      all-reduced over the batch axes).
+    invars: the values it reads from the rest of the step (inputs, constants,
+      results of the forward and backward pass).
+    in_specs: per invar, its split over the batch axes (P() when whole).
+    outvars: its results that the step returns.
+    moved: sums whose all-reduce runs after equations that only move their
+      elements (`sums` holds the last of those): XLA must not fold those
+      into the sum (a transpose into a `dot_general` swaps its operands and
+      changes its rounding), so the sum's result passes an
+      `optimization_barrier`, as the partitioner's all-reduce stops the
+      fold in the unmodified step.
+  """
+
+  eqns: tuple[int, ...]
+  sums: frozenset[int]
+  invars: tuple[Var, ...]
+  in_specs: tuple[P, ...]
+  outvars: tuple[Var, ...]
+  moved: frozenset[int] = frozenset()
+
+
+def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int]) -> Region | str:
+  """The sums and the update of a global step.
+
+  An equation joins the region if it is a gradient sum (`sum_rules`, its
+  split dims divisible by their axes' sizes) or reads and writes only whole
+  values with no effect, no collective and no shard_map inside; then every
+  equation whose results an equation outside the region reads leaves it
+  (outside, the forward and backward pass run as GSPMD partitions them, before
+  the region).
+
+  Args:
+    jaxpr: the step's global jaxpr, calls inlined.
+    splits: its values' splits over the batch axes.
+    axis_sizes: mesh axis -> size.
+
+  Returns:
+    The Region, or why the step has none. A region without gradient sums (the
+    gradients summed inside a loop, which GSPMD all-reduces there) still runs
+    as a shard_map: the planner's roots slice its whole gradients locally.
+  """
+  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+  def is_zero(v) -> bool:
+    if not compat.is_literal(v):
+      eqn = producer.get(v)
+      if eqn is None or eqn.primitive is not lax.broadcast_in_dim_p:
+        return False
+      v = eqn.invars[0]
+    return compat.is_literal(v) and compat.is_zero_literal(v)
+
+  def split(v):
+    return None if compat.is_literal(v) else splits.get(v)
+
+  def divisible(v) -> bool:
+    s = split(v)
+    return s is None or all(
+        e is None or n % math.prod(axis_sizes[a] for a in e) == 0
+        for n, e in zip(v.aval.shape, s, strict=True))
+
+  kind = []  # Per equation: "sum", "update" or None (outside).
+  for eqn in jaxpr.eqns:
+    ins = [split(v) for v in eqn.invars]
+    outs_whole = all(v not in splits for v in eqn.outvars)
+    rule = sum_rules.get(eqn.primitive)
+    if (rule is not None and outs_whole and any(s is not None for s in ins)
+        and rule(eqn, ins, is_zero) and all(divisible(v) for v in eqn.invars)):
+      kind.append("sum")
+    elif (outs_whole and all(s is None for s in ins) and not compat.side_effects(eqn)
+          and not compat.has_manual_code(eqn)):
+      kind.append("update")
+    else:
+      kind.append(None)
+  # A sum's all-reduce moves past equations that only move its elements
+  # (the transpose of a kernel's gradient): the region then reduce-scatters
+  # the tensor the update reads.
+  readers: dict = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not compat.is_literal(v):
+        readers.setdefault(v, []).append(i)
+  outputs = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  moved = set()
+  for i in [i for i, k in enumerate(kind) if k == "sum"]:
+    start, v = i, jaxpr.eqns[i].outvars[0]
+    while (len(jaxpr.eqns[i].outvars) == 1 and v not in outputs and len(readers.get(v, ())) == 1
+           and kind[j := readers[v][0]] == "update" and _moves_elements(jaxpr.eqns[j])):
+      kind[i], kind[j], i = "partial", "sum", j
+      v = jaxpr.eqns[j].outvars[0]
+      moved.add(start)
+  # Whatever an equation outside reads is computed outside, before the region.
+  needed: set = set()
+  for i in reversed(range(len(jaxpr.eqns))):
+    eqn = jaxpr.eqns[i]
+    if kind[i] is not None and any(v in needed for v in eqn.outvars):
+      kind[i] = None
+    if kind[i] is None:
+      needed.update(v for v in eqn.invars if not compat.is_literal(v))
+  inside = [i for i, k in enumerate(kind) if k is not None]
+  sums = frozenset(i for i in inside if kind[i] == "sum")
+  made = {v for i in inside for v in jaxpr.eqns[i].outvars}
+  outvars = tuple(dict.fromkeys(v for v in jaxpr.outvars
+                                if not compat.is_literal(v) and v in made))
+  used = _used(jaxpr, inside, outvars)
+  if not used:
+    return ("no update reads only whole values (the step's forward and backward pass read "
+            "every result)")
+  inside = [i for i in inside if i in used]
+  invars = tuple(dict.fromkeys(
+      v for i in inside for v in jaxpr.eqns[i].invars
+      if not compat.is_literal(v) and v not in made))
+  return Region(tuple(inside), sums & set(inside), invars,
+                tuple(spec_of(split(v)) for v in invars), outvars, frozenset(moved) & set(inside))
+
+
+def _moves_elements(eqn: JaxprEqn) -> bool:
+  """Whether each result element is one operand element: an all-reduce commutes with it."""
+  if len(eqn.invars) != 1 or compat.is_literal(eqn.invars[0]):
+    return False
+  if eqn.primitive in (lax.transpose_p, lax.reshape_p, lax.squeeze_p, lax.rev_p):
+    return eqn.primitive is not lax.reshape_p or eqn.params.get("dimensions") is None
+  return (eqn.primitive is lax.broadcast_in_dim_p
+          and math.prod(eqn.invars[0].aval.shape) == math.prod(eqn.outvars[0].aval.shape))
+
+
+def _used(jaxpr: Jaxpr, eqns: Sequence[int], outvars: Sequence[Var]) -> set[int]:
+  """The region's equations whose results reach one of its outputs."""
+  live = set(outvars)
+  used = set()
+  for i in reversed(eqns):
+    eqn = jaxpr.eqns[i]
+    if any(v in live for v in eqn.outvars) or compat.side_effects(eqn):
+      used.add(i)
+      live.update(v for v in eqn.invars if not compat.is_literal(v))
+  return used

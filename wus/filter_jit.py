@@ -1,0 +1,112 @@
+"""`wus.filter_jit`: `wus.jit` for steps taking and returning non-array leaves (Equinox)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from wus.analysis.plan import Plan
+from wus.jit import JitStep, jit
+from wus.sharded import is_sharded
+
+
+def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **options
+               ) -> Callable:
+  """`wus.jit` for steps that take and return non-array leaves, as `equinox.filter_jit`.
+
+  Every JAX or NumPy array (and sharded state) among the arguments is traced;
+  every other leaf (an Equinox module's activation function, a Python float)
+  is static, part of the cache key. Outputs may hold non-array leaves too.
+  The one-line change for an Equinox step: `@eqx.filter_jit` becomes
+  `@wus.filter_jit`.
+
+  Args:
+    fun: the step.
+    donate: "none" or "all" (every array argument donated), as for
+      `equinox.filter_jit`; "all-except-first" and "warn" are not supported.
+    **options: as for `wus.jit` (`min_shard_size`, `objective`, `topology`).
+
+  Returns:
+    The step, called like `fun`.
+
+  Raises:
+    ValueError: another `donate`.
+    TypeError: at call time, a static leaf that is not hashable.
+  """
+  if donate not in ("none", "all"):
+    raise ValueError(f"filter_jit(donate={donate!r}): pass 'none' or 'all'")
+
+  def make(f: Callable) -> Callable:
+    outs: dict = {}  # Static key -> the outputs' structure and static leaves, from tracing.
+
+    def inner(static, *args, **kwargs):
+      treedef, static_leaves = static.value
+      leaves = [s if a is None else a for a, s in
+                zip(treedef.flatten_up_to((args, kwargs)), static_leaves, strict=True)]
+      call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
+      out = f(*call_args, **call_kwargs)
+      out_leaves, out_def = jax.tree.flatten(out, is_leaf=is_sharded)
+      keep = [_is_array(x) for x in out_leaves]
+      outs[static] = (out_def, [None if k else x for x, k in zip(out_leaves, keep, strict=True)])
+      return jax.tree.unflatten(out_def, [x if k else None for x, k in
+                                          zip(out_leaves, keep, strict=True)])
+
+    steps: dict[int, JitStep] = {}  # By the number of positional arguments (donation).
+
+    def step_for(num_args: int) -> JitStep:
+      if num_args not in steps:
+        donated = tuple(range(1, num_args + 1)) if donate == "all" else None
+        steps[num_args] = jit(inner, static_argnums=0, donate_argnums=donated, **options)
+      return steps[num_args]
+
+    @functools.wraps(f)
+    def wrapped(*args, **kwargs):
+      (args, kwargs), static = _filtered(args, kwargs)
+      result = step_for(len(args))(static, *args, **kwargs)
+      out_def, static_out = outs[static]
+      return jax.tree.unflatten(out_def, [s if x is None else x for x, s in
+                                          zip(out_def.flatten_up_to(result), static_out,
+                                              strict=True)])
+
+    def plan(*args, **kwargs) -> Plan:
+      (args, kwargs), static = _filtered(args, kwargs)
+      return step_for(len(args)).plan(static, *args, **kwargs)
+    wrapped.plan = plan
+    return wrapped
+  return make if fun is None else make(fun)
+
+
+def _is_array(x) -> bool:
+  return is_sharded(x) or isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _filtered(args, kwargs) -> tuple:
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_sharded)
+  keep = [_is_array(x) for x in leaves]
+  arrays = [x if k else None for x, k in zip(leaves, keep, strict=True)]
+  static = tuple(None if k else x for x, k in zip(leaves, keep, strict=True))
+  return jax.tree.unflatten(treedef, arrays), _Static((treedef, static))
+
+
+class _Static:
+  """Static leaves, hashed by value (by identity where they are not hashable)."""
+
+  def __init__(self, value):
+    self.value = value
+    try:
+      self._key = hash(value)
+    except TypeError:
+      self._key = None
+
+  def __hash__(self):
+    return self._key if self._key is not None else id(self.value)
+
+  def __eq__(self, other):
+    if not isinstance(other, _Static):
+      return False
+    if self._key is None or other._key is None:
+      return self.value is other.value
+    return self._key == other._key and self.value == other.value

@@ -1,0 +1,314 @@
+"""`wus.jit`: a global-view `jax.jit` step with its weight update sharded (DESIGN.md §1).
+
+The step is traced as `jax.jit` traces it. `analysis.global_view` finds where
+the batch ends in its global jaxpr: the gradient sums and the update that
+reads only whole values. The rest (the forward and backward pass) runs as
+GSPMD partitions it; the sums and the update run as a shard_map region over
+the batch axes through the pipeline of `wus.shard_map`, so the gradients are
+reduce-scattered, the update runs on 1/N of every tensor and optimizer state
+stays sharded between calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from wus import jit_arguments, runtime
+from wus.analysis import compat, global_view
+from wus.analysis.plan import InputPlan, Plan, Program
+from wus.api import ShardedStep
+from wus.matching import Signature, StateMatch, argument_paths, match_state
+from wus.sharded import ShardedArray, check_alive, is_sharded
+from wus.transforms import global_view as global_view_program
+from wus.transforms import programs
+
+
+def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardings: Any = None,
+        static_argnums: int | Sequence[int] | None = None,
+        static_argnames: str | Sequence[str] | None = None,
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Sequence[str] | None = None,
+        min_shard_size: int = 0, objective: str = "memory",
+        topology: Any = None) -> JitStep | Callable[[Callable], JitStep]:
+  """Like `jax.jit`, with the weight update of a data-parallel step sharded across replicas.
+
+  Swap `jax.jit` for `wus.jit`; nothing else changes. For a step written on
+  global arrays, with the batch split over one or more mesh axes (placed with
+  `NamedSharding(mesh, P("data"))`, or by `in_shardings`) and the weights and
+  optimizer state whole (`P()` or unplaced), the gradient sums over the batch
+  become reduce-scatters, the update runs on 1/N of every tensor and the new
+  weights are all-gathered (§3, §4). Optimizer state comes back as
+  `wus.ShardedArray` leaves, to pass straight to the next call;
+  `wus.unshard` gives whole arrays. A step with no batch split, or whose
+  update wus cannot find, runs as `jax.jit` runs it, with the reason in
+  `.plan(...)`.
+
+  Args:
+    fun: the step, as for `jax.jit`.
+    in_shardings, out_shardings, static_argnums, static_argnames,
+      donate_argnums, donate_argnames: as for `jax.jit`.
+    min_shard_size, objective, topology: as for `wus.shard_map`.
+
+  Returns:
+    A `JitStep`, called like the `jax.jit` of `fun`, with `.plan(*args,
+    **kwargs)` and `.lower(*args, **kwargs)`. Used as a decorator without
+    `fun`, a function that makes one.
+
+  Example:
+    >>> step = wus.jit(train_step, donate_argnums=(0, 1))  # doctest: +SKIP
+    >>> params, opt_state, metrics = step(params, opt_state, batch)  # doctest: +SKIP
+  """
+  jit_kwargs = dict(in_shardings=in_shardings, out_shardings=out_shardings,
+                    static_argnums=static_argnums, static_argnames=static_argnames,
+                    donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+  jit_kwargs = {k: v for k, v in jit_kwargs.items() if v is not None}
+  options = dict(min_shard_size=min_shard_size, objective=objective, topology=topology)
+
+  def make(f: Callable) -> JitStep:
+    return JitStep(f, jit_kwargs, options)
+  return make if fun is None else make(fun)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+  """Everything compiled for one input signature."""
+
+  plan: Plan
+  run: Callable[..., Any]       # The jitted program of the flat dynamic leaves.
+  state_in: dict                # Flat leaf -> (ShardFormat, whole spec): passed sharded.
+  state_out: dict               # Flat output -> ShardFormat: returned sharded.
+  in_names: tuple[str, ...]
+  out_tree: Any
+  mesh: Mesh | None
+  axes: tuple
+  in_shardings: tuple = ()      # Per flat leaf: where the program takes it.
+
+  # What `ShardedStep._operands` reads of a program.
+  @property
+  def sources(self) -> tuple:
+    return tuple(("arg", k) for k in range(len(self.in_names)))
+
+
+class JitStep:
+  """A global-view step whose weight update runs on shards (from `wus.jit`)."""
+
+  def __init__(self, fun: Callable, jit_kwargs: dict, options: dict):
+    self._fun = fun
+    self._jit_kwargs = jit_kwargs
+    self._options = options
+    self._jitted = jax.jit(fun, **jit_kwargs)
+    # Static argument positions and names, each inferred from the other as jax.jit does.
+    self._static, self._static_names = jit_arguments.static_args(fun, jit_kwargs)
+    self._cache: dict = {}
+    functools.update_wrapper(self, fun)
+
+  def __call__(self, *args, **kwargs):
+    leaves, prog = self._program(args, kwargs)
+    if prog.mesh is None:
+      return self._jitted(*args, **kwargs)
+    for k, x in enumerate(leaves):
+      check_alive(x, prog.in_names[k])
+    ops = runtime.operands(leaves, prog) if prog.state_in else leaves
+    # Placed where the program takes them, so the next call compiles nothing new.
+    ops = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
+           for x, s in zip(ops, prog.in_shardings, strict=True)]
+    outs = prog.run(*ops)
+    wrapped = [ShardedArray(x, prog.state_out[k], prog.axes, P(), prog.mesh)
+               if k in prog.state_out else x for k, x in enumerate(outs)]
+    return jax.tree.unflatten(prog.out_tree, wrapped)
+
+  def plan(self, *args, **kwargs) -> Plan:
+    """The Plan for these arguments (whole or sharded state alike)."""
+    return self._program(args, kwargs)[1].plan
+
+  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+    """Lowers the steady-state step program (optimizer state already sharded)."""
+    leaves, prog = self._program(args, kwargs)
+    if prog.mesh is None:
+      return self._jitted.lower(*args, **kwargs)
+    spec = NamedSharding(prog.mesh, programs.shard_spec(prog.axes))
+    ops = [jax.ShapeDtypeStruct(prog.state_in[k][0].padded_shape, x.dtype, sharding=spec)
+           if k in prog.state_in else x for k, x in enumerate(leaves)]
+    return prog.run.lower(*ops)
+
+  def state_target(self, *args, **kwargs) -> tuple:
+    """The arguments as this step reads them, abstract: the target to restore a checkpoint into.
+
+    As `ShardedStep.state_target`: pass the parts you saved to Orbax's restore;
+    state this step keeps sharded comes back as `wus.ShardedArray`s in its
+    format, at this mesh's replica count.
+
+    Args:
+      args, kwargs: the step's arguments, concrete or abstract, whole or sharded.
+
+    Returns:
+      A tuple like `args` (static arguments as given): `jax.ShapeDtypeStruct`s
+      with the step's shardings for what it reads whole,
+      `wus.checkpoint.LogicalView`s for what it keeps sharded; with keyword
+      arguments, `(that tuple, a dict like kwargs)`.
+    """
+    from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
+    leaves, prog = self._program(args, kwargs)
+    out = []
+    for k, x in enumerate(leaves):
+      if k in prog.state_in:
+        out.append(checkpoint.restore_target(prog.state_in[k][0], prog.axes, P(), prog.mesh,
+                                             x.dtype))
+      else:
+        sharding = prog.in_shardings[k] if prog.in_shardings else getattr(x, "sharding", None)
+        out.append(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding,
+                                        weak_type=bool(getattr(x, "weak_type", False))))
+    full, full_kwargs = self._with_dynamic(args, kwargs, out)
+    return tuple(full) if not kwargs else (tuple(full), full_kwargs)
+
+  # --- Tracing and planning. ----------------------------------------------------
+
+  def _program(self, args: tuple, kwargs: dict) -> tuple[list, _Compiled]:
+    dyn = (tuple(x for i, x in enumerate(args) if i not in self._static),
+           {k: v for k, v in kwargs.items() if k not in self._static_names})
+    leaves, treedef = jax.tree.flatten(dyn, is_leaf=is_sharded)
+    statics = (tuple((i, args[i]) for i in sorted(self._static) if i < len(args)),
+               tuple(sorted((k, kwargs[k]) for k in self._static_names if k in kwargs)))
+    key = (treedef, tuple(jit_arguments.leaf_key(x) for x in leaves), statics)
+    if key not in self._cache:
+      self._cache[key] = self._build(args, kwargs, dyn, leaves)
+    return leaves, self._cache[key]
+
+  def _build(self, args: tuple, kwargs: dict, dyn: tuple, leaves: list) -> _Compiled:
+    paths = argument_paths(self._fun, (*dyn[0], dyn[1]), keywords=True,
+                           positions=self._dynamic_positions(args))
+    declared = jit_arguments.declared(self._jit_kwargs.get("in_shardings"), dyn[0], leaves)
+    mesh = jit_arguments.mesh_of(leaves, declared)
+    declared = [jit_arguments.named(s, mesh) for s in declared]
+    axes = jit_arguments.batch_axes(leaves, declared, mesh)
+    whole = [jit_arguments.abstract(x, mesh) for x in leaves]
+    traced = self._trace(args, kwargs, whole)
+    out_tree = traced.out_tree
+
+    def unchanged(reason: str) -> _Compiled:
+      plan = _unchanged_plan(traced.jaxpr.jaxpr, paths, axes, mesh, reason)
+      return _Compiled(plan, self._jitted, {}, {}, tuple(paths), out_tree, None, axes)
+
+    if mesh is None or not axes:
+      return unchanged("no argument is split over a mesh axis (the batch), so there is no "
+                       "data parallelism to shard the update over")
+    split_state = [paths[i] for i in self._state(args, dyn, traced.out_info).pairs.values()
+                   if jit_arguments.batch_axes([leaves[i]], [declared[i]], mesh)]
+    if split_state:
+      return unchanged(f"state is split over mesh axes itself ({split_state[0]}: tensor or "
+                       "fully sharded data parallelism), which wus.jit does not serve yet; "
+                       "the step runs as jax.jit runs it")
+    flat = jit_arguments.flat_jaxpr(traced.jaxpr, mesh)
+    if compat.explicit_axes(mesh) >= set(axes):
+      splits = global_view.splits_from_types(flat.jaxpr, frozenset(axes))
+    else:
+      larger = jit_arguments.flat_jaxpr(self._trace(args, kwargs, [
+          x if is_sharded(a) else jit_arguments.larger(x, d or getattr(a, "sharding", None), axes)
+          for x, a, d in zip(whole, leaves, declared, strict=True)]).jaxpr, mesh)
+      splits = global_view.splits_from_sizes(flat.jaxpr, larger.jaxpr, axes)
+      if isinstance(splits, str):
+        return unchanged(splits)
+    region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape))
+    if isinstance(region, str):
+      return unchanged(region)
+    return self._compile(flat, region, args, dyn, traced, mesh, axes, paths, declared)
+
+  def _dynamic_positions(self, args: tuple) -> tuple[int, ...]:
+    return tuple(i for i in range(len(args)) if i not in self._static)
+
+  def _with_dynamic(self, args: tuple, kwargs: dict, leaves: list) -> tuple[list, dict]:
+    """The arguments with `leaves` as their dynamic leaves."""
+    dyn_args, dyn_kwargs = jax.tree.unflatten(jit_arguments.dyn_structure(
+        args, kwargs, self._static, self._static_names), leaves)
+    full = list(args)
+    for i, x in zip(self._dynamic_positions(args), dyn_args, strict=True):
+      full[i] = x
+    return full, {**kwargs, **dyn_kwargs}
+
+  def _trace(self, args: tuple, kwargs: dict, leaves: list):
+    """`jax.jit(fun).trace` on the arguments with `leaves` as their dynamic leaves."""
+    full, full_kwargs = self._with_dynamic(args, kwargs, leaves)
+    return self._jitted.trace(*full, **full_kwargs)
+
+  def _state(self, args: tuple, dyn: tuple, out: Any) -> StateMatch:
+    """Which outputs are the next values of which dynamic leaves (`match_state`)."""
+    signature = Signature.of(self._fun, positions=self._dynamic_positions(args), keywords=True)
+    return match_state((*dyn[0], dyn[1]), out, signature)
+
+  def _compile(self, flat, region: global_view.Region, args: tuple, dyn: tuple, traced,
+               mesh: Mesh, axes: tuple, paths: list[str], declared: list) -> _Compiled:
+    jaxpr = flat.jaxpr
+    inside = set(region.eqns)
+    outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
+                     if not compat.is_literal(v)}
+    in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
+    out_shape = traced.out_info
+    region_in = {v: k for k, v in enumerate(region.invars)}
+    region_out = {v: k for k, v in enumerate(region.outvars)}
+    pairs, how = {}, {}
+    match = self._state(args, dyn, out_shape)
+    for o, i in match.pairs.items():
+      ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
+      if (not compat.is_literal(ov) and ov in region_out and iv in region_in
+          and iv not in outside_reads
+          and not any(w is iv for w in jaxpr.outvars if not compat.is_literal(w))):
+        pairs[region_out[ov]] = region_in[iv]
+        how[region_in[iv]] = match.how[i]
+    in_names = [paths[in_pos[v]] if v in in_pos else _produced_by(jaxpr, v)
+                for v in region.invars]
+    out_paths = ["output" + jax.tree_util.keystr(p)
+                 for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    out_names = [next(out_paths[k] for k, w in enumerate(jaxpr.outvars) if w is v)
+                 for v in region.outvars]
+    step = ShardedStep(
+        global_view_program.region_fn(jaxpr, region, axes), mesh=mesh, in_specs=region.in_specs,
+        out_specs=(P(),) * len(region.outvars), check_vma=False, axis_names=frozenset(),
+        axis_name=axes, split_reason="split over the batch axes",
+        match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
+        names=(in_names, out_names), **self._options)
+    region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                             sharding=NamedSharding(mesh, s))
+                        for v, s in zip(region.invars, region.in_specs, strict=True))
+    _, sub = step._program(region_args)
+    # Region input / output positions -> the step's flat leaves.
+    state_in = {in_pos[region.invars[k]]: (fmt, P()) for k, (fmt, _) in sub.state_in.items()}
+    state_out = {o: sub.plan.state_outputs[region_out[v]] for o, v in enumerate(jaxpr.outvars)
+                 if not compat.is_literal(v) and v in region_out
+                 and region_out[v] in sub.plan.state_outputs}
+    donated = tuple(k for k, info in enumerate(jax.tree.leaves(traced.args_info))
+                    if getattr(info, "donated", False))
+    shard = NamedSharding(mesh, programs.shard_spec(sub.plan.axes))
+    in_shardings = tuple(
+        shard if k in state_in else d or jit_arguments.placement(x, mesh)
+        for k, (x, d) in enumerate(zip(jax.tree.leaves(dyn, is_leaf=is_sharded), declared,
+                                       strict=True)))
+    wanted = jit_arguments.declared(self._jit_kwargs.get("out_shardings"), out_shape,
+                                    jax.tree.leaves(out_shape))
+    out_shardings = tuple(shard if k in state_out else jit_arguments.named(s, mesh)
+                          for k, s in enumerate(wanted))
+    run = jax.jit(functools.partial(global_view_program.run, flat, region, sub),
+                  donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
+    return _Compiled(sub.plan, run, state_in, state_out, tuple(paths), traced.out_tree, sub.mesh,
+                     tuple(sub.plan.axes), in_shardings)
+
+
+def _produced_by(jaxpr, v) -> str:
+  """A name for a value of the forward or backward pass the region reads."""
+  eqn = next(e for e in jaxpr.eqns if v in e.outvars)
+  return f"<{eqn.primitive} at {compat.source_line(eqn)}>"
+
+
+def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: str) -> Plan:
+  """The Plan of a step wus runs unchanged, every input whole for `reason`."""
+  inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False, reason)
+                 for name, v in zip(paths, jaxpr.invars, strict=True))
+  n = math.prod(mesh.shape[a] for a in axes) if mesh is not None and axes else 1
+  return Plan(tuple(axes), n, 0, inputs, (), Program({}, {}, {}), unchanged=reason)

@@ -1,0 +1,137 @@
+"""`jax.jit`'s calling convention as `wus.jit` reads it: static and dynamic arguments,
+declared shardings, the mesh and the batch axes, and the global jaxpr it analyses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from wus.analysis import compat
+from wus.sharded import is_sharded
+from wus.transforms import inline
+
+
+def static_args(fun: Callable, jit_kwargs: dict) -> tuple[frozenset, frozenset]:
+  """The static argument positions and names, inferred from each other as `jax.jit` does."""
+  return compat.static_args(fun, jit_kwargs.get("static_argnums"),
+                            jit_kwargs.get("static_argnames"))
+
+
+def dyn_structure(args: tuple, kwargs: dict, static_nums: frozenset, static_names: frozenset):
+  """The tree structure of the dynamic arguments, `(args, kwargs)` as `jax.jit` flattens them."""
+  return jax.tree.structure(
+      (tuple(x for i, x in enumerate(args) if i not in static_nums),
+       {k: v for k, v in kwargs.items() if k not in static_names}), is_leaf=is_sharded)
+
+
+def leaf_key(x) -> tuple:
+  """The cache key of one leaf: logical shape, dtype, weak type, and the mesh axes it is
+  split over (sharded state keys as the whole value it stands for)."""
+  if is_sharded(x):
+    return (x.shape, x.dtype, False, split_axes(x.spec))
+  if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+    sharding = getattr(x, "sharding", None)
+    split = split_axes(sharding.spec) if isinstance(sharding, NamedSharding) else None
+    return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)), split)
+  return (type(x), ())
+
+
+def split_axes(spec: P) -> tuple | None:
+  """A PartitionSpec without trailing Nones; None when it splits nothing."""
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return tuple(entries) or None
+
+
+def declared(shardings: Any, tree: Any, leaves: list) -> list:
+  """Per leaf of `tree`, the sharding `in_shardings` / `out_shardings` (a pytree prefix, or
+  one for all) gives it; None where it gives none."""
+  if shardings is None:
+    return [None] * len(leaves)
+  def is_leaf(x):
+    return x is None or isinstance(x, (jax.sharding.Sharding, P))
+  if is_leaf(shardings):
+    return [shardings] * len(leaves)
+  return jax.tree.leaves(jax.tree.broadcast(shardings, tree, is_leaf=is_leaf),
+                         is_leaf=lambda x: x is None or is_leaf(x))
+
+
+def named(sharding, mesh: Mesh | None):
+  """A PartitionSpec as a NamedSharding on `mesh` (other shardings as they are)."""
+  if isinstance(sharding, P) and mesh is not None:
+    return NamedSharding(mesh, sharding)
+  return sharding
+
+
+def placement(x, mesh: Mesh) -> NamedSharding:
+  """Where the program takes a whole leaf: as placed on the mesh, else replicated."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and sharding.mesh == mesh and not is_sharded(x):
+    return sharding
+  return NamedSharding(mesh, P())
+
+
+def mesh_of(leaves: list, declared: list) -> Mesh | None:
+  """The mesh of the arguments (of the largest NamedSharding, `in_shardings` included), or
+  the one set with `jax.set_mesh`; None for a single device."""
+  shardings = [getattr(x, "sharding", None) for x in leaves if not is_sharded(x)] + declared
+  meshes = [x.mesh for x in leaves if is_sharded(x)]
+  meshes += [s.mesh for s in shardings if isinstance(s, NamedSharding)]
+  meshes = [m for m in meshes if isinstance(m, Mesh) and m.size > 1]
+  if meshes:
+    return max(meshes, key=lambda m: m.size)
+  current = jax.sharding.get_mesh()
+  return None if current.empty or current.size == 1 else current
+
+
+def batch_axes(leaves: list, declared: list, mesh: Mesh | None) -> tuple:
+  """The mesh axes some argument is split over (the batch axes), in mesh order."""
+  if mesh is None:
+    return ()
+  used = set()
+  for x, d in zip(leaves, declared, strict=True):
+    sharding = d or getattr(x, "sharding", None)
+    if not is_sharded(x) and isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+      for e in sharding.spec:
+        used.update(() if e is None else e if isinstance(e, tuple) else (e,))
+  return tuple(a for a in mesh.axis_names if a in used)
+
+
+def abstract(x, mesh: Mesh | None):
+  """A leaf as traced: sharded state as the whole value it stands for."""
+  if is_sharded(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(x.mesh, x.spec))
+  return x
+
+
+def larger(x, sharding, axes: tuple):
+  """`x` with every dim `sharding` splits over `axes` twice as large (`splits_from_sizes`)."""
+  if not isinstance(sharding, NamedSharding):
+    return x
+  shape = list(np.shape(x))
+  for d, e in enumerate(sharding.spec):
+    names = () if e is None else e if isinstance(e, tuple) else (e,)
+    if set(names) & set(axes):
+      shape[d] *= 2
+  if shape == list(np.shape(x)):
+    return x
+  return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=sharding,
+                              weak_type=bool(getattr(x, "weak_type", False)))
+
+
+def flat_jaxpr(closed, mesh: Mesh):
+  """The traced jaxpr with its calls inlined and dead code dropped."""
+  avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
+                                sharding=sharding_of(a, mesh)) for a in closed.in_avals]
+  flat = jax.make_jaxpr(inline.inlined(closed))(*avals)
+  return compat.ClosedJaxpr(compat.dce(flat.jaxpr), flat.consts)
+
+
+def sharding_of(aval, mesh: Mesh):
+  spec, _ = compat.sharding_spec(aval)
+  return NamedSharding(mesh, P(*spec)) if spec and compat.explicit_axes(mesh) else None

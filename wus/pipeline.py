@@ -1,0 +1,299 @@
+"""The pipeline every front end shares: trace, match state, analyse, plan, build (§3, §4).
+
+A front end (`wus.shard_map`, `wus.pmap`, `wus.jit`'s update region)
+translates its calling convention into a `Step` (the per-replica function,
+its in/out specs and what the front end knows about its arguments) and the
+user's `Options`; `compile_step` returns a `Compiled` step: the complete Plan,
+the jit-compiled sharded step program and how its operands map to the
+arguments. `wus.runtime` runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from wus import collectives, runtime
+from wus.analysis import clusters, compat, cost, costmodel, redundancy
+from wus.analysis.compat import ClosedJaxpr
+from wus.analysis.plan import Plan, replicated as replicated_plan
+from wus.analysis.planner import make_plan
+from wus.matching import Signature, StateMatch, argument_paths, aval, match_state
+from wus.options import Options
+from wus.sharded import is_sharded
+from wus.transforms import gc_pause, groups, inline, programs
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """A per-replica step as the pipeline reads it: what a front end knows.
+
+  Attributes:
+    f: the per-replica step.
+    in_specs, out_specs, check_vma, axis_names: as for `jax.shard_map`.
+    split_reason: why an input its in_spec splits differs across replicas
+      (for the Plan; `wus.pmap` names its per-device copies).
+    signature: how the positional arguments map to the user's parameters.
+    match_state: the front end's own state pairs (`wus.jit`'s region), or None
+      for `matching.match_state`.
+    names: the front end's names of the flat inputs and outputs, or None for
+      the argument paths.
+  """
+
+  f: Callable
+  in_specs: Any
+  out_specs: Any
+  check_vma: bool = True
+  axis_names: frozenset = frozenset()
+  split_reason: str = "its in_spec splits it"
+  signature: Signature = Signature()
+  match_state: Callable[[tuple, Any], StateMatch] | None = None
+  names: tuple[Sequence[str], Sequence[str]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """Everything compiled for one input signature: the pipeline's result."""
+
+  plan: Plan
+  step: Callable[..., tuple]
+  sources: tuple        # Per step operand: ("arg", leaf index) or ("const", value).
+  state_in: dict        # Arg leaf index -> (ShardFormat, whole-value spec), inputs passed sharded.
+  in_names: tuple[str, ...]
+  out_specs: tuple      # Per flat output: its PartitionSpec in the user's program.
+  out_replicated: tuple  # Per flat output: identical on every replica of the plan's axes.
+  out_tree: Any
+  mesh: Mesh            # The mesh the programs run on (derived with shard_group_size).
+  user_mesh: Mesh       # The user's mesh: whole values enter and leave on it.
+  timings: dict         # Seconds: "trace", "analysis" (inline, plan); "rewrite" once lowered.
+
+
+def compile_step(step: Step, options: Options, args: tuple, leaves: list, treedef,
+                 replicated: frozenset, mesh: Mesh, donate_argnums: frozenset) -> Compiled:
+  """The pipeline: trace, match state, analyse, plan and build the programs (§3, §4).
+
+  Every front end calls this once per input signature; everything the Plan
+  says is decided here, `shard_group_size="auto"` included (§5.2).
+
+  Args:
+    step: the per-replica step and the facts its front end knows.
+    options: the user's options.
+    args, leaves, treedef: the positional arguments and their flat leaves
+      (sharded state as `ShardedArray` leaves).
+    replicated: flat leaf positions identical on every replica although their
+      in_spec splits them (`wus.pmap`'s equal per-device copies, §3.1).
+    mesh: the user's mesh.
+    donate_argnums: positional arguments whose buffers the step may reuse.
+
+  Returns:
+    The Compiled step.
+  """
+  with gc_pause.paused():
+    build = functools.partial(_build, step, options, args, leaves, treedef, frozenset(replicated),
+                              mesh, donate_argnums)
+    if options.shard_group_size != "auto":
+      return build(options.shard_group_size)
+    whole = build(None)
+    g, why = cost.auto_group_size(whole.plan, _topology_for(
+        options.topology, whole.mesh, whole.plan.axes, whole.plan.num_shards))
+    prog = whole if g is None else build(g)
+    return dataclasses.replace(prog, plan=dataclasses.replace(
+        prog.plan, groups="; ".join(filter(None, [why, prog.plan.groups]))))
+
+
+
+def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
+           replicated: frozenset, mesh: Mesh, donate_argnums: frozenset,
+           group_size: int | None) -> Compiled:
+  start = time.perf_counter()
+  # 1. Trace the user's step exactly as jax.shard_map would.
+  traced = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                 sharding=NamedSharding(mesh, runtime.user_spec(x)))
+            if is_sharded(x) else x for x in leaves]
+  smap = jax.shard_map(step.f, mesh=mesh, in_specs=step.in_specs,
+                       out_specs=step.out_specs, check_vma=step.check_vma,
+                       axis_names=step.axis_names)
+  outer, out_shape = jax.make_jaxpr(smap, return_shape=True)(*jax.tree.unflatten(treedef, traced))
+  eqn = compat.shard_map_eqn(outer)
+  body, _, in_specs, out_specs, manual, check_vma = compat.shard_map_params(eqn)
+  if list(outer.jaxpr.outvars) != list(eqn.outvars):
+    raise NotImplementedError("wus.shard_map expects f's outputs to come from shard_map")
+  arg_pos = {v: k for k, v in enumerate(outer.jaxpr.invars)}
+  const_val = dict(zip(outer.jaxpr.constvars, outer.consts, strict=True))
+  sources = tuple(("arg", arg_pos[v]) if v in arg_pos else ("const", const_val[v])
+                  for v in eqn.invars)
+  operand_avals = [traced[s[1]] if s[0] == "arg" else s[1] for s in sources]
+  body_pos = {s[1]: k for k, s in enumerate(sources) if s[0] == "arg"}
+  match = (step.match_state(args, out_shape) if step.match_state is not None
+           else match_state(args, out_shape, step.signature))
+  pairs = {o: body_pos[i] for o, i in match.pairs.items() if i in body_pos}
+  out_leaves, out_tree = jax.tree.flatten(out_shape)
+  out_names = [jax.tree_util.keystr(p)
+               for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+  if step.names is not None:
+    out_names = list(step.names[1])
+  # What the Plan says of each input's next value (the state matching).
+  matched = {body_pos[i]: why for i, why in match.how.items() if i in body_pos}
+  matched.update({body_pos[i]: f"next value {out_names[o]} (by {match.how[i]})"
+                  for o, i in match.pairs.items() if i in body_pos})
+  user_mesh, home, rename, grouping, whole_reason = mesh, None, None, "", None
+  if group_size is not None:
+    axes = _replica_axes(options.axis_name, mesh, manual, body,
+                         [body.invars[i] for i in pairs.values()])
+    home, grouping, whole_reason = _groups(mesh, axes, group_size)
+  if home is not None:
+    # 1b. The programs run on the mesh derived for the groups; the step is
+    # renamed onto it while it is inlined (transforms/groups.py).
+    mesh, rename = home.derived, home.rename
+    in_specs = tuple(home.derived_spec(p) for p in in_specs)
+    out_specs = tuple(home.derived_spec(p) for p in out_specs)
+    manual = (manual - {home.axis}) | {home.outer, home.inner}
+    operand_avals = [jax.ShapeDtypeStruct(np.shape(x), aval(x)[1],
+                                          sharding=NamedSharding(mesh, p),
+                                          weak_type=bool(getattr(x, "weak_type", False)))
+                     for x, p in zip(operand_avals, in_specs, strict=True)]
+    axes = (home.inner,)
+
+  traced_at = time.perf_counter()
+  # 2. Inline calls and retrace, then drop dead code (as jax.jit does before
+  # lowering): the analysis works on one flat jaxpr, and an unused read of
+  # optimizer state does not keep it whole.
+  with groups.on(mesh) if home is not None else contextlib.nullcontext():
+    flat_outer = jax.make_jaxpr(jax.shard_map(
+        lambda *a: tuple(inline.inlined(ClosedJaxpr(body, ()), rename)(*a)), mesh=mesh,
+        in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=check_vma,
+        axis_names=manual))(*operand_avals)
+  flat = compat.dce(compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0])
+  if group_size is None:
+    axes = _replica_axes(options.axis_name, mesh, manual, flat,
+                         [flat.invars[i] for i in pairs.values()])
+  # State split over other mesh axes too (tensor parallelism) stays whole
+  # between steps: sharded state is laid out over the replica axes only. Its
+  # update still runs on shards of this device's block.
+  replica = set(axes) | ({home.outer} if home is not None else set())
+  split_state = {}
+  for o, i in list(pairs.items()):
+    if other := (runtime.spec_axes(in_specs[i]) | runtime.spec_axes(out_specs[o])) - replica:
+      split_state[i] = (f"state split over {sorted(other)} by its in_spec or out_spec: kept "
+                        f"whole between steps (sharded state is laid out over {list(axes)} "
+                        "only)")
+      del pairs[o]
+
+  # 3. Analyse and plan.
+  arg_of_leaf = [a for a, arg in enumerate(args)
+                 for _ in jax.tree.leaves(arg, is_leaf=is_sharded)]
+  in_rep = [frozenset(manual) if s[0] == "arg" and s[1] in replicated
+            else manual - runtime.spec_axes(spec)
+            for spec, s in zip(in_specs, sources, strict=True)]
+  facts = redundancy.analyze(flat, in_rep, manual)
+  names = argument_paths(step.f, args, step.signature.keywords)
+  if step.names is not None:
+    names = list(step.names[0])
+  in_names = [names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
+  num_shards = math.prod(mesh.shape[a] for a in axes)
+  plan = make_plan(flat, facts, axes=axes, num_shards=num_shards,
+                   in_names=in_names, out_names=out_names, state_pairs=pairs,
+                   state_whole=split_state, matched=matched,
+                   min_size=options.min_shard_size, split_reason=step.split_reason,
+                   objective=options.objective, shard_weights=options.shard_weights,
+                   topology=_topology_for(options.topology, mesh, axes, num_shards))
+  if whole_reason is not None:
+    plan = replicated_plan(plan, whole_reason)
+  if group_size is not None:
+    across = _across_groups(plan) if home is not None else 0
+    if across:
+      grouping += (f"; the gradient shards are all-reduced across the {home.num_groups} "
+                   f"groups in {across} batched all-reduce(s)")
+    plan = dataclasses.replace(plan, group_size=group_size, groups=grouping,
+                               across_groups=across)
+
+  # 4. Compile the rewritten step.
+  timings = {"trace": traced_at - start, "analysis": time.perf_counter() - traced_at}
+  donated = [k for k, s in enumerate(sources)
+             if s[0] == "arg" and arg_of_leaf[s[1]] in donate_argnums]
+  step = programs.step_program(ClosedJaxpr(flat, ()), plan, mesh=mesh, in_specs=in_specs,
+                               out_specs=out_specs, axis_names=manual, check_vma=check_vma,
+                               donate_argnums=donated, timings=timings, home=home)
+  state_in = {sources[k][1]: (fmt, in_specs[k]) for k, fmt in plan.state_inputs.items()}
+  # Identical on every replica: of all the data-parallel axes, also across groups.
+  same = frozenset(axes) | (frozenset((home.outer, home.inner)) if home is not None else set())
+  out_replicated = tuple(facts.is_redundant(v, same) for v in flat.outvars)
+  return Compiled(plan, step, sources, state_in, tuple(names), tuple(out_specs),
+                  out_replicated, out_tree, mesh, user_mesh, timings)
+
+
+def _groups(mesh: Mesh, axes: tuple,
+            group_size: int) -> tuple[groups.Groups | None, str, str | None]:
+  """The sharding groups of `shard_group_size` (§5.2): (the Groups, None for
+  G = N or G = 1; the grouping in words, for the Plan; the reason the update
+  stays replicated for G = 1, else None).
+
+  Raises:
+    ValueError: several sharding axes, or a G that does not divide N.
+  """
+  if len(axes) != 1:
+    raise ValueError(
+        f"shard_group_size groups the replicas of one mesh axis, but the update would be "
+        f"sharded over {list(axes)}; pass axis_name= one of them, or drop shard_group_size "
+        "and name the sharding axes of a mesh with the groups as an axis (partial sharding, "
+        "§5.2)")
+  (axis,) = axes
+  size, g = mesh.shape[axis], group_size
+  found = groups.derive(mesh, axis, g)  # Raises for a G that does not divide N.
+  if g == 1:
+    why = (f"shard_group_size=1: groups of one replica of {axis!r}, so nothing is sharded; "
+           "the update runs replicated as in the original step")
+    return None, why, why
+  if g == size:
+    return None, (f"shard_group_size={g}: one group of all {size} replicas of {axis!r} "
+                  "(plain sharding)"), None
+  return found, found.describe(), None
+
+def _topology_for(topology: costmodel.Topology | None, mesh: Mesh, axes: tuple,
+                  num_shards: int) -> costmodel.Topology:
+  """The cost model's devices: the user's topology (of a sharding group's devices
+  when it describes all of the axis), or one from the mesh's processes."""
+  t = topology
+  if t is not None:
+    if t.num_devices == num_shards:
+      return t
+    try:  # Sharding groups: the axes of one group of consecutive devices.
+      return dataclasses.replace(t, axes=t.split(num_shards)[0])
+    except ValueError:
+      raise ValueError(f"topology= describes {t.num_devices} devices, but the update is "
+                       f"sharded over {num_shards} ({list(axes)}); describe those (or all "
+                       "the devices of the axis, for shard_group_size)") from None
+  # The devices of one sharding group (the other axes at 0), fast axis last.
+  group = mesh.devices[tuple(slice(None) if a in axes else 0 for a in mesh.axis_names)]
+  first = group.flat[0].process_index
+  local = sum(d.process_index == first for d in group.flat)
+  return costmodel.default_topology(num_shards, local if num_shards % local == 0 else None)
+
+def _replica_axes(axis_name, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
+  """The data-parallel axes, in mesh order."""
+  if axis_name is None:
+    wanted = clusters.gradient_axes(jaxpr, {tuple(v.aval.shape) for v in state}) or manual
+  else:
+    wanted = frozenset([axis_name] if isinstance(axis_name, str) else axis_name)
+    if not wanted <= manual:
+      raise ValueError(f"axis_name {sorted(wanted)} must be manual axes of the shard_map; "
+                       f"they are {sorted(manual)}")
+  return tuple(a for a in mesh.axis_names if a in wanted)
+
+
+def _across_groups(plan: Plan) -> int:
+  """The batched all-reduces of the gradient shards across sharding groups (§5.2)."""
+  grads = [t for c in plan.clusters if c.sharded for t in c.tensors
+           if t.role == "gradient" and t.format is not None]
+  return len(collectives.batched.dtype_buckets(
+      [t.dtype for t in grads], [t.format.shard_size * t.itemsize for t in grads],
+      plan.bucket_bytes))

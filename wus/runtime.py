@@ -1,0 +1,169 @@
+"""The runtime every front end shares: operands in, sharded state out (§4.2).
+
+A compiled step takes sharded state as its padded shards; `operands` checks
+what the caller passes (donated buffers, state made for another mesh or
+another plan) and shards whole state in one program, as the paper's runtime
+"invokes the sharding program when there is a state mismatch".
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from wus.errors import StateMismatchError
+from wus.sharded import ShardedArray, check_alive, is_sharded, unshard
+from wus.transforms import groups, programs
+
+
+def operands(leaves: list, prog) -> list:
+  """The step's operands: sharded state checked, whole state sharded (§4.2).
+
+  `prog` is a compiled step (`pipeline.Compiled`, or `wus.jit`'s program): its
+  `sources` (per operand: ("arg", leaf index) or ("const", value)), `state_in`
+  (leaf index -> (format, whole-value spec) for inputs passed sharded),
+  `in_names`, `mesh` and `plan.axes`.
+
+  Sharded state this step's plan holds another way (the step's signature
+  changed between calls, so its plan did) is gathered and re-sharded on the
+  same mesh, each conversion one program.
+
+  Raises:
+    ValueError: an argument's buffer was donated to an earlier call.
+    StateMismatchError: sharded state made for another mesh.
+  """
+  ops: list = []
+  expected = NamedSharding(prog.mesh, programs.shard_spec(prog.plan.axes))
+  whole_state = []  # (operand position, leaf, format, spec): sharded by one program.
+  regather = []     # (operand position, sharded leaf): gathered first.
+  for src in prog.sources:
+    if src[0] == "const":
+      ops.append(src[1])
+      continue
+    k = src[1]
+    x, (fmt, spec) = leaves[k], prog.state_in.get(k, (None, None))
+    check_alive(x, prog.in_names[k])
+    if is_sharded(x) and fits(x, fmt, spec, prog.plan.axes, expected, prog.in_names[k]):
+      ops.append(x.data)
+    elif is_sharded(x):
+      regather.append((len(ops), x))
+      ops.append(None)
+    elif fmt is not None:
+      whole_state.append((len(ops), x, fmt, spec))
+      ops.append(None)
+    else:
+      ops.append(x)
+  if regather:
+    pos, xs = zip(*regather, strict=True)
+    for p, x in zip(pos, unshard(list(xs)), strict=True):
+      fmt, spec = prog.state_in.get(prog.sources[p][1], (None, None))
+      if fmt is None:
+        ops[p] = x
+      else:
+        whole_state.append((p, x, fmt, spec))
+  if whole_state:
+    pos, xs, fmts, specs = zip(*whole_state, strict=True)
+    shards = programs.shard_program(fmts, prog.mesh, prog.plan.axes, specs)(*xs)
+    for p, x in zip(pos, shards, strict=True):
+      ops[p] = x
+  return ops
+
+
+
+def donated_positions(f: Callable, argnums: int | Sequence[int],
+                      argnames: str | Sequence[str]) -> frozenset:
+  """Positions of `f`'s donated parameters, from numbers and names (as `jax.jit`).
+
+  Raises:
+    ValueError: a name that is not a positional parameter of `f`.
+  """
+  names = [argnames] if isinstance(argnames, str) else list(argnames)
+  out = set(as_positions(argnums))
+  if names:
+    params = [p.name for p in inspect.signature(f).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for name in names:
+      if name not in params:
+        raise ValueError(f"donate_argnames: {name!r} is not a positional parameter of "
+                         f"{getattr(f, '__name__', f)} (its parameters: {params})")
+      out.add(params.index(name))
+  return frozenset(out)
+
+
+def needs_arguments(args: tuple, method: str) -> None:
+  """Raises TypeError for `step.<method>()` called without the step's arguments."""
+  if not args:
+    raise TypeError(
+        f"step.{method}() needs the step's arguments, as for a call: step.{method}(params, "
+        "opt_state, batch); the plan is made for their shapes and dtypes (concrete arrays, "
+        "or jax.ShapeDtypeStruct from jax.eval_shape)")
+
+
+
+def as_positions(positions: int | Sequence[int]) -> frozenset:
+  """One position or several, as a frozenset."""
+  return frozenset([positions] if isinstance(positions, int) else positions)
+
+
+def leaf_signature(x) -> tuple:
+  """The cache key of one argument leaf: logical shape, dtype, weak type."""
+  if is_sharded(x):
+    return (x.shape, x.dtype, False)
+  if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+    return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)))
+  return (type(x), ())
+
+
+def spec_axes(spec: P) -> frozenset:
+  """The mesh axes a PartitionSpec splits over."""
+  out = set()
+  for entry in spec:
+    if entry is None:
+      continue
+    out.update(entry if isinstance(entry, tuple) else (entry,))
+  return frozenset(out)
+
+
+def normal(spec: P) -> tuple:
+  """A PartitionSpec without trailing Nones: P() and P(None,) lay out alike."""
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return tuple(entries)
+
+
+def fits(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedSharding, name: str) -> bool:
+  """Whether `x` is sharded exactly as this step expects; False if it only needs
+  converting (same mesh, another format or a tensor this step reads whole; or
+  sharded in groups of another size on the same mesh, `shard_group_size`).
+
+  Raises:
+    StateMismatchError: `x` lives on another mesh.
+  """
+  if x.mesh != expected.mesh and user_mesh(x.mesh) == user_mesh(expected.mesh):
+    return False
+  if x.mesh != expected.mesh:
+    raise StateMismatchError(
+        f"argument {name} was sharded on another mesh ({x}, on {x.mesh}); this step runs on "
+        f"{expected.mesh}. Pass wus.unshard(state), placed on this step's mesh, to re-shard it "
+        "for this step.")
+  traced = isinstance(x.data, jax.core.Tracer)  # Under jax.jit: its in_shardings decide.
+  return (fmt is not None and x.format == fmt and x.axes == axes
+          and normal(x.spec) == normal(spec)
+          and (traced or x.data.sharding.is_equivalent_to(expected, x.data.ndim)))
+
+
+def user_spec(x: ShardedArray) -> P:
+  """The PartitionSpec of `x`'s whole value over the user's mesh."""
+  home = groups.home(x.mesh)
+  return x.spec if home is None else home.user_spec(x.spec)
+
+
+def user_mesh(mesh: Mesh) -> Mesh:
+  """The user's mesh `mesh` was derived from for sharding groups, or `mesh`."""
+  home = groups.home(mesh)
+  return mesh if home is None else home.mesh
