@@ -1,10 +1,10 @@
-"""Whole-tensor ownership: where owned tensors live, and the Plan's ownership part.
+"""Whole-tensor ownership's types: where owned tensors live, and the Plan's ownership part.
 
 An update that needs whole tensors (Muon's Newton-Schulz iteration, a
 Shampoo-style root) cannot run on 1/N of each tensor, but when each tensor's
 update reads only its own gradient, state and weight, one replica can run it
 on the whole tensor while the others run other tensors' updates (DESIGN.md,
-Ownership). `wus.analysis.ownership` finds and assigns such updates; this
+Ownership). `ownership` finds such updates and `owners` assigns them; this
 module holds the types the rewrite, the runtime and checkpoints read.
 
 Rows. Tensors of one dtype are laid out in N rows of `length` elements:
@@ -184,7 +184,7 @@ class OwnedUnit:
     seeds: its gradient all-reduces.
     owner: the replica that runs it.
     stack: its stack's index in `Ownership.stacks`.
-    cost: predicted seconds of its update (`ownership.update_seconds`).
+    cost: predicted seconds of its update (`owners.update_seconds`).
   """
 
   cluster: int
@@ -213,7 +213,7 @@ class Ownership:
     loads: predicted seconds of the owned updates each replica runs.
     pins: scalars read from outside that owned divisions divide by. XLA:CPU
       divides by a scalar used once as a multiplication by its reciprocal,
-      which rounds otherwise (`ownership.rewritten_divides`): in the
+      which rounds otherwise (`divides.rewritten_divides`): in the
       unmodified step a scalar that several tensors divide by is used once
       and only the first division XLA visits is rewritten. Each owner writes
       the pins at the end of its row of `pin_dtype` (a second use: no

@@ -1,16 +1,16 @@
-"""Which replica owns which update, and where its tensors lie in the rows (DESIGN.md, Ownership).
+"""Who owns which update: its predicted cost, its replica, its rows (DESIGN.md, Ownership).
 
 `wus.analysis.ownership` finds the updates that can run on whole tensors;
-this module assigns them to replicas and lays their tensors out
-(`wus.analysis.owned`): units of one (shapes, dtypes, update) form a stack,
-each replica owns k = m // N contiguous members of a stack of m, and the
-remainders and singletons go, largest predicted cost first, to the replica
-with the least predicted work (ties: the lower replica, the earlier unit).
-Rows place each replica's tensors in that order.
+this module predicts what each costs and assigns them to replicas, and lays
+their tensors out (`wus.analysis.owned`): units of one (shapes, dtypes,
+update) form a stack, each replica owns k = m // N contiguous members of a
+stack of m, and the remainders and singletons go, largest predicted cost
+first, to the replica with the least predicted work (ties: the lower
+replica, the earlier unit). Rows place each replica's tensors in that order.
 
-It also models one decision XLA:CPU makes differently for an owner than
-for the unmodified step (`rewritten_divides`), which the rewrite undoes so
-that the owner computes bit for bit what every replica computed before.
+The cost model is `costmodel`'s: ring collectives over the topology, and an
+update's flops at `FLOPS_PER_SECOND` plus its memory traffic (operands and
+results of every equation, unfused) at the topology's memory bandwidth.
 """
 
 from __future__ import annotations
@@ -21,64 +21,70 @@ import math
 import numpy as np
 from jax import lax
 
-from wus.analysis import compat, costmodel, primitives
+from wus.analysis import compat, costmodel
 from wus.analysis.compat import Jaxpr
-from wus.analysis.cost import nbytes
+from wus.analysis.cost import nbytes, predict
 from wus.analysis.owned import Ownership, OwnedFormat, OwnedUnit, Slot, build_bank
 
+# Flops per second of one device for the update's arithmetic: an accelerator's
+# order of magnitude (the topology's figures are too); only its ratio to the
+# memory bandwidth matters to the decisions.
+FLOPS_PER_SECOND = 100e12
 
-def rewritten_divides(jaxpr: Jaxpr) -> frozenset[int]:
-  """The divisions by a scalar that XLA:CPU rewrites as multiplications by its reciprocal.
 
-  XLA's algebraic simplifier rewrites `A / broadcast(B)` as `A * broadcast(1 / B)` on
-  the CPU when B has one use (openxla `AlgebraicSimplifierVisitor::HandleDivide`,
-  "A / broadcast(B) => A * broadcast(1 / B)"; the two round differently). It visits
-  instructions in post order from the root. When every reader of a scalar B
-  broadcasts it to one shape (one broadcast after CSE: B has one use), the
-  first division visited is rewritten and no other, since B's reciprocal is
-  then a second use. An owner that runs such a division alone would see B
-  with one use and rewrite it too: the rewrite (`transforms.owned`) keeps B
-  used twice on every owner and writes the reciprocal itself where this
-  predicts XLA does in the unmodified step.
+def work(eqns) -> tuple[float, float]:
+  """(flops, bytes read and written) of equations, unfused; loops times their trip count."""
+  flops = traffic = 0.0
+  for eqn in eqns:
+    subs = list(compat.sub_jaxprs(eqn))
+    if eqn.primitive is compat.cond_p:
+      f, t = max((work(s.eqns) for s in subs), default=(0.0, 0.0))
+    elif subs:
+      trips = eqn.params.get("length", 1) if eqn.primitive is compat.scan_p else 1
+      f, t = (trips * x for x in work([e for s in subs for e in s.eqns]))
+    elif eqn.primitive is lax.dot_general_p:
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      k = math.prod(eqn.invars[0].aval.shape[d] for d in contract)
+      f = 2.0 * k * math.prod(eqn.outvars[0].aval.shape)
+      t = sum(_bytes(v) for v in [*eqn.invars, *eqn.outvars])
+    else:
+      f = float(sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")))
+      t = sum(_bytes(v) for v in [*eqn.invars, *eqn.outvars])
+    flops, traffic = flops + f, traffic + t
+  return flops, traffic
 
-  Args:
-    jaxpr: the step's flat jaxpr (the unmodified step, as XLA compiles it).
 
-  Returns:
-    Indices of the `div` equations rewritten, by this model of XLA's rule.
-  """
-  order: dict[int, int] = {}
-  producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
-  for root in jaxpr.outvars:  # Post order from the root tuple, operands in order.
-    stack = [] if compat.is_literal(root) or root not in producer else [(producer[root], 0)]
-    while stack:
-      i, k = stack.pop()
-      if i in order:
-        continue
-      atoms = jaxpr.eqns[i].invars
-      while k < len(atoms) and (compat.is_literal(atoms[k]) or atoms[k] not in producer
-                                or producer[atoms[k]] in order):
-        k += 1
-      if k == len(atoms):
-        order[i] = len(order)
-      else:
-        stack += [(i, k + 1), (producer[atoms[k]], 0)]
-  readers: dict = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if not compat.is_literal(v) and not v.aval.shape:
-        readers.setdefault(v, []).append(i)
-  out = set()
-  outputs = {v for v in jaxpr.outvars if not compat.is_literal(v)}
-  for b, rs in readers.items():
-    shapes = {tuple(jaxpr.eqns[r].outvars[0].aval.shape) for r in rs}
-    divides = [r for r in rs if jaxpr.eqns[r].primitive is lax.div_p
-               and jaxpr.eqns[r].invars[1] is b and r in order]
-    if (divides and b not in outputs and len(shapes) == 1 and () not in shapes
-        and all(jaxpr.eqns[r].primitive in primitives.ELEMENTWISE for r in rs)
-        and np.issubdtype(b.aval.dtype, np.floating)):
-      out.add(min(divides, key=order.__getitem__))
-  return frozenset(out)
+def _bytes(v) -> int:
+  aval = v.aval
+  if compat.is_literal(v) or not hasattr(aval, "shape") or not hasattr(aval.dtype, "itemsize"):
+    return 0
+  return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def update_seconds(jaxpr: Jaxpr, eqns, topology: costmodel.Topology) -> float:
+  """Predicted seconds of equations `eqns` of `jaxpr`: flops plus memory traffic."""
+  flops, traffic = work([jaxpr.eqns[i] for i in sorted(eqns)])
+  return flops / FLOPS_PER_SECOND + traffic / topology.memory_bandwidth
+
+
+def worth(jaxpr: Jaxpr, u, ctx) -> str | None:
+  """Why owning unit `u` would not pay (`ownership` docstring, 2), or None; fills its cost."""
+  u.cost = update_seconds(jaxpr, u.eqns, ctx.topology)
+  grads = sum(nbytes(jaxpr.eqns[i].outvars[0]) for i in u.seeds)
+  gathered = sum(nbytes(v) for v in u.exits)
+  rep, own = predict(grads, gathered, u.cost * ctx.topology.memory_bandwidth, ctx.num_shards,
+                     ctx.topology)
+  own += 2 * (grads + gathered) / ctx.topology.memory_bandwidth  # Into and out of the rows.
+  u.predicted = (rep, own)
+  if own > rep:
+    return (f"its update is too cheap to own (predicted {own * 1e6:.3g} us owned, with the "
+            f"copies into and out of rows, against {rep * 1e6:.3g} us replicated)")
+  return None
+
+
+def unit_bytes(jaxpr: Jaxpr, u) -> int:
+  """Bytes of a unit's gradients: what it adds to the rows of its owner."""
+  return sum(nbytes(jaxpr.eqns[i].outvars[0]) for i in u.seeds)
 
 
 def signature(jaxpr: Jaxpr, u) -> tuple:
@@ -168,28 +174,6 @@ def rows(jaxpr: Jaxpr, units: list, stacks, num_shards: int, rewritten: frozense
       dict(state), {y: state[x] for y, x in pairs.items()},
       tuple(described), tuple(loads))
   return ownership, state
-
-
-def pinned(jaxpr: Jaxpr, ownership: Ownership, rewritten: frozenset) -> Ownership:
-  """`ownership` with the scalars owned divisions divide by pinned (`Ownership.pins`)."""
-  eqns = {i for u in ownership.units for i in u.eqns}
-  made = {v for i in eqns for v in jaxpr.eqns[i].outvars}
-  divides = [i for i in sorted(eqns) if jaxpr.eqns[i].primitive is lax.div_p]
-  pins = tuple(dict.fromkeys(
-      b for i in divides for b in jaxpr.eqns[i].invars[1:] if not compat.is_literal(b)
-      and not b.aval.shape and b not in made and np.issubdtype(b.aval.dtype, np.floating)))
-  floats = [d for d in sorted(ownership.out_rows) if np.issubdtype(np.dtype(d), np.floating)]
-  if not pins or not floats:
-    return ownership
-  rows = dict(ownership.out_rows)
-  rows[floats[0]] += len(pins)
-  unpinned: dict = {}
-  for u in ownership.units:
-    for i in rewritten.intersection(u.eqns):
-      if jaxpr.eqns[i].invars[1] in pins:
-        unpinned.setdefault(u.owner, set()).add(jaxpr.eqns[i].invars[1])
-  return dataclasses.replace(ownership, out_rows=rows, pins=pins, pin_dtype=floats[0],
-                             unpinned={r: frozenset(b) for r, b in unpinned.items()})
 
 
 def whole_prediction(jaxpr: Jaxpr, units: list, ownership: Ownership,

@@ -1,4 +1,4 @@
-"""Planning whole-tensor ownership (DESIGN.md, Ownership).
+"""Which weight updates can run whole on one replica each, and their Plan (DESIGN.md, Ownership).
 
 A weight-update cluster stays replicated when an equation of its update
 needs the whole tensor (Muon's Newton-Schulz matmuls, a Shampoo-style root,
@@ -15,8 +15,8 @@ ownership. The owner computes exactly what every replica computed before.
    its values except as the step's outputs, every value it reads from
    outside is identical on every replica, and its equations run on a
    replica of their own (no collectives but all-reduces of equal values).
-2. Worth (`_worth`). Owning moves the same bytes (a reduce-scatter and an
-   all-gather of rows for the all-reduce) and saves (N - 1) / N of the
+2. Worth (`owners.worth`). Owning moves the same bytes (a reduce-scatter and
+   an all-gather of rows for the all-reduce) and saves (N - 1) / N of the
    update; the rows cost copies. A unit whose predicted update is too cheap
    to pay for them stays replicated, and the Plan says so.
 3. Assignment (`owners`): stacks of one (shapes, dtypes, update), k
@@ -24,31 +24,22 @@ ownership. The owner computes exactly what every replica computed before.
    cost first; tensors too large to balance (rows as long as the busiest
    replica's) stay replicated, largest first, until the rest is predicted
    no slower owned.
-
-The cost model is `costmodel`'s: ring collectives over the topology, and
-the update's flops at `FLOPS_PER_SECOND` plus its memory traffic (operands
-and results of every equation, unfused) at the topology's memory bandwidth.
+4. Exactness (`divides`): the divisions XLA:CPU would round differently on
+   an owner than in the unmodified step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
 from jax import lax
 
-from wus.analysis import compat, costmodel, owners, primitives, shardable
+from wus.analysis import compat, divides, owners, primitives, shardable
 from wus.analysis.compat import Jaxpr, source_line
-from wus.analysis.cost import nbytes, predict
 from wus.analysis.owned import Ownership, Placement
 from wus.analysis.plan import ClusterPlan, TensorPlan
 from wus.analysis.shardable import Kind
-
-# Flops per second of one device for the update's arithmetic: an accelerator's
-# order of magnitude (the topology's figures are too); only its ratio to the
-# memory bandwidth matters to the decisions.
-FLOPS_PER_SECOND = 100e12
 
 # Primitives an owner may run (with their sub-jaxprs): pure ones, and loops
 # and conditionals of them. regularized_incomplete_beta lowers to a loop whose
@@ -131,7 +122,7 @@ def plan_ownership(jaxpr: Jaxpr, ctx, candidates: list, taken: Mapping[int, Kind
                        eqns.union(*(u.eqns for u in merged))))
   owned = []
   for u in units:
-    why = _check(jaxpr, u, ctx, readers, state_pairs) or _worth(jaxpr, u, ctx)
+    why = _check(jaxpr, u, ctx, readers, state_pairs) or owners.worth(jaxpr, u, ctx)
     if why:
       for idx, cp in u.clusters:
         out.clusters[idx] = dataclasses.replace(cp, reason=f"{cp.reason}; not owned: {why}")
@@ -139,7 +130,7 @@ def plan_ownership(jaxpr: Jaxpr, ctx, candidates: list, taken: Mapping[int, Kind
       owned.append(u)
   if not owned:
     return out
-  rewritten = owners.rewritten_divides(jaxpr)
+  rewritten = divides.rewritten_divides(jaxpr)
   while True:
     # Rows are as long as the busiest replica's: a tensor too large to balance
     # (one matrix of most of the bytes) pads every row to its size. Largest first,
@@ -149,7 +140,7 @@ def plan_ownership(jaxpr: Jaxpr, ctx, candidates: list, taken: Mapping[int, Kind
     rep, own = owners.whole_prediction(jaxpr, owned, ownership, ctx)
     if own <= rep:
       break
-    largest = max(owned, key=lambda u: (_unit_bytes(jaxpr, u), -min(u.eqns)))
+    largest = max(owned, key=lambda u: (owners.unit_bytes(jaxpr, u), -min(u.eqns)))
     owned.remove(largest)
     why = (f"too large to balance: owning it with the rest predicts {own * 1e6:.3g} us "
            f"against {rep * 1e6:.3g} us replicated (imbalance {ownership.imbalance:.3f})")
@@ -157,7 +148,7 @@ def plan_ownership(jaxpr: Jaxpr, ctx, candidates: list, taken: Mapping[int, Kind
       out.clusters[idx] = dataclasses.replace(cp, reason=f"{cp.reason}; not owned: {why}")
     if not owned:
       return out
-  out.ownership = owners.pinned(jaxpr, ownership, rewritten)
+  out.ownership = divides.pinned(jaxpr, ownership, rewritten)
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   for u in owned:
     for i in u.eqns:
@@ -260,61 +251,6 @@ def _check(jaxpr: Jaxpr, u: _Unit, ctx, readers: dict,
   if not any(ctx.big(v) for v in [*(eqns[i].outvars[0] for i in seeds), *u.exits]):
     return "its tensors are scalar or tiny"
   return None
-
-
-def work(eqns) -> tuple[float, float]:
-  """(flops, bytes read and written) of equations, unfused; loops times their trip count."""
-  flops = traffic = 0.0
-  for eqn in eqns:
-    subs = list(compat.sub_jaxprs(eqn))
-    if eqn.primitive is compat.cond_p:
-      f, t = max((work(s.eqns) for s in subs), default=(0.0, 0.0))
-    elif subs:
-      trips = eqn.params.get("length", 1) if eqn.primitive is compat.scan_p else 1
-      f, t = (trips * x for x in work([e for s in subs for e in s.eqns]))
-    elif eqn.primitive is lax.dot_general_p:
-      (contract, _), _ = eqn.params["dimension_numbers"]
-      k = math.prod(eqn.invars[0].aval.shape[d] for d in contract)
-      f = 2.0 * k * math.prod(eqn.outvars[0].aval.shape)
-      t = sum(_bytes(v) for v in [*eqn.invars, *eqn.outvars])
-    else:
-      f = float(sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")))
-      t = sum(_bytes(v) for v in [*eqn.invars, *eqn.outvars])
-    flops, traffic = flops + f, traffic + t
-  return flops, traffic
-
-
-def _bytes(v) -> int:
-  aval = v.aval
-  if compat.is_literal(v) or not hasattr(aval, "shape") or not hasattr(aval.dtype, "itemsize"):
-    return 0
-  return math.prod(aval.shape) * aval.dtype.itemsize
-
-
-def update_seconds(jaxpr: Jaxpr, eqns, topology: costmodel.Topology) -> float:
-  """Predicted seconds of equations `eqns` of `jaxpr`: flops plus memory traffic."""
-  flops, traffic = work([jaxpr.eqns[i] for i in sorted(eqns)])
-  return flops / FLOPS_PER_SECOND + traffic / topology.memory_bandwidth
-
-
-def _worth(jaxpr: Jaxpr, u: _Unit, ctx) -> str | None:
-  """Why owning `u` would not pay (module docstring, 2), or None; fills its cost."""
-  u.cost = update_seconds(jaxpr, u.eqns, ctx.topology)
-  grads = sum(nbytes(jaxpr.eqns[i].outvars[0]) for i in u.seeds)
-  gathered = sum(nbytes(v) for v in u.exits)
-  rep, own = predict(grads, gathered, u.cost * ctx.topology.memory_bandwidth, ctx.num_shards,
-                     ctx.topology)
-  own += 2 * (grads + gathered) / ctx.topology.memory_bandwidth  # Into and out of the rows.
-  u.predicted = (rep, own)
-  if own > rep:
-    return (f"its update is too cheap to own (predicted {own * 1e6:.3g} us owned, with the "
-            f"copies into and out of rows, against {rep * 1e6:.3g} us replicated)")
-  return None
-
-
-def _unit_bytes(jaxpr: Jaxpr, u: _Unit) -> int:
-  """Bytes of a unit's gradients: what it adds to the rows of its owner."""
-  return sum(nbytes(jaxpr.eqns[i].outvars[0]) for i in u.seeds)
 
 
 def _cluster_plans(jaxpr: Jaxpr, u: _Unit, ownership: Ownership, state: dict, stacks,
