@@ -37,12 +37,13 @@ import dataclasses
 import math
 
 from wus.analysis import compat
-from wus.analysis import costmodel
+from wus.analysis import costmodel, network
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.layouts import Layout
 from wus.analysis.redundancy import Redundancy, why_differs
 from wus.analysis.shardable import REDUCING
+from wus.collectives import batched
 
 
 def nbytes(v: Var) -> int:
@@ -80,7 +81,7 @@ OBJECTIVES = ("memory", "time")
 
 
 def predict(all_reduce: int, all_gather: int, io: int, num_shards: int,
-            topology: costmodel.Topology) -> tuple[float, float]:
+            topology: network.Topology) -> tuple[float, float]:
   """(replicated, sharded) predicted seconds of one cluster's collectives and update (§3.2).
 
   Replicated: the all-reduce of `all_reduce` bytes and the update reading and
@@ -96,14 +97,14 @@ def predict(all_reduce: int, all_gather: int, io: int, num_shards: int,
   """
   axes = tuple(dataclasses.replace(a, alpha=0.0) for a in topology.axes)
   memory = topology.memory_bandwidth
-  replicated = costmodel.all_reduce(all_reduce, axes) + io / memory
-  sharded = (costmodel.reduce_scatter(all_reduce, axes) + costmodel.all_gather(all_gather, axes)
+  replicated = network.all_reduce(all_reduce, axes) + io / memory
+  sharded = (network.reduce_scatter(all_reduce, axes) + network.all_gather(all_gather, axes)
              + io / num_shards / memory)
   return replicated, sharded
 
 
 def _microseconds(seconds: float) -> str:
-  return costmodel.format_seconds(seconds)
+  return network.format_seconds(seconds)
 
 
 def _branch_gathers(cluster: Cluster, rare: set[int]) -> int:
@@ -136,7 +137,7 @@ def _first_whole_reader(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes)
 def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
            axes: frozenset, state_outputs: set[int], num_shards: int,
            rare: set[int] = frozenset(), *, objective: str = "memory",
-           topology: costmodel.Topology | None = None, extra_gather: int = 0,
+           topology: network.Topology | None = None, extra_gather: int = 0,
            sliced: list[str] | tuple = ()) -> Decision:
   """Decides one cluster.
 
@@ -154,7 +155,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
       saves memory traffic or keeps optimizer state sharded) or "time" (as
       "memory", and only where `predict` says sharded is no slower).
     topology: the N devices, for `predict`; None:
-      `costmodel.default_topology(num_shards)`.
+      `network.default_topology(num_shards)`.
     extra_gather: whole bytes of inputs it keeps sharded that are gathered
       where read (weights with `shard_weights`, in their narrow dtype).
     sliced: for a cluster grown from roots (`Cluster.roots`), the names of
@@ -169,7 +170,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   """
   if objective not in OBJECTIVES:
     raise ValueError(f"objective={objective!r}: use one of {OBJECTIVES}")
-  topology = topology or costmodel.default_topology(num_shards)
+  topology = topology or network.default_topology(num_shards)
   if topology.num_devices != num_shards:
     raise ValueError(f"the topology has {topology.num_devices} devices; the update is sharded "
                      f"over {num_shards}")
@@ -241,7 +242,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
                                    "all-gather(s)")
 
 
-def auto_group_size(plan, topology: costmodel.Topology) -> tuple[int | None, str]:
+def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, str]:
   """`shard_group_size="auto"`: the G the cost model predicts fastest (§5.2), and why.
 
   The workload is what the Plan of full sharding shards: the elements of
@@ -293,20 +294,20 @@ def sharded_workload(clusters) -> costmodel.Workload | None:
                             grad_bytes=grads[0].itemsize, state_bytes=grads[0].itemsize)
 
 
-def bucket_bytes(clusters, num_shards: int, topology: costmodel.Topology,
-                 objective: str = "memory") -> tuple[int, str]:
-  """The bucket limit of the batched collectives (§5.2), chosen by the cost model, and why.
+def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
+                 objective: str = "memory") -> tuple[int, int | None, str]:
+  """How the batched collectives group tensors (§5.2), chosen by the cost model, and why.
 
-  `costmodel.choose_bucket_bytes` on the sharded clusters' workload: the
-  smallest limit whose predicted reduce-scatters and all-gathers are within
-  1% of one bucket's (few latency terms, buffers no larger than needed).
-  The model does not price a bucket's buffers: the gradients of a bucket are
-  concatenated before its reduce-scatter and the gathered weights cut from
-  one result, temporary memory of a bucket's size. So with
-  `objective="memory"` the limit is at most `costmodel.DEFAULT_BUCKET_BYTES`
-  (4 MiB; measured on the main job: one 32 MiB bucket raised the compiled
-  step's memory from 0.38 to 0.65 of the replicated step's); with "time",
-  any of `costmodel.BUCKET_CANDIDATES`.
+  `costmodel.choose_batching` on the sharded clusters' workload: tensors of
+  `alone_bytes` or more (unpadded) keep a collective of their own, where the
+  predicted copy into and out of a bucket costs more than a collective's
+  latency; the rest share buckets, the smallest limit whose predicted
+  collectives and copies are within 1% of one bucket's. A bucket's
+  concatenated buffers are temporary memory the model does not price, so
+  with `objective="memory"` the limit is at most
+  `costmodel.DEFAULT_BUCKET_BYTES` (4 MiB; measured on the main job: one
+  32 MiB bucket raised the compiled step's memory from 0.38 to 0.65 of the
+  replicated step's); with "time", any of `costmodel.BUCKET_CANDIDATES`.
 
   Args:
     clusters: the `plan.ClusterPlan`s of the step.
@@ -315,22 +316,35 @@ def bucket_bytes(clusters, num_shards: int, topology: costmodel.Topology,
     objective: "memory" or "time" (`decide`).
 
   Returns:
-    (limit in bytes, the choice in words for the Plan).
+    (bucket limit in bytes, alone_bytes or None, the choice in words for the Plan).
   """
   workload = sharded_workload(clusters)
   if workload is None:
-    return costmodel.DEFAULT_BUCKET_BYTES, ""
+    return costmodel.DEFAULT_BUCKET_BYTES, None, ""
   candidates = [c for c in costmodel.BUCKET_CANDIDATES
                 if objective == "time" or c <= costmodel.DEFAULT_BUCKET_BYTES]
-  limit = costmodel.choose_bucket_bytes(workload, topology, num_shards, candidates=candidates)
-  one = costmodel.predict_sharded(workload, topology, num_shards).communication
-  chosen = costmodel.predict_sharded(workload, topology, num_shards, bucket_bytes=limit)
+  limit, alone = costmodel.choose_batching(workload, topology, num_shards, candidates=candidates)
+  one = costmodel.predict_sharded(workload, topology, num_shards)
+  chosen = costmodel.predict_sharded(workload, topology, num_shards, bucket_bytes=limit,
+                                     alone_bytes=alone)
   counts = chosen.collectives
-  return limit, (f"collectives batched in buckets of at most {_mib(limit)}: "
-                 f"{counts['reduce-scatter']} reduce-scatter(s), {counts['all-gather']} "
-                 f"all-gather(s), predicted {costmodel.format_seconds(chosen.communication)} "
-                 f"(one bucket: {costmodel.format_seconds(one)}; cost model, {objective} "
-                 "objective)")
+  sizes = [n * workload.grad_bytes for n in workload.tensors]
+  shards = [costmodel.shard_elements(n, num_shards, topology.tile_elements)
+            for n in workload.tensors]
+  padded = [num_shards * k != n for k, n in zip(shards, workload.tensors, strict=True)]
+  apart = sum(len(b) == 1 for b in batched.buckets(sizes, limit, alone, padded))
+  copied = network.copied(sizes, limit, alone, padded)
+  by_size = ("every tensor under the limit shares one" if alone is None else
+             f"tensors of {_mib(alone)} or more keep their own unless padded")
+  return limit, alone, (
+      f"collectives batched in buckets of at most {_mib(limit)} ({by_size}: "
+      f"{apart} of {len(sizes)} tensors alone; {copied / 2 ** 20:.3g} MiB of gradients copied "
+      f"into buckets, the weights out of them, predicted "
+      f"{network.format_seconds(chosen.copies)}): "
+      f"{counts['reduce-scatter']} reduce-scatter(s), {counts['all-gather']} all-gather(s), "
+      f"predicted {network.format_seconds(chosen.communication + chosen.copies)} with the "
+      f"copies (one bucket: {network.format_seconds(one.communication + one.copies)}; cost "
+      f"model, {objective} objective)")
 
 
 def _mib(nbytes: int) -> str:

@@ -8,23 +8,8 @@ Units throughout: bytes, seconds, bytes per second; tensor sizes in elements.
 
 The pieces (section numbers are those of Xu et al. 2020, arXiv:2004.13336):
 
-* Collectives are ring algorithms (Thakur, Rabenseifner, Gropp 2005, the
-  paper's ref [22]). On a ring of n devices, each holding D bytes, with a
-  latency of alpha seconds per step and a bandwidth of B bytes per second:
-
-    reduce-scatter  (n - 1) (alpha + D / (n B))       D: whole input per device
-    all-gather      (n - 1) (alpha + D / (n B))       D: whole output per device
-    all-reduce      2 (n - 1) (alpha + D / (n B))     = reduce-scatter + all-gather
-
-* A `Topology` is a sequence of mesh axes, **fast to slow**: `axes[0]` is the
-  fastest (consecutive device ids, e.g. the cores of one chip or the devices
-  of one process), the last the slowest. Over several axes a collective runs
-  in phases (§5.1, BlueConnect, the paper's ref [4]): a reduce-scatter runs
-  along the fastest axis on the whole D, then along the next one on D / n_0,
-  and so on; an all-gather runs the phases in the opposite order. So the
-  most bytes cross the fastest links.
-* Batched collectives (§5.2): tensors are grouped into buckets of at most
-  `bucket_bytes`; a bucket is one collective, and so pays one latency term.
+* The network (mesh axes, ring collectives, batching and its copies) is
+  `network`'s; this module builds a step from its times.
 * Partial sharding in groups of G consecutive devices (§5.2, Fig. 10): the
   group spans the fastest axes (an axis may be split, see `Topology.split`);
   a reduce-scatter within the group, an all-reduce of the shards across the
@@ -53,308 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+
+from wus.analysis import network
+from wus.analysis.network import Axis, Topology
 
 # Bytes of one float32 scalar: the partial norms LARS and LAMB all-reduce
 # when they run on shards (§4.1, Fig. 6).
 _SCALAR_BYTES = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Axis:
-  """One mesh axis: a ring of `size` devices.
-
-  Attributes:
-    name: as printed, e.g. "core", "x".
-    size: devices along the axis.
-    alpha: seconds of latency per ring step (one send to a neighbour and the
-      synchronization around it).
-    bandwidth: bytes per second one device sends to its ring neighbour along
-      this axis while receiving as much (per device, per direction of the
-      ring): with two counter-rotating rings on a torus, both links' worth;
-      shared links divided among the devices that share them.
-  """
-
-  name: str
-  size: int
-  alpha: float
-  bandwidth: float
-
-  def __post_init__(self):
-    if self.size < 1 or self.alpha < 0 or self.bandwidth <= 0:
-      raise ValueError(f"axis {self.name!r}: size >= 1, alpha >= 0 and bandwidth > 0 "
-                       f"needed, got size={self.size}, alpha={self.alpha}, "
-                       f"bandwidth={self.bandwidth}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-  """The devices of a data-parallel step: mesh axes and memory.
-
-  Attributes:
-    axes: the mesh axes, fast to slow (`axes[0]` the fastest: consecutive
-      devices). The devices number prod(size).
-    memory_bandwidth: bytes per second one device reads and writes its own
-      memory at (the weight update's bound).
-    tile_elements: elements of one tile of the device's memory layout; a
-      shard is a whole number of tiles (1: no padding).
-  """
-
-  axes: tuple[Axis, ...]
-  memory_bandwidth: float
-  tile_elements: int = 1
-
-  def __post_init__(self):
-    object.__setattr__(self, "axes", tuple(self.axes))
-    if self.memory_bandwidth <= 0 or self.tile_elements < 1:
-      raise ValueError("memory_bandwidth > 0 and tile_elements >= 1 needed")
-
-  @property
-  def num_devices(self) -> int:
-    return math.prod(a.size for a in self.axes)
-
-  def split(self, group_size: int) -> tuple[tuple[Axis, ...], tuple[Axis, ...]]:
-    """The axes of a group of `group_size` consecutive devices, and the rest.
-
-    The group takes the fastest axes whole (the paper's groups are the rows
-    of an N x M array, §5.2). Where it ends inside an axis, that axis is split
-    into a ring of k consecutive devices inside the group, which keeps the
-    axis's alpha and bandwidth, and a ring of size / k across groups whose
-    neighbours are k devices apart: each of its steps crosses k links (k
-    alphas) and the k such rings share the axis's links (bandwidth / k). So
-    splitting an axis never saves latency by itself (a ring of n and the two
-    rings of k and n / k cross as many links), and it costs bandwidth. Axes
-    of size 1 are dropped.
-
-    Args:
-      group_size: G, a divisor of the number of devices.
-
-    Returns:
-      (inner, outer): the axes within a group, fast to slow, and the axes
-      across groups, fast to slow.
-
-    Raises:
-      ValueError: G does not divide the devices, or would cut an axis into
-        pieces that do not divide it (e.g. G = 6 on axes of sizes 4 and 3).
-    """
-    n = self.num_devices
-    if group_size < 1 or n % group_size:
-      raise ValueError(f"group size {group_size} does not divide {n} devices")
-    inner, outer, left = [], [], group_size
-    for a in self.axes:
-      if left == 1:
-        outer.append(a)
-      elif left % a.size == 0:
-        inner.append(a)
-        left //= a.size
-      elif a.size % left == 0:
-        inner.append(dataclasses.replace(a, name=f"{a.name}[:{left}]", size=left))
-        outer.append(dataclasses.replace(a, name=f"{a.name}/{left}", size=a.size // left,
-                                         alpha=a.alpha * left, bandwidth=a.bandwidth / left))
-        left = 1
-      else:
-        raise ValueError(f"a group of {group_size} consecutive devices cuts axis "
-                         f"{a.name!r} of size {a.size} unevenly")
-    return (tuple(a for a in inner if a.size > 1), tuple(a for a in outer if a.size > 1))
-
-  def group_sizes(self) -> list[int]:
-    """Every G for which `split(G)` holds, increasing: the candidates of `choose_group_size`."""
-    out = []
-    for g in range(1, self.num_devices + 1):
-      if self.num_devices % g == 0:
-        try:
-          self.split(g)
-        except ValueError:
-          continue
-        out.append(g)
-    return out
-
-
-# Defaults of `default_topology`: order-of-magnitude figures, not measured.
-# Within a process: an accelerator interconnect (NVLink, TPU ICI class).
-DEFAULT_INTRA_ALPHA = 5e-6        # seconds per ring step
-DEFAULT_INTRA_BANDWIDTH = 50e9    # bytes/s per device per direction
-# Across processes: a 100 Gbit/s data-center network.
-DEFAULT_INTER_ALPHA = 25e-6       # seconds per ring step
-DEFAULT_INTER_BANDWIDTH = 12.5e9  # bytes/s per device per direction
-DEFAULT_MEMORY_BANDWIDTH = 1e12   # bytes/s, HBM class
-
-
-def format_seconds(seconds: float) -> str:
-  """`seconds` in the unit that keeps 1-999 before the point: "71.3 us", "1.17 ms"."""
-  for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-    if abs(seconds) >= scale:
-      return f"{seconds / scale:.3g} {unit}"
-  return f"{seconds / 1e-9:.3g} ns"
-
-
-def resolution(topology: Topology) -> float:
-  """The shortest time the model tells apart: one ring step's latency on the fastest axis.
-
-  Its per-cluster predictions leave latency out (batched collectives share it), so a
-  cluster's predicted time below this says only that the cluster is small.
-  """
-  return min((a.alpha for a in topology.axes), default=0.0)
-
-
-def default_topology(num_devices: int, devices_per_process: int | None = None, *,
-                     intra_alpha: float = DEFAULT_INTRA_ALPHA,
-                     intra_bandwidth: float = DEFAULT_INTRA_BANDWIDTH,
-                     inter_alpha: float = DEFAULT_INTER_ALPHA,
-                     inter_bandwidth: float = DEFAULT_INTER_BANDWIDTH,
-                     memory_bandwidth: float = DEFAULT_MEMORY_BANDWIDTH) -> Topology:
-  """A topology from device counts alone, for when the user describes none.
-
-  The devices of one process are the fast axis ("process"); the processes
-  the slow one ("host"). The figures are generic defaults (the module's
-  DEFAULT_* constants), to be replaced by the user's or by measurements.
-
-  Args:
-    num_devices: N, all devices.
-    devices_per_process: devices of one process; None or N: one process.
-    intra_alpha, intra_bandwidth: seconds per ring step and bytes per second
-      per device within a process.
-    inter_alpha, inter_bandwidth: the same across processes.
-    memory_bandwidth: bytes per second of one device's memory.
-
-  Returns:
-    A topology of one or two axes, fast to slow.
-
-  Raises:
-    ValueError: devices_per_process does not divide num_devices.
-  """
-  local = devices_per_process or num_devices
-  if num_devices < 1 or num_devices % local:
-    raise ValueError(f"{local} devices per process do not divide {num_devices} devices")
-  axes = [Axis("process", local, intra_alpha, intra_bandwidth)]
-  if num_devices > local:
-    axes.append(Axis("host", num_devices // local, inter_alpha, inter_bandwidth))
-  return Topology(tuple(axes), memory_bandwidth)
-
-
-# --- Ring collectives (Thakur et al. 2005, the paper's ref [22]) ------------------
-
-
-def ring_reduce_scatter(nbytes: float, axis: Axis) -> float:
-  """Seconds to reduce-scatter `nbytes` (whole input per device) along one ring.
-
-  (n - 1) steps, each sending one shard of nbytes / n: (n - 1)(alpha + D/(n B)).
-  """
-  n = axis.size
-  return (n - 1) * (axis.alpha + nbytes / (n * axis.bandwidth)) if n > 1 else 0.0
-
-
-def ring_all_gather(nbytes: float, axis: Axis) -> float:
-  """Seconds to all-gather `nbytes` (whole output per device) along one ring.
-
-  (n - 1) steps, each forwarding one shard of nbytes / n: (n - 1)(alpha + D/(n B)).
-  """
-  return ring_reduce_scatter(nbytes, axis)
-
-
-def ring_all_reduce(nbytes: float, axis: Axis) -> float:
-  """Seconds to all-reduce `nbytes` along one ring: a reduce-scatter then an all-gather.
-
-  2 (n - 1)(alpha + D/(n B)).
-  """
-  return ring_reduce_scatter(nbytes, axis) + ring_all_gather(nbytes, axis)
-
-
-def reduce_scatter(nbytes: float, axes: Sequence[Axis]) -> float:
-  """Seconds of a multi-phase reduce-scatter of `nbytes` per device (§5.1).
-
-  Phases run fast to slow: along axes[0] on the whole nbytes, along axes[1]
-  on nbytes / n_0, and so on; each device ends with nbytes / prod(n).
-  """
-  total, left = 0.0, nbytes
-  for a in axes:
-    total += ring_reduce_scatter(left, a)
-    left /= a.size
-  return total
-
-
-def all_gather(nbytes: float, axes: Sequence[Axis]) -> float:
-  """Seconds of a multi-phase all-gather to `nbytes` per device (§5.1).
-
-  The phases of `reduce_scatter` in reverse, slow to fast: along the slowest
-  axis on nbytes / prod(faster sizes), ..., along axes[0] on the whole
-  nbytes. The same sum as `reduce_scatter`, hence the same time.
-  """
-  total, left = 0.0, nbytes
-  for a in axes:
-    total += ring_all_gather(left, a)
-    left /= a.size
-  return total
-
-
-def all_reduce(nbytes: float, axes: Sequence[Axis]) -> float:
-  """Seconds of a multi-phase all-reduce of `nbytes` per device.
-
-  A reduce-scatter over `axes` then an all-gather over them (§2.2, Fig. 3).
-  """
-  return reduce_scatter(nbytes, axes) + all_gather(nbytes, axes)
-
-
-def latency(axes: Sequence[Axis], kind: str = "reduce-scatter") -> float:
-  """Seconds of latency (alpha terms) of one collective over `axes`.
-
-  What one more collective costs beyond its bytes: sum of (n - 1) alpha over
-  the axes, twice for an all-reduce.
-  """
-  steps = sum((a.size - 1) * a.alpha for a in axes)
-  return 2 * steps if kind == "all-reduce" else steps
-
-
-def buckets(sizes: Sequence[float], limit: float) -> list[list[int]]:
-  """Groups positions 0..len(sizes)-1 into buckets of at most `limit` bytes.
-
-  The rule of `wus.collectives.batched.buckets`: a tensor of `limit` bytes or
-  more gets a bucket of its own; the others fill buckets in order.
-
-  Args:
-    sizes: bytes of each tensor.
-    limit: bytes per bucket (math.inf: one bucket).
-
-  Returns:
-    Lists of positions, every position in exactly one.
-  """
-  out: list[list[int]] = []
-  current: list[int] = []
-  total = 0.0
-  for i, size in enumerate(sizes):
-    if size >= limit:
-      out.append([i])
-      continue
-    if current and total + size > limit:
-      out.append(current)
-      current, total = [], 0.0
-    current.append(i)
-    total += size
-  if current:
-    out.append(current)
-  return out
-
-
-def batched(collective: Callable[[float, Sequence[Axis]], float], sizes: Sequence[float],
-            axes: Sequence[Axis], bucket_bytes: float = math.inf) -> tuple[float, int]:
-  """Seconds and count of `collective` over tensors of `sizes` bytes, batched (§5.2).
-
-  Each bucket (`buckets(sizes, bucket_bytes)`) is one collective on the sum of
-  its tensors' bytes: k tensors in one bucket pay one latency term instead of k.
-
-  Args:
-    collective: `reduce_scatter`, `all_gather` or `all_reduce`.
-    sizes: bytes per device of each tensor, as the collective takes them.
-    axes: the axes it runs over, fast to slow.
-    bucket_bytes: the bucket limit, bytes.
-
-  Returns:
-    (seconds, number of collectives); (0, 0) with no axis to cross or no tensor.
-  """
-  if not axes or not sizes:
-    return 0.0, 0
-  groups = buckets(sizes, bucket_bytes)
-  return sum(collective(sum(sizes[i] for i in b), axes) for b in groups), len(groups)
 
 
 # --- The weight update's memory traffic (§2.2) -----------------------------------
@@ -489,6 +180,15 @@ class StepPrediction:
     collectives: {"reduce-scatter", "all-reduce", "all-gather"}: collectives
       per step (one per bucket; a multi-phase collective counts once).
     wire_bytes: bytes each device sends per step, by the ring algorithms.
+    copies: seconds of the copies batching makes (into buckets before
+      reduce-scatters, out of gathered buffers after all-gathers; padding):
+      `copy_seconds` of `copied`. The replicated all-reduce copies nothing
+      (XLA combines it into one instruction of many buffers). Not in
+      `total`: the group size G is chosen on collectives and the update
+      (`choose_group_size`), the batching for that G on collectives and
+      copies (`choose_batching`); `with_copies` adds them.
+    alone_bytes: the `alone_bytes` of the batched collectives (None: the
+      bucket limit).
   """
 
   group_size: int
@@ -501,6 +201,8 @@ class StepPrediction:
   all_gather: float
   collectives: dict
   wire_bytes: float
+  copies: float = 0.0
+  alone_bytes: float | None = None
 
   @property
   def communication(self) -> float:
@@ -511,6 +213,11 @@ class StepPrediction:
   def total(self) -> float:
     """Predicted seconds per step: rest + collectives + update (nothing overlaps)."""
     return self.rest + self.communication + self.update
+
+  @property
+  def with_copies(self) -> float:
+    """`total` with the copies batching makes."""
+    return self.total + self.copies
 
 
 def wire_bytes(nbytes: float, axes: Sequence[Axis], kind: str) -> float:
@@ -531,7 +238,7 @@ def predict_replicated(workload: Workload, topology: Topology, rest: float = 0.0
                        bucket_bytes: float = math.inf) -> StepPrediction:
   """Predicted step without weight-update sharding.
 
-  rest + all-reduce of the gradients over every axis (batched, multi-phase)
+  rest + all-reduce of the gradients over every axis (`network.batched`, multi-phase)
   + the whole update on every replica (§2.2, Fig. 2).
 
   Args:
@@ -542,7 +249,7 @@ def predict_replicated(workload: Workload, topology: Topology, rest: float = 0.0
   """
   tile = topology.tile_elements
   sizes = [padded_elements(n, tile) * workload.grad_bytes for n in workload.tensors]
-  seconds, count = batched(all_reduce, sizes, topology.axes, bucket_bytes)
+  seconds, count = network.batched(network.all_reduce, sizes, topology.axes, bucket_bytes)
   return StepPrediction(
       group_size=1, bucket_bytes=bucket_bytes, rest=rest, reduce_scatter=0.0,
       all_reduce=seconds, norm_all_reduce=0.0, update=update_seconds(workload, topology),
@@ -551,7 +258,8 @@ def predict_replicated(workload: Workload, topology: Topology, rest: float = 0.0
 
 
 def predict_sharded(workload: Workload, topology: Topology, group_size: int,
-                    rest: float = 0.0, bucket_bytes: float = math.inf) -> StepPrediction:
+                    rest: float = 0.0, bucket_bytes: float = math.inf,
+                    alone_bytes: float | None = None) -> StepPrediction:
   """Predicted step with the weight update sharded in groups of `group_size` (§5.2, Fig. 10).
 
   rest
@@ -564,6 +272,8 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
     batched collective)
   + all-gather of the new weights within the group, in `gather_bytes`.
   The optimizer state stays sharded between steps: it is never gathered.
+  Beside them, `copies`: what batching copies (`copied`, at the memory
+  bandwidth).
 
   G = N: full sharding, no all-reduce across groups. G = 1: equals
   `predict_replicated`.
@@ -574,6 +284,7 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
     group_size: G.
     rest: seconds of the rest of the step.
     bucket_bytes: bucket limit of every batched collective, bytes.
+    alone_bytes: the reduce-scatters' and all-gathers' `alone_bytes` (`buckets`).
 
   Raises:
     ValueError: from `Topology.split`.
@@ -581,14 +292,24 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
   inner, outer = topology.split(group_size)
   tile, g = topology.tile_elements, group_size
   shards = [shard_elements(n, g, tile) for n in workload.tensors]
+  padded = [g * s != n for s, n in zip(shards, workload.tensors, strict=True)]
   scatter = [g * s * workload.grad_bytes for s in shards]   # input of the reduce-scatter
   reduced = [s * workload.grad_bytes for s in shards]       # what each device keeps
   gather = [g * s * workload.gather_bytes for s in shards]  # output of the all-gather
-  rs, rs_count = batched(reduce_scatter, scatter, inner, bucket_bytes)
-  ar, ar_count = batched(all_reduce, reduced, outer, bucket_bytes)
-  ag, ag_count = batched(all_gather, gather, inner, bucket_bytes)
+  rs, rs_count = network.batched(network.reduce_scatter, scatter, inner, bucket_bytes,
+                                 alone_bytes, padded)
+  ar, ar_count = network.batched(network.all_reduce, reduced, outer, bucket_bytes)
+  ag, ag_count = network.batched(network.all_gather, gather, inner, bucket_bytes, alone_bytes,
+                                 padded)
+  # The copies move the tensors' own bytes (wus pads a tensor by fewer than G
+  # elements; the tiles' padding is the layout's, copied or not).
+  grads = [n * workload.grad_bytes for n in workload.tensors]
+  weights = [n * workload.gather_bytes for n in workload.tensors]
+  copies = (network.copied(scatter, bucket_bytes, alone_bytes, padded, grads)  # G = 1: none.
+            + network.copied(gather, bucket_bytes, alone_bytes, padded, weights)
+            + (network.copied(reduced, bucket_bytes) if outer else 0.0)) if inner else 0.0
   norms = workload.optimizer.norms * len(workload.tensors) * _SCALAR_BYTES
-  nar, nar_count = batched(all_reduce, [norms] if norms else [], inner)
+  nar, nar_count = network.batched(network.all_reduce, [norms] if norms else [], inner)
   return StepPrediction(
       group_size=g, bucket_bytes=bucket_bytes, rest=rest, reduce_scatter=rs, all_reduce=ar,
       norm_all_reduce=nar, update=update_seconds(workload, topology, g), all_gather=ag,
@@ -597,7 +318,8 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
       wire_bytes=(wire_bytes(sum(scatter), inner, "reduce-scatter")
                   + wire_bytes(sum(reduced), outer, "all-reduce")
                   + wire_bytes(norms, inner, "all-reduce")
-                  + wire_bytes(sum(gather), inner, "all-gather")))
+                  + wire_bytes(sum(gather), inner, "all-gather")),
+      copies=network.copy_seconds(copies, topology), alone_bytes=alone_bytes)
 
 
 # The bucket limit of batched collectives the cost model did not choose (a
@@ -641,6 +363,49 @@ def choose_bucket_bytes(workload: Workload, topology: Topology, group_size: int 
     if communication(limit) <= best * (1 + tolerance):
       return limit
   return ordered[-1]
+
+
+# Candidate `alone_bytes` of `choose_batching`: 1 KiB to 1 GiB, powers of 2.
+ALONE_CANDIDATES = tuple(2 ** k for k in range(10, 31))
+
+
+def choose_batching(workload: Workload, topology: Topology, group_size: int, *,
+                    tolerance: float = 0.01, candidates: Sequence[int] = BUCKET_CANDIDATES,
+                    alone_candidates: Sequence[int] = ALONE_CANDIDATES
+                    ) -> tuple[int, int | None]:
+  """(bucket limit, alone_bytes) of the sharded step's batched collectives (§5.2).
+
+  Batching trades latency for copies (`buckets`): a tensor alone pays a
+  reduce-scatter's and an all-gather's latency, a tensor batched the copy
+  of its bytes into and out of the bucket. `alone_bytes` is the candidate
+  (or None: every tensor under the limit batched) with the least predicted
+  collectives and copies with one bucket for the rest; the limit is then the
+  smallest candidate within `tolerance` of that (as `choose_bucket_bytes`).
+  Where memory is fast next to the collectives' latency (accelerators), few
+  tensors are worth a collective of their own; where a collective is a
+  memory copy behind a thread rendezvous (CPU devices), most are.
+
+  Args:
+    workload: tensors and optimizer.
+    topology: devices.
+    group_size: G > 1.
+    tolerance: allowed relative excess over the best.
+    candidates: bucket limits to try, bytes.
+    alone_candidates: alone_bytes to try, bytes (None is always tried).
+
+  Returns:
+    (a limit from `candidates`, an alone_bytes from `alone_candidates` or None).
+  """
+  def seconds(limit: float, alone: int | None) -> float:
+    p = predict_sharded(workload, topology, group_size, bucket_bytes=limit, alone_bytes=alone)
+    return p.communication + p.copies
+
+  options = [None, *sorted(alone_candidates, reverse=True)]
+  alone = min(options, key=lambda a: seconds(math.inf, a))  # First (largest) of equals.
+  best = seconds(math.inf, alone)
+  ordered = sorted(candidates)
+  limit = next((c for c in ordered if seconds(c, alone) <= best * (1 + tolerance)), ordered[-1])
+  return limit, alone
 
 
 def choose_group_size(workload: Workload, topology: Topology, rest: float = 0.0,

@@ -8,7 +8,7 @@ stack of m, and the remainders and singletons go, largest predicted cost
 first, to the replica with the least predicted work (ties: the lower
 replica, the earlier unit). Rows place each replica's tensors in that order.
 
-The cost model is `costmodel`'s: ring collectives over the topology, and an
+Costs: collectives by `network`'s ring model over the topology, and an
 update's flops at `FLOPS_PER_SECOND` plus its memory traffic (operands and
 results of every equation, unfused) at the topology's memory bandwidth.
 """
@@ -21,7 +21,7 @@ import math
 import numpy as np
 from jax import lax
 
-from wus.analysis import compat, costmodel
+from wus.analysis import compat, network
 from wus.analysis.compat import Jaxpr
 from wus.analysis.cost import nbytes, predict
 from wus.analysis.owned import Ownership, OwnedFormat, OwnedUnit, Slot, build_bank
@@ -61,7 +61,7 @@ def _bytes(v) -> int:
   return math.prod(aval.shape) * aval.dtype.itemsize
 
 
-def update_seconds(jaxpr: Jaxpr, eqns, topology: costmodel.Topology) -> float:
+def update_seconds(jaxpr: Jaxpr, eqns, topology: network.Topology) -> float:
   """Predicted seconds of equations `eqns` of `jaxpr`: flops plus memory traffic."""
   flops, traffic = work([jaxpr.eqns[i] for i in sorted(eqns)])
   return flops / FLOPS_PER_SECOND + traffic / topology.memory_bandwidth
@@ -186,7 +186,7 @@ def whole_prediction(jaxpr: Jaxpr, units: list, ownership: Ownership,
   itemsize = {d: np.dtype(d).itemsize for d in {*ownership.grad_rows, *ownership.out_rows}}
   grad_rows = sum(n * length * itemsize[d] for d, length in ownership.grad_rows.items())
   out_rows = sum(n * length * itemsize[d] for d, length in ownership.out_rows.items())
-  rep = costmodel.all_reduce(grads, axes) + sum(u.cost for u in units)
-  own = (costmodel.reduce_scatter(grad_rows, axes) + costmodel.all_gather(out_rows, axes)
+  rep = network.all_reduce(grads, axes) + sum(u.cost for u in units)
+  own = (network.reduce_scatter(grad_rows, axes) + network.all_gather(out_rows, axes)
          + max(ownership.loads) + 2 * (grad_rows + out_rows) / topo.memory_bandwidth)
   return rep, own

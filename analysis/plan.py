@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from wus.analysis import costmodel
+from wus.analysis import costmodel, network
 from wus.analysis.formats import ShardFormat
 from wus.analysis.owned import Ownership
 from wus.analysis.shardable import Kind
@@ -122,12 +122,19 @@ class Program:
     sharded_out: output position -> format, for outputs returned as shards.
     bodies: for each conditional in `shard_eqns`, one Program per branch; for
       each loop, its body's Program.
+    gather_after: values the all-gathers of the outputs returned whole must
+      follow, so that donated inputs' buffers hold them with no copy
+      (`wus.analysis.ordering`; the step's Program only).
+    tied_outputs: positions of outputs computed whole that follow
+      `gather_after` too.
   """
 
   shard_eqns: Mapping[int, Kind]
   sharded_in: Mapping[int, ShardFormat]
   sharded_out: Mapping[int, ShardFormat]
   bodies: Mapping[int, tuple[Program, ...]] = dataclasses.field(default_factory=dict)
+  gather_after: tuple = ()
+  tied_outputs: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,11 +162,15 @@ class Plan:
       across them per step (Fig. 10, right), predicted.
     bucket_bytes: the most bytes of tensors one batched collective moves
       (§5.2), chosen by the cost model (`cost.bucket_bytes`).
+    alone_bytes: tensors of this many bytes or more that need no padding
+      have a reduce-scatter and an all-gather of their own, with no copy
+      into or out of a bucket (`wus.collectives.batched.buckets`); None:
+      every tensor under `bucket_bytes` is batched.
     buckets: that choice in words ("" when nothing is sharded).
     owned: the updates run on whole tensors by one replica each
       (`wus.analysis.owned.Ownership`), or None.
     resolution: seconds; the cost model's predictions of a cluster below this are
-      not shown (`costmodel.resolution`: one ring step's latency).
+      not shown (`network.resolution`: one ring step's latency).
     unchanged: why the step runs as the front end's JAX function would, with
       nothing sharded (`wus.jit` of a step without data parallelism); "" when
       it is planned.
@@ -181,6 +192,7 @@ class Plan:
   across_groups: int = 0
   objective: str = "memory"
   bucket_bytes: int = costmodel.DEFAULT_BUCKET_BYTES
+  alone_bytes: int | None = None
   buckets: str = ""
   owned: Ownership | None = None
   resolution: float = 0.0
@@ -250,9 +262,9 @@ class Plan:
     """The cluster's predicted times, or "" where the model does not resolve them."""
     if not c.replicated_seconds or max(c.sharded_seconds, c.replicated_seconds) < self.resolution:
       return ""
-    return (f"predicted {costmodel.format_seconds(c.sharded_seconds)} "
+    return (f"predicted {network.format_seconds(c.sharded_seconds)} "
             f"{'owned' if c.owner is not None else 'sharded'}, "
-            f"{costmodel.format_seconds(c.replicated_seconds)} replicated")
+            f"{network.format_seconds(c.replicated_seconds)} replicated")
 
   def __str__(self) -> str:
     lines = self._totals()

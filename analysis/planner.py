@@ -10,8 +10,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from wus.analysis import clusters as clusters_lib
-from wus.analysis import (compat, cost, costmodel, formats, layouts, loops, ownership, precision,
-                          shardable)
+from wus.analysis import (compat, cost, formats, layouts, loops, network, ordering, ownership,
+                          precision, shardable)
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.plan import ClusterPlan, InputPlan, Plan, Program, TensorPlan
 from wus.analysis.redundancy import Redundancy
@@ -22,7 +22,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               in_names: Sequence[str], out_names: Sequence[str],
               state_pairs: Mapping[int, int], min_size: int = 0,
               split_reason: str = "its in_spec splits it", objective: str = "memory",
-              topology: costmodel.Topology | None = None, shard_weights: bool = False,
+              topology: network.Topology | None = None, shard_weights: bool = False,
               state_whole: Mapping[int, str] | None = None,
               matched: Mapping[int, str] | None = None, roots: Sequence[int] = ()) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
@@ -62,7 +62,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
             and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
 
   ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, big, objective,
-             topology or costmodel.default_topology(num_shards), shard_weights,
+             topology or network.default_topology(num_shards), shard_weights,
              frozenset(jaxpr.invars[k] for k in roots))
   planned = _plan(jaxpr, ctx, state_pairs, in_names, out_names)
   inputs = []
@@ -74,11 +74,15 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
       reason = f"{state_whole[k]}; {reason}"
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
                             k in state, v.aval.dtype.itemsize, (matched or {}).get(k, "")))
-  limit, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology, objective)
+  limit, alone, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology,
+                                            objective)
+  after, tied = ordering.gather_after(jaxpr, planned.program.shard_eqns, planned.formats,
+                                      planned.program.sharded_out)
+  program = dataclasses.replace(planned.program, gather_after=after, tied_outputs=tied)
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
-              planned.program, planned.formats, planned.gather_dtypes, objective=objective,
-              bucket_bytes=limit, buckets=buckets, owned=planned.owned,
-              resolution=costmodel.resolution(ctx.topology))
+              program, planned.formats, planned.gather_dtypes, objective=objective,
+              bucket_bytes=limit, alone_bytes=alone, buckets=buckets, owned=planned.owned,
+              resolution=network.resolution(ctx.topology))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +93,7 @@ class _Ctx:
   min_size: int
   big: object
   objective: str
-  topology: costmodel.Topology
+  topology: network.Topology
   shard_weights: bool = False
   roots: frozenset = frozenset()  # Declared roots (variables of the step's jaxpr).
 

@@ -4,6 +4,7 @@ Usable by hand inside `jax.shard_map`, as the rewritten step uses them.
 """
 
 from wus.collectives import batched
+from wus.collectives.order import after
 from wus.collectives.batched import all_reduce
 from wus.collectives.formatted import all_gather
 from wus.collectives.formatted import pad

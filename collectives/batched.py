@@ -1,4 +1,23 @@
-"""Batched collectives: many small tensors in one collective (§5.2, Fig. 10)."""
+"""Batched collectives: many small tensors in one collective (§5.2, Fig. 10).
+
+Which tensors share a collective (`buckets`): tensors of one dtype fill
+buckets of at most `bucket_bytes` (of whole tensors), in order. Batching
+saves a collective's latency per tensor but copies the tensor: into the
+bucket's buffer before a reduce-scatter (a concatenate) and out of the
+gathered buffer after an all-gather (a slice). A tensor alone reads and
+writes its own buffers, with no copy. So a tensor of `alone_bytes` or more
+(and every tensor of `bucket_bytes` or more) has a collective of its own,
+unless its format pads it: a padded tensor is copied either way (`pad`,
+`unpad`), so it stays batched while it fits a bucket. The cost model picks
+both limits (`wus.analysis.cost.bucket_bytes`); with `alone_bytes=None`
+every tensor under `bucket_bytes` is batched.
+
+XLA fuses the cut of each tensor out of a bucket's result into the
+tensor's update, at a constant offset: every batched tensor's update is a
+distinct fused computation, which XLA:CPU compiles into a kernel of its
+own (one shared by all tensors of a shape when each has its own
+collective). A bucket costs compile time as well as copies.
+"""
 
 from __future__ import annotations
 
@@ -56,30 +75,37 @@ def all_reduce_bucketed(values: Sequence[jnp.ndarray], axis_name,
   """
   def one(vs, _):
     return [lax.psum(vs[0], axis_name)] if len(vs) == 1 else all_reduce(vs, "sum", axis_name)
-  return _bucketed(one, values, [None] * len(values), bucket_bytes, [v.size for v in values])
+  return _bucketed(one, values, [None] * len(values), bucket_bytes,
+                   elements=[v.size for v in values])
 
 
-def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:
+def buckets(sizes: Sequence[int], limit: int, alone_bytes: int | None = None,
+            padded: Sequence[bool] = ()) -> list[list[int]]:
   """Groups positions 0..len(sizes)-1 into buckets of at most `limit` bytes.
 
-  Tensors under `limit` bytes share collectives; larger ones keep their own,
-  which needs no copy (§5.2). The Plan's limit is chosen by the cost model
-  (`wus.analysis.cost.bucket_bytes`).
+  The rule of the module docstring. The Plan's limits are chosen by the cost
+  model (`wus.analysis.cost.bucket_bytes`).
 
   Args:
     sizes: bytes of each tensor.
     limit: bytes per bucket.
+    alone_bytes: tensors of this many bytes or more that are not `padded`
+      get a bucket of their own (no copy); None: `limit`.
+    padded: per tensor, whether it is copied whether batched or not (its
+      format pads it); missing entries are False.
 
   Returns:
     Lists of positions, each in increasing order, every position in exactly
-    one. Tensors of `limit` bytes or more get a bucket of their own; the
-    others fill buckets in order.
+    one. Tensors of `limit` bytes or more, and unpadded ones of
+    `alone_bytes` or more, get a bucket of their own; the others fill
+    buckets in order.
   """
+  alone = limit if alone_bytes is None else min(alone_bytes, limit)
   out: list[list[int]] = []
   current: list[int] = []
   total = 0
   for k, size in enumerate(sizes):
-    if size >= limit:
+    if size >= limit or (size >= alone and not (k < len(padded) and padded[k])):
       out.append([k])
       continue
     if current and total + size > limit:
@@ -91,21 +117,24 @@ def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:
 
 
 def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
-                   bucket_bytes: int) -> list[jnp.ndarray]:
+                   bucket_bytes: int, alone_bytes: int | None = None) -> list[jnp.ndarray]:
   """Per replica: `formatted.reduce_scatter` of many tensors in few collectives.
 
-  Tensors of one dtype share a collective, in buckets of `bucket_bytes`. In
-  one, each padded tensor is viewed as [N, its shard's elements] (replica r's
-  rows are row r), the views are concatenated along the second dim and
-  reduce-scattered over the first, so that this replica's part of the result
-  holds its shard of every tensor (§5.2, Fig. 10). Every element sums the
-  same values in the same order as the single-tensor collective.
+  Tensors of one dtype share a collective, in buckets of `bucket_bytes`
+  (`buckets`; with `alone_bytes`, large unpadded tensors keep their own and
+  are not copied). In a shared one, each padded tensor is viewed as [N, its
+  shard's elements] (replica r's rows are row r), the views are
+  concatenated along the second dim and reduce-scattered over the first, so
+  that this replica's part of the result holds its shard of every tensor
+  (§5.2, Fig. 10). Every element sums the same values in the same order as
+  the single-tensor collective.
 
   Args:
     values: tensors of shapes `fmt.shape`, different on every replica.
     fmts: a `ShardFormat` per tensor, all with the same `num_shards` (N).
     axis_name: the replica axes.
     bucket_bytes: bytes of whole tensors per bucket (`buckets`).
+    alone_bytes: see `buckets`.
 
   Returns:
     One shard per tensor: shape `fmt.shard_shape`, dtype of its value.
@@ -115,23 +144,25 @@ def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
       return [formatted.reduce_scatter(values[0], fmts[0], axis_name)]
     rows = [jnp.reshape(formatted.pad(x, f), (f.num_shards, -1)) for x, f in zip(values, fmts)]
     mine = formatted.scatter_rows(jnp.concatenate(rows, axis=1), axis_name)[0]
-    return [jnp.reshape(part, f.shard_shape)
-            for part, f in zip(_cut(mine, [math.prod(f.shard_shape) for f in fmts]), fmts)]
-  return _bucketed(one, values, fmts, bucket_bytes)
+    return [jnp.reshape(part, f.shard_shape) for part, f in zip(
+        _cut(mine, [math.prod(f.shard_shape) for f in fmts]), fmts)]
+  return _bucketed(one, values, fmts, bucket_bytes, alone_bytes)
 
 
 def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
-               bucket_bytes: int) -> list[jnp.ndarray]:
+               bucket_bytes: int, alone_bytes: int | None = None) -> list[jnp.ndarray]:
   """Per replica: `formatted.all_gather` of many shards in few collectives.
 
   Shards of one dtype share a collective, in buckets of `bucket_bytes` (of
-  whole tensors); each replica contributes its shards concatenated (§5.2).
+  whole tensors, `buckets`); each replica contributes its shards
+  concatenated (§5.2), and each tensor is cut out of the result.
 
   Args:
     shards: shapes `fmt.shard_shape`.
     fmts: a `ShardFormat` per shard, all with the same `num_shards` (N).
     axis_name: the replica axes.
     bucket_bytes: bytes of whole tensors per bucket (`buckets`).
+    alone_bytes: see `buckets`.
 
   Returns:
     The whole tensors: shapes `fmt.shape`, dtypes of the shards, identical on
@@ -144,10 +175,12 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
     every = formatted.gather(flat, axis_name, tiled=False)  # [N, total]: replica r's in row r.
     return [formatted.unpad(jnp.reshape(part, f.padded_shape), f) for part, f in
             zip(_cut(every, [math.prod(f.shard_shape) for f in fmts], axis=1), fmts)]
-  return _bucketed(one, shards, fmts, bucket_bytes)
+  return _bucketed(one, shards, fmts, bucket_bytes, alone_bytes)
 
 
-def dtype_buckets(dtypes: Sequence, sizes: Sequence[int], limit: int) -> list[list[int]]:
+def dtype_buckets(dtypes: Sequence, sizes: Sequence[int], limit: int,
+                  alone_bytes: int | None = None,
+                  padded: Sequence[bool] = ()) -> list[list[int]]:
   """Positions of tensors grouped as the batched collectives group them: by
   dtype (in order of first appearance), then into `buckets` of their bytes.
 
@@ -156,16 +189,23 @@ def dtype_buckets(dtypes: Sequence, sizes: Sequence[int], limit: int) -> list[li
   Args:
     dtypes: a dtype per tensor.
     sizes: bytes per tensor.
-    limit: bytes per bucket.
+    limit, alone_bytes, padded: as for `buckets`.
   """
   by_dtype: dict = {}
   for k, dtype in enumerate(dtypes):
     by_dtype.setdefault(dtype, []).append(k)
   return [[ks[b] for b in bucket] for ks in by_dtype.values()
-          for bucket in buckets([sizes[k] for k in ks], limit)]
+          for bucket in buckets([sizes[k] for k in ks], limit, alone_bytes,
+                                [k < len(padded) and padded[k] for k in ks])]
+
+
+def pads(fmts: Sequence) -> list[bool]:
+  """Per format, whether it pads its tensor (which is then copied whether batched or not)."""
+  return [f is not None and f.padding > 0 for f in fmts]
 
 
 def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence, limit: int,
+              alone_bytes: int | None = None,
               elements: Sequence[int] | None = None) -> list[jnp.ndarray]:
   """`collective(values, fmts)` per bucket of one dtype; results in the order given.
 
@@ -173,7 +213,7 @@ def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence, limit: 
   sizes = [(math.prod(fmts[k].shape) if elements is None else elements[k]) * x.dtype.itemsize
            for k, x in enumerate(values)]
   out: list = [None] * len(values)
-  for group in dtype_buckets([x.dtype for x in values], sizes, limit):
+  for group in dtype_buckets([x.dtype for x in values], sizes, limit, alone_bytes, pads(fmts)):
     for k, y in zip(group, collective([values[k] for k in group], [fmts[k] for k in group]),
                     strict=True):
       out[k] = y

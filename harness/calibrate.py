@@ -1,4 +1,4 @@
-"""This machine's collective and memory costs, measured, as a `costmodel.Topology`.
+"""This machine's collective and memory costs, measured, as a `network.Topology`.
 
 `wus-bench` feeds the result to the cost model (`wus.analysis.costmodel`, the
 model `wus-scale` applies to the paper's TPU figures) to predict its own
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wus.analysis import costmodel
+from wus.analysis import network
 
 # Bytes per device of the calibration all-reduces (latency-bound, bandwidth-bound)
 # and of the elementwise pass.
@@ -75,7 +75,7 @@ def fit_ring(nbytes: tuple[float, float], seconds: tuple[float, float],
 
 def measure(mesh: Mesh, axis_name: str, *, repeats: int = 15,
             all_reduce_bytes: Sequence[int] = ALL_REDUCE_BYTES,
-            memory_bytes: int = MEMORY_BYTES) -> tuple[costmodel.Topology, dict]:
+            memory_bytes: int = MEMORY_BYTES) -> tuple[network.Topology, dict]:
   """Measures the mesh axis's all-reduce and the devices' memory bandwidth.
 
   Args:
@@ -86,7 +86,7 @@ def measure(mesh: Mesh, axis_name: str, *, repeats: int = 15,
     memory_bytes: float32 bytes per device of the elementwise pass.
 
   Returns:
-    (topology, raw): a one-axis `costmodel.Topology` named "measured", and
+    (topology, raw): a one-axis `network.Topology` named "measured", and
     {"all_reduce": [(bytes, seconds), (bytes, seconds)], "memory": (bytes, seconds)}.
 
   Raises:
@@ -104,7 +104,7 @@ def measure(mesh: Mesh, axis_name: str, *, repeats: int = 15,
   t_small, t_large, memory_seconds = median_seconds(
       [lambda: reduce(small), lambda: reduce(large), lambda: axpy(x, y)], repeats)
   alpha, bandwidth = fit_ring(tuple(all_reduce_bytes), (t_small, t_large), n)
-  topology = costmodel.Topology((costmodel.Axis("measured", n, alpha, bandwidth),),
+  topology = network.Topology((network.Axis("measured", n, alpha, bandwidth),),
                                 memory_bandwidth=3 * memory_bytes / memory_seconds)
   return topology, {"all_reduce": list(zip(all_reduce_bytes, (t_small, t_large))),
                     "memory": (memory_bytes, memory_seconds)}

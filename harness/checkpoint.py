@@ -87,16 +87,9 @@ def _read_meta(manager: ocp.CheckpointManager, directory: pathlib.Path, step: in
   return meta
 
 
-def _brief(error: BaseException) -> str:
-  """The first line of `error`'s message without TensorStore's spec dump, at most 300 chars."""
-  text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-  text = text.split(" [tensorstore_spec")[0].split(" [source locations")[0]
-  return text if len(text) <= 300 else text[:297] + "..."
-
-
 def _unreadable(directory: pathlib.Path, step: int, error: BaseException) -> errors.InputError:
   # TensorStore names files by absolute path: shown relative to the step's folder.
-  detail = _brief(error).replace(f"{directory.absolute() / str(step)}/", "")
+  detail = wus.errors.first_line(error).replace(f"{directory.absolute() / str(step)}/", "")
   return errors.InputError(
       f"the checkpoint at step {step} in {directory} is unreadable ({detail}); it is "
       f"damaged: delete {directory / str(step)} to resume from the checkpoint before it (or "
@@ -297,7 +290,7 @@ class Checkpointer:
       # since they were read.
       _check_readable(self._manager, self._directory, step)
       raise errors.InputError(f"the checkpoint at step {step} in {self._directory} does not "
-                              f"fit this run: {_brief(e)}") from e
+                              f"fit this run: {wus.errors.first_line(e)}") from e
     return flax.serialization.from_state_dict(target, restored)
 
   def close(self) -> None:

@@ -28,6 +28,9 @@ class MLPConfig:
 CONFIGS = {
     # 3 x 4096 on 32x32x3 images: 46 M parameters (184 MB in float32).
     "large": MLPConfig(hidden=(4096, 4096, 4096)),
+    # 5 x 1024: 12 tensors, 7.3 M parameters on 32x32x3 images: `wus-bench`'s
+    # weight-update-bound regime at a size that times in minutes.
+    "deep": MLPConfig(hidden=(1024,) * 5),
     # 2 x 1024: 4.2 M parameters on 32x32x3 images; trains on two CPU cores.
     "small": MLPConfig(hidden=(1024, 1024)),
 }

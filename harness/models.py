@@ -45,6 +45,10 @@ CONFIGS = {
     "wide": TransformerConfig(num_layers=2, emb_dim=512, num_heads=8, mlp_dim=2048),
     # The "base" Transformer of the Flax WMT and lm1b examples.
     "base": TransformerConfig(num_layers=6, emb_dim=512, num_heads=8, mlp_dim=2048),
+    # 100 tensors of mixed sizes (320 to 411 k elements; the six [1284] MLP
+    # biases not divisible by 8), 7.6 M weights: `wus-bench`'s many-small-tensors
+    # regime, where batching the collectives of small tensors matters (§5.2).
+    "mixed": TransformerConfig(num_layers=6, emb_dim=320, num_heads=5, mlp_dim=1284),
 }
 
 

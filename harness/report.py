@@ -208,6 +208,77 @@ def collectives(hlo_text: str, *, per_run: bool = False,
   return found
 
 
+# An instruction line: `[ROOT ]%name = <shape> <opcode>(<operands>), ...`.
+_INSTRUCTION_RE = re.compile(r"\s*(?:ROOT )?%(?P<name>[\w.\-]+) = "
+                             r"(?P<shape>\((?:[^()]|\([^()]*\))*\)|\S+) "
+                             r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)")
+_FUSED_RE = re.compile(r"calls=%?([\w.\-]+)")
+# Opcodes that only move data, in the order a fusion of several is named by.
+MOVES = ("concatenate", "slice", "pad", "copy")
+_MOVING = frozenset({*MOVES, "transpose", "bitcast", "reshape", "broadcast", "parameter",
+                     "constant", "tuple", "get-tuple-element", "dynamic-slice"})
+
+
+class Moves(NamedTuple):
+  """Data movement of one kind in a program: `count` instructions of `bytes` result bytes."""
+
+  count: int
+  bytes: int
+
+
+def data_movement(hlo_text: str) -> dict[str, Moves]:
+  """Instructions of optimized HLO that only move data, per kind (bytes per device).
+
+  Each instruction outside fusions (in the entry computation, loop bodies,
+  branches) that is a `concatenate`, `slice`, `pad` or `copy`, or a fusion of
+  only such data movement (and layout ops), is counted once, under the first
+  kind of MOVES it holds (a transpose alone: "copy"), with its result's
+  bytes; "parameter copy" counts the copies (and copying fusions) of an
+  entry parameter of more than one element into a buffer of its own shape
+  and layout: a whole input copied each run, as XLA does to keep a donated
+  input whose buffer an output takes (a transpose into another layout is a
+  "copy" only).
+
+  Args:
+    hlo_text: `Compiled.as_text()`.
+
+  Returns:
+    {kind: Moves(count, bytes)} for each of MOVES and "parameter copy".
+  """
+  comps = computations(hlo_text)
+  fused = {f for lines in comps.values() for line in lines if " fusion(" in line
+           for f in _FUSED_RE.findall(line)}
+  reducers = {c for lines in comps.values() for line in lines
+              for c in re.findall(r"to_apply=%?([\w.\-]+)", line)}
+  ops = {name: [m["op"] for line in lines if (m := _INSTRUCTION_RE.match(line))]
+         for name, lines in comps.items()}
+  entry = next(m["name"] for line in hlo_text.splitlines()
+               if (m := _COMPUTATION_RE.match(line)) and m["entry"])
+  params = {m["name"]: m["shape"] for line in comps[entry]
+            if (m := _INSTRUCTION_RE.match(line)) and m["op"] == "parameter"
+            and _arrays(m["shape"])[0][0] > 1}
+  found = {kind: Moves(0, 0) for kind in (*MOVES, "parameter copy")}
+  for name, lines in comps.items():
+    if name in fused or name in reducers:
+      continue
+    for line in lines:
+      m = _INSTRUCTION_RE.match(line)
+      if not m:
+        continue
+      inner = ops.get(next(iter(_FUSED_RE.findall(line)), ""), []) if m["op"] == "fusion" else [
+          m["op"]]
+      kind = next((k for k in MOVES if k in inner), "copy" if "transpose" in inner else None)
+      if kind is None or not set(inner) <= _MOVING:
+        continue
+      size = shape_bytes(m["shape"])
+      found[kind] = Moves(found[kind].count + 1, found[kind].bytes + size)
+      operands = [o.strip().lstrip("%") for o in m["operands"].split(",")]
+      if kind == "copy" and name == entry and any(params.get(o) == m["shape"] for o in operands):
+        found["parameter copy"] = Moves(found["parameter copy"].count + 1,
+                                        found["parameter copy"].bytes + size)
+  return found
+
+
 def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
   """Per-device bytes of a compiled program, from `memory_analysis()`.
 

@@ -36,7 +36,7 @@ import sys
 
 from absl import flags
 
-from wus.analysis import costmodel
+from wus.analysis import costmodel, network
 from wus.harness import console, report
 
 MS = 1e3
@@ -141,7 +141,7 @@ class Settings:
 
 
 def tpu_v3_topology(chips_x: int, chips_y: int, *, torus: bool,
-                    settings: Settings = Settings()) -> costmodel.Topology:
+                    settings: Settings = Settings()) -> network.Topology:
   """TPU v3 cores as a costmodel topology: axes core (2), x, y; fast to slow.
 
   Args:
@@ -151,10 +151,10 @@ def tpu_v3_topology(chips_x: int, chips_y: int, *, torus: bool,
   """
   per_chip = LINK_BANDWIDTH * (2 if torus else 1)  # one ring step's send rate per chip
   per_core = per_chip / CORES_PER_CHIP
-  return costmodel.Topology(
-      (costmodel.Axis("core", CORES_PER_CHIP, settings.alpha, settings.core_bandwidth),
-       costmodel.Axis("x", chips_x, settings.alpha, per_core),
-       costmodel.Axis("y", chips_y, settings.alpha, per_core)),
+  return network.Topology(
+      (network.Axis("core", CORES_PER_CHIP, settings.alpha, settings.core_bandwidth),
+       network.Axis("x", chips_x, settings.alpha, per_core),
+       network.Axis("y", chips_y, settings.alpha, per_core)),
       memory_bandwidth=HBM_PER_CHIP / CORES_PER_CHIP, tile_elements=settings.tile_elements)
 
 
@@ -257,7 +257,7 @@ def workload(model: str, optimizer: str, settings: Settings) -> costmodel.Worklo
                             gather_bytes=settings.gather_bytes, state_bytes=4, copy_bytes=2)
 
 
-def _replicated(w: costmodel.Workload, topology: costmodel.Topology,
+def _replicated(w: costmodel.Workload, topology: network.Topology,
                 rest: float = 0.0) -> costmodel.StepPrediction:
   bucket = costmodel.choose_bucket_bytes(w, topology)
   return costmodel.predict_replicated(w, topology, rest, bucket)

@@ -156,7 +156,7 @@ def _global_train_step(task: tasks.Task, tx: optax.GradientTransformation):
 
 
 def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = None,
-                   step: str = "shard_map"):
+                   step: str = "shard_map", *, donate: bool = True, topology=None):
   """`train_step` over `mesh`, compiled by `jax.jit(jax.shard_map(...))` or by wus.
 
   Args:
@@ -166,21 +166,27 @@ def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = N
     group_size: wus only: `shard_group_size` (partial sharding, §5.2).
     step: "shard_map", or "jit" for a step on global arrays (`jax.jit` or
       `wus.jit`; the batch must be placed split over AXIS_NAME).
+    donate: donate the state arguments (the default, as MLPerf-style loops
+      update it in place).
+    topology: wus only: the devices, for its cost model
+      (`wus.analysis.network.Topology`); None: its default.
 
   Returns:
     (params, model_state, opt_state, batch) -> (params, model_state, opt_state,
-    metrics), with the global batch split over AXIS_NAME; the state
-    arguments are donated (do not use them after the call). Both results have
-    `.lower(*args)` for the compiled program.
+    metrics), with the global batch split over AXIS_NAME; with `donate`, the
+    state arguments are donated (do not use them after the call). Both
+    results have `.lower(*args)` for the compiled program.
   """
-  donate = (0, 1, 2)  # The state is updated in place, as MLPerf-style loops do.
+  donated = (0, 1, 2) if donate else ()
   if step == "jit":
-    return (jax.jit if mode == "replicated" else wus.jit)(train_step, donate_argnums=donate)
+    if mode == "replicated":
+      return jax.jit(train_step, donate_argnums=donated)
+    return wus.jit(train_step, donate_argnums=donated, topology=topology)
   specs = {"in_specs": (P(), P(), P(), P(AXIS_NAME)), "out_specs": (P(), P(), P(), P())}
   if mode == "replicated":
-    return jax.jit(jax.shard_map(train_step, mesh=mesh, **specs), donate_argnums=donate)
-  return wus.shard_map(train_step, mesh=mesh, donate_argnums=donate,
-                       shard_group_size=group_size, **specs)
+    return jax.jit(jax.shard_map(train_step, mesh=mesh, **specs), donate_argnums=donated)
+  return wus.shard_map(train_step, mesh=mesh, donate_argnums=donated,
+                       shard_group_size=group_size, topology=topology, **specs)
 
 
 def make_update_step(tx: optax.GradientTransformation):

@@ -35,8 +35,10 @@ MODELS = {
     "transformer_base": (TEXT, models.CONFIGS["base"]),
     "transformer_small": (TEXT, models.CONFIGS["small"]),
     "transformer_wide": (TEXT, models.CONFIGS["wide"]),
+    "transformer_mixed": (TEXT, models.CONFIGS["mixed"]),
     "mlp_large": (IMAGES, mlp.CONFIGS["large"]),
     "mlp_small": (IMAGES, mlp.CONFIGS["small"]),
+    "mlp_deep": (IMAGES, mlp.CONFIGS["deep"]),
 }
 
 

@@ -15,6 +15,10 @@ state donated:
   shards, each weight all-gathered. Optimizer state is kept as those flat
   shards. Valid for elementwise optimizers (Adam, SGD): a norm over a
   tensor would need partial sums combined by hand.
+* `flat_step`: the same with one collective each way, as ZeRO
+  implementations with a flat buffer do: every gradient concatenated into one
+  vector, one reduce-scatter, the optimizer on one flat shard (its state
+  kept as that shard), one all-gather, each weight sliced out of it.
 
 Batch norm across replicas needs the mesh axis inside the model, which the
 global GSPMD step does not have: use models without it (the MLP, the
@@ -22,6 +26,8 @@ Transformer).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,14 +66,9 @@ def gspmd_step(task: tasks.Task, tx: optax.GradientTransformation, mesh: Mesh, o
   opt_shardings = jax.tree.map(lambda x: NamedSharding(mesh, zero1_spec(x.shape, mesh.size)),
                                opt_state)
 
-  def step(params, model_state, opt_state, batch):
-    (_, (model_state, metrics)), grads = jax.value_and_grad(task.loss, has_aux=True)(
-        params, model_state, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), model_state, opt_state, metrics
-
-  jitted = jax.jit(step, in_shardings=(replicated, replicated, opt_shardings,
-                                       NamedSharding(mesh, P(AXIS))),
+  jitted = jax.jit(steps.make_train_step(task, tx, "jit"),
+                   in_shardings=(replicated, replicated, opt_shardings,
+                                 NamedSharding(mesh, P(AXIS))),
                    out_shardings=(replicated, replicated, opt_shardings, replicated),
                    donate_argnums=(0, 1, 2))
   return jitted, lambda state: jax.device_put(state, opt_shardings)
@@ -117,4 +118,66 @@ def handwritten_step(task: tasks.Task, tx: optax.GradientTransformation, mesh: M
   to_shards = jax.jit(jax.shard_map(
       lambda s: jax.tree.map(lambda x: _flat_shard(x, n) if x.ndim else x, s), mesh=mesh,
       in_specs=(P(),), out_specs=specs))
+  return mapped, to_shards
+
+
+def _flat(tree, total: int) -> jax.Array:
+  """Every leaf of `tree` raveled, laid end to end and zero-padded to `total` elements."""
+  leaves = [x.reshape(-1) for x in jax.tree.leaves(tree)]
+  size = sum(x.size for x in leaves)
+  return jnp.concatenate(leaves + [jnp.zeros((total - size,), leaves[0].dtype)])
+
+
+def flat_step(task: tasks.Task, tx: optax.GradientTransformation, mesh: Mesh, opt_state,
+              params):
+  """ZeRO-1 written by hand with one flat buffer: one reduce-scatter, one all-gather.
+
+  Args:
+    task: the model.
+    tx: an elementwise optimizer.
+    mesh: a 1-D mesh with the axis `steps.AXIS_NAME`.
+    opt_state: the optimizer state (or its shapes), whole.
+    params: the weights (or their shapes): the flat buffer's layout.
+
+  Returns:
+    (step, place): `step(params, model_state, opt_state, batch)` as
+    `gspmd_step`'s, its `opt_state` holding the state of one flat vector of all
+    weights, padded to a multiple of N and split over the mesh (scalars
+    whole); `place(opt_state)` turns a whole optimizer state into that.
+  """
+  n = mesh.size
+  total = -(-sum(x.size for x in jax.tree.leaves(params)) // n) * n
+  treedef = jax.tree.structure(params)
+  shapes = [x.shape for x in jax.tree.leaves(params)]
+  is_params = lambda x: jax.tree.structure(x) == treedef  # noqa: E731
+
+  def flat_state(state):
+    """The state with every params-shaped subtree as one flat vector."""
+    return jax.tree.map(lambda t: _flat(t, total) if is_params(t) else t, state, is_leaf=is_params)
+
+  specs = jax.tree.map(lambda x: P(AXIS) if x.ndim else P(),
+                       jax.eval_shape(flat_state, opt_state))
+
+  def step(params, model_state, opt_shard, batch):
+    grads, model_state, metrics = steps.local_gradients(task, params, model_state, batch)
+    grad_shard = lax.psum_scatter(_flat(grads, total), AXIS, tiled=True) / n
+    k = total // n
+    param_shard = lax.dynamic_slice_in_dim(_flat(params, total), lax.axis_index(AXIS) * k, k)
+    updates, opt_shard = tx.update(grad_shard, opt_shard, param_shard)
+    every = lax.all_gather(optax.apply_updates(param_shard, updates), AXIS, tiled=True,
+                           to="invarying")
+    starts = [0]
+    for shape in shapes:
+      starts.append(starts[-1] + math.prod(shape))
+    leaves = [every[a:b].reshape(shape) for a, b, shape in zip(starts, starts[1:], shapes)]
+    return (jax.tree.unflatten(treedef, leaves), model_state, opt_shard,
+            lax.pmean(metrics, AXIS))
+
+  mapped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), specs, P(AXIS)),
+                                 out_specs=(P(), P(), specs, P())), donate_argnums=(0, 1, 2))
+  to_shards = jax.jit(jax.shard_map(
+      lambda s: jax.tree.map(
+          lambda x: lax.dynamic_slice_in_dim(x, lax.axis_index(AXIS) * (total // n), total // n)
+          if x.ndim else x, flat_state(s)),
+      mesh=mesh, in_specs=(P(),), out_specs=specs))
   return mapped, to_shards

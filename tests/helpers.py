@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
+import socket
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,13 @@ def _numpy(x) -> np.ndarray:
   if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   return np.asarray(x)
+
+
+def free_port() -> int:
+  """A TCP port free on 127.0.0.1 now, for a multi-process run's coordinator."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def make_params(shapes=None):

@@ -26,6 +26,7 @@ from typing import Any
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -123,7 +124,8 @@ class _Env:
     dtypes, rows, row_fmts = self.owned.to_scatter() if self.owned is not None else ([], [], [])
     outs = collectives.batched.reduce_scatter([self.held[v].summand for v in vs] + rows,
                                               [self.fmt(v) for v in vs] + row_fmts,
-                                              self.plan.axes, self.plan.bucket_bytes)
+                                              self.plan.axes, self.plan.bucket_bytes,
+                                              self.plan.alone_bytes)
     if dtypes:  # Rows of owned gradients, in the same batched reduce-scatters.
       self.owned.scattered(dtypes, outs[len(vs):])
     groups: dict = {}
@@ -137,21 +139,33 @@ class _Env:
       for u, x in zip(us, summed, strict=True):
         self.held[u].shard = x
 
-  def gather(self, vs: list) -> None:
+  def gather(self, vs: list, after: tuple = ()) -> None:
     """Gives each of `vs` (held as shards) its whole value, batched (§5.2); in
-    the narrower float of `plan.gather_dtypes` where it has one (Fig. 7)."""
+    the narrower float of `plan.gather_dtypes` where it has one (Fig. 7). The
+    all-gathers follow the values `after` (`Program.gather_after`)."""
     narrow = self.plan.gather_dtypes
     mine = [v for v in vs if self.owned is None or v not in self.owned.own.outputs]
     shards = [self.shard(v) if v not in narrow else self.shard(v).astype(narrow[v]) for v in mine]
     # Rows of owned new weights join the same batched all-gathers (§5.2).
     dtypes, rows, row_fmts = self.owned.to_gather() if len(mine) < len(vs) else ([], [], [])
-    outs = collectives.batched.all_gather(shards + rows, [self.fmt(v) for v in mine] + row_fmts,
-                                          self.plan.axes, self.plan.bucket_bytes)
+    shards += rows
+    if after and shards:
+      shards = collectives.after(shards, self.tokens(after))
+    outs = collectives.batched.all_gather(shards, [self.fmt(v) for v in mine] + row_fmts,
+                                          self.plan.axes, self.plan.bucket_bytes,
+                                          self.plan.alone_bytes)
     wholes = dict(zip(mine, outs, strict=False))
     if dtypes:
       wholes.update(self.owned.gathered(dtypes, outs[len(mine):]))
     for v in vs:
       self.held[v].whole = wholes[v]
+
+  def tokens(self, vs) -> list:
+    """The values of `vs` that vary over no mesh axis but the sharding axes (as
+    shards or whole): what `collectives.after` may tie the values gathered over
+    those axes to and leave them the same across the others (partial sharding)."""
+    values = [self.shard(u) if u in self.plan.formats else self.whole(u) for u in vs]
+    return [x for x in values if compat.varying_axes(jax.typeof(x)) <= set(self.plan.axes)]
 
   def shard_as(self, v, fmt: ShardFormat) -> Any:
     """The shard of `v` in `fmt`, which may differ from the plan's format for `v`."""
@@ -400,14 +414,24 @@ def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
       env.pending += [v for v, h in zip(eqn.outvars, held) if h.partial is not None]
     for v, h in zip(eqn.outvars, held, strict=True):
       env.held[v] = h
-  # The weights the step returns whole are all-gathered together.
-  env.gather(list(dict.fromkeys(
+  # The weights the step returns whole are all-gathered together, after
+  # `program.gather_after`; the outputs computed whole that are tied to them
+  # read one of the gathered values, which follows those values too and is
+  # the same on every replica, as they are.
+  gathered = list(dict.fromkeys(
       v for k, v in enumerate(inner.outvars) if k not in program.sharded_out
       and not compat.is_literal(v) and env.held[v].whole is None
       and (env.held[v].shard is not None or env.held[v].summand is not None
-           or (env.owned is not None and v in env.owned.own.outputs)))))
-  return [env.shard(v) if k in program.sharded_out else env.whole(v)
+           or (env.owned is not None and v in env.owned.own.outputs))))
+  env.gather(gathered, program.gather_after)
+  outs = [env.shard(v) if k in program.sharded_out else env.whole(v)
           for k, v in enumerate(inner.outvars)]
+  tied = sorted(program.tied_outputs) if gathered and program.gather_after else []
+  if tied:
+    for k, x in zip(tied, collectives.after([outs[k] for k in tied], [env.whole(gathered[0])]),
+                    strict=True):
+      outs[k] = x
+  return outs
 
 
 def _schedule(jaxpr, program: Program) -> list[int]:

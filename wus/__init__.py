@@ -8,6 +8,7 @@ from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
 from wus.api import ShardedStep
 from wus.api import shard_map
+from wus.errors import CheckpointError
 from wus.errors import StateMismatchError
 from wus.jit import JitStep
 from wus.filter_jit import filter_jit

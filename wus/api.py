@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from wus import pipeline, runtime
-from wus.analysis import compat, costmodel
+from wus.analysis import compat, network
 from wus.analysis.plan import Plan
 from wus.matching import Signature, StateMatch, aval
 from wus.options import Options
@@ -33,7 +33,7 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
               min_shard_size: int = 0,
               shard_group_size: int | str | None = None,
               objective: str = "memory",
-              topology: costmodel.Topology | None = None,
+              topology: network.Topology | None = None,
               shard_weights: bool = False,
               donate_argnums: int | Sequence[int] = (),
               donate_argnames: str | Sequence[str] = ()
@@ -76,9 +76,9 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
       only where the cost model predicts its collectives and update are no
       slower than replicated. The Plan prints the prediction either way.
     topology: the devices the update is sharded over, for the cost model: a
-      `wus.analysis.costmodel.Topology` of N devices (mesh axes fast to slow,
+      `wus.analysis.network.Topology` of N devices (mesh axes fast to slow,
       latency, bandwidth, memory bandwidth). Default:
-      `costmodel.default_topology` with one process's devices as the fast axis.
+      `network.default_topology` with one process's devices as the fast axis.
     shard_weights: also keep sharded between calls the weights the forward
       pass reads only in a narrower float (mixed precision): the step returns
       them as `wus.ShardedArray`s, like optimizer state, and all-gathers them
@@ -131,7 +131,7 @@ class ShardedStep:
   def __init__(self, f: Callable, *, mesh: Mesh | None, in_specs: Any, out_specs: Any,
                check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
                shard_group_size: int | str | None = None,
-               objective: str = "memory", topology: costmodel.Topology | None = None,
+               objective: str = "memory", topology: network.Topology | None = None,
                shard_weights: bool = False, donate_argnums: frozenset = frozenset(),
                split_reason: str = "its in_spec splits it", signature: Signature | None = None,
                match_state: Callable[[tuple, Any], StateMatch] | None = None,

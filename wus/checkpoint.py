@@ -78,23 +78,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis.formats import ShardFormat
 from wus.analysis.owned import is_owned
+from wus.errors import CheckpointError, first_line
 from wus.sharded import ShardedArray, check_alive, holder_of, is_sharded
 from wus.transforms import programs
 
 
-class CheckpointError(ValueError):
-  """A checkpoint's array cannot be restored (another shape, a damaged file): one line."""
-
-
 def _where(info) -> str:
   return f"array {info.name!r} of the checkpoint in {info.parent_dir}"
-
-
-def _first_line(error: BaseException) -> str:
-  """The first line of `error`'s message without TensorStore's spec dump, at most 300 chars."""
-  text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-  text = text.split(" [tensorstore_spec")[0].split(" [source locations")[0]
-  return text if len(text) <= 300 else text[:297] + "..."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,7 +405,7 @@ def _raise_first(results: list, rest_infos: Sequence = ()) -> list:
       raise result
     if isinstance(result, ValueError):  # TensorStore's and Orbax's, with a spec dump
       where = f"the checkpoint in {rest_infos[0].parent_dir}" if rest_infos else "a checkpoint"
-      raise CheckpointError(f"cannot restore {where}: {_first_line(result)}") from result
+      raise CheckpointError(f"cannot restore {where}: {first_line(result)}") from result
     if isinstance(result, BaseException):
       raise result
   return results
@@ -616,7 +606,7 @@ async def _open(info, arg) -> ts.TensorStore:
     spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=info.is_ocdbt_checkpoint)
     store = await ts.open(ts.Spec(spec), open=True, read=True, context=info.ts_context)
   except Exception as e:  # noqa: BLE001 -- TensorStore and Orbax raise many kinds
-    raise CheckpointError(f"cannot open {_where(info)}: {_first_line(e)}") from e
+    raise CheckpointError(f"cannot open {_where(info)}: {first_line(e)}") from e
   if tuple(store.shape) != shape:
     raise CheckpointError(f"{_where(info)} has shape {tuple(store.shape)}; the target expects "
                           f"{shape}")
@@ -646,7 +636,7 @@ async def _read(store: ts.TensorStore, info, arg) -> ShardedArray:
   results = await asyncio.gather(*(read(r) for r in wanted), return_exceptions=True)
   for result in results:
     if isinstance(result, BaseException):
-      raise CheckpointError(f"cannot read {_where(info)}: {_first_line(result)}") from result
+      raise CheckpointError(f"cannot read {_where(info)}: {first_line(result)}") from result
   shards = dict(zip(wanted, results, strict=True))
   arrays = [jax.device_put(shards[_shard_index(index, fmt)], device)
             for device, index in indices.items()]
@@ -680,7 +670,7 @@ async def _read_bank(members: list) -> list[ShardedArray]:
     try:
       return np.asarray(await store.read()).astype(dtype).reshape(bank.shapes[t])
     except Exception as e:  # noqa: BLE001 -- TensorStore raises many kinds
-      raise CheckpointError(f"cannot read {_where(info)}: {_first_line(e)}") from e
+      raise CheckpointError(f"cannot read {_where(info)}: {first_line(e)}") from e
 
   mine = [t for t, s in enumerate(bank.slots) if s.owner in wanted]
   values = dict(zip(mine, await asyncio.gather(*(read(members[t][0], members[t][1], t)
@@ -706,7 +696,7 @@ async def _read_stacked(store: ts.TensorStore, info, arg) -> jax.Array:
   try:
     copy = np.expand_dims(np.asarray(await store.read(), dtype), layout.axis)
   except Exception as e:  # noqa: BLE001 -- TensorStore raises many kinds
-    raise CheckpointError(f"cannot read {_where(info)}: {_first_line(e)}") from e
+    raise CheckpointError(f"cannot read {_where(info)}: {first_line(e)}") from e
   sharding = layout.stacked
   shape = list(layout.shape)
   shape.insert(layout.axis, sharding.mesh.size)

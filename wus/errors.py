@@ -1,4 +1,4 @@
-"""Errors `wus` raises."""
+"""Errors `wus` raises, and the one-line form of a library error quoted in them."""
 
 
 class StateMismatchError(ValueError):
@@ -10,3 +10,24 @@ class StateMismatchError(ValueError):
   it. Sharded state on the same mesh that the step holds another way is
   converted without asking.
   """
+
+
+class CheckpointError(ValueError):
+  """A checkpoint's array cannot be restored as the state it claims to be.
+
+  Raised by `wus.checkpointable`'s Orbax handler at restore when an array has
+  another shape than the target, or its files are damaged; the message is one
+  line naming the array and the checkpoint directory. The restore target is
+  left untouched.
+  """
+
+
+def first_line(error: BaseException) -> str:
+  """`error`'s first line without TensorStore's spec dump, at most 300 characters.
+
+  Orbax and TensorStore errors run to pages (the array's spec, source
+  locations); a `CheckpointError` or a harness error quotes this line.
+  """
+  text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+  text = text.split(" [tensorstore_spec")[0].split(" [source locations")[0]
+  return text if len(text) <= 300 else text[:297] + "..."

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from wus.analysis import cost, costmodel
+from wus.analysis import cost, network
 from wus.transforms import groups
 
 
@@ -21,7 +21,7 @@ class Options:
       "auto" (the G the cost model predicts fastest).
     objective: "memory" or "time", what a cluster's decision favours (§3.2).
     topology: the devices the update is sharded over, for the cost model;
-      None: `costmodel.default_topology` from the mesh's processes.
+      None: `network.default_topology` from the mesh's processes.
     shard_weights: keep weights the forward pass reads only in a narrower float
       sharded between calls too (Fig. 4 right, Fig. 7).
     axis_name: the data-parallel mesh axis (or axes) to shard over; None: the
@@ -35,7 +35,7 @@ class Options:
   min_shard_size: int = 0
   shard_group_size: int | str | None = None
   objective: str = "memory"
-  topology: costmodel.Topology | None = None
+  topology: network.Topology | None = None
   shard_weights: bool = False
   axis_name: str | Sequence[str] | None = None
 

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from wus import collectives, runtime
-from wus.analysis import clusters, compat, cost, costmodel, redundancy
+from wus.analysis import clusters, compat, cost, network, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Plan, replicated as replicated_plan
 from wus.analysis.planner import make_plan
@@ -258,8 +258,8 @@ def _groups(mesh: Mesh, axes: tuple,
                   "(plain sharding)"), None
   return found, found.describe(), None
 
-def _topology_for(topology: costmodel.Topology | None, mesh: Mesh, axes: tuple,
-                  num_shards: int) -> costmodel.Topology:
+def _topology_for(topology: network.Topology | None, mesh: Mesh, axes: tuple,
+                  num_shards: int) -> network.Topology:
   """The cost model's devices: the user's topology (of a sharding group's devices
   when it describes all of the axis), or one from the mesh's processes."""
   t = topology
@@ -276,7 +276,7 @@ def _topology_for(topology: costmodel.Topology | None, mesh: Mesh, axes: tuple,
   group = mesh.devices[tuple(slice(None) if a in axes else 0 for a in mesh.axis_names)]
   first = group.flat[0].process_index
   local = sum(d.process_index == first for d in group.flat)
-  return costmodel.default_topology(num_shards, local if num_shards % local == 0 else None)
+  return network.default_topology(num_shards, local if num_shards % local == 0 else None)
 
 def _replica_axes(axis_name, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
   """The data-parallel axes, in mesh order."""

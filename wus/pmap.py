@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from wus.analysis import costmodel
+from wus.analysis import network
 from wus.api import ShardedStep
 from wus.matching import Signature
 from wus.options import Options
@@ -40,7 +40,7 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
          donate_argnames: str | Iterable[str] = (),
          replicated_argnums: Iterable[int] = (), min_shard_size: int = 0,
          shard_group_size: int | str | None = None, objective: str = "memory",
-         topology: costmodel.Topology | None = None, shard_weights: bool = False) -> Callable:
+         topology: network.Topology | None = None, shard_weights: bool = False) -> Callable:
   """Like `jax.pmap`, with the weight update sharded across devices.
 
   Every argument means what it means to `jax.pmap`. Optimizer state comes back

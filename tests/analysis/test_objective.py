@@ -19,15 +19,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 from helpers import (PMAP_TX, analysed_body, assert_trees_equal, mesh, pmap_params, pmap_step,
                      pmap_xs, sharded_leaves, stack)
-from wus.analysis import clusters, compat, cost, costmodel, formats, layouts
+from wus.analysis import clusters, compat, cost, network, formats, layouts
 
 N = 8
 AXES = frozenset({"data"})
 R, X = P(), P("data")
 
 
-def topology(bandwidth: float, memory_bandwidth: float) -> costmodel.Topology:
-  return costmodel.Topology((costmodel.Axis("x", N, 1e-3, bandwidth),), memory_bandwidth)
+def topology(bandwidth: float, memory_bandwidth: float) -> network.Topology:
+  return network.Topology((network.Axis("x", N, 1e-3, bandwidth),), memory_bandwidth)
 
 
 SLOW_LINKS = topology(bandwidth=1e9, memory_bandwidth=1e12)  # Gathers are dear.
@@ -84,7 +84,7 @@ def test_bad_objective_and_topology_are_refused():
   with pytest.raises(ValueError, match="objective='speed'"):
     _decide("speed", SLOW_LINKS)
   with pytest.raises(ValueError, match="4 devices"):
-    _decide("time", costmodel.default_topology(4))
+    _decide("time", network.default_topology(4))
 
 
 # --- Through wus.shard_map and wus.pmap. ---------------------------------------
@@ -149,7 +149,7 @@ def test_bad_objective_or_topology_raises_a_clear_error():
   with pytest.raises(ValueError, match="objective='fast'"):
     wus.pmap(byol_step, axis_name="data", objective="fast")
   with pytest.raises(ValueError, match="topology= describes 4 devices.*sharded over 8"):
-    _byol("time", topology=costmodel.default_topology(4))
+    _byol("time", topology=network.default_topology(4))
 
 
 def test_pmap_passes_the_objective_and_topology_on():

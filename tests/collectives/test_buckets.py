@@ -1,6 +1,10 @@
 """The bucket size of the batched collectives (§5.2) is the cost model's choice:
 the Plan records and prints it, and the compiled step holds as many
-reduce-scatters and all-gathers as it predicts."""
+reduce-scatters and all-gathers as it predicts. Batching copies each tensor
+into and out of its bucket: where that costs more than a collective's
+latency, large tensors keep collectives of their own and are not copied."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, mesh, run_both
-from wus.analysis import costmodel
+from wus.analysis import costmodel, network
 from wus.harness import report
 
 N = 8
@@ -40,14 +44,27 @@ def _inputs():
   return params, TX.init(params), xs
 
 
-def _topology(alpha):
-  return costmodel.Topology((costmodel.Axis("data", N, alpha=alpha, bandwidth=1e9),),
-                            memory_bandwidth=1e10)
+def _topology(alpha, memory_bandwidth=1e10):
+  return network.Topology((network.Axis("data", N, alpha=alpha, bandwidth=1e9),),
+                            memory_bandwidth=memory_bandwidth)
+
+
+# Collectives behind a 50 us rendezvous, memory at 1 GB/s per device (CPU
+# devices): copying a 256 KiB weight into and out of a bucket (1 MiB of
+# memory traffic, about 1 ms) costs more than its own reduce-scatter and
+# all-gather (0.7 ms of latency).
+CPU = _topology(5e-5, memory_bandwidth=1e9)
 
 
 def _wus(alpha):
   return wus.shard_map(step, mesh=mesh(N), in_specs=(P(), P(), P("data")),
                        out_specs=(P(), P()), topology=_topology(alpha))
+
+
+def _predicted(plan) -> list[int]:
+  """The reduce-scatters and all-gathers the Plan's bucket line predicts."""
+  m = re.search(r"(\d+) reduce-scatter\(s\), (\d+) all-gather\(s\)", plan.buckets)
+  return [int(m.group(1)), int(m.group(2))]
 
 
 @pytest.mark.parametrize("alpha, buckets", [(1e-4, 1), (1e-9, None)])
@@ -62,7 +79,7 @@ def test_compiled_step_has_the_buckets_the_plan_predicts(alpha, buckets):
   assert "collectives batched in buckets of at most" in str(plan)
   hlo = wrapped.lower(params, opt_state, xs[0]).compile().as_text()
   counts = report.collectives(hlo)
-  predicted = [int(w) for w in plan.buckets.split(": ")[1].split()[::2][:2]]
+  predicted = _predicted(plan)
   assert [counts["reduce-scatter"].count, counts["all-gather"].count] == predicted
   if buckets is not None:
     assert predicted == [buckets, buckets]
@@ -83,16 +100,49 @@ def test_bucket_size_leaves_the_result_bit_for_bit():
 
 @pytest.mark.parametrize("objective", ["memory", "time"])
 def test_memory_objective_keeps_buckets_at_most_4_mib(objective):
-  """25 MB of gradients on a latency-bound topology: "time" takes the one
-  bucket the model prices fastest; "memory" (the default) no more than 4 MiB,
-  as a bucket's concatenated buffers are temporary memory."""
+  """25 MB of gradients on a latency-bound topology with fast memory (copies
+  cost little): "time" takes the one bucket the model prices fastest;
+  "memory" (the default) no more than 4 MiB, as a bucket's concatenated
+  buffers are temporary memory."""
   params = {f"layer{i}": {"w": jnp.zeros((1024, 1024)), "b": jnp.zeros(1024)} for i in range(6)}
   x = jax.device_put(jnp.zeros((2 * N, 1024)), NamedSharding(mesh(N), P("data")))
   wrapped = wus.shard_map(step, mesh=mesh(N), in_specs=(P(), P(), P("data")),
-                          out_specs=(P(), P()), topology=_topology(1e-4), objective=objective)
+                          out_specs=(P(), P()), topology=_topology(1e-4, 1e12),
+                          objective=objective)
   plan = wrapped.plan(params, TX.init(params), x)
   assert all(c.sharded for c in plan.clusters)
   if objective == "memory":
-    assert plan.bucket_bytes == 4 * 2 ** 20 and "4 MiB: 7 reduce-scatter(s)" in plan.buckets
+    assert plan.bucket_bytes == 4 * 2 ** 20 and _predicted(plan) == [7, 7]
   else:
-    assert plan.bucket_bytes >= 25 * 10 ** 6 and "1 reduce-scatter(s)" in plan.buckets
+    assert plan.bucket_bytes >= 25 * 10 ** 6 and _predicted(plan) == [1, 1]
+  assert plan.alone_bytes is None  # Every copy is cheaper than a collective's latency.
+
+
+def test_large_tensors_keep_their_own_collectives_and_are_not_copied():
+  """On CPU-like devices the six 256 KiB weights each have a reduce-scatter
+  and an all-gather of their own, with no concatenate or slice of their
+  bytes; only the six 1 KiB biases share a bucket (copied). With memory 10x
+  faster, all twelve share buckets, and the compiled step copies every
+  weight into and out of them. Bit for bit either way."""
+  params, opt_state, xs = _inputs()
+  weights, biases = 6 * WIDTH * WIDTH * 4, 6 * WIDTH * 4
+  specs = dict(mesh=mesh(N), in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  moved = {}
+  for name, topology in [("cpu", CPU), ("fast memory", _topology(5e-5))]:
+    wrapped = wus.shard_map(step, topology=topology, **specs)
+    plan = wrapped.plan(params, opt_state, xs[0])
+    hlo = wrapped.lower(params, opt_state, xs[0]).compile().as_text()
+    counts = report.collectives(hlo)
+    assert [counts["reduce-scatter"].count, counts["all-gather"].count] == _predicted(plan)
+    moved[name] = report.data_movement(hlo)
+    want, got, _ = run_both(step, (params, opt_state), xs, wus_kw=dict(topology=topology),
+                            **specs)
+    assert_trees_equal(wus.unshard(got), want)
+    if name == "cpu":
+      assert plan.alone_bytes is not None and plan.alone_bytes <= WIDTH * WIDTH * 4
+      assert "6 of 12 tensors alone" in plan.buckets and _predicted(plan) == [7, 7]
+    else:
+      assert plan.alone_bytes is None and _predicted(plan) == [1, 1]
+  cpu, fast = moved["cpu"], moved["fast memory"]
+  assert cpu["concatenate"].bytes + cpu["slice"].bytes <= 3 * biases
+  assert fast["concatenate"].bytes >= weights and fast["slice"].bytes >= weights

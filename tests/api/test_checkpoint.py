@@ -10,9 +10,7 @@ against an uninterrupted run at 8 it agrees to a tolerance.
 """
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,13 +23,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpoint_worker as W
 import wus
-from helpers import PMAP_TX, assert_trees_equal, mesh, pmap_params, pmap_step, pmap_xs, stack
+from helpers import (PMAP_TX, assert_trees_equal, free_port, mesh, pmap_params, pmap_step, pmap_xs,
+                     stack)
 from wus import checkpoint
 
 SAVED_AT = 2  # updates before the save
 MORE = 2      # updates after each restore
 TOLERANCE = dict(rtol=2e-6, atol=1e-7)
-WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
+WORKER = W.__file__
 
 
 def fresh():
@@ -229,12 +228,6 @@ def test_plain_shard_map_checkpoint_restores_into_a_wus_step(tmp_path):
 # --- Several processes. ------------------------------------------------------------
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def workers(mode, folder, *, processes, start=0, steps=0):
   """Runs `checkpoint_worker` in `processes` processes over 8 devices in all."""
   address = f"127.0.0.1:{free_port()}"
@@ -294,7 +287,7 @@ def test_checkpoint_of_another_model_is_one_line_and_changes_nothing(saved, tmp_
   before = snapshot(tmp_path)
   other = {**W.init_params(), "conv": np.zeros((3, 3, 5, 8), np.float32)}
   like = jax.eval_shape(lambda: (other, W.TX.init(other)))
-  with pytest.raises(checkpoint.CheckpointError) as e:
+  with pytest.raises(wus.CheckpointError) as e:
     ocp.StandardCheckpointer().restore(tmp_path / "ckpt", target(mesh(8), like))
   assert str(e.value) == (f"array 'opt_state.0.mu.conv' of the checkpoint in {tmp_path / 'ckpt'} "
                           "has shape (3, 3, 5, 7); the target expects (3, 3, 5, 8)")
@@ -314,7 +307,7 @@ def test_damaged_checkpoint_is_one_line_and_changes_nothing(saved, tmp_path, dam
   shutil.copytree(path, tmp_path / "ckpt")
   damage(tmp_path / "ckpt")
   before = snapshot(tmp_path)
-  with pytest.raises(checkpoint.CheckpointError) as e:
+  with pytest.raises(wus.CheckpointError) as e:
     restore(tmp_path / "ckpt", mesh(8))
   message = str(e.value)
   assert "\n" not in message and len(message) < 600, message

@@ -45,7 +45,6 @@ tensor's largest magnitude in Adam's nu under clip_by_global_norm, about 130 all
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -57,10 +56,10 @@ import numpy as np
 import pytest
 
 import partial_worker as W
-from test_checkpoint import free_port
+from helpers import free_port
 from wus.harness import report
 
-WORKER = os.path.join(os.path.dirname(__file__), "partial_worker.py")
+WORKER = W.__file__
 GROUP = 4  # devices per process: the "local" axis
 
 

@@ -159,3 +159,56 @@ def test_collectives_per_run_count_loop_iterations(mesh):
   assert sorted(runs[b] for b in re.findall(r"body=%?([\w.\-]+)", hlo_text)) == [4]
   inside = report.collectives(hlo_text, per_run=True, only=report.in_loops(hlo_text))
   assert inside["all-reduce"] == (4, 4 * 4000, 4 * 7000)
+
+
+_MOVES_HLO = """HloModule m, is_scheduled=true
+
+%fused_transpose (p0: f32[8,4]) -> f32[4,8] {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  ROOT %transpose.1 = f32[4,8]{1,0} transpose(%p0), dimensions={1,0}
+}
+
+%fused_concatenate (p1: f32[8], p2: f32[4]) -> f32[12] {
+  %p1 = f32[8]{0} parameter(0)
+  %p2 = f32[4]{0} parameter(1)
+  ROOT %concatenate.1 = f32[12]{0} concatenate(%p1, %p2), dimensions={0}
+}
+
+%fused_add (p3: f32[8]) -> f32[8] {
+  %p3 = f32[8]{0} parameter(0)
+  ROOT %add.1 = f32[8]{0} add(%p3, %p3)
+}
+
+ENTRY %main (param.1: f32[8,4], param.2: f32[8], param.3: f32[4], param.4: s32[]) -> f32[2] {
+  %param.1 = f32[8,4]{1,0} parameter(0)
+  %param.2 = f32[8]{0} parameter(1)
+  %param.3 = f32[4]{0} parameter(2)
+  %param.4 = s32[] parameter(3)
+  %copy.1 = f32[8,4]{1,0} copy(%param.1)
+  %copy.2 = s32[] copy(%param.4)
+  %transpose_fusion = f32[4,8]{1,0} fusion(%param.1), kind=kLoop, calls=%fused_transpose
+  %concatenate_fusion = f32[12]{0} fusion(%param.2, %param.3), kind=kLoop, calls=%fused_concatenate
+  %add_fusion = f32[8]{0} fusion(%param.2), kind=kLoop, calls=%fused_add
+  ROOT %slice.1 = f32[2]{0} slice(%param.3), slice={[0:2]}
+}
+"""
+
+
+def test_data_movement_counts_copies_concatenates_and_slices():
+  """A copy of a parameter into its own shape is a "parameter copy" (what
+  donation without ordering costs); a transpose is a copy only; a scalar's
+  copy is no parameter copy; arithmetic is no data movement."""
+  moved = report.data_movement(_MOVES_HLO)
+  assert moved["copy"] == report.Moves(3, 128 + 4 + 128)
+  assert moved["parameter copy"] == report.Moves(1, 128)
+  assert moved["concatenate"] == report.Moves(1, 48)
+  assert moved["slice"] == report.Moves(1, 8)
+  assert moved["pad"] == report.Moves(0, 0)
+
+
+def test_data_movement_of_a_compiled_concatenation(mesh):
+  f = jax.jit(lambda x, y: jnp.concatenate([x, y])[3:])
+  hlo = f.lower(jnp.ones(1000), jnp.ones(24)).compile().as_text()
+  moved = report.data_movement(hlo)
+  assert moved["concatenate"].bytes + moved["slice"].bytes >= 4 * 1021
+  assert moved["parameter copy"].count == 0

@@ -5,7 +5,7 @@ import statistics
 import jax
 import pytest
 
-from wus.analysis import costmodel
+from wus.analysis import network
 from wus.harness import bench, calibrate, steps
 
 pytestmark = pytest.mark.slow  # Times every variant of wus-bench (minutes; README: Tests).
@@ -16,7 +16,7 @@ ROUNDS = 2
 @pytest.fixture(scope="module")
 def results():
   mesh = jax.make_mesh((8,), (steps.AXIS_NAME,))
-  regimes = [bench.Regime("weight-update-bound", 1), bench.Regime("compute-bound", 4),
+  regimes = [bench.Regime("weight-update-bound", 1, jit=True), bench.Regime("compute-bound", 4),
              bench.Regime("bf16-loop", 1, steps_per_call=2)]
   return [bench.run_regime(r, model="mlp_small", rounds=ROUNDS, mesh=mesh) for r in regimes]
 
@@ -25,7 +25,8 @@ def test_every_variant_is_timed_and_measured(results):
   for r in results:
     assert r["variants"] == list(bench.Regime(
         r["regime"], 1, r["steps_per_call"],
-        (2, 4) if r["regime"] == "partial-sharding" else ()).variants)
+        (2, 4) if r["regime"] == "partial-sharding" else (),
+        jit=r["regime"] == "weight-update-bound").variants)
     for v in r["variants"]:
       m = r[v]
       assert len(m["step_seconds"]) == ROUNDS and m["min"] <= m["median"] <= m["max"]
@@ -37,16 +38,24 @@ def test_variants_compute_the_same_update(results):
   """Same data, same number of updates: the weights agree with the replicated step's."""
   for r in results:
     assert r["wus"]["max_param_difference"] == 0  # wus is bit for bit (XLA flags of conftest)
-    for v in ("gspmd_zero1", "handwritten"):
+    if "wus_undonated" in r:
+      assert r["wus_undonated"]["max_param_difference"] == 0
+    for v in ("gspmd_zero1", "handwritten", "handwritten_flat", "jit", "wus_jit"):
       if v in r:
         assert r[v]["max_param_difference"] < 1e-5, (r["regime"], v)
+  # wus.jit is bit for bit with the jax.jit step it replaces.
+  assert [r["wus_jit"]["max_jit_param_difference"] for r in results if "wus_jit" in r] == [0]
 
 
 def test_sharded_variants_hold_a_share_of_the_optimizer_state(results):
   for r in results:
     assert r["replicated"]["opt_state_per_device"] == r["opt_state_bytes"]
-    share = r["wus"]["opt_state_per_device"] * r["num_devices"] / r["opt_state_bytes"]
-    assert share == pytest.approx(1, abs=bench.STATE_TOLERANCE)
+    for v in ("wus", "wus_jit"):
+      if v in r:
+        share = r[v]["opt_state_per_device"] * r["num_devices"] / r["opt_state_bytes"]
+        assert share == pytest.approx(1, abs=bench.STATE_TOLERANCE), v
+    if "jit" in r:
+      assert r["jit"]["opt_state_per_device"] == r["opt_state_bytes"]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +77,7 @@ def test_partial_sharding_rows_hold_v_over_g_and_move_no_more_bytes(partial):
     assert m["max_param_difference"] < 1e-5  # Summed within groups, then across: rounding.
   text = bench.markdown([r])
   assert "| wus_g2 " in text and "wus_g4 collective bytes <= replicated" in text
-  assert bench.predict(r, costmodel.default_topology(8)) is None  # No wus (G = N) row.
+  assert bench.predict(r, network.default_topology(8)) is None  # No wus (G = N) row.
 
 
 def test_bf16_loop_gathers_weights_in_16_bits(results):
@@ -79,16 +88,41 @@ def test_bf16_loop_gathers_weights_in_16_bits(results):
   assert ratio == pytest.approx(0.75, abs=0.01)
 
 
+def test_parts_alone_give_the_limit_of_each_one_update_regime(results):
+  """The forward and backward pass, the collectives and the update, timed in
+  the same rounds; wus / limit, its copies and compile time are targets."""
+  for r in results:
+    bound = bench.limit_of(r)
+    if r["steps_per_call"] > 1:
+      assert bound is None
+      continue
+    assert all(len(r[f"{k}_seconds"]) == ROUNDS for k in ("rest", "collectives", "update"))
+    assert bound["total"] == pytest.approx(bound["rest"] + bound["collectives"] + bound["update"])
+    assert min(bound["rest"], bound["collectives"], bound["update"]) > 0
+    assert "Limit: forward and backward" in bench.limit_markdown(r)
+    assert r["wus"]["moves"]["parameter copy"]["count"] == 0  # Donated, gathered in place.
+  rows = [t for t, _, _ in bench.targets(results)]
+  assert "weight-update-bound: wus / limit (the parts timed alone) <= 1.05" in rows
+  assert "weight-update-bound: wus with the state donated no slower than without" in rows
+  assert "weight-update-bound: XLA compile time (CPU seconds), wus / replicated <= 1.2" in rows
+  assert bench.paired_ratio([2.0, 3.0, 10.0], [1.0, 3.0, 5.0]) == 2.0
+
+
 def test_markdown_has_every_row_and_target(results):
   text = bench.markdown(results)
   for r in results:
     assert f"### {r['regime']}: mlp_small + Adam, N=8" in text
-  for v in bench.VARIANTS:
+  for v in bench.VARIANTS + bench.JIT_VARIANTS:
     assert f"| {v} " in text
   rows = bench.targets(results)
-  assert [t for t, _, _ in rows if "median step time" in t] == [
-      f"weight-update-bound: wus median step time <= {a}'s" for a in bench.ALTERNATIVES]
-  assert sum("optimizer state per device" in t for t, _, _ in rows) == 3
+  assert [t for t, _, _ in rows if "weight-update-bound: wus step time" in t] == [
+      f"weight-update-bound: wus step time <= {a}'s (median of per-round ratios)"
+      for a in bench.ALTERNATIVES]
+  assert sum("optimizer state per device" in t for t, _, _ in rows) == 4
+  assert [t for t, _, _ in rows if "wus_jit step time" in t] == [
+      f"weight-update-bound: wus_jit step time <= {a}'s (median of per-round ratios)"
+      for a in bench.JIT_ALTERNATIVES]
+  assert "wus_jit / it (per-round ratio, median)" in text
   assert all(isinstance(ok, bool) for _, ok, _ in rows)
 
 
@@ -113,7 +147,7 @@ def test_calibration_measures_this_machine():
 def test_cost_model_predicts_each_one_update_regime(results):
   """Fed made-up machine costs: the prediction adds the model's collectives and
   update to the measured forward and backward pass, and wus's update is 1/N."""
-  topology = costmodel.Topology((costmodel.Axis("measured", 8, 1e-5, 1e9),), 1e9)
+  topology = network.Topology((network.Axis("measured", 8, 1e-5, 1e9),), 1e9)
   for r in results:
     p = bench.predict(r, topology)
     if r["steps_per_call"] > 1:

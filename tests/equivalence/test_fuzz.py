@@ -13,9 +13,9 @@ fails, and so does a Plan that cannot print. A cluster holding a big tensor
 may stay replicated ("kept replicated") if the Plan gives a reason.
 
 Profiles (registered here, applied only to this module's test):
-  python -m pytest -q tests/test_fuzz.py                  # "quick": 8, fixed seed
-  python -m pytest -q tests/test_fuzz.py --slow           # "ci": 100, fixed seed (WUS_SLOW=1)
-  WUS_FUZZ=long python -m pytest -q tests/test_fuzz.py    # "long": hundreds, random seed
+  python -m pytest -q tests/equivalence/test_fuzz.py                # "quick": 8, fixed seed
+  python -m pytest -q tests/equivalence/test_fuzz.py --slow         # "ci": 100 (WUS_SLOW=1)
+  WUS_FUZZ=long python -m pytest -q tests/equivalence/test_fuzz.py  # "long": hundreds, random
   WUS_FUZZ=long WUS_FUZZ_EXAMPLES=1000 ...                # any size (either profile)
 A failing example prints its complete standalone script (hypothesis `note`):
 save it as repro.py and run `XLA_FLAGS=--xla_force_host_platform_device_count=8 python repro.py`.

@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, dense_inputs, dense_step, mesh, sharded_leaves
-from wus.analysis import costmodel
+from wus.analysis import network
 
 TX = optax.adam(1e-2)
 SPECS = dict(in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
@@ -37,9 +37,9 @@ def test_padded_small_shards_on_two_hosts_give_groups_of_one_host():
   update (1 GB/s): sharding pays, but 8 shards of the 960- and 40-element
   tensors pad to a tile each and gather twice the bytes 4 shards do, so the
   model picks groups of one host's 4 devices (worked out in
-  tests/test_costmodel.py's terms: 42.5 us at G=4, 44.7 at G=8, 63.2 at G=1)."""
-  two_hosts = costmodel.Topology((costmodel.Axis("process", 4, 1e-6, 1e11),
-                                  costmodel.Axis("host", 2, 1e-5, 1e9)), 1e9, tile_elements=256)
+  tests/analysis/test_costmodel.py's terms: 42.5 us at G=4, 44.7 at G=8, 63.2 at G=1)."""
+  two_hosts = network.Topology((network.Axis("process", 4, 1e-6, 1e11),
+                                  network.Axis("host", 2, 1e-5, 1e9)), 1e9, tile_elements=256)
   a, b, plan = _run(two_hosts)
   assert_trees_equal(a[0], b[0], rtol=1e-6, atol=1e-7)  # Summed within groups, then across.
   assert_trees_equal(a[1], wus.unshard(b[1]), rtol=1e-6, atol=1e-7)

@@ -6,12 +6,14 @@ import math
 import pytest
 
 from wus.analysis import costmodel as cm
+from wus.analysis import network as net
+from wus.collectives import batched
 
-A = cm.Axis("a", 4, alpha=1e-6, bandwidth=1e9)
+A = net.Axis("a", 4, alpha=1e-6, bandwidth=1e9)
 
 
 def _topology(*sizes, alpha=1e-6, bandwidth=1e9, memory=1e11, tile=1):
-  return cm.Topology(tuple(cm.Axis(f"a{i}", n, alpha, bandwidth) for i, n in enumerate(sizes)),
+  return net.Topology(tuple(net.Axis(f"a{i}", n, alpha, bandwidth) for i, n in enumerate(sizes)),
                      memory_bandwidth=memory, tile_elements=tile)
 
 
@@ -25,33 +27,33 @@ def _workload(tensors=(4096, 1024, 65536, 256), optimizer="adam", **kw):
 def test_ring_formulas_by_hand():
   d = 4e6
   # n = 4: 3 steps, each alpha + d / (4 B) = 1 us + 1 ms.
-  assert cm.ring_reduce_scatter(d, A) == pytest.approx(3 * (1e-6 + 1e-3))
-  assert cm.ring_all_gather(d, A) == pytest.approx(3.003e-3)
-  assert cm.ring_all_reduce(d, A) == pytest.approx(6.006e-3)
+  assert net.ring_reduce_scatter(d, A) == pytest.approx(3 * (1e-6 + 1e-3))
+  assert net.ring_all_gather(d, A) == pytest.approx(3.003e-3)
+  assert net.ring_all_reduce(d, A) == pytest.approx(6.006e-3)
   two = dataclasses.replace(A, size=2)
-  assert cm.ring_reduce_scatter(d, two) == pytest.approx(1e-6 + 2e-3)
-  assert cm.ring_all_reduce(d, two) == pytest.approx(2 * (1e-6 + 2e-3))
-  assert cm.ring_all_reduce(d, dataclasses.replace(A, size=1)) == 0
+  assert net.ring_reduce_scatter(d, two) == pytest.approx(1e-6 + 2e-3)
+  assert net.ring_all_reduce(d, two) == pytest.approx(2 * (1e-6 + 2e-3))
+  assert net.ring_all_reduce(d, dataclasses.replace(A, size=1)) == 0
 
 
 def test_multi_phase_by_hand():
   """§5.1: along the fast axis on D, then along the slow one on D / n_fast."""
-  fast = cm.Axis("fast", 2, alpha=1e-6, bandwidth=4e9)
-  slow = cm.Axis("slow", 4, alpha=5e-6, bandwidth=1e9)
+  fast = net.Axis("fast", 2, alpha=1e-6, bandwidth=4e9)
+  slow = net.Axis("slow", 4, alpha=5e-6, bandwidth=1e9)
   d = 8e6
   expected = 1 * (1e-6 + d / (2 * 4e9)) + 3 * (5e-6 + (d / 2) / (4 * 1e9))
-  assert cm.reduce_scatter(d, (fast, slow)) == pytest.approx(expected)
-  assert cm.all_gather(d, (fast, slow)) == pytest.approx(expected)
+  assert net.reduce_scatter(d, (fast, slow)) == pytest.approx(expected)
+  assert net.all_gather(d, (fast, slow)) == pytest.approx(expected)
   # Fast axis first moves fewer bytes over the slow links than slow first.
-  assert cm.reduce_scatter(d, (fast, slow)) < cm.reduce_scatter(d, (slow, fast))
+  assert net.reduce_scatter(d, (fast, slow)) < net.reduce_scatter(d, (slow, fast))
 
 
 @pytest.mark.parametrize("axes", [(A,),
-                                  (cm.Axis("f", 2, 1e-7, 5e9), A, cm.Axis("s", 3, 1e-5, 1e8))])
+                                  (net.Axis("f", 2, 1e-7, 5e9), A, net.Axis("s", 3, 1e-5, 1e8))])
 def test_reduce_scatter_and_all_gather_make_an_all_reduce(axes):
   d = 3e6
-  assert cm.reduce_scatter(d, axes) + cm.all_gather(d, axes) == pytest.approx(
-      cm.all_reduce(d, axes))
+  assert net.reduce_scatter(d, axes) + net.all_gather(d, axes) == pytest.approx(
+      net.all_reduce(d, axes))
   assert (cm.wire_bytes(d, axes, "reduce-scatter") + cm.wire_bytes(d, axes, "all-gather")
           == pytest.approx(cm.wire_bytes(d, axes, "all-reduce")))
 
@@ -76,28 +78,22 @@ def test_full_sharding_communicates_what_the_all_reduce_did():
 # --- Batching and partial sharding -----------------------------------------------
 
 
-@pytest.mark.parametrize("collective,kind", [(cm.reduce_scatter, "reduce-scatter"),
-                                             (cm.all_gather, "all-gather"),
-                                             (cm.all_reduce, "all-reduce")])
+@pytest.mark.parametrize("collective,kind", [(net.reduce_scatter, "reduce-scatter"),
+                                             (net.all_gather, "all-gather"),
+                                             (net.all_reduce, "all-reduce")])
 @pytest.mark.parametrize("k", [1, 2, 7])
 def test_batching_k_tensors_saves_k_minus_1_latencies(collective, kind, k):
-  axes = (cm.Axis("f", 2, 2e-6, 5e9), A)
+  axes = (net.Axis("f", 2, 2e-6, 5e9), A)
   sizes = [1e5] * k
-  apart, n_apart = cm.batched(collective, sizes, axes, bucket_bytes=1e5)  # each its own
-  together, n_together = cm.batched(collective, sizes, axes)
+  apart, n_apart = net.batched(collective, sizes, axes, bucket_bytes=1e5)  # each its own
+  together, n_together = net.batched(collective, sizes, axes)
   assert (n_apart, n_together) == (k, 1)
-  assert apart - together == pytest.approx((k - 1) * cm.latency(axes, kind))
-
-
-@pytest.mark.parametrize("sizes,limit", [([10, 10, 30, 5, 5], 25), ([1] * 9, 4), ([7, 3, 9], 5)])
-def test_buckets_follow_the_collectives_rule(sizes, limit):
-  from wus.collectives import batched  # pylint: disable=g-import-not-at-top
-  assert cm.buckets(sizes, limit) == batched.buckets(sizes, limit)
+  assert apart - together == pytest.approx((k - 1) * net.latency(axes, kind))
 
 
 def test_buckets():
-  assert sorted(cm.buckets([10, 10, 30, 5, 5], limit=25)) == [[0, 1, 3], [2], [4]]
-  assert cm.buckets([10, 10], limit=math.inf) == [[0, 1]]
+  assert sorted(batched.buckets([10, 10, 30, 5, 5], limit=25)) == [[0, 1, 3], [2], [4]]
+  assert batched.buckets([10, 10], limit=math.inf) == [[0, 1]]
 
 
 def test_group_of_everyone_is_full_sharding():
@@ -107,10 +103,10 @@ def test_group_of_everyone_is_full_sharding():
   n = t.num_devices
   p = cm.predict_sharded(w, t, n)
   grads = [4 * x for x in w.tensors]
-  assert p.reduce_scatter == pytest.approx(cm.reduce_scatter(sum(grads), t.axes))
-  assert p.all_gather == pytest.approx(cm.all_gather(sum(grads) / 2, t.axes))
+  assert p.reduce_scatter == pytest.approx(net.reduce_scatter(sum(grads), t.axes))
+  assert p.all_gather == pytest.approx(net.all_gather(sum(grads) / 2, t.axes))
   assert p.all_reduce == 0
-  assert p.norm_all_reduce == pytest.approx(cm.all_reduce(2 * 4 * len(w.tensors), t.axes))
+  assert p.norm_all_reduce == pytest.approx(net.all_reduce(2 * 4 * len(w.tensors), t.axes))
   assert p.update == pytest.approx(cm.update_seconds(w, t) / n)
   assert p.collectives == {"reduce-scatter": 1, "all-reduce": 1, "all-gather": 1}
 
@@ -131,11 +127,48 @@ def test_partial_sharding_follows_fig_10():
   w = _workload()
   p = cm.predict_sharded(w, t, 2)
   d = 4 * w.num_elements
-  assert p.reduce_scatter == pytest.approx(cm.reduce_scatter(d, t.axes[:1]))
-  assert p.all_reduce == pytest.approx(cm.all_reduce(d / 2, t.axes[1:]))
-  assert p.all_gather == pytest.approx(cm.all_gather(d, t.axes[:1]))
+  assert p.reduce_scatter == pytest.approx(net.reduce_scatter(d, t.axes[:1]))
+  assert p.all_reduce == pytest.approx(net.all_reduce(d / 2, t.axes[1:]))
+  assert p.all_gather == pytest.approx(net.all_gather(d, t.axes[:1]))
+  # One bucket: every gradient copied into it (d), every weight out of the
+  # gathered one (d), the shards across groups into and out of theirs (d / 2).
+  assert p.copies == pytest.approx(2 * (d + d + d / 2) / t.memory_bandwidth)
   assert p.total == pytest.approx(p.rest + p.reduce_scatter + p.all_reduce + p.update
                                   + p.all_gather)
+  assert p.with_copies == pytest.approx(p.total + p.copies)
+
+
+def test_tensors_alone_are_not_copied_and_padded_ones_always_are():
+  """`alone_bytes`: unpadded tensors that large keep their own collectives and
+  are not copied (§5.2 batches for latency; the copy is memory traffic). A
+  padded tensor is copied by its padding either way, so it stays batched."""
+  sizes, padded = [100, 5000, 5000, 20], [False, False, True, False]
+  assert batched.buckets(sizes, 1e6, 1000, padded) == [[1], [0, 2, 3]]
+  assert net.copied(sizes, 1e6, 1000, padded) == 100 + 5000 + 20
+  assert net.copied(sizes, 1e6, None, padded) == sum(sizes)
+  t = _topology(8, alpha=1e-5, memory=1e9)
+  w = _workload(tensors=(8 * 1000, 8 * 1000, 3))  # The [3] pads.
+  alone = cm.predict_sharded(w, t, 8, alone_bytes=4000)
+  shared = cm.predict_sharded(w, t, 8)
+  assert (alone.collectives["reduce-scatter"], shared.collectives["reduce-scatter"]) == (3, 1)
+  assert alone.copies == pytest.approx(2 * 2 * 3 * 4 / 1e9)  # The [3] (padded), each way.
+  assert shared.copies == pytest.approx(2 * 2 * (2 * 32000 + 12) / 1e9)
+
+
+@pytest.mark.parametrize("memory, alone", [(1e9, True), (1e13, False)])
+def test_choose_batching_weighs_copies_against_latency(memory, alone):
+  """Slow memory (CPU devices): 256 KiB tensors keep their own collectives;
+  fast memory (HBM): copying them costs less than a collective's latency."""
+  t = _topology(8, alpha=2e-5, memory=memory)
+  w = _workload(tensors=(65536,) * 8 + (256,) * 8)
+  limit, chosen = cm.choose_batching(w, t, 8)
+  assert limit in cm.BUCKET_CANDIDATES
+  if alone:
+    assert chosen is not None and 256 * 4 * 8 < chosen <= 65536 * 4
+    p = cm.predict_sharded(w, t, 8, bucket_bytes=limit, alone_bytes=chosen)
+    assert p.collectives["reduce-scatter"] == 9  # 8 alone, the biases in one bucket.
+  else:
+    assert chosen is None
 
 
 def test_small_shards_combine_into_fewer_all_reduces():
@@ -167,12 +200,12 @@ def test_split_into_groups():
 
 
 def test_default_topology_has_the_process_as_fast_axis():
-  t = cm.default_topology(8, 4)
+  t = net.default_topology(8, 4)
   assert [(a.name, a.size) for a in t.axes] == [("process", 4), ("host", 2)]
   assert t.axes[0].bandwidth > t.axes[1].bandwidth and t.axes[0].alpha < t.axes[1].alpha
-  assert [a.size for a in cm.default_topology(8).axes] == [8]
+  assert [a.size for a in net.default_topology(8).axes] == [8]
   with pytest.raises(ValueError):
-    cm.default_topology(8, 3)
+    net.default_topology(8, 3)
 
 
 # --- The update ----------------------------------------------------------------------
@@ -220,8 +253,8 @@ def test_splitting_an_axis_saves_no_latency_by_itself():
   t = _topology(4096, alpha=1e-3)
   for g in (2, 64, 512):
     inner, outer = t.split(g)
-    assert cm.latency(inner, "all-reduce") + cm.latency(outer, "all-reduce") == pytest.approx(
-        cm.latency(t.axes, "all-reduce"))
+    assert net.latency(inner, "all-reduce") + net.latency(outer, "all-reduce") == pytest.approx(
+        net.latency(t.axes, "all-reduce"))
 
 
 def test_groups_when_latency_dominates():
@@ -239,7 +272,7 @@ def test_groups_when_latency_dominates():
 
 def test_no_sharding_when_there_is_nothing_to_save():
   """Fast memory, a cheap update, and sharding adds the all-reduce of LARS's norms: G = 1."""
-  t = cm.Topology((cm.Axis("a", 8, 1e-3, 1e9),), memory_bandwidth=1e15)
+  t = net.Topology((net.Axis("a", 8, 1e-3, 1e9),), memory_bandwidth=1e15)
   w = _workload(tensors=(16,) * 100, optimizer="lars", gather_bytes=4)
   assert cm.choose_group_size(w, t) == 1
 
@@ -261,5 +294,6 @@ def test_predictions_are_labelled_and_add_up():
   p = cm.predict_sharded(_workload(optimizer="lamb"), _topology(2, 4), 4, rest=0.01)
   assert "prediction" in cm.StepPrediction.__doc__
   assert p.total == pytest.approx(0.01 + p.communication + p.update)
+  assert p.copies > 0  # One bucket: every tensor copied into it and out.
   assert p.communication == pytest.approx(p.reduce_scatter + p.all_reduce + p.norm_all_reduce
                                           + p.all_gather)

@@ -59,7 +59,7 @@ DONATED = textwrap.dedent("""
 
 def test_reading_donated_state_raises_instead_of_crashing():
   import os  # noqa: PLC0415
-  tests = os.path.dirname(__file__)
+  tests = os.path.dirname(os.path.dirname(__file__))  # helpers.py's folder
   out = subprocess.run([sys.executable, "-c", DONATED.format(tests=tests)], capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]

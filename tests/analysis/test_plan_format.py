@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import mesh
-from wus.analysis import costmodel
+from wus.analysis import network
 
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
 
@@ -100,20 +100,20 @@ def _times(text: str) -> list[float]:
 
 
 def test_no_prediction_below_the_models_resolution(plan):
-  assert plan.resolution == costmodel.resolution(costmodel.default_topology(8)) > 0
+  assert plan.resolution == network.resolution(network.default_topology(8)) > 0
   lines = [line for line in str(plan).splitlines() if line.startswith("cluster ")]
   for line in lines:
     for seconds in _times(line):
       assert seconds >= plan.resolution, line
   # A topology without latency resolves every cluster: each line gives its prediction.
-  fine = plan_of(topology=costmodel.Topology((costmodel.Axis("x", 8, 0.0, 1e10),), 1e10))
+  fine = plan_of(topology=network.Topology((network.Axis("x", 8, 0.0, 1e10),), 1e10))
   lines = [line for line in str(fine).splitlines() if line.startswith("cluster ")]
   assert all("predicted" in line for line in lines)
   for line in lines:
     assert all(t > 0 for t in _times(line)), line
-  assert costmodel.format_seconds(1.43e-9) == "1.43 ns"
-  assert costmodel.format_seconds(7.13e-5) == "71.3 us"
-  assert costmodel.format_seconds(0.0117) == "11.7 ms"
+  assert network.format_seconds(1.43e-9) == "1.43 ns"
+  assert network.format_seconds(7.13e-5) == "71.3 us"
+  assert network.format_seconds(0.0117) == "11.7 ms"
 
 
 def test_source_lines_skip_flax_optax_and_jax():

@@ -185,33 +185,41 @@ def test_reduce_scatter_is_the_shard_of_the_psum(fmt, dtype, seed):
 
 # --- Batched collectives (§5.2). ------------------------------------------------------
 
-@given(st.lists(st.integers(0, 100), max_size=30), st.integers(1, 120))
-def test_buckets_keep_every_tensor_once_in_order_within_the_limit(sizes, limit):
-  got = collectives.batched.buckets(sizes, limit)
+@given(st.lists(st.tuples(st.integers(0, 100), st.booleans()), max_size=30),
+       st.integers(1, 120), st.none() | st.integers(0, 120))
+def test_buckets_keep_every_tensor_once_in_order_within_the_limit(tensors, limit, alone):
+  sizes, padded = [s for s, _ in tensors], [p for _, p in tensors]
+  got = collectives.batched.buckets(sizes, limit, alone, padded)
   assert sorted(k for b in got for k in b) == list(range(len(sizes)))
+  alone = limit if alone is None else alone
   for b in got:
     assert b == sorted(b)
     assert len(b) == 1 or sum(sizes[k] for k in b) <= limit
-    assert len(b) == 1 or all(sizes[k] < limit for k in b)  # A big tensor travels alone.
+    assert len(b) == 1 or all(sizes[k] < limit for k in b)  # A big tensor travels alone,
+    assert len(b) == 1 or all(padded[k] or sizes[k] < alone for k in b)  # and an unpadded one.
+  shared = [k for b in got if len(b) > 1 for k in b]
+  assert all(sizes[k] < limit and (padded[k] or sizes[k] < alone) for k in shared)
 
 
 @compiled
 @given(st.integers(2, 8).flatmap(lambda n: st.lists(
     shard_formats(max_shards=n).map(lambda f: ShardFormat(f.shape, f.merged_shape, n)),
-    min_size=1, max_size=4)), DTYPES, st.integers(0, 2**32 - 1), st.sampled_from([16, 2 ** 22]))
-def test_batched_collectives_equal_one_collective_per_tensor(fmts, dtype, seed, limit):
-  """One reduce-scatter and one all-gather per bucket of tensors: bit for bit
-  what the single-tensor collectives give, each replica's part holding its
-  shard of every tensor."""
+    min_size=1, max_size=4)), DTYPES, st.integers(0, 2**32 - 1), st.sampled_from([16, 2 ** 22]),
+    st.sampled_from([None, 1, 64]))
+def test_batched_collectives_equal_one_collective_per_tensor(fmts, dtype, seed, limit, alone):
+  """One reduce-scatter and one all-gather per bucket of tensors (unpadded
+  tensors of `alone` bytes or more in their own): bit for bit what the
+  single-tensor collectives give, each replica's part holding its shard of
+  every tensor."""
   n = fmts[0].num_shards
   xs = [random_array((n, *f.shape), dtype, seed + k) for k, f in enumerate(fmts)]
 
   def f(*xs):
     xs = [x[0] for x in xs]
     one = [collectives.reduce_scatter(x, f, "data") for x, f in zip(xs, fmts)]
-    batched = collectives.batched.reduce_scatter(xs, fmts, "data", limit)
+    batched = collectives.batched.reduce_scatter(xs, fmts, "data", limit, alone)
     whole = [collectives.all_gather(s, f, "data") for s, f in zip(one, fmts)]
-    gathered = collectives.batched.all_gather(batched, fmts, "data", limit)
+    gathered = collectives.batched.all_gather(batched, fmts, "data", limit, alone)
     return [s[None] for s in one + batched], whole + gathered
 
   spec = NamedSharding(mesh(n), P("data"))
@@ -223,3 +231,21 @@ def test_batched_collectives_equal_one_collective_per_tensor(fmts, dtype, seed, 
   for a, b in zip(shards[:k] + wholes[:k], shards[k:] + wholes[k:]):
     assert a.shape == b.shape and a.dtype == b.dtype
     assert_bitwise_equal(b, a)
+
+
+def test_after_returns_its_values_bit_for_bit():
+  """`collectives.after` orders, it changes no bit: NaN payloads, -0.0,
+  infinities, integers, booleans and 16-bit floats come back as they went,
+  with one token or many (combined by a sort), tokens of any dtype."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  f32 = np.array([np.nan, -0.0, np.inf, -np.inf, 1e-45, 3.5], np.float32)
+  f32 = np.concatenate([f32, np.frombuffer(np.uint32(0x7FC00123).tobytes(), np.float32)])
+  values = [f32, f32.astype(jnp.bfloat16), np.array([-7, 2 ** 31 - 1], np.int32),
+            np.array([True, False]), np.array([255, 0], np.uint8)]
+  for count in (1, 7):
+    def body(*vals):
+      tokens = [vals[0] * k for k in range(count)] + [vals[3], jnp.zeros((0,))]
+      return collectives.after(list(vals), tokens)
+    got = jax.jit(body)(*values)
+    for a, b in zip(values, got, strict=True):
+      assert_bitwise_equal(np.asarray(b), a)

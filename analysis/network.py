@@ -1,0 +1,330 @@
+r"""The network in the alpha-beta model: mesh axes, topologies and collective times.
+
+Pure Python (no JAX computation): every function takes sizes and hardware
+figures and returns a time. Everything this module returns is a **prediction** from the
+model, never a measurement. Units: bytes, seconds, bytes per second.
+
+* Collectives are ring algorithms (Thakur, Rabenseifner, Gropp 2005, the
+  paper's ref [22]). On a ring of n devices, each holding D bytes, with a
+  latency of alpha seconds per step and a bandwidth of B bytes per second:
+
+    reduce-scatter  (n - 1) (alpha + D / (n B))       D: whole input per device
+    all-gather      (n - 1) (alpha + D / (n B))       D: whole output per device
+    all-reduce      2 (n - 1) (alpha + D / (n B))     = reduce-scatter + all-gather
+
+* A `Topology` is a sequence of mesh axes, **fast to slow**: `axes[0]` is the
+  fastest (consecutive device ids, e.g. the cores of one chip or the devices
+  of one process), the last the slowest. Over several axes a collective runs
+  in phases (§5.1, BlueConnect, the paper's ref [4]): a reduce-scatter runs
+  along the fastest axis on the whole D, then along the next one on D / n_0,
+  and so on; an all-gather runs the phases in the opposite order. So the
+  most bytes cross the fastest links.
+* Batched collectives (§5.2): tensors are grouped into buckets of at most
+  `bucket_bytes`; a bucket is one collective, and so pays one latency term.
+  Batching copies: a tensor sharing a bucket is copied into the bucket's
+  buffer before a reduce-scatter and out of the gathered buffer after an
+  all-gather (`wus.collectives.batched`), each a read and a write of its
+  bytes at the memory bandwidth (`copy_seconds`). A tensor of `alone_bytes`
+  or more that needs no padding keeps its own collective and is not copied;
+  a padded tensor is copied either way.
+
+Section numbers are those of Xu et al. 2020, arXiv:2004.13336. The step
+built on these times (the update's memory traffic, partial sharding, the
+choices of group and bucket size) is `costmodel`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+from wus.collectives.batched import buckets  # The rule the batched collectives follow.
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+  """One mesh axis: a ring of `size` devices.
+
+  Attributes:
+    name: as printed, e.g. "core", "x".
+    size: devices along the axis.
+    alpha: seconds of latency per ring step (one send to a neighbour and the
+      synchronization around it).
+    bandwidth: bytes per second one device sends to its ring neighbour along
+      this axis while receiving as much (per device, per direction of the
+      ring): with two counter-rotating rings on a torus, both links' worth;
+      shared links divided among the devices that share them.
+  """
+
+  name: str
+  size: int
+  alpha: float
+  bandwidth: float
+
+  def __post_init__(self):
+    if self.size < 1 or self.alpha < 0 or self.bandwidth <= 0:
+      raise ValueError(f"axis {self.name!r}: size >= 1, alpha >= 0 and bandwidth > 0 "
+                       f"needed, got size={self.size}, alpha={self.alpha}, "
+                       f"bandwidth={self.bandwidth}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """The devices of a data-parallel step: mesh axes and memory.
+
+  Attributes:
+    axes: the mesh axes, fast to slow (`axes[0]` the fastest: consecutive
+      devices). The devices number prod(size).
+    memory_bandwidth: bytes per second one device reads and writes its own
+      memory at (the weight update's bound).
+    tile_elements: elements of one tile of the device's memory layout; a
+      shard is a whole number of tiles (1: no padding).
+  """
+
+  axes: tuple[Axis, ...]
+  memory_bandwidth: float
+  tile_elements: int = 1
+
+  def __post_init__(self):
+    object.__setattr__(self, "axes", tuple(self.axes))
+    if self.memory_bandwidth <= 0 or self.tile_elements < 1:
+      raise ValueError("memory_bandwidth > 0 and tile_elements >= 1 needed")
+
+  @property
+  def num_devices(self) -> int:
+    return math.prod(a.size for a in self.axes)
+
+  def split(self, group_size: int) -> tuple[tuple[Axis, ...], tuple[Axis, ...]]:
+    """The axes of a group of `group_size` consecutive devices, and the rest.
+
+    The group takes the fastest axes whole (the paper's groups are the rows
+    of an N x M array, §5.2). Where it ends inside an axis, that axis is split
+    into a ring of k consecutive devices inside the group, which keeps the
+    axis's alpha and bandwidth, and a ring of size / k across groups whose
+    neighbours are k devices apart: each of its steps crosses k links (k
+    alphas) and the k such rings share the axis's links (bandwidth / k). So
+    splitting an axis never saves latency by itself (a ring of n and the two
+    rings of k and n / k cross as many links), and it costs bandwidth. Axes
+    of size 1 are dropped.
+
+    Args:
+      group_size: G, a divisor of the number of devices.
+
+    Returns:
+      (inner, outer): the axes within a group, fast to slow, and the axes
+      across groups, fast to slow.
+
+    Raises:
+      ValueError: G does not divide the devices, or would cut an axis into
+        pieces that do not divide it (e.g. G = 6 on axes of sizes 4 and 3).
+    """
+    n = self.num_devices
+    if group_size < 1 or n % group_size:
+      raise ValueError(f"group size {group_size} does not divide {n} devices")
+    inner, outer, left = [], [], group_size
+    for a in self.axes:
+      if left == 1:
+        outer.append(a)
+      elif left % a.size == 0:
+        inner.append(a)
+        left //= a.size
+      elif a.size % left == 0:
+        inner.append(dataclasses.replace(a, name=f"{a.name}[:{left}]", size=left))
+        outer.append(dataclasses.replace(a, name=f"{a.name}/{left}", size=a.size // left,
+                                         alpha=a.alpha * left, bandwidth=a.bandwidth / left))
+        left = 1
+      else:
+        raise ValueError(f"a group of {group_size} consecutive devices cuts axis "
+                         f"{a.name!r} of size {a.size} unevenly")
+    return (tuple(a for a in inner if a.size > 1), tuple(a for a in outer if a.size > 1))
+
+  def group_sizes(self) -> list[int]:
+    """Every G for which `split(G)` holds, increasing: the candidates of `choose_group_size`."""
+    out = []
+    for g in range(1, self.num_devices + 1):
+      if self.num_devices % g == 0:
+        try:
+          self.split(g)
+        except ValueError:
+          continue
+        out.append(g)
+    return out
+
+
+# Defaults of `default_topology`: order-of-magnitude figures, not measured.
+# Within a process: an accelerator interconnect (NVLink, TPU ICI class).
+DEFAULT_INTRA_ALPHA = 5e-6        # seconds per ring step
+DEFAULT_INTRA_BANDWIDTH = 50e9    # bytes/s per device per direction
+# Across processes: a 100 Gbit/s data-center network.
+DEFAULT_INTER_ALPHA = 25e-6       # seconds per ring step
+DEFAULT_INTER_BANDWIDTH = 12.5e9  # bytes/s per device per direction
+DEFAULT_MEMORY_BANDWIDTH = 1e12   # bytes/s, HBM class
+
+
+def format_seconds(seconds: float) -> str:
+  """`seconds` in the unit that keeps 1-999 before the point: "71.3 us", "1.17 ms"."""
+  for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    if abs(seconds) >= scale:
+      return f"{seconds / scale:.3g} {unit}"
+  return f"{seconds / 1e-9:.3g} ns"
+
+
+def resolution(topology: Topology) -> float:
+  """The shortest time the model tells apart: one ring step's latency on the fastest axis.
+
+  Its per-cluster predictions leave latency out (batched collectives share it), so a
+  cluster's predicted time below this says only that the cluster is small.
+  """
+  return min((a.alpha for a in topology.axes), default=0.0)
+
+
+def default_topology(num_devices: int, devices_per_process: int | None = None, *,
+                     intra_alpha: float = DEFAULT_INTRA_ALPHA,
+                     intra_bandwidth: float = DEFAULT_INTRA_BANDWIDTH,
+                     inter_alpha: float = DEFAULT_INTER_ALPHA,
+                     inter_bandwidth: float = DEFAULT_INTER_BANDWIDTH,
+                     memory_bandwidth: float = DEFAULT_MEMORY_BANDWIDTH) -> Topology:
+  """A topology from device counts alone, for when the user describes none.
+
+  The devices of one process are the fast axis ("process"); the processes
+  the slow one ("host"). The figures are generic defaults (the module's
+  DEFAULT_* constants), to be replaced by the user's or by measurements.
+
+  Args:
+    num_devices: N, all devices.
+    devices_per_process: devices of one process; None or N: one process.
+    intra_alpha, intra_bandwidth: seconds per ring step and bytes per second
+      per device within a process.
+    inter_alpha, inter_bandwidth: the same across processes.
+    memory_bandwidth: bytes per second of one device's memory.
+
+  Returns:
+    A topology of one or two axes, fast to slow.
+
+  Raises:
+    ValueError: devices_per_process does not divide num_devices.
+  """
+  local = devices_per_process or num_devices
+  if num_devices < 1 or num_devices % local:
+    raise ValueError(f"{local} devices per process do not divide {num_devices} devices")
+  axes = [Axis("process", local, intra_alpha, intra_bandwidth)]
+  if num_devices > local:
+    axes.append(Axis("host", num_devices // local, inter_alpha, inter_bandwidth))
+  return Topology(tuple(axes), memory_bandwidth)
+
+
+# --- Ring collectives (Thakur et al. 2005, the paper's ref [22]) ------------------
+
+
+def ring_reduce_scatter(nbytes: float, axis: Axis) -> float:
+  """Seconds to reduce-scatter `nbytes` (whole input per device) along one ring.
+
+  (n - 1) steps, each sending one shard of nbytes / n: (n - 1)(alpha + D/(n B)).
+  """
+  n = axis.size
+  return (n - 1) * (axis.alpha + nbytes / (n * axis.bandwidth)) if n > 1 else 0.0
+
+
+def ring_all_gather(nbytes: float, axis: Axis) -> float:
+  """Seconds to all-gather `nbytes` (whole output per device) along one ring.
+
+  (n - 1) steps, each forwarding one shard of nbytes / n: (n - 1)(alpha + D/(n B)).
+  """
+  return ring_reduce_scatter(nbytes, axis)
+
+
+def ring_all_reduce(nbytes: float, axis: Axis) -> float:
+  """Seconds to all-reduce `nbytes` along one ring: a reduce-scatter then an all-gather.
+
+  2 (n - 1)(alpha + D/(n B)).
+  """
+  return ring_reduce_scatter(nbytes, axis) + ring_all_gather(nbytes, axis)
+
+
+def reduce_scatter(nbytes: float, axes: Sequence[Axis]) -> float:
+  """Seconds of a multi-phase reduce-scatter of `nbytes` per device (§5.1).
+
+  Phases run fast to slow: along axes[0] on the whole nbytes, along axes[1]
+  on nbytes / n_0, and so on; each device ends with nbytes / prod(n).
+  """
+  total, left = 0.0, nbytes
+  for a in axes:
+    total += ring_reduce_scatter(left, a)
+    left /= a.size
+  return total
+
+
+def all_gather(nbytes: float, axes: Sequence[Axis]) -> float:
+  """Seconds of a multi-phase all-gather to `nbytes` per device (§5.1).
+
+  The phases of `reduce_scatter` in reverse, slow to fast: along the slowest
+  axis on nbytes / prod(faster sizes), ..., along axes[0] on the whole
+  nbytes. The same sum as `reduce_scatter`, hence the same time.
+  """
+  total, left = 0.0, nbytes
+  for a in axes:
+    total += ring_all_gather(left, a)
+    left /= a.size
+  return total
+
+
+def all_reduce(nbytes: float, axes: Sequence[Axis]) -> float:
+  """Seconds of a multi-phase all-reduce of `nbytes` per device.
+
+  A reduce-scatter over `axes` then an all-gather over them (§2.2, Fig. 3).
+  """
+  return reduce_scatter(nbytes, axes) + all_gather(nbytes, axes)
+
+
+def latency(axes: Sequence[Axis], kind: str = "reduce-scatter") -> float:
+  """Seconds of latency (alpha terms) of one collective over `axes`.
+
+  What one more collective costs beyond its bytes: sum of (n - 1) alpha over
+  the axes, twice for an all-reduce.
+  """
+  steps = sum((a.size - 1) * a.alpha for a in axes)
+  return 2 * steps if kind == "all-reduce" else steps
+
+
+def batched(collective: Callable[[float, Sequence[Axis]], float], sizes: Sequence[float],
+            axes: Sequence[Axis], bucket_bytes: float = math.inf,
+            alone_bytes: float | None = None, padded: Sequence[bool] = ()) -> tuple[float, int]:
+  """Seconds and count of `collective` over tensors of `sizes` bytes, batched (§5.2).
+
+  Each bucket (`buckets(sizes, bucket_bytes, alone_bytes, padded)`) is one
+  collective on the sum of its tensors' bytes: k tensors in one bucket pay
+  one latency term instead of k. The copies batching makes are `copied`'s.
+
+  Args:
+    collective: `reduce_scatter`, `all_gather` or `all_reduce`.
+    sizes: bytes per device of each tensor, as the collective takes them.
+    axes: the axes it runs over, fast to slow.
+    bucket_bytes, alone_bytes, padded: as for `buckets`.
+
+  Returns:
+    (seconds, number of collectives); (0, 0) with no axis to cross or no tensor.
+  """
+  if not axes or not sizes:
+    return 0.0, 0
+  groups = buckets(sizes, bucket_bytes, alone_bytes, padded)
+  return sum(collective(sum(sizes[i] for i in b), axes) for b in groups), len(groups)
+
+
+def copied(sizes: Sequence[float], bucket_bytes: float = math.inf,
+           alone_bytes: float | None = None, padded: Sequence[bool] = (),
+           data: Sequence[float] | None = None) -> float:
+  """Bytes of the tensors a batched collective copies: those sharing a bucket, and padded ones.
+
+  Args and buckets as for `batched`; `data`: each tensor's own bytes, which
+  the copies move (default `sizes`, which may hold the layout's tile padding).
+  """
+  groups = buckets(sizes, bucket_bytes, alone_bytes, padded)
+  own = sizes if data is None else data
+  return sum(own[i] for b in groups for i in b
+             if len(b) > 1 or (i < len(padded) and padded[i]))
+
+
+def copy_seconds(nbytes: float, topology: Topology) -> float:
+  """Seconds to copy `nbytes` on each device: read and write them at its memory bandwidth."""
+  return 2 * nbytes / topology.memory_bandwidth

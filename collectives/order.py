@@ -1,0 +1,82 @@
+"""Data dependencies XLA keeps: `after(values, tokens)` orders a computation without changing it.
+
+XLA's copy insertion orders instructions by data dependence alone, and the
+CPU backend removes `lax.optimization_barrier` before it runs, so a barrier
+orders nothing there. A donated input's buffer can hold an output only if
+every reader of the input runs before the output is written; where nothing
+orders them, XLA copies the input first. `after` makes `values` depend on
+one element of each token, through an OR with a zero XLA cannot fold
+(the population count of 32 bits shifted right by 6), so that whatever
+consumes the returned values runs after every token's producer. The values
+themselves are returned bit for bit.
+
+The tokens' bits are ORed in one fusion; with more than a few, the result
+goes through a sort of two elements, which XLA neither fuses into consumers
+nor folds, so that the fusion reading every token runs once, not once per
+consumer of the zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+from jax import lax
+
+# More tokens than this are combined once, behind a sort (which XLA does not
+# fuse into its consumers), instead of in every consumer's fusion.
+_FUSED_TOKENS = 4
+
+
+def after(values: Sequence[jnp.ndarray], tokens: Sequence[jnp.ndarray]) -> list[jnp.ndarray]:
+  """`values`, unchanged, as results of a computation that reads every one of `tokens`.
+
+  Args:
+    values: arrays of any shape; booleans, integers and real floats are
+      tied, other dtypes (complex, PRNG keys) pass through untied.
+    tokens: arrays of any shape and dtype; one element of each is read
+      (empty ones and those of other dtypes are left out).
+
+  Returns:
+    Arrays equal to `values` bit for bit, shapes and dtypes as given.
+  """
+  bits = [b for t in tokens if (b := _bits(t)) is not None]
+  if not bits or not values:
+    return list(values)
+  acc = bits[0]
+  for b in bits[1:]:
+    acc = acc | b
+  if len(bits) > _FUSED_TOKENS:
+    acc = lax.sort(jnp.concatenate([acc, acc]))[-1:]
+  # A population count of 32 bits is at most 32, so shifting it right by 6 is 0.
+  zero = lax.shift_right_logical(lax.population_count(acc), jnp.uint32(6))[0]
+  return [_or(x, zero) for x in values]
+
+
+def _bits(t: jnp.ndarray) -> jnp.ndarray | None:
+  """The bits of one element of `t` as uint32 [1], or None for an empty or untyped array."""
+  if not t.size:
+    return None
+  x = jnp.ravel(t)[:1]
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    x = jnp.real(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+    return None
+  return lax.bitcast_convert_type(x, _uint(x.dtype)).astype(jnp.uint32)
+
+
+def _or(x: jnp.ndarray, zero: jnp.ndarray) -> jnp.ndarray:
+  """`x | zero` on the bits of `x` (zero: a uint32 scalar that is 0)."""
+  if x.dtype == jnp.bool_:
+    return x | zero.astype(jnp.bool_)
+  if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+    return x
+  unsigned = _uint(x.dtype)
+  return lax.bitcast_convert_type(lax.bitcast_convert_type(x, unsigned) | zero.astype(unsigned),
+                                  x.dtype)
+
+
+def _uint(dtype) -> jnp.dtype:
+  return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
