@@ -12,6 +12,10 @@ Modules, one concern each, in the order the passes run:
   costmodel   alpha-beta model of collectives and the update's memory traffic (§5)
   precision   which narrower float a sharded weight is read whole in (Fig. 7)
   loops       loop bodies and conditionals in the planner (§3.2, §4.2, Fig. 4)
+  ownership   which updates can run whole on one replica each (Muon, Shampoo-like)
+  owners      their predicted cost, the replica that owns each, and their rows
+  divides     XLA:CPU's division rewrite, which owners reproduce to stay exact
+  owned       ownership's types: rows, banks, formats and the Plan's part
   planner     `make_plan`: the passes above over a step, frozen into a Plan
   plan        the frozen, printable `Plan` the rewrite follows (the boundary)
 """

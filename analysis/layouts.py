@@ -202,6 +202,8 @@ layout_rules.update({
     Kind.BROADCAST_DIMS: _broadcast_dims, Kind.BROADCAST: _broadcast, Kind.COND: _cond,
     # A loop's body has its own plan (loops.plan_loops); no cluster holds the loop.
     Kind.LOOP: lambda c, eqn, ins, outs, nested: None,
+    # Owned updates run on whole tensors (ownership.py); no cluster holds them.
+    **dict.fromkeys((Kind.OWNED, Kind.OWNED_SCATTER), lambda c, eqn, ins, outs, nested: None),
 })
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from wus.analysis import costmodel, network
 from wus.analysis.formats import ShardFormat
+from wus.analysis.owned import Ownership
 from wus.analysis.shardable import Kind
 
 
@@ -62,7 +63,9 @@ class ClusterPlan:
       longer reads or writes per step when sharded.
     replicated_seconds, sharded_seconds: the cost model's prediction of the
       cluster's collectives and update, replicated and sharded (seconds;
-      `cost.predict`), 0 where not predicted.
+      `cost.predict`), 0 where not predicted; for an owned cluster, owned.
+    owner: the replica that runs the cluster's update on whole tensors
+      (ownership, `Plan.owned`), or None; an owned cluster is not `sharded`.
   """
 
   index: int
@@ -74,6 +77,7 @@ class ClusterPlan:
   saved_bytes: int
   replicated_seconds: float = 0.0
   sharded_seconds: float = 0.0
+  owner: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +167,8 @@ class Plan:
       into or out of a bucket (`wus.collectives.batched.buckets`); None:
       every tensor under `bucket_bytes` is batched.
     buckets: that choice in words ("" when nothing is sharded).
+    owned: the updates run on whole tensors by one replica each
+      (`wus.analysis.owned.Ownership`), or None.
     resolution: seconds; the cost model's predictions of a cluster below this are
       not shown (`network.resolution`: one ring step's latency).
     unchanged: why the step runs as the front end's JAX function would, with
@@ -188,6 +194,7 @@ class Plan:
   bucket_bytes: int = costmodel.DEFAULT_BUCKET_BYTES
   alone_bytes: int | None = None
   buckets: str = ""
+  owned: Ownership | None = None
   resolution: float = 0.0
   unchanged: str = ""
 
@@ -213,8 +220,14 @@ class Plan:
 
   @property
   def replicated_bytes(self) -> int:
-    """Whole bytes of the weight-update tensors kept replicated."""
-    return sum(t.nbytes for c in self.clusters if not c.sharded for t in c.tensors
+    """Whole bytes of the weight-update tensors kept replicated (neither sharded nor owned)."""
+    return sum(t.nbytes for c in self.clusters if not c.sharded and c.owner is None
+               for t in c.tensors if t.role in ("state", "weight"))
+
+  @property
+  def owned_bytes(self) -> int:
+    """Whole bytes of the tensors updated whole by one replica each (ownership)."""
+    return sum(t.nbytes for c in self.clusters if c.owner is not None for t in c.tensors
                if t.role in ("state", "weight"))
 
   @property
@@ -232,28 +245,32 @@ class Plan:
   def _totals(self) -> list[str]:
     whole, shard = self.state_bytes
     sharded = sum(c.sharded for c in self.clusters)
-    lines = [f"wus plan: {sharded} of {len(self.clusters)} weight-update clusters sharded over "
+    owned = sum(c.owner is not None for c in self.clusters)
+    lines = [f"wus plan: {sharded} of {len(self.clusters)} weight-update clusters sharded"
+             + (f", {owned} owned" if owned else "") + f" over "
              f"{self.axes} (N={self.num_shards}), {self.objective} objective",
              *([f"  the step runs unchanged: {self.unchanged}"] if self.unchanged else []),
              f"  state kept sharded between steps: {_bytes(whole)} whole -> {_bytes(shard)} per "
              f"device (predicted); state kept whole: {_bytes(self.whole_state_bytes)} (weights, "
              "tiny tensors)",
              f"  weight update: {_bytes(self.sharded_bytes)} of tensors updated on shards, "
-             f"{_bytes(self.replicated_bytes)} in replicated clusters"]
-    return lines + [f"  {x}" for x in (self.groups, self.buckets) if x]
+             + (f"{_bytes(self.owned_bytes)} owned, " if self.owned is not None else "")
+             + f"{_bytes(self.replicated_bytes)} in replicated clusters"]
+    return lines + [f"  {x}" for x in (self.groups, self.buckets, self.owned) if x]
 
   def _predicted(self, c: ClusterPlan) -> str:
     """The cluster's predicted times, or "" where the model does not resolve them."""
     if not c.replicated_seconds or max(c.sharded_seconds, c.replicated_seconds) < self.resolution:
       return ""
-    return (f"predicted {network.format_seconds(c.sharded_seconds)} sharded, "
+    return (f"predicted {network.format_seconds(c.sharded_seconds)} "
+            f"{'owned' if c.owner is not None else 'sharded'}, "
             f"{network.format_seconds(c.replicated_seconds)} replicated")
 
   def __str__(self) -> str:
     lines = self._totals()
     width = max([len(_label(c)) for c in self.clusters], default=0)
     for c in self.clusters:
-      verdict = "SHARDED   " if c.sharded else "replicated"
+      verdict = "SHARDED   " if c.sharded else "OWNED     " if c.owner is not None else "replicated"
       where = next((t.name for t in c.tensors if t.role == "gradient"), "")
       parts = [c.reason, where, self._predicted(c)]
       lines.append(f"cluster {c.index:<3d} {verdict} {_label(c):{width}s}  "
@@ -267,8 +284,8 @@ class Plan:
     """The full table: every cluster's tensors and formats, every input and why."""
     lines = self._totals()
     for c in self.clusters:
-      verdict = "SHARDED" if c.sharded else "replicated"
-      lines.append(f"cluster {c.index}: {verdict}: {c.reason}")
+      verdict = "SHARDED: " if c.sharded else "" if c.owner is not None else "replicated: "
+      lines.append(f"cluster {c.index}: {verdict}{c.reason}")
       if predicted := self._predicted(c):
         lines.append(f"    {predicted} (collectives and update, {self.objective} objective)")
       for t in c.tensors:
@@ -281,7 +298,8 @@ class Plan:
                    + (f"; {i.matched}" if i.matched else ""))
     whole, shard = self.state_bytes
     lines.append(f"totals: weight update {self.sharded_bytes} B on shards, "
-                 f"{self.replicated_bytes} B in replicated clusters; state sharded "
+                 + (f"{self.owned_bytes} B owned, " if self.owned is not None else "")
+                 + f"{self.replicated_bytes} B in replicated clusters; state sharded "
                  f"{whole} B -> {shard} B per replica (predicted), state kept whole "
                  f"{self.whole_state_bytes} B (weights, tiny tensors: see inputs)")
     return "\n".join(lines)
@@ -313,9 +331,9 @@ def replicated(plan: Plan, reason: str) -> Plan:
   The rewrite then replays the step unchanged.
   """
   clusters = tuple(dataclasses.replace(
-      c, sharded=False, reason=reason,
+      c, sharded=False, reason=reason, owner=None,
       tensors=tuple(dataclasses.replace(t, format=None) for t in c.tensors)) for c in plan.clusters)
   inputs = tuple(dataclasses.replace(i, sharded=False, reason=reason) if i.sharded else i
                  for i in plan.inputs)
   return dataclasses.replace(plan, inputs=inputs, clusters=clusters, program=Program({}, {}, {}),
-                             formats={}, gather_dtypes={})
+                             formats={}, gather_dtypes={}, owned=None)

@@ -10,7 +10,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from wus.analysis import clusters as clusters_lib
-from wus.analysis import compat, cost, formats, kept_state, layouts, loops, network, ordering
+from wus.analysis import (compat, cost, formats, kept_state, layouts, loops, network, ordering,
+                          ownership)
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.plan import ClusterPlan, InputPlan, Plan, Program, TensorPlan
 from wus.analysis.redundancy import Redundancy
@@ -80,7 +81,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   program = dataclasses.replace(planned.program, gather_after=after, tied_outputs=tied)
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               program, planned.formats, planned.gather_dtypes, objective=objective,
-              bucket_bytes=limit, alone_bytes=alone, buckets=buckets,
+              bucket_bytes=limit, alone_bytes=alone, buckets=buckets, owned=planned.owned,
               resolution=network.resolution(ctx.topology))
 
 
@@ -106,6 +107,7 @@ class _Planned:
   input_reason: dict
   formats: dict
   gather_dtypes: dict
+  owned: object = None  # The step's `owned.Ownership` (never a loop body's).
 
 
 def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out_names,
@@ -153,6 +155,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
                                      roots=frozenset() if in_loop else ctx.roots)
   clustered = {i for c in found for i in c.eqns}
   read_whole: set = set()  # Values a sharded cluster reads whole.
+  candidates = []  # Replicated clusters of the step: ownership may run them on whole tensors.
   for c in found:
     idx = len(cluster_plans)
     members = set(c.eqns)
@@ -250,6 +253,8 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         before = input_reason.get(k, (False, f"cluster {idx} updates it"))[1]
         input_reason[k] = (False, f"{before}; not kept sharded by shard_weights=True, which "
                                   f"keeps weights read whole only in a narrower float: {why}")
+    if not decision.shard and not in_loop and (c.seeds or c.kept_whole):
+      candidates.append((idx, c, cluster_plans[-1]))
     if decision.shard:
       shard_eqns.update(c.kinds)
       all_formats.update(layout.formats)
@@ -257,6 +262,14 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       bodies.update(_bodies(jaxpr, c, layout, ctx.big))
       for out_pos, in_pos in pairs.items():
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
+  owned = ownership.plan_ownership(jaxpr, ctx, candidates, shard_eqns, state_pairs, readers,
+                                   in_names, out_names) if candidates else ownership.Owned()
+  for idx, cluster_plan in owned.clusters.items():
+    cluster_plans[idx] = cluster_plan
+  shard_eqns.update(owned.kinds)
+  state_in.update(owned.state_in)
+  state_out.update(owned.state_out)
+  input_reason.update(owned.input_reason)
   if not in_loop:
     for out_pos, in_pos in state_pairs.items():
       v = jaxpr.invars[in_pos]
@@ -285,7 +298,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         input_reason[in_pos] = (True, "returned unchanged, read by nothing else (state another "
                                       "step updates): kept sharded between steps as it came")
   return _Planned(Program(shard_eqns, state_in, state_out, bodies), cluster_plans,
-                  input_reason, all_formats, gather_dtypes)
+                  input_reason, all_formats, gather_dtypes, owned.ownership)
 
 
 def _kept_whole_reason(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> str:

@@ -65,6 +65,10 @@ class Kind(enum.Enum):
                           "that differs", update=False)
   SUM_OF_COPIES = Traits("psum of equal values: a local sum")
   IDENTITY = Traits("pmax/pmin of equal values")
+  OWNED_SCATTER = Traits("owned gradient: reduce-scattered in rows, summed whole on the replica "
+                         "that owns its update (`ownership`)", update=False)
+  OWNED = Traits("owned: the replica that owns the tensor runs the equation on the whole "
+                 "tensor, in a switch on the replica index (`ownership`)")
 
   @property
   def partial(self) -> bool:

@@ -41,6 +41,9 @@ Regimes:
                        backward pass reading the weights in bfloat16 (Fig. 4
                        right, Fig. 7); replicated and wus only: the alternatives
                        have no loop form here.
+  muon                 Muon on a Transformer-like model and on an imbalanced one:
+                       replicated, a hand-written owner-computes Muon and wus
+                       (ownership; `harness/muon_bench.py`, its own models).
 
 The variants of a regime run interleaved, one update each in turn (the order
 rotating every round), so that they share the machine's noise. In the
@@ -82,7 +85,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import costmodel, network
 from wus.harness import (batches, calibrate, config as config_lib, console, datasets, limit,
-                         optim, report, steps, tasks, zero)
+                         muon_bench, optim, report, steps, tasks, zero)
 
 VARIANTS = ("replicated", "gspmd_zero1", "handwritten", "handwritten_flat", "wus",
             "wus_undonated")
@@ -592,7 +595,8 @@ def _define_flags() -> None:
                        lower_bound=2)
   regimes = ["weight-update-bound", "many-small-tensors", "compute-bound", "partial-sharding",
              "bf16-loop"]
-  flags.DEFINE_multi_enum("regimes", regimes, regimes, "Regimes to run.")
+  flags.DEFINE_multi_enum("regimes", regimes, regimes + ["muon"], "Regimes to run (muon: "
+                          "only when named).")
   flags.DEFINE_integer("rounds", 15, "Timed updates per variant and regime.", lower_bound=1)
   flags.DEFINE_multi_integer("group_sizes", [2, 4], "G of the partial-sharding variants "
                              "(shard_group_size, §5.2) in the partial-sharding regime; each "
@@ -612,7 +616,7 @@ def regimes_from_flags() -> list[Regime]:
                                       group_sizes=tuple(f.group_sizes)),
            "compute-bound": Regime("compute-bound", f.compute_bound_batch),
            "bf16-loop": Regime("bf16-loop", f.update_bound_batch, f.steps_per_call)}
-  return [every[name] for name in f.regimes]
+  return [every[name] for name in f.regimes if name in every]
 
 
 def main(argv) -> None:
@@ -645,16 +649,21 @@ def main(argv) -> None:
         f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}); load average "
         f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; wus planned for the "
         f"{f.topology} topology\n")
-  print(markdown(results))
-  print("\n" + prediction_markdown(results, topology, raw))
+  if results:
+    print(markdown(results))
+  muon = muon_bench.run_regime(mesh, f.rounds) if "muon" in f.regimes else []
+  if muon:
+    print("\n" + muon_bench.markdown(muon))
+  if results:
+    print("\n" + prediction_markdown(results, topology, raw))
   for r in results:
     p = predict(r, topology)
     if p:
       r["predicted"] = {v: dataclasses.asdict(x) for v, x in p.items()}
   calibration = {"topology": dataclasses.asdict(topology), "measured": raw}
   if f.output:
-    pathlib.Path(f.output).write_text(json.dumps({"regimes": results, "calibration": calibration},
-                                                 indent=2))
+    pathlib.Path(f.output).write_text(json.dumps({"regimes": results, "calibration": calibration,
+                                                  "muon": muon}, indent=2))
     print(f"\nWrote {f.output}")
 
 

@@ -2,15 +2,19 @@
 
 Both must be fixed before JAX initializes its backend, so they live here.
 
-Two XLA choices round differently in two different programs computing the
+Three XLA choices round differently in two different programs computing the
 same elementwise formula (the unmodified step and the rewritten one), because
 they depend on how each program happens to be fused:
   * `--xla_cpu_max_isa=AVX`: no FMA instructions, so `a * b + c` is never
     contracted into a fused multiply-add;
   * `--xla_allow_excess_precision=false`: bfloat16 arithmetic, which the CPU
     computes in float32, is rounded back to bfloat16 after every operation
-    instead of wherever a fusion happens to end.
-With both, "bit for bit" (DESIGN.md §4, invariant 1) is a strict test of the
+    instead of wherever a fusion happens to end;
+  * `--xla_cpu_experimental_ynn_fusion_type=` (empty: none): no YNNPACK library
+    fusions. XLA:CPU hands some reductions of the entry computation to
+    YNNPACK, which sums in another order than XLA's own code, but not those in
+    a conditional's branch, where an owned update runs (ownership, DESIGN.md).
+With these, "bit for bit" (DESIGN.md §4, invariant 1) is a strict test of the
 rewrite itself. The flags hold for the whole test process; the one parity
 case that runs with XLA's defaults at a tolerance of a few ulps
 (`test_parity.py::test_with_default_xla_flags_within_a_few_ulps`) runs in a
@@ -27,7 +31,8 @@ gives the measured times.
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_cpu_max_isa=AVX --xla_allow_excess_precision=false").strip()
+                           + " --xla_cpu_max_isa=AVX --xla_allow_excess_precision=false"
+                           + " --xla_cpu_experimental_ynn_fusion_type=").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -631,7 +631,8 @@ Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python repro.py
 """
 import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX "
-                           "--xla_allow_excess_precision=false").strip()
+                           "--xla_allow_excess_precision=false "
+                           "--xla_cpu_experimental_ynn_fusion_type=").strip()
 
 import jax
 import jax.numpy as jnp

@@ -17,10 +17,11 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus import collectives
-from wus.analysis import costmodel
+from wus.analysis import costmodel, owned
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
+from wus.collectives import owned as owned_rows
 from wus.transforms import gc_pause, groups
 from wus.transforms.rewrite import rewrite
 
@@ -98,7 +99,8 @@ def shard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
 
   One program for all of a step's state. Each device takes its own shard of
   its whole value (shape `fmt.shape`, laid out by `spec` as the step's in_spec
-  lays it out) with a local slice: no communication.
+  lays it out) with a local slice: no communication. Owned state
+  (`wus.analysis.owned`) is converted by bank, all of a bank's members together.
 
   Args:
     fmts: a format per tensor.
@@ -111,7 +113,7 @@ def shard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
     of shape `fmt.padded_shape` laid out with `shard_spec(axes)`.
   """
   def body(*xs):
-    return [collectives.shard(x, f, axes) for x, f in zip(xs, fmts, strict=True)]
+    return _shard_all(xs, fmts, axes)
   if groups.home(mesh) is None:
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
                                  out_specs=[shard_spec(axes)] * len(fmts)))
@@ -133,7 +135,8 @@ def unshard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
   """Sharded global arrays -> the whole tensors on every device, in one program.
 
   The all-gathers are batched (§5.2, `collectives.batched.all_gather`), so a
-  tree of many tensors costs a few collectives and one dispatch.
+  tree of many tensors costs a few collectives and one dispatch. Owned state
+  is gathered by bank: a member is whole only with all of its bank's columns.
 
   Args:
     fmts: a format per tensor.
@@ -147,8 +150,7 @@ def unshard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
     returning the whole arrays (each device's value of shape `fmt.shape`).
   """
   def body(*shards):
-    return collectives.batched.all_gather(list(shards), list(fmts), axes,
-                                          costmodel.DEFAULT_BUCKET_BYTES)
+    return _gather_all(shards, fmts, axes)
   gather = jax.shard_map(body, mesh=mesh, in_specs=(shard_spec(axes),) * len(fmts),
                          out_specs=list(specs))
   home = groups.home(mesh)
@@ -162,3 +164,48 @@ def unshard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
     return [groups.place(x, NamedSharding(home.mesh, home.user_spec(s)))
             for x, s in zip(wholes, specs, strict=True)]
   return jax.jit(placed)
+
+
+def banks(fmts: Sequence) -> dict:
+  """Owned formats among `fmts` by bank: bank -> [position of member 0, 1, ...].
+
+  Raises:
+    ValueError: a bank with members missing (owned state is whole only with
+      all of its bank, `wus.analysis.owned`).
+  """
+  out: dict = {}
+  for k, f in enumerate(fmts):
+    if owned.is_owned(f):
+      out.setdefault(f.bank, {})[f.index] = k
+  for bank, members in out.items():
+    if len(members) != len(bank.shapes):
+      raise ValueError(
+          f"owned optimizer state: {len(members)} of the {len(bank.shapes)} tensors of one bank "
+          f"({bank.dtype}, shapes {[list(s) for s in bank.shapes]}) were given; each lives whole "
+          "only on its owner, in rows that span the arrays of all of them. Pass the whole "
+          "optimizer state together (to wus.unshard, wus.checkpointable, a restore, or the step).")
+  return {bank: [members[t] for t in range(len(bank.shapes))] for bank, members in out.items()}
+
+
+def _shard_all(xs: Sequence, fmts: Sequence, axes: tuple) -> list:
+  """Per replica: each whole value's shard in its format; owned state by bank."""
+  by_bank = banks(fmts)
+  out = [None if owned.is_owned(f) else collectives.shard(x, f, axes)
+         for x, f in zip(xs, fmts, strict=True)]
+  for bank, ks in by_bank.items():
+    for k, col in zip(ks, owned_rows.shard_bank([xs[k] for k in ks], bank.slots, bank.widths,
+                                                axes), strict=True):
+      out[k] = col
+  return out
+
+
+def _gather_all(shards: Sequence, fmts: Sequence, axes: tuple) -> list:
+  """Per replica: the whole values of shards, batched (§5.2); owned state by bank."""
+  flat = [ShardFormat.flat(f.padded_shape, f.num_shards) if owned.is_owned(f) else f
+          for f in fmts]
+  out = collectives.batched.all_gather(list(shards), flat, axes, costmodel.DEFAULT_BUCKET_BYTES)
+  for bank, ks in banks(fmts).items():
+    for k, whole in zip(ks, owned_rows.bank_wholes([out[k] for k in ks], bank.slots,
+                                                   bank.widths, bank.shapes), strict=True):
+      out[k] = whole
+  return out

@@ -38,6 +38,7 @@ from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan, Program
 from wus.analysis.primitives import REDUCTIONS, Reduction
 from wus.analysis.shardable import Kind
+from wus.transforms import owned
 
 
 class _Held:
@@ -68,6 +69,7 @@ class _Env:
     self.summands: list = []  # Variables waiting for their reduce-scatter.
     self.casts: dict = {}    # Whole values cast to varying (compat.match_varying).
     self.current = -1        # Index of the equation being rewritten.
+    self.owned = owned.Region(plan) if plan.owned is not None and program is plan.program else None
 
   def fmt(self, v) -> ShardFormat:
     return self.plan.formats[v]
@@ -119,11 +121,15 @@ class _Env:
     sharding the shards are then all-reduced across the groups, batched too
     (Fig. 10)."""
     vs, self.summands = self.summands, []
-    outs = collectives.batched.reduce_scatter([self.held[v].summand for v in vs],
-                                              [self.fmt(v) for v in vs], self.plan.axes,
-                                              self.plan.bucket_bytes, self.plan.alone_bytes)
+    dtypes, rows, row_fmts = self.owned.to_scatter() if self.owned is not None else ([], [], [])
+    outs = collectives.batched.reduce_scatter([self.held[v].summand for v in vs] + rows,
+                                              [self.fmt(v) for v in vs] + row_fmts,
+                                              self.plan.axes, self.plan.bucket_bytes,
+                                              self.plan.alone_bytes)
+    if dtypes:  # Rows of owned gradients, in the same batched reduce-scatters.
+      self.owned.scattered(dtypes, outs[len(vs):])
     groups: dict = {}
-    for v, x in zip(vs, outs, strict=True):
+    for v, x in zip(vs, outs[:len(vs)], strict=True):
       self.held[v].shard, self.held[v].summand = x, None
       if self.held[v].across:
         groups.setdefault(self.held[v].across, []).append(v)
@@ -138,13 +144,21 @@ class _Env:
     the narrower float of `plan.gather_dtypes` where it has one (Fig. 7). The
     all-gathers follow the values `after` (`Program.gather_after`)."""
     narrow = self.plan.gather_dtypes
-    shards = [self.shard(v) if v not in narrow else self.shard(v).astype(narrow[v]) for v in vs]
+    mine = [v for v in vs if self.owned is None or v not in self.owned.own.outputs]
+    shards = [self.shard(v) if v not in narrow else self.shard(v).astype(narrow[v]) for v in mine]
+    # Rows of owned new weights join the same batched all-gathers (§5.2).
+    dtypes, rows, row_fmts = self.owned.to_gather() if len(mine) < len(vs) else ([], [], [])
+    shards += rows
     if after and shards:
       shards = collectives.after(shards, self.tokens(after))
-    outs = collectives.batched.all_gather(shards, [self.fmt(v) for v in vs], self.plan.axes,
-                                          self.plan.bucket_bytes, self.plan.alone_bytes)
-    for v, x in zip(vs, outs, strict=True):
-      self.held[v].whole = x
+    outs = collectives.batched.all_gather(shards, [self.fmt(v) for v in mine] + row_fmts,
+                                          self.plan.axes, self.plan.bucket_bytes,
+                                          self.plan.alone_bytes)
+    wholes = dict(zip(mine, outs, strict=False))
+    if dtypes:
+      wholes.update(self.owned.gathered(dtypes, outs[len(mine):]))
+    for v in vs:
+      self.held[v].whole = wholes[v]
 
   def tokens(self, vs) -> list:
     """The values of `vs` that vary over no mesh axis but the sharding axes (as
@@ -338,6 +352,23 @@ def _loop(eqn: JaxprEqn, env: _Env) -> list[_Held]:
 
 
 shard_rules[Kind.LOOP] = _loop
+
+
+def _owned(eqn: JaxprEqn, env: _Env) -> list[Any]:
+  # Owned updates (`transforms.owned`): a gradient waits for the batched reduce-scatter of
+  # rows; the first other equation runs them all, each on its owner, in one switch. The
+  # new state is this replica's column of its bank; new weights are gathered as rows.
+  region = env.owned
+  if env.program.shard_eqns[env.current] is Kind.OWNED_SCATTER:
+    region.summands[eqn.outvars[0]] = env.whole(eqn.invars[0])
+  elif not region.done:
+    if region.summands:
+      env.scatter()
+    region.run(env.jaxpr, env.whole, env.shard)
+  return [_Held(shard=region.columns.get(v)) for v in eqn.outvars]
+
+
+shard_rules[Kind.OWNED_SCATTER] = shard_rules[Kind.OWNED] = _owned
 shard_rules[Kind.BROADCAST] = _broadcast
 shard_rules[Kind.REDUCE_SCATTER] = _reduce_scatter
 shard_rules[Kind.SUM_OF_COPIES] = _sum_of_copies
@@ -363,7 +394,7 @@ def rewrite(jaxpr: ClosedJaxpr, plan: Plan) -> Callable[..., list[Any]]:
 def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
   """Evaluates `jaxpr` by `program` under the current trace (the interpreter loop)."""
   env = _Env(plan, program)
-  inner = jaxpr.jaxpr
+  inner = env.jaxpr = jaxpr.jaxpr
   for v, c in zip(inner.constvars, jaxpr.consts, strict=True):
     env.held[v] = _Held(whole=c)
   for k, (v, x) in enumerate(zip(inner.invars, args, strict=True)):
@@ -390,11 +421,15 @@ def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
   gathered = list(dict.fromkeys(
       v for k, v in enumerate(inner.outvars) if k not in program.sharded_out
       and not compat.is_literal(v) and env.held[v].whole is None
-      and (env.held[v].shard is not None or env.held[v].summand is not None)))
-  env.gather(gathered, program.gather_after)
+      and (env.held[v].shard is not None or env.held[v].summand is not None
+           or (env.owned is not None and v in env.owned.own.outputs))))
+  # Steps with owned updates keep XLA's order (the copy-free order of donated weights
+  # changed an owned Muon result by an ulp: not yet understood, so not used).
+  after = program.gather_after if env.owned is None else ()
+  env.gather(gathered, after)
   outs = [env.shard(v) if k in program.sharded_out else env.whole(v)
           for k, v in enumerate(inner.outvars)]
-  tied = sorted(program.tied_outputs) if gathered and program.gather_after else []
+  tied = sorted(program.tied_outputs) if gathered and after else []
   if tied:
     for k, x in zip(tied, collectives.after([outs[k] for k in tied], [env.whole(gathered[0])]),
                     strict=True):
@@ -412,8 +447,18 @@ def _schedule(jaxpr, program: Program) -> list[int]:
   is at least its producer's) in which every gradient all-reduce runs before
   the update reads any (one batched reduce-scatter) and every reduction of
   one phase before anything reads a result of that phase (one batched
-  all-reduce per phase). Effectful equations keep their order.
+  all-reduce per phase). Effectful equations keep their order. Owned updates
+  run together (`transforms.owned`), last of the highest level any reaches.
   """
+  owned_eqns = {i for i, k in program.shard_eqns.items() if k is Kind.OWNED}
+  keys = _levels(jaxpr, program)
+  if owned_eqns:
+    keys = _levels(jaxpr, program, owned_eqns, max(keys[i][0] for i in owned_eqns))
+  return [i for *_, i in sorted(keys)]
+
+
+def _levels(jaxpr, program: Program, owned_eqns=frozenset(), top: int = 0) -> list[tuple]:
+  """(level, owned, position) per equation (`_schedule`); `owned_eqns` forced to `top`."""
   level: dict = {}
   keys, last_effect = [], 0
   for i, eqn in enumerate(jaxpr.eqns):
@@ -423,8 +468,10 @@ def _schedule(jaxpr, program: Program) -> list[int]:
       p |= 1
     if compat.side_effects(eqn):
       p = last_effect = max(p, last_effect)
-    done = p + (kind is not None and kind.partial)
+    if i in owned_eqns:
+      p = top
+    done = p + (kind is not None and kind.partial) + (i in owned_eqns)
     for v in eqn.outvars:
       level[v] = done
-    keys.append((p, i))
-  return [i for _, i in sorted(keys)]
+    keys.append((p, i in owned_eqns, i))
+  return keys

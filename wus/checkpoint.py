@@ -77,6 +77,7 @@ import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis.formats import ShardFormat
+from wus.analysis.owned import is_owned
 from wus.errors import CheckpointError, first_line
 from wus.sharded import ShardedArray, check_alive, holder_of, is_sharded
 from wus.transforms import programs
@@ -158,13 +159,15 @@ class LogicalView(jax.Array):
   Attributes:
     layout: the tensor's format, replica axes, spec and mesh.
     shards: the sharded value to save, or None in a restore target.
+    bank: for owned state (`wus.analysis.owned`) to save, every member of its
+      bank in member order (its elements lie in their arrays); else None.
   """
 
-  __slots__ = ("layout", "shards", "_dtype")
+  __slots__ = ("layout", "shards", "_dtype", "bank")
 
   def __init__(self, layout: ShardedLayout | StackedLayout, dtype,
-               shards: ShardedArray | None = None):
-    self.layout, self.shards, self._dtype = layout, shards, np.dtype(dtype)
+               shards: ShardedArray | None = None, bank: list | None = None):
+    self.layout, self.shards, self._dtype, self.bank = layout, shards, np.dtype(dtype), bank
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -215,13 +218,17 @@ def checkpointable(tree: Any) -> Any:
   """`wus.checkpointable`: each ShardedArray of `tree` as a `LogicalView` to save."""
   register()
 
+  leaves = jax.tree.leaves(tree, is_leaf=is_sharded)
+  banks = programs.banks([x.format if is_sharded(x) else None for x in leaves])
+  members = {b: [leaves[k] for k in ks] for b, ks in banks.items()}  # Raises if one is missing.
+
   def view(path, x):
     check_alive(x, jax.tree_util.keystr(path), "wus.checkpointable")
     if not is_sharded(x):
       return x
     if isinstance(x.data, jax.core.Tracer):
       raise TypeError(f"{x!r} holds a tracer: checkpoints are saved outside jax.jit")
-    return LogicalView(layout_of(x), x.dtype, x)
+    return LogicalView(layout_of(x), x.dtype, x, members.get(getattr(x.format, "bank", None)))
 
   return jax.tree_util.tree_map_with_path(view, tree, is_leaf=is_sharded)
 
@@ -365,15 +372,25 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
     # Wus state first: a checkpoint of another model fails here, naming the tensor.
     stores = _raise_first(await asyncio.gather(*(_open(infos[k], args[k]) for k in ours),
                                                return_exceptions=True))
+    owned = [k for k in ours if isinstance(args[k].sharding, ShardedLayout)
+             and is_owned(args[k].sharding.format)]
+    banks = programs.banks([args[k].sharding.format for k in owned])  # Raises if one is missing.
+    store_of = dict(zip(ours, stores, strict=True))
+    sharded = [k for k in ours if k not in set(owned)]
     jobs = [(_read_stacked if isinstance(args[k].sharding, StackedLayout) else _read)(
-        store, infos[k], args[k]) for store, k in zip(stores, ours, strict=True)]
+        store_of[k], infos[k], args[k]) for k in sharded]
+    jobs += [_read_bank([(store_of[owned[j]], infos[owned[j]], args[owned[j]]) for j in js])
+             for js in banks.values()]
+    ours = sharded + [owned[j] for js in banks.values() for j in js]
     if rest:
       jobs.append(self._base.deserialize([infos[k] for k in rest], [args[k] for k in rest]))
     # Every read finished before an error is raised (none left pending on a closed loop).
     results = _raise_first(await asyncio.gather(*jobs, return_exceptions=True),
                            [infos[k] for k in rest])
     out: list = [None] * len(infos)
-    for k, value in zip(ours, results, strict=False):
+    done = [*results[:len(sharded)],
+            *(x for bank in results[len(sharded):len(sharded) + len(banks)] for x in bank)]
+    for k, value in zip(ours, done, strict=True):
       out[k] = value
     if rest:
       for k, value in zip(rest, results[-1], strict=True):
@@ -493,6 +510,8 @@ class _Write:
   def of(cls, view: LogicalView, info, arg) -> _Write:
     """Copies this process's shards of `view` to the host (one copy per shard)."""
     x, fmt = view.shards, view.layout.format
+    if is_owned(fmt):
+      return cls._owned(view, info, arg)
     writer = {}  # replica -> process writing its shard (the device of replica_id 0)
     for shard in x.data.global_shards:
       if shard.replica_id == 0:
@@ -519,6 +538,23 @@ class _Write:
     chunk = chunk_shape(shape, fmt.shard_size, bounds)
     return cls(info, x.mesh, shape, runs, _write_spec(info, arg, shape, chunk, np.dtype(x.dtype)),
                [(device, start, len(flat)) for device, start, flat in pieces])
+
+  @classmethod
+  def _owned(cls, view: LogicalView, info, arg) -> _Write:
+    """Owned state: the whole tensor, written by its owner's process alone from its
+    owner's row (the columns of every member of its bank on that device)."""
+    x, fmt = view.shards, view.layout.format
+    slot, shape = fmt.slot, view.layout.shape
+    runs, pieces = [], []
+    owner = _device_of(x, slot.owner)
+    if owner.process_index == jax.process_index():
+      row = np.concatenate([np.asarray(next(s.data for s in m.data.addressable_shards
+                                            if s.device == owner)) for m in view.bank])
+      runs = [(0, row[slot.offset:slot.offset + slot.size])]
+      pieces = [(owner.id, 0, slot.size)]
+    size = math.prod(shape)
+    return cls(info, x.mesh, shape, runs, _write_spec(info, arg, shape, chunk_shape(shape, size),
+                                                      np.dtype(x.dtype)), pieces)
 
   async def commit(self, transaction: ts.Transaction | None) -> None:
     """Writes the runs, box by box; every box is whole chunks (`chunk_shape`)."""
@@ -551,6 +587,13 @@ async def _commit(writes: list[_Write], handler, others: tuple) -> None:
   # The records share a file per checkpoint (per process): after the wrapped handler's own.
   await asyncio.gather(*(asyncio.to_thread(f.result) for f in others))
   await _orbax_records(handler, writes)
+
+
+def _device_of(x: ShardedArray, replica: int):
+  """The device holding replica `replica`'s shard of `x` (the first, with copies)."""
+  indices = x.data.sharding.devices_indices_map(x.format.padded_shape)
+  return next(d for d, index in indices.items()
+              if (index[0].start or 0) // x.format.shard_rows == replica)
 
 
 # --- Restoring. --------------------------------------------------------------------
@@ -599,6 +642,50 @@ async def _read(store: ts.TensorStore, info, arg) -> ShardedArray:
             for device, index in indices.items()]
   data = jax.make_array_from_single_device_arrays(fmt.padded_shape, sharding, arrays)
   return ShardedArray(data, fmt, layout.axes, layout.spec, layout.mesh)
+
+
+async def _read_bank(members: list) -> list[ShardedArray]:
+  """Restores the members of one bank of owned state (`wus.analysis.owned`) together.
+
+  Each of this process's devices gets its row: the whole tensors its replica
+  owns, read from their saved arrays (at any replica count: the arrays hold
+  logical tensors), cut into one column per member.
+
+  Args:
+    members: (store, info, arg) per member, in member order.
+
+  Returns:
+    One ShardedArray per member.
+  """
+  layout = members[0][2].sharding
+  bank = layout.format.bank
+  sharding = layout.data_sharding
+  fmts = [arg.sharding.format for _, _, arg in members]
+  indices = [sharding.addressable_devices_indices_map(f.padded_shape) for f in fmts]
+  replica = {d: (index[0].start or 0) // fmts[0].shard_rows for d, index in indices[0].items()}
+  wanted = sorted(set(replica.values()))
+  dtype = np.dtype(bank.dtype)
+
+  async def read(store, info, t: int) -> np.ndarray:
+    try:
+      return np.asarray(await store.read()).astype(dtype).reshape(bank.shapes[t])
+    except Exception as e:  # noqa: BLE001 -- TensorStore raises many kinds
+      raise CheckpointError(f"cannot read {_where(info)}: {first_line(e)}") from e
+
+  mine = [t for t, s in enumerate(bank.slots) if s.owner in wanted]
+  values = dict(zip(mine, await asyncio.gather(*(read(members[t][0], members[t][1], t)
+                                                   for t in mine)), strict=True))
+  rows = {r: np.zeros(bank.length, dtype) for r in wanted}
+  for t, v in values.items():
+    s = bank.slots[t]
+    rows[s.owner][s.offset:s.offset + s.size] = v.reshape(-1)
+  out = []
+  for t, (f, index) in enumerate(zip(fmts, indices, strict=True)):
+    start, stop = bank.column(t)
+    arrays = [jax.device_put(rows[replica[d]][start:stop], d) for d in index]
+    data = jax.make_array_from_single_device_arrays(f.padded_shape, sharding, arrays)
+    out.append(ShardedArray(data, f, layout.axes, members[t][2].sharding.spec, layout.mesh))
+  return out
 
 
 async def _read_stacked(store: ts.TensorStore, info, arg) -> jax.Array:

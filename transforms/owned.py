@@ -1,0 +1,210 @@
+"""The owned updates of a step, rewritten: rows in, a switch on the replica index, rows out.
+
+The Plan's ownership part (`wus.analysis.owned.Ownership`) says which replica
+runs which update on whole tensors. The rewrite (`transforms.rewrite`) hands
+this module the local gradients of the owned all-reduces; they are laid out
+in rows, one per owner, and reduce-scattered with the sharded tensors'
+gradients in the same batched collectives (§5.2), so every replica receives
+the summed gradients of the tensors it owns, whole. One `lax.switch` on the
+replica index then runs, on replica r, the equations of the updates r owns,
+exactly as the original step wrote them, on whole tensors; it returns the row
+of r's new weights (all-gathered, batched, where they are read whole) and the
+rows of r's optimizer state, which stay on r, cut into the columns of their
+bank (`owned.Bank`).
+
+Before/after for Muon on two matrices w0, w1 of one shape, N = 2:
+
+  g0 = psum dw0                          rows = [dw0 | dw1]                  # row r: r's tensors
+  g1 = psum dw1                          mine = psum_scatter(rows)          # my gradient, whole
+  m0' = b*m0 + g0; u0 = NS(m0') ...      new, m' = switch(axis_index, [
+  m1' = b*m1 + g1; u1 = NS(m1') ...        lambda: (w0 - lr*NS(b*m0 + mine), ...),   # replica 0
+  return w0 - lr*u0, w1 - lr*u1, ...       lambda: (w1 - lr*NS(b*m1 + mine), ...)])  # replica 1
+                                         w0', w1' = cut(all_gather(new)); return w0', w1', m'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from jax import lax
+
+from wus import collectives
+from wus.analysis import compat
+from wus.analysis.formats import ShardFormat
+from wus.analysis.owned import Ownership
+from wus.analysis.plan import Plan
+from wus.collectives import owned as rows_lib
+
+
+class Region:
+  """The owned updates of one step program, as the rewrite meets them.
+
+  Attributes:
+    done: whether the switch has run.
+    columns: this replica's column of each owned state output, after it.
+    wholes: the whole value of each owned output read whole, once gathered.
+  """
+
+  def __init__(self, plan: Plan):
+    self.own: Ownership = plan.owned
+    self.axes = plan.axes
+    self.num_shards = plan.num_shards
+    self.summands: dict = {}   # Owned gradient (seed result) -> this replica's local gradient.
+    self.received: dict = {}   # dtype -> this replica's row of summed gradients.
+    self.out_rows: dict = {}   # dtype -> this replica's row of new values read whole.
+    self.columns: dict = {}
+    self.wholes: dict = {}
+    self.done = False
+
+  # --- Gradients in, as rows. -------------------------------------------------
+
+  def to_scatter(self) -> tuple[list, list, list]:
+    """The rows of the waiting owned gradients: (dtypes, flat rows, their formats)."""
+    by_dtype: dict = {}
+    for v, x in self.summands.items():
+      by_dtype.setdefault(self.own.grads[v][0], []).append((v, x))
+    self.summands = {}
+    dtypes, values, fmts = [], [], []
+    for dtype, items in by_dtype.items():
+      length = self.own.grad_rows[dtype]
+      values.append(rows_lib.rows([x for _, x in items], [self.own.grads[v][1] for v, _ in items],
+                                  self.num_shards, length, dtype))
+      fmts.append(ShardFormat.flat((self.num_shards * length,), self.num_shards))
+      dtypes.append(dtype)
+    return dtypes, values, fmts
+
+  def scattered(self, dtypes: list, shards: list) -> None:
+    self.received.update(zip(dtypes, shards, strict=True))
+
+  # --- The switch. ------------------------------------------------------------
+
+  def run(self, jaxpr, whole: Callable[[Any], Any], column: Callable[[Any], Any]) -> None:
+    """Runs every owned equation of `jaxpr` (the step's), each on its owner.
+
+    Args:
+      jaxpr: the step's jaxpr (not closed).
+      whole: the whole value of a variable the owned updates read.
+      column: this replica's column of an owned state input.
+    """
+    own, n = self.own, self.num_shards
+    banks = {}  # bank -> {index: state input var}
+    for x, fmt in own.state_in.items():
+      banks.setdefault(fmt.bank, {})[fmt.index] = x
+    outs_of = {}
+    for y, fmt in own.state_out.items():
+      outs_of[fmt.bank, fmt.index] = y
+    banks = list(banks.items())
+    state_rows = [lax.concatenate([column(members[t]) for t in range(len(bank.shapes))], 0)
+                  for bank, members in banks]
+    seeds = {i for u in own.units for i in u.seeds}
+    grads = {jaxpr.eqns[i].outvars[0] for i in seeds}
+    made = {v for u in own.units for i in u.eqns for v in jaxpr.eqns[i].outvars}
+    external = list(dict.fromkeys(
+        v for u in own.units for i in u.eqns if i not in seeds for v in jaxpr.eqns[i].invars
+        if not compat.is_literal(v) and v not in made and v not in own.state_in))
+    dtypes = sorted(self.received)
+    out_dtypes = sorted(own.out_rows)
+
+    def branch(r: int):
+      eqns = sorted(i for u in own.units if u.owner == r for i in u.eqns if i not in seeds)
+
+      def fn(*operands):
+        got = list(operands)
+        received = dict(zip(dtypes, got[:len(dtypes)], strict=True))
+        srows = got[len(dtypes):len(dtypes) + len(banks)]
+        env = dict(zip(external, got[len(dtypes) + len(banks):], strict=True))
+        # Whole tensors cut from rows and written into rows through an optimization
+        # barrier: XLA would otherwise see through the reshape of a row's piece and
+        # reduce a [16,16] tensor as a [256] one, in another order (its reduction
+        # splitter) than the unmodified step reduces the same tensor.
+        for v in grads:
+          dtype, slot = own.grads[v]
+          if slot.owner == r:
+            env[v] = lax.optimization_barrier(
+                rows_lib.piece(received[dtype], slot.offset, tuple(v.aval.shape)))
+        for (bank, members), srow in zip(banks, srows, strict=True):
+          for t, x in members.items():
+            if bank.slots[t].owner == r:
+              env[x] = lax.optimization_barrier(
+                  rows_lib.piece(srow, bank.slots[t].offset, bank.shapes[t]))
+        for i in eqns:
+          eqn = jaxpr.eqns[i]
+          outs = self._eval(eqn, [v.val if compat.is_literal(v) else env[v] for v in eqn.invars])
+          env.update(zip(eqn.outvars, outs, strict=True))
+        result = []
+        for dtype in out_dtypes:
+          mine = [(lax.optimization_barrier(env[v]), s.offset)
+                  for v, (d, s) in own.outputs.items() if d == dtype and s.owner == r]
+          if dtype == own.pin_dtype:  # Used twice, as in the unmodified step (Ownership.pins).
+            start = own.out_rows[dtype] - len(own.pins)
+            mine += [(env[v].astype(dtype), start + k) for k, v in enumerate(own.pins)
+                     if v not in own.unpinned.get(r, ())]
+          result.append(rows_lib.row([x for x, _ in mine], [o for _, o in mine],
+                                     own.out_rows[dtype], dtype))
+        for bank, members in banks:
+          mine = [t for t in members if bank.slots[t].owner == r]
+          result.append(rows_lib.row([lax.optimization_barrier(env[outs_of[bank, t]])
+                                      for t in mine],
+                                     [bank.slots[t].offset for t in mine], bank.length,
+                                     bank.dtype))
+        return tuple(compat.to_varying(x, self.axes) for x in result)
+      return fn
+
+    operands = [self.received[d] for d in dtypes] + state_rows + [whole(v) for v in external]
+    results = lax.switch(rows_lib.replica(self.axes), [branch(r) for r in range(n)],
+                         *compat.match_varying(operands))
+    self.out_rows = dict(zip(out_dtypes, results[:len(out_dtypes)], strict=True))
+    for (bank, _), new in zip(banks, results[len(out_dtypes):], strict=True):
+      for t, col in enumerate(rows_lib.columns(new, bank.widths)):
+        self.columns[outs_of[bank, t]] = col
+    self.done = True
+
+  def _eval(self, eqn, args: list) -> list:
+    """`eqn` on the owner: collectives of equal values locally (the planner owns no other,
+    `ownership._runs_on_owner`), sub-jaxprs re-traced with the owner's types."""
+    if eqn.primitive in (compat.pvary_p, compat.pmax_p, compat.pmin_p):
+      return [compat.to_varying(x, self.axes) for x in args]
+    if eqn.primitive in (compat.psum_p, compat.psum_invariant_p):
+      copies = math.prod(lax.axis_size(a) for a in compat.collective_axes(eqn))
+      return [collectives.sum_of_copies(x, copies) for x in args]
+    if eqn.primitive is compat.cond_p:
+      cond = compat.cond(eqn)
+      return cond.bind(compat.match_varying(args),
+                       [lambda a, b=b: self._eval_jaxpr(b, a) for b in cond.branches])
+    if eqn.primitive in (compat.scan_p, compat.while_p):
+      loop = compat.loop(eqn)
+      return loop.bind(compat.match_varying(args), lambda a: self._eval_jaxpr(loop.body, a),
+                       None if loop.cond is None else lambda a: self._eval_jaxpr(loop.cond, a))
+    return compat.rebind(eqn, *compat.match_varying(args))
+
+  def _eval_jaxpr(self, closed, args: list) -> list:
+    inner = closed.jaxpr
+    env = dict(zip(inner.constvars, closed.consts, strict=True))
+    env.update(zip(inner.invars, args, strict=True))
+    for eqn in inner.eqns:
+      outs = self._eval(eqn, [v.val if compat.is_literal(v) else env[v] for v in eqn.invars])
+      env.update(zip(eqn.outvars, outs, strict=True))
+    return [compat.to_varying(v.val if compat.is_literal(v) else env[v], self.axes)
+            for v in inner.outvars]
+
+  # --- New weights out, as rows. -------------------------------------------------
+
+  def to_gather(self) -> tuple[list, list, list]:
+    """This replica's rows of owned values read whole: (dtypes, rows, their formats)."""
+    dtypes = [d for d in sorted(self.out_rows) if not any(
+        v in self.wholes for v, (dd, _) in self.own.outputs.items() if dd == d)]
+    fmts = [ShardFormat.flat((self.num_shards * self.own.out_rows[d],), self.num_shards)
+            for d in dtypes]
+    return dtypes, [self.out_rows[d] for d in dtypes], fmts
+
+  def gathered(self, dtypes: list, wholes: list) -> dict:
+    """The owned values read whole, from the gathered rows of `dtypes` (`to_gather`)."""
+    for dtype, every in zip(dtypes, wholes, strict=True):
+      items = [(v, s) for v, (d, s) in self.own.outputs.items() if d == dtype]
+      for (v, _), x in zip(items, rows_lib.cut(every, [s for _, s in items],
+                                               [tuple(v.aval.shape) for v, _ in items],
+                                               self.own.out_rows[dtype]), strict=True):
+        self.wholes[v] = x
+    return self.wholes
