@@ -102,7 +102,7 @@ def spy_on_writes() -> list[dict]:
   "runs": [[first element, elements]], "chunk"}.
   """
   from wus import checkpoint  # noqa: PLC0415
-  records, of = [], checkpoint._Write.of.__func__
+  records, of = [], checkpoint.handler._Write.of.__func__
 
   def recording(cls, view, info, arg):
     write = of(cls, view, info, arg)
@@ -113,7 +113,7 @@ def spy_on_writes() -> list[dict]:
                     "chunk": list(write.spec.metadata.chunk_shape)})
     return write
 
-  checkpoint._Write.of = classmethod(recording)
+  checkpoint.handler._Write.of = classmethod(recording)
   return records
 
 

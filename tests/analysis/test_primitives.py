@@ -141,6 +141,7 @@ def _unary(prim):
   return lambda g, m: getattr(lax, prim.name)(g)
 
 
+@pytest.mark.slow
 def test_betainc_in_an_update_runs_whole_under_check_vma():
   """JAX 0.10 cannot lower betainc on varying operands under check_vma; it stays
   PURE (no shard rule), so the equation runs whole and the rest still shards."""

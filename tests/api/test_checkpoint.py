@@ -71,13 +71,13 @@ def saved(tmp_path_factory):
   """SAVED_AT wus updates at N = 8, saved; (folder, state, what each shard wrote)."""
   m = mesh(8)
   state = W.run(W.wus_step(m), fresh(), m, 0, SAVED_AT)
-  original = checkpoint._Write.__dict__["of"]
+  original = checkpoint.handler._Write.__dict__["of"]
   records = W.spy_on_writes()
   path = tmp_path_factory.mktemp("saved") / "ckpt"
   try:
     save(path, *state)
   finally:
-    checkpoint._Write.of = original
+    checkpoint.handler._Write.of = original
   return path, state, records
 
 

@@ -103,9 +103,15 @@ def _owned(tree):
   return [x for x in sharded_leaves(tree) if isinstance(x.format, OwnedFormat)]
 
 
-@pytest.mark.parametrize("n", [8, 6])
-@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
-@pytest.mark.parametrize("name,make_tx", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+# The default profile runs each optimizer once, both vma modes and both N among
+# them; --slow runs every combination (README: Tests and exactness).
+_DEFAULT = {("muon", True, 8), ("muon_adamw", False, 6), ("shampoo_like", True, 6)}
+_CASES = [pytest.param(name, make_tx, vma, n, id=f"{name}-{'vma' if vma else 'novma'}-{n}",
+                       marks=() if (name, vma, n) in _DEFAULT else pytest.mark.slow)
+          for name, make_tx in OPTIMIZERS for vma in (True, False) for n in (8, 6)]
+
+
+@pytest.mark.parametrize("name,make_tx,check_vma,n", _CASES)
 def test_owned_updates_are_bit_for_bit(name, make_tx, check_vma, n):
   """On Flax Dense layers, the [32,32] kernels' matrix-wise updates (Muon's
   Newton-Schulz, Shampoo-like roots) run on their owners; the biases' Adam,

@@ -130,7 +130,7 @@ def _named(tree) -> dict:
       tree, is_leaf=lambda v: isinstance(v, wus.ShardedArray))[0]}
 
 
-@pytest.mark.parametrize("objective", ["memory", "time"])
+@pytest.mark.parametrize("objective", ["memory", pytest.param("time", marks=pytest.mark.slow)])
 def test_weights_stay_sharded_and_match_jax_pmap(objective):
   a, b, ws = _run(weight_decay=False, shard_weights=True, objective=objective)
   params = _named(b[0])

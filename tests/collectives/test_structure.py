@@ -141,6 +141,7 @@ def test_global_norm_clip_adds_one_small_all_reduce_not_one_per_tensor(leaves):
   assert len(set(collective_arrays(ref_hlo.splitlines(), "all-reduce"))) >= n + 1
 
 
+@pytest.mark.slow
 def test_per_tensor_norms_take_as_many_all_reduces_for_4_or_8_tensors():
   """LARS: each tensor's trust ratio reads its own norms; all tensors' partial
   sums of one phase share one all-reduce, so the count does not grow with the

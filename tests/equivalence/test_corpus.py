@@ -187,6 +187,7 @@ def test_pmap_as_published(name, n, pmap_kw):
   _check_sharded(c, want.opt_state, got.opt_state, n, _pmap_plan(c, n, p_train_step), stacked=True)
 
 
+@pytest.mark.slow
 def test_pmap_with_replicated_argnums():
   """The same, declaring the replicated state with `replicated_argnums=(0,)`
   (wus.pmap then checks that the per-device copies are equal)."""

@@ -5,6 +5,8 @@ import pytest
 
 from wus.harness import muon_bench
 
+pytestmark = pytest.mark.slow  # A wus-bench run (minutes); README: Tests.
+
 ROUNDS = 2
 
 

@@ -10,6 +10,8 @@ import wus
 from helpers import assert_trees_equal
 from wus.harness import config, errors, train
 
+pytestmark = pytest.mark.slow  # Three wus-train runs; README: Tests.
+
 FLAGS = dict(model="mlp_small", batch_size=2, eval_every=0, checkpoint_every=0,
              eval_examples=64)
 

@@ -1,62 +1,6 @@
-"""Checkpoints of wus state with stock Orbax: saved in place at logical shapes, restored at any N.
+"""The Orbax handler for `LogicalView`s: each process writes and reads its own shards.
 
-Saving. `checkpointable(tree)` replaces every `wus.ShardedArray` by a
-`LogicalView`: to Orbax, a `jax.Array` of the tensor's logical shape
-(`format.shape`, unpadded). Orbax's `StandardCheckpointer` /
-`ocp.args.StandardSave` save it like any array, through the handler Orbax
-keeps for `jax.Array`, which wus wraps (`register`): a `LogicalView` is
-written by `ArrayHandler` below, every other array by the handler it wraps.
-On disk it is an ordinary zarr array of the logical shape, so code without
-wus restores it as a whole array.
-
-Each process writes only the shards its own devices hold (§4.1: replica r
-holds merged rows [r * shard_rows, (r + 1) * shard_rows), which are the
-row-major elements [r * E, (r + 1) * E) of the logical tensor, E =
-`format.shard_size`), copied to the host as they are: nothing is gathered
-and no program runs on the devices. A contiguous range of a row-major tensor
-is in general not a box of its shape; it is a few boxes (`boxes`: the rest of
-a partial first row, whole rows, the start of a last row, recursively), and
-TensorStore writes and reads box by box. The array's chunks are boxes of the
-form (1, ..., 1, c, d_{j+1}, ..., d_{n-1}) (`chunk_shape`), at most one shard
-long, chosen so that no chunk spans the ranges of two processes: every
-process writes whole chunks of its own, never a chunk another process writes
-(on shapes where the ranges of two processes meet inside a row, chunks get
-small; one process has no such constraint).
-
-Restoring. `ShardedStep.state_target(*args)` gives the step's arguments as
-abstract values: `jax.ShapeDtypeStruct`s with the step's shardings for what
-the step reads whole, and `LogicalView`s without data (their `sharding` is a
-`ShardedLayout`: the step's format, mesh and replica axes) for the state it
-keeps sharded. `StandardCheckpointer().restore(path, target)` then reads, on
-each process, the boxes of the ranges its devices hold for this step's
-format (any replica count), pads them with zeros as the step's own sharding
-program does, and returns `wus.ShardedArray`s the step accepts as they are.
-The saved array may have been written by anything (a wus checkpoint at
-another N, or whole arrays from plain `jax.shard_map` training).
-
-Errors in reading a `LogicalView` (a tensor of another shape, a damaged or
-missing file) are a one-line `CheckpointError` naming the array and the
-checkpoint, and so are TensorStore's errors on the other arrays of the same
-restore; restoring writes nothing.
-
-Why so, and not otherwise:
-  * Orbax cannot see a `ShardedArray` as a leaf: it flattens trees with
-    `jax.tree` (a registered node is descended into, and `ShardedArray` must
-    stay one to cross `jax.jit` boundaries), so the state is shown to it
-    explicitly (`checkpointable`). `StandardCheckpointHandler` accepts only
-    int, float, np.ndarray and jax.Array leaves, and Orbax picks a leaf's
-    handler by the first registered type it is an instance of, so the view is
-    a `jax.Array` subclass and its handler is the one for `jax.Array`, wrapped.
-  * Re-laying the shards out as a standard GSPMD sharding of the logical
-    shape (an all-to-all) and saving that with Orbax's own handler does not
-    keep per-device bytes at the shard's: JAX 0.10 refuses shardings that do
-    not divide a dimension evenly, so a [3,3,5,7] tensor over 8 devices has no
-    even layout under 45 elements per device (40 is the shard), and [130] over
-    8 none under 65 (17); it also costs a collective and a second copy of the
-    state on the devices at every save.
-  * Exchanging the few elements of a chunk that two processes share (a
-    collective per save) would keep chunks large where process ranges meet
-    inside a row; chunks shrink instead, since real shapes rarely do that.
+The only module of wus that touches Orbax internals (`_orbax_ts_utils`).
 """
 
 from __future__ import annotations
@@ -78,235 +22,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis.formats import ShardFormat
 from wus.analysis.owned import is_owned
+from wus.checkpoint.boxes import box_shape, boxes, chunk_shape
+from wus.checkpoint.views import LogicalView, ShardedLayout, StackedLayout
 from wus.errors import CheckpointError, first_line
-from wus.sharded import ShardedArray, check_alive, holder_of, is_sharded
+from wus.sharded import ShardedArray, holder_of
 from wus.transforms import programs
 
 
 def _where(info) -> str:
   return f"array {info.name!r} of the checkpoint in {info.parent_dir}"
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedLayout:
-  """Where a tensor restored as wus state goes: its format on a mesh (§4.1).
-
-  The `sharding` of a restore target `LogicalView`. Not a `jax.sharding.Sharding`:
-  a device's shard is a range of the row-major tensor, not a box.
-
-  Attributes:
-    format: the tensor's sharding format (its logical shape is `format.shape`).
-    axes: the mesh axes the leading merged dim is split over.
-    spec: the PartitionSpec of the whole value in the step (`ShardedArray.spec`).
-    mesh: the step's mesh.
-  """
-
-  format: ShardFormat
-  axes: tuple
-  spec: P
-  mesh: Mesh
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    """The shape saved: one replica's value (`format.shape`), without the size-1 dims that
-    the spec stacks over replicas (`wus.pmap`'s leading dim; the unreplicated value)."""
-    shape = self.format.shape
-    return tuple(d for d, entry in zip(shape, _entries(self.spec, len(shape)), strict=True)
-                 if not (entry and d == 1))
-
-  @property
-  def data_sharding(self) -> NamedSharding:
-    """The sharding of the padded array (`ShardedArray.data`)."""
-    return NamedSharding(self.mesh, programs.shard_spec(self.axes))
-
-
-@dataclasses.dataclass(frozen=True)
-class StackedLayout:
-  """Where a whole tensor a `wus.pmap` step reads as stacked per-device copies goes.
-
-  The `sharding` of a restore target `LogicalView` from `wus.pmap`'s `state_target`:
-  the checkpoint holds one copy (saved unreplicated, as Flax's pmap examples save
-  `flax.jax_utils.unreplicate(state)`); restoring puts it on every device of the
-  step, stacked along the mapped axis, as `flax.jax_utils.replicate` would.
-
-  Attributes:
-    shape: the saved shape (one copy).
-    axis: the mapped axis the copies are stacked along.
-    stacked: the sharding of the stacked array the step reads.
-  """
-
-  shape: tuple[int, ...]
-  axis: int
-  stacked: NamedSharding
-
-
-def _entries(spec: P, ndim: int) -> list:
-  return [*spec, *(None,) * (ndim - len(spec))]
-
-
-_UNREGISTERED = ("wus.checkpoint: Orbax's handler for jax.Array is not wus's, so it cannot "
-                 "save or restore wus state; another handler was registered after wus's. "
-                 "Call wus.checkpoint.register() after registering yours.")
-
-
-class LogicalView(jax.Array):
-  """A tensor wus keeps sharded, as Orbax sees it: an array of its logical shape.
-
-  Made by `checkpointable` (to save: `shards` is the `wus.ShardedArray`) and by
-  `ShardedStep.state_target` (a restore target: `shards` is None). Only wus's
-  Orbax handler reads or writes it; it is not an array anywhere else.
-
-  Attributes:
-    layout: the tensor's format, replica axes, spec and mesh.
-    shards: the sharded value to save, or None in a restore target.
-    bank: for owned state (`wus.analysis.owned`) to save, every member of its
-      bank in member order (its elements lie in their arrays); else None.
-  """
-
-  __slots__ = ("layout", "shards", "_dtype", "bank")
-
-  def __init__(self, layout: ShardedLayout | StackedLayout, dtype,
-               shards: ShardedArray | None = None, bank: list | None = None):
-    self.layout, self.shards, self._dtype, self.bank = layout, shards, np.dtype(dtype), bank
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return self.layout.shape
-
-  @property
-  def dtype(self) -> np.dtype:
-    return self._dtype
-
-  @property
-  def ndim(self) -> int:
-    return len(self.shape)
-
-  @property
-  def size(self) -> int:
-    return math.prod(self.shape)
-
-  @property
-  def nbytes(self) -> int:
-    return self.size * self._dtype.itemsize
-
-  @property
-  def sharding(self) -> ShardedLayout | StackedLayout:  # Orbax passes it to the handler.
-    return self.layout
-
-  @property
-  def weak_type(self) -> bool:
-    return False
-
-  def __repr__(self) -> str:
-    kind = "to save" if self.shards is not None else "restore target"
-    where = getattr(self.layout, "format", "stacked per device")
-    return f"LogicalView({self._dtype}{list(self.shape)}, {where}, {kind})"
-
-  def _unregistered(self, *args, **kwargs):
-    raise TypeError(_UNREGISTERED)
-
-  addressable_shards = global_shards = property(_unregistered)
-  is_fully_addressable = is_fully_replicated = property(_unregistered)
-  __array__ = __jax_array__ = copy_to_host_async = _unregistered
-
-
-def layout_of(x: ShardedArray) -> ShardedLayout:
-  return ShardedLayout(x.format, tuple(x.axes), x.spec, x.mesh)
-
-
-def checkpointable(tree: Any) -> Any:
-  """`wus.checkpointable`: each ShardedArray of `tree` as a `LogicalView` to save."""
-  register()
-
-  leaves = jax.tree.leaves(tree, is_leaf=is_sharded)
-  banks = programs.banks([x.format if is_sharded(x) else None for x in leaves])
-  members = {b: [leaves[k] for k in ks] for b, ks in banks.items()}  # Raises if one is missing.
-
-  def view(path, x):
-    check_alive(x, jax.tree_util.keystr(path), "wus.checkpointable")
-    if not is_sharded(x):
-      return x
-    if isinstance(x.data, jax.core.Tracer):
-      raise TypeError(f"{x!r} holds a tracer: checkpoints are saved outside jax.jit")
-    return LogicalView(layout_of(x), x.dtype, x, members.get(getattr(x.format, "bank", None)))
-
-  return jax.tree_util.tree_map_with_path(view, tree, is_leaf=is_sharded)
-
-
-def stacked_target(target: jax.ShapeDtypeStruct, axis: int) -> LogicalView:
-  """The restore target of a whole tensor a `wus.pmap` step reads as stacked copies
-  (`target`, mapped along `axis`), from a checkpoint of one copy."""
-  register()
-  shape = tuple(d for k, d in enumerate(target.shape) if k != axis)
-  return LogicalView(StackedLayout(shape, axis, target.sharding), target.dtype)
-
-
-def restore_target(fmt: ShardFormat, axes: tuple, spec: P, mesh: Mesh, dtype) -> LogicalView:
-  """The restore target of one tensor a step keeps sharded (see `ShardedStep.state_target`)."""
-  register()
-  return LogicalView(ShardedLayout(fmt, tuple(axes), spec, mesh), dtype)
-
-
-# --- Ranges of a row-major tensor as boxes. ---------------------------------------
-
-
-def boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[slice, ...]]:
-  """Boxes of `shape` covering its row-major elements [start, stop), in order.
-
-  At most 2 * len(shape) - 1 boxes: the rest of a partial first row, the whole
-  rows, and the start of a last row, each partial row split the same way one
-  dimension down.
-
-  Example:
-    >>> boxes((3, 4), 2, 9)   # elements 2..8 of a 3 x 4 tensor
-    [(slice(0, 1), slice(2, 4)), (slice(1, 2), slice(0, 4)), (slice(2, 3), slice(0, 1))]
-  """
-  if start >= stop:
-    return []
-  if not shape:
-    return [()]
-  row = math.prod(shape[1:])
-  first, start_in = divmod(start, row)
-  last, stop_in = divmod(stop, row)
-  if first == last:
-    return [(slice(first, first + 1), *b) for b in boxes(shape[1:], start_in, stop_in)]
-  out = []
-  if start_in:
-    out += [(slice(first, first + 1), *b) for b in boxes(shape[1:], start_in, row)]
-    first += 1
-  if last > first:
-    out.append((slice(first, last), *(slice(0, d) for d in shape[1:])))
-  if stop_in:
-    out += [(slice(last, last + 1), *b) for b in boxes(shape[1:], 0, stop_in)]
-  return out
-
-
-def _box_shape(box: tuple[slice, ...]) -> tuple[int, ...]:
-  return tuple(s.stop - s.start for s in box)
-
-
-def _divisors(n: int) -> list[int]:
-  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-  return sorted({*small, *(n // d for d in small)})
-
-
-def chunk_shape(shape: Sequence[int], max_size: int, boundaries: Sequence[int] = ()) -> tuple:
-  """The largest chunk (1, ..., 1, c, d_{j+1}, ..., d_{n-1}) with c | d_j, at most
-  `max_size` elements, whose row-major length divides every offset in `boundaries`.
-
-  The chunks of such a shape are the consecutive runs of that length in
-  row-major order, so no chunk spans a boundary: the ranges between boundaries
-  are whole chunks.
-  """
-  step = math.gcd(*boundaries) if boundaries else 0
-  best, best_size = tuple(1 for _ in shape), 1
-  for j, d in enumerate(shape):
-    rest = math.prod(shape[j + 1:])
-    for c in _divisors(d):
-      size = c * rest
-      if best_size < size <= max(max_size, 1) and (not step or step % size == 0):
-        best, best_size = (*(1,) * j, c, *shape[j + 1:]), size
-  return best
 
 
 # --- The Orbax handler. ------------------------------------------------------------
@@ -570,8 +294,8 @@ class _Write:
     for start, flat in self.runs:
       offset = 0
       for box in boxes(self.shape, start, start + len(flat)):
-        size = math.prod(_box_shape(box))
-        writes.append(store[box].write(flat[offset:offset + size].reshape(_box_shape(box)),
+        size = math.prod(box_shape(box))
+        writes.append(store[box].write(flat[offset:offset + size].reshape(box_shape(box)),
                                        can_reference_source_data_indefinitely=True))
         offset += size
     await asyncio.gather(*writes)

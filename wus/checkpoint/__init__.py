@@ -1,0 +1,111 @@
+"""Checkpoints of wus state with stock Orbax: saved in place at logical shapes, restored at any N.
+
+Saving. `checkpointable(tree)` replaces every `wus.ShardedArray` by a
+`LogicalView`: to Orbax, a `jax.Array` of the tensor's logical shape
+(`format.shape`, unpadded). Orbax's `StandardCheckpointer` /
+`ocp.args.StandardSave` save it like any array, through the handler Orbax
+keeps for `jax.Array`, which wus wraps (`register`): a `LogicalView` is
+written by `ArrayHandler` below, every other array by the handler it wraps.
+On disk it is an ordinary zarr array of the logical shape, so code without
+wus restores it as a whole array.
+
+Each process writes only the shards its own devices hold (§4.1: replica r
+holds merged rows [r * shard_rows, (r + 1) * shard_rows), which are the
+row-major elements [r * E, (r + 1) * E) of the logical tensor, E =
+`format.shard_size`), copied to the host as they are: nothing is gathered
+and no program runs on the devices. A contiguous range of a row-major tensor
+is in general not a box of its shape; it is a few boxes (`boxes`: the rest of
+a partial first row, whole rows, the start of a last row, recursively), and
+TensorStore writes and reads box by box. The array's chunks are boxes of the
+form (1, ..., 1, c, d_{j+1}, ..., d_{n-1}) (`chunk_shape`), at most one shard
+long, chosen so that no chunk spans the ranges of two processes: every
+process writes whole chunks of its own, never a chunk another process writes
+(on shapes where the ranges of two processes meet inside a row, chunks get
+small; one process has no such constraint).
+
+Restoring. `ShardedStep.state_target(*args)` gives the step's arguments as
+abstract values: `jax.ShapeDtypeStruct`s with the step's shardings for what
+the step reads whole, and `LogicalView`s without data (their `sharding` is a
+`ShardedLayout`: the step's format, mesh and replica axes) for the state it
+keeps sharded. `StandardCheckpointer().restore(path, target)` then reads, on
+each process, the boxes of the ranges its devices hold for this step's
+format (any replica count), pads them with zeros as the step's own sharding
+program does, and returns `wus.ShardedArray`s the step accepts as they are.
+The saved array may have been written by anything (a wus checkpoint at
+another N, or whole arrays from plain `jax.shard_map` training).
+
+Errors in reading a `LogicalView` (a tensor of another shape, a damaged or
+missing file) are a one-line `CheckpointError` naming the array and the
+checkpoint, and so are TensorStore's errors on the other arrays of the same
+restore; restoring writes nothing.
+
+Why so, and not otherwise:
+  * Orbax cannot see a `ShardedArray` as a leaf: it flattens trees with
+    `jax.tree` (a registered node is descended into, and `ShardedArray` must
+    stay one to cross `jax.jit` boundaries), so the state is shown to it
+    explicitly (`checkpointable`). `StandardCheckpointHandler` accepts only
+    int, float, np.ndarray and jax.Array leaves, and Orbax picks a leaf's
+    handler by the first registered type it is an instance of, so the view is
+    a `jax.Array` subclass and its handler is the one for `jax.Array`, wrapped.
+  * Re-laying the shards out as a standard GSPMD sharding of the logical
+    shape (an all-to-all) and saving that with Orbax's own handler does not
+    keep per-device bytes at the shard's: JAX 0.10 refuses shardings that do
+    not divide a dimension evenly, so a [3,3,5,7] tensor over 8 devices has no
+    even layout under 45 elements per device (40 is the shard), and [130] over
+    8 none under 65 (17); it also costs a collective and a second copy of the
+    state on the devices at every save.
+  * Exchanging the few elements of a chunk that two processes share (a
+    collective per save) would keep chunks large where process ranges meet
+    inside a row; chunks shrink instead, since real shapes rarely do that.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from wus.analysis.formats import ShardFormat
+from wus.checkpoint.boxes import boxes, chunk_shape
+from wus.checkpoint.handler import ArrayHandler, register
+from wus.checkpoint.views import LogicalView, ShardedLayout, StackedLayout, layout_of
+from wus.sharded import check_alive, is_sharded
+from wus.transforms import programs
+
+__all__ = ["ArrayHandler", "LogicalView", "ShardedLayout", "StackedLayout", "boxes",
+           "checkpointable", "chunk_shape", "layout_of", "register", "restore_target",
+           "stacked_target"]
+
+
+def checkpointable(tree: Any) -> Any:
+  """`wus.checkpointable`: each ShardedArray of `tree` as a `LogicalView` to save."""
+  register()
+
+  leaves = jax.tree.leaves(tree, is_leaf=is_sharded)
+  banks = programs.banks([x.format if is_sharded(x) else None for x in leaves])
+  members = {b: [leaves[k] for k in ks] for b, ks in banks.items()}  # Raises if one is missing.
+
+  def view(path, x):
+    check_alive(x, jax.tree_util.keystr(path), "wus.checkpointable")
+    if not is_sharded(x):
+      return x
+    if isinstance(x.data, jax.core.Tracer):
+      raise TypeError(f"{x!r} holds a tracer: checkpoints are saved outside jax.jit")
+    return LogicalView(layout_of(x), x.dtype, x, members.get(getattr(x.format, "bank", None)))
+
+  return jax.tree_util.tree_map_with_path(view, tree, is_leaf=is_sharded)
+
+
+def stacked_target(target: jax.ShapeDtypeStruct, axis: int) -> LogicalView:
+  """The restore target of a whole tensor a `wus.pmap` step reads as stacked copies
+  (`target`, mapped along `axis`), from a checkpoint of one copy."""
+  register()
+  shape = tuple(d for k, d in enumerate(target.shape) if k != axis)
+  return LogicalView(StackedLayout(shape, axis, target.sharding), target.dtype)
+
+
+def restore_target(fmt: ShardFormat, axes: tuple, spec: P, mesh: Mesh, dtype) -> LogicalView:
+  """The restore target of one tensor a step keeps sharded (see `ShardedStep.state_target`)."""
+  register()
+  return LogicalView(ShardedLayout(fmt, tuple(axes), spec, mesh), dtype)
