@@ -57,7 +57,7 @@ def test_saved_as_ordinary_arrays(saved):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("n", [8, 6])
+@pytest.mark.parametrize("n", [pytest.param(8, marks=pytest.mark.slow), 6])
 def test_restores_owned_for_the_step_and_continues(saved, n):
   """state_target gives owned targets for this N; training on from the restored
   state equals training on from the saved state handed over whole."""

@@ -56,8 +56,10 @@ def _owned(tree):
   return [x for x in sharded_leaves(tree) if isinstance(x.format, OwnedFormat)]
 
 
-@pytest.mark.parametrize("kind", ["auto", "explicit"])
-@pytest.mark.parametrize("name,n", [("muon", 8), ("muon_adamw", 6)])
+@pytest.mark.parametrize("name,n,kind", [  # Each mesh kind once by default; --slow: all four.
+    ("muon", 8, "explicit"), ("muon_adamw", 6, "auto"),
+    pytest.param("muon", 8, "auto", marks=pytest.mark.slow),
+    pytest.param("muon_adamw", 6, "explicit", marks=pytest.mark.slow)])
 def test_muon_under_wus_jit_owned_and_bit_for_bit(name, n, kind):
   """The [32,32] kernels are owned (each replica owns some, each kernel one replica's);
   the biases' Adam(W) runs on shards in the same step."""
