@@ -242,17 +242,23 @@ def ring_all_reduce(nbytes: float, axis: Axis) -> float:
   return ring_reduce_scatter(nbytes, axis) + ring_all_gather(nbytes, axis)
 
 
+def _phases(ring: Callable[[float, Axis], float], nbytes: float,
+            axes: Sequence[Axis]) -> float:
+  """Seconds of `ring` along each axis in turn, on nbytes / (sizes of the axes before)."""
+  total, left = 0.0, nbytes
+  for a in axes:
+    total += ring(left, a)
+    left /= a.size
+  return total
+
+
 def reduce_scatter(nbytes: float, axes: Sequence[Axis]) -> float:
   """Seconds of a multi-phase reduce-scatter of `nbytes` per device (§5.1).
 
   Phases run fast to slow: along axes[0] on the whole nbytes, along axes[1]
   on nbytes / n_0, and so on; each device ends with nbytes / prod(n).
   """
-  total, left = 0.0, nbytes
-  for a in axes:
-    total += ring_reduce_scatter(left, a)
-    left /= a.size
-  return total
+  return _phases(ring_reduce_scatter, nbytes, axes)
 
 
 def all_gather(nbytes: float, axes: Sequence[Axis]) -> float:
@@ -262,11 +268,7 @@ def all_gather(nbytes: float, axes: Sequence[Axis]) -> float:
   axis on nbytes / prod(faster sizes), ..., along axes[0] on the whole
   nbytes. The same sum as `reduce_scatter`, hence the same time.
   """
-  total, left = 0.0, nbytes
-  for a in axes:
-    total += ring_all_gather(left, a)
-    left /= a.size
-  return total
+  return _phases(ring_all_gather, nbytes, axes)
 
 
 def all_reduce(nbytes: float, axes: Sequence[Axis]) -> float:
