@@ -33,6 +33,7 @@ all-gathers follow all of them.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 
 from jax import lax
@@ -105,14 +106,35 @@ def gather_after(jaxpr: Jaxpr, shard_eqns: Mapping[int, Kind], formats: Mapping,
     need += [(reach[i], i) for i in reads if before[i] & written[_aval(v)] != written[_aval(v)]]
     if not reads:  # Read before the step (module docstring): after every gradient sum.
       need += [(1 << b, None) for b in range(len(seeds))]
-  chosen = []
-  while any(m for m, _ in need):
-    bit = max(range(len(seeds)), key=lambda b: sum(m >> b & 1 for m, _ in need))
-    chosen.append(eqns[seeds[bit]].outvars[0])
-    need = [(m, i) for m, i in need if not m >> bit & 1]
-  rest = dict.fromkeys(next(iter(eqns[i].outvars), None) for _, i in need)
+  chosen = [eqns[seeds[bit]].outvars[0]
+            for bit in _cover(collections.Counter(m for m, _ in need if m), len(seeds))]
+  rest = dict.fromkeys(next(iter(eqns[i].outvars), None) for m, i in need if not m)
   values = tuple(chosen) + tuple(v for v in rest if v is not None)
   return values, frozenset(k for k, v in outs if v not in formats) if values else frozenset()
+
+
+def _cover(masks: collections.Counter, width: int) -> list[int]:
+  """Bits that together meet every mask of `masks`, chosen greedily (set cover).
+
+  Args:
+    masks: nonzero bit masks of `width` bits, each with how often it is needed.
+
+  Returns:
+    Bit positions, each the one the most still-unmet masks contain (the lowest
+    of equals), until every mask has one of them.
+  """
+  chosen = []
+  while masks:
+    count = [0] * width
+    for m, n in masks.items():
+      while m:
+        low = m & -m
+        count[low.bit_length() - 1] += n
+        m ^= low
+    bit = max(range(width), key=count.__getitem__)
+    chosen.append(bit)
+    masks = collections.Counter({m: n for m, n in masks.items() if not m >> bit & 1})
+  return chosen
 
 
 def _aval(v) -> tuple:
