@@ -25,4 +25,3 @@ def test_cover_meets_every_mask_and_chooses_as_the_plain_greedy_does(case):
   chosen = ordering._cover(collections.Counter(masks), width)
   assert all(any(m >> b & 1 for b in chosen) for m in masks)
   assert chosen == _greedy(masks, width)
-
