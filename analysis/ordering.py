@@ -10,9 +10,10 @@ copies the whole weight first, every step. (The replicated step has no such
 copy only because XLA combines its gradient all-reduces into one
 instruction, which follows every read of the weights.)
 
-`gather_after` names values whose producers follow every read: a few
-gradient all-reduces (their reduce-scatter results), chosen greedily, and
-the results of reads no gradient follows. Which HLO instruction reads the
+`gather_after` names values whose producers follow every read: the
+gradient all-reduces (their reduce-scatter results; all of them, so that
+every all-gather runs after the last reduce-scatter, as the update does),
+and the results of reads no gradient follows. Which HLO instruction reads the
 weight depends on XLA's fusion: elementwise, layout and reduction ops
 (`_DUPLICABLE`) may be duplicated into every consumer's fusion, even into a
 layout copy XLA inserts before a matmul's operand (it recomputes a ReLU
@@ -33,7 +34,6 @@ all-gathers follow all of them.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Mapping
 
 from jax import lax
@@ -106,35 +106,13 @@ def gather_after(jaxpr: Jaxpr, shard_eqns: Mapping[int, Kind], formats: Mapping,
     need += [(reach[i], i) for i in reads if before[i] & written[_aval(v)] != written[_aval(v)]]
     if not reads:  # Read before the step (module docstring): after every gradient sum.
       need += [(1 << b, None) for b in range(len(seeds))]
-  chosen = [eqns[seeds[bit]].outvars[0]
-            for bit in _cover(collections.Counter(m for m, _ in need if m), len(seeds))]
+  # Every reduce-scatter, not a few that cover the reads: XLA:CPU runs collectives in
+  # data order, and all-gathers free to start between reduce-scatters made the
+  # step slower (mlp_deep, wus-bench: 0.78 of the step tied to a greedy cover).
+  chosen = [eqns[i].outvars[0] for i in seeds] if any(m for m, _ in need) else []
   rest = dict.fromkeys(next(iter(eqns[i].outvars), None) for m, i in need if not m)
   values = tuple(chosen) + tuple(v for v in rest if v is not None)
   return values, frozenset(k for k, v in outs if v not in formats) if values else frozenset()
-
-
-def _cover(masks: collections.Counter, width: int) -> list[int]:
-  """Bits that together meet every mask of `masks`, chosen greedily (set cover).
-
-  Args:
-    masks: nonzero bit masks of `width` bits, each with how often it is needed.
-
-  Returns:
-    Bit positions, each the one the most still-unmet masks contain (the lowest
-    of equals), until every mask has one of them.
-  """
-  chosen = []
-  while masks:
-    count = [0] * width
-    for m, n in masks.items():
-      while m:
-        low = m & -m
-        count[low.bit_length() - 1] += n
-        m ^= low
-    bit = max(range(width), key=count.__getitem__)
-    chosen.append(bit)
-    masks = collections.Counter({m: n for m, n in masks.items() if not m >> bit & 1})
-  return chosen
 
 
 def _aval(v) -> tuple:

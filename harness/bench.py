@@ -45,8 +45,11 @@ Regimes:
                        replicated, a hand-written owner-computes Muon and wus
                        (ownership; `harness/muon_bench.py`, its own models).
 
-The variants of a regime run interleaved, one update each in turn (the order
-rotating every round), so that they share the machine's noise. In the
+The variants of a regime run interleaved, in a new random order every round,
+so that they share the machine's noise; each timed update follows an
+untimed one of the same program, as in a training loop (an update right
+after another program's ran up to 1.25x slower on these CPU devices, so a
+fixed order of neighbours biased the ratios). In the
 regimes with one update per call, the parts of a sharded step are timed
 alone in the same rounds (`limit`: the forward and backward pass, one
 reduce-scatter and one all-gather of every byte into reused buffers, the
@@ -312,17 +315,21 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     states[name] = fresh
   for call in parts.values():
     jax.block_until_ready(call(-2))
+  shuffle = np.random.default_rng(seed)
   for r in range(rounds):
-    order = list(variants)[r % len(variants):] + list(variants)[:r % len(variants)]
-    for key, call in parts.items():
+    for key in map(str, shuffle.permutation(list(parts) + list(variants))):
+      if key in parts:
+        jax.block_until_ready(parts[key](r))  # Untimed: the program warm (module docstring).
+        start = time.perf_counter()
+        jax.block_until_ready(parts[key](r))
+        out[key].append(time.perf_counter() - start)
+        continue
+      step = variants[key][0]
+      states[key] = steps.TrainState(*jax.block_until_ready(step(*states[key], data[2 + r]))[:3])
       start = time.perf_counter()
-      jax.block_until_ready(call(r))
-      out[key].append(time.perf_counter() - start)
-    for name in order:
-      start = time.perf_counter()
-      result = jax.block_until_ready(variants[name][0](*states[name], data[2 + r]))
-      out[name]["step_seconds"].append((time.perf_counter() - start) / regime.steps_per_call)
-      states[name] = steps.TrainState(*result[:3])
+      result = jax.block_until_ready(step(*states[key], data[2 + r]))
+      out[key]["step_seconds"].append((time.perf_counter() - start) / regime.steps_per_call)
+      states[key] = steps.TrainState(*result[:3])
       if progress:
         progress()
   for name in variants:
