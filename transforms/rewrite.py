@@ -423,9 +423,7 @@ def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
       and not compat.is_literal(v) and env.held[v].whole is None
       and (env.held[v].shard is not None or env.held[v].summand is not None
            or (env.owned is not None and v in env.owned.own.outputs))))
-  # Steps with owned updates keep XLA's order (the copy-free order of donated weights
-  # changed an owned Muon result by an ulp: not yet understood, so not used).
-  after = program.gather_after if env.owned is None else ()
+  after = program.gather_after
   env.gather(gathered, after)
   outs = [env.shard(v) if k in program.sharded_out else env.whole(v)
           for k, v in enumerate(inner.outvars)]
