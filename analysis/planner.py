@@ -1,7 +1,9 @@
 """The planner: clusters, formats and cost decisions of a step, frozen into a Plan (§3, §4).
 
-`make_plan` runs the passes (clusters, formats, cost) on an analysed jaxpr,
-loops first (`loops.plan_loops`), and returns the `plan.Plan`.
+`make_plan` builds the step's `graph.Graph` and runs the passes (clusters,
+formats, cost, ownership) on it, loops first: each loop body through one
+memoized entry point, `_plan_body` (loops nest); it returns the `plan.Plan`,
+whose reasons are `reasons.Reason` values.
 """
 
 from __future__ import annotations
