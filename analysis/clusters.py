@@ -26,8 +26,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from wus.analysis import compat
-from wus.analysis import formats
 from wus.analysis.compat import Jaxpr, Var
+from wus.analysis.graph import Graph
 from wus.analysis.redundancy import Redundancy
 from wus.analysis.shardable import REDUCING, Context, Kind, shard_kind
 
@@ -70,29 +70,11 @@ class Cluster:
   roots: tuple[Var, ...] = ()
 
 
-class _Graph:
-  """Producers and readers of every variable of a jaxpr."""
-
-  def __init__(self, jaxpr: Jaxpr):
-    self.jaxpr = jaxpr
-    self.producer: dict[Var, int] = {}
-    self.readers: dict[Var, list[int]] = collections.defaultdict(list)
-    for i, eqn in enumerate(jaxpr.eqns):
-      for v in eqn.outvars:
-        self.producer[v] = i
-      for v in eqn.invars:
-        if not compat.is_literal(v) and i not in self.readers[v]:
-          self.readers[v].append(i)
-    self.outputs: dict[Var, list[int]] = collections.defaultdict(list)
-    for pos, v in enumerate(jaxpr.outvars):
-      if not compat.is_literal(v):
-        self.outputs[v].append(pos)
-
-
 def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
                   num_shards: int, min_size: int = 0, *,
                   inputs_sharded: bool = False, held_sharded=frozenset(),
-                  roots=frozenset(), state=frozenset()) -> list[Cluster]:
+                  roots=frozenset(), state=frozenset(), graph: Graph | None = None,
+                  memo: dict | None = None) -> list[Cluster]:
   """Finds the weight-update clusters of a flat (call-free) shard_map body.
 
   Args:
@@ -112,18 +94,19 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
     state: the step's state inputs (those with a next value): the updates of
       the ones no all-reduce's cluster reads grow from their roots as well
       (`find_roots`).
+    graph: `jaxpr`'s graph for `num_shards` and `min_size`, if the caller has it.
+    memo: a conditional's branch jaxpr -> its cluster, for these `facts`, `axes`,
+      `num_shards` and `min_size` (the planner's memo): each branch is
+      analysed once however many conditionals run it.
 
   Returns:
     The clusters, in the order of their first equation (with
     `inputs_sharded`, exactly one, possibly empty).
   """
-  graph = _Graph(jaxpr)
+  graph = graph or Graph(jaxpr, num_shards, min_size)
   ctx = Context(facts, frozenset(axes))
   eqns = jaxpr.eqns
-
-  def big(v) -> bool:
-    return (not compat.is_literal(v)
-            and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
+  big = graph.big
 
   kind_cache: dict[int, Kind | None] = {}
 
@@ -144,10 +127,10 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   # Cluster.seeds are all-reduces; readers of held shards and of roots only
   # seed the growth.
   all_reduces = set(seeds)
-  seeds += [r for v in held_sharded for r in graph.readers[v]
+  seeds += [r for v in held_sharded for r in graph.readers(v)
             if kind(r) is not None and r not in seeds]
   if inputs_sharded:
-    seeds += [r for v in jaxpr.invars if big(v) for r in graph.readers[v]
+    seeds += [r for v in jaxpr.invars if big(v) for r in graph.readers(v)
               if kind(r) is not None and r not in seeds]
 
   parent: dict[int, int] = {}  # Union-find over cluster equations.
@@ -184,7 +167,7 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
       eqn = eqns[i]
       # Forward: readers of this equation's big outputs.
       for v in filter(big, eqn.outvars):
-        for r in graph.readers[v]:
+        for r in graph.readers(v):
           if kind(r) is not None and add(r, i):
             todo.append(r)
       # Backward: producers of big operands that only cluster equations read.
@@ -192,7 +175,7 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
         p = graph.producer.get(v)
         if (p is not None and kind(p) is not None and v not in graph.outputs
             and (reductions or kind(p) not in REDUCING)
-            and all(r in parent for r in graph.readers[v]) and add(p, i)):
+            and graph.only_read_by(v, parent) and add(p, i)):
           todo.append(p)
 
   def join_reductions() -> None:
@@ -213,8 +196,8 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   found_roots: frozenset = frozenset()
   if (roots or state) and not inputs_sharded:
     before = set(parent)
-    found_roots = frozenset(roots) | find_roots(jaxpr, facts, axes, big, state, before, kind, graph)
-    grown = [r for v in found_roots for r in graph.readers[v]
+    found_roots = frozenset(roots) | find_roots(graph, facts, axes, state, before, kind)
+    grown = [r for v in found_roots for r in graph.readers(v)
              if kind(r) is not None and r not in parent]
     for r in grown:
       add(r, r)
@@ -240,7 +223,7 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   # cotangent) run whole, as in the original step, with the cluster
   # equations they read; the rest of the cluster slices their results
   # locally. Only what can run on shards is sharded (§3.2).
-  kept_whole = {} if inputs_sharded else _kept_whole(parent, graph, big, facts, ctx.axes)
+  kept_whole = {} if inputs_sharded else _kept_whole(parent, graph, facts, ctx.axes)
   members: dict[int, list[int]] = collections.defaultdict(list)
   whole: dict[int, dict[int, int]] = collections.defaultdict(dict)
   for i in sorted(parent):
@@ -253,18 +236,25 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   if inputs_sharded and not members:
     members[-1] = []
 
+  memo = {} if memo is None else memo
+
+  def branch(inner: Jaxpr) -> Cluster:
+    if inner not in memo:
+      memo[inner] = find_clusters(inner, facts, axes, num_shards, min_size, inputs_sharded=True,
+                                  memo=memo)[0]
+    return memo[inner]
+
   def branches(i: int) -> tuple[Cluster, ...]:
-    return tuple(find_clusters(b.jaxpr, facts, axes, num_shards, min_size, inputs_sharded=True)[0]
-                 for b in compat.cond(eqns[i]).branches)
+    return tuple(branch(b.jaxpr) for b in compat.cond(eqns[i]).branches)
 
   inputs = [v for v in jaxpr.invars if big(v)] if inputs_sharded else []
-  clusters = [_make_cluster(sorted(m), graph, big, kind, all_reduces, branches, inputs,
+  clusters = [_make_cluster(sorted(m), graph, kind, all_reduces, branches, inputs,
                             whole.get(root, {}), found_roots)
               for root, m in members.items()]
   return sorted(clusters, key=lambda c: min(c.eqns + tuple(c.kept_whole), default=-1))
 
 
-def _kept_whole(members, graph: _Graph, big, facts: Redundancy, axes: frozenset) -> dict[int, int]:
+def _kept_whole(members, graph: Graph, facts: Redundancy, axes: frozenset) -> dict[int, int]:
   """Cluster equations that must run whole: index -> the outside reader that forces it.
 
   An equation outside every cluster that every replica repeats (redundant,
@@ -272,9 +262,9 @@ def _kept_whole(members, graph: _Graph, big, facts: Redundancy, axes: frozenset)
   cluster result it is computed from, is computed whole instead of sharded
   and gathered.
   """
-  eqns = graph.jaxpr.eqns
+  eqns, big = graph.jaxpr.eqns, graph.big
   todo = [(i, r) for i in members for v in filter(big, eqns[i].outvars)
-          for r in graph.readers[v] if r not in members and facts.repeats(eqns[r], axes)]
+          for r in graph.readers(v) if r not in members and facts.repeats(eqns[r], axes)]
   out: dict[int, int] = {}
   while todo:
     i, r = todo.pop()
@@ -288,7 +278,7 @@ def _kept_whole(members, graph: _Graph, big, facts: Redundancy, axes: frozenset)
   return out
 
 
-def _reached_member(start: int, graph: _Graph, members, facts: Redundancy, axes: frozenset,
+def _reached_member(start: int, graph: Graph, members, facts: Redundancy, axes: frozenset,
                     limit: int = 64) -> int | None:
   """The first cluster equation that `start`'s outputs reach through equations
   every replica repeats (a norm's sqrt, a trust ratio), or None; looks at
@@ -296,7 +286,7 @@ def _reached_member(start: int, graph: _Graph, members, facts: Redundancy, axes:
   seen, todo = {start}, [start]
   while todo and len(seen) <= limit:
     for v in graph.jaxpr.eqns[todo.pop(0)].outvars:
-      for r in graph.readers[v]:
+      for r in graph.readers(v):
         if r in members:
           return r
         if r not in seen and facts.repeats(graph.jaxpr.eqns[r], axes):
@@ -305,9 +295,9 @@ def _reached_member(start: int, graph: _Graph, members, facts: Redundancy, axes:
   return None
 
 
-def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int], branches,
+def _make_cluster(idx: list[int], graph: Graph, kind, seeds: set[int], branches,
                   inputs: list[Var], kept_whole: dict[int, int], roots=frozenset()) -> Cluster:
-  eqns = graph.jaxpr.eqns
+  eqns, big = graph.jaxpr.eqns, graph.big
   inside = set(idx)
   sharded = inputs + [v for i in idx for v in eqns[i].outvars if big(v)]
   produced = set(sharded)
@@ -316,7 +306,7 @@ def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int], bra
     for v in eqns[i].invars:
       if big(v) and v not in produced and v not in reads:
         reads.append(v)
-  outside = {v: tuple(r for r in graph.readers[v] if r not in inside) for v in sharded}
+  outside = {v: tuple(r for r in graph.readers(v) if r not in inside) for v in sharded}
   return Cluster(
       eqns=tuple(idx),
       kinds={i: kind(i) for i in idx},
@@ -328,12 +318,12 @@ def _make_cluster(idx: list[int], graph: _Graph, big, kind, seeds: set[int], bra
       nested={i: branches(i) for i in idx if kind(i) is Kind.COND},
       kept_whole=dict(kept_whole),
       roots=tuple(v for v in _in_order(graph.jaxpr, roots)
-                  if any(r in inside for r in graph.readers[v])),
+                  if any(r in inside for r in graph.readers(v))),
   )
 
 
-def find_roots(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset, big, state,
-               taken: set[int], kind=None, graph: _Graph | None = None) -> frozenset:
+def find_roots(graph: Graph, facts: Redundancy, axes: frozenset, state, taken: set[int],
+               kind=None) -> frozenset:
   """The roots of the updates of `state` that no cluster reaches.
 
   The update of a state input s is what every replica repeats on its way from
@@ -347,19 +337,17 @@ def find_roots(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset, big, state,
   local slice (`collectives.shard`, no communication).
 
   Args:
-    jaxpr: the flat jaxpr.
+    graph: the flat jaxpr's graph (its `big` values are the tensors worth sharding).
     facts: its redundancy analysis.
     axes: the replica axes.
-    big: the predicate of tensors worth sharding.
     state: the jaxpr's state inputs.
     taken: equations already in clusters: state one of them reads is skipped.
     kind: `find_clusters`' shard kind of an equation index (None: computed).
-    graph: `jaxpr`'s producers and readers, if the caller has them.
 
   Returns:
     The roots (variables of `jaxpr`).
   """
-  graph = graph or _Graph(jaxpr)
+  jaxpr, big = graph.jaxpr, graph.big
   if kind is None:
     ctx = Context(facts, frozenset(axes))
 
@@ -375,18 +363,18 @@ def find_roots(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset, big, state,
   found: set = set()
   for s in state:
     if (not big(s) or not facts.is_redundant(s, frozenset(axes))
-        or any(r in taken for r in graph.readers[s])):
+        or any(r in taken for r in graph.readers(s))):
       continue
-    reached, todo = set(), [r for r in graph.readers[s] if kind(r) is not None]
+    reached, todo = set(), [r for r in graph.readers(s) if kind(r) is not None]
     while todo:  # Forward from s through equations with a shard kind.
       i = todo.pop()
       if i not in reached:
         reached.add(i)
-        todo += [r for v in jaxpr.eqns[i].outvars for r in graph.readers[v]
+        todo += [r for v in jaxpr.eqns[i].outvars for r in graph.readers(v)
                  if kind(r) is not None]
     update: set[int] = set()
     for i in sorted(reached, reverse=True):  # Those that reach an output (readers come later).
-      if any(v in outputs or any(r in update for r in graph.readers[v])
+      if any(v in outputs or any(r in update for r in graph.readers(v))
              for v in jaxpr.eqns[i].outvars):
         update.add(i)
     made = {v for i in update for v in jaxpr.eqns[i].outvars}

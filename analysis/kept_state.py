@@ -20,11 +20,11 @@ from collections.abc import Mapping
 from wus.analysis import clusters as clusters_lib
 from wus.analysis import compat, layouts, precision, shardable
 from wus.analysis.compat import Jaxpr
+from wus.analysis.graph import Graph
 from wus.analysis.shardable import Kind
 
 
-def passed_through(jaxpr: Jaxpr, in_pos: int, out_pos: int, readers: dict,
-                    ctx) -> list[int] | None:
+def passed_through(graph: Graph, in_pos: int, out_pos: int, ctx) -> list[int] | None:
   """The layout-only equations (`wus.pmap`'s squeeze and expand_dims) by which
   output `out_pos` returns input `in_pos` unchanged, if nothing else reads it
   and it is identical on every replica and worth sharding; else None.
@@ -33,18 +33,18 @@ def passed_through(jaxpr: Jaxpr, in_pos: int, out_pos: int, readers: dict,
   step) stays sharded between steps instead of being gathered and re-sharded
   by each step that does not update it.
   """
+  jaxpr = graph.jaxpr
   v, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
   if (compat.is_literal(y) or not ctx.big(v) or not ctx.facts.is_redundant(v, ctx.axes)
-      or readers.get(y) or jaxpr.outvars.count(y) != 1):
+      or graph.readers(y) or jaxpr.outvars.count(y) != 1):
     return None
-  return precision.copy_chain(jaxpr, v, y, readers)
+  return precision.copy_chain(graph, v, y)
 
 
-def pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
-                 members: set[int], candidates: Mapping[int, int], invar_pos, readers: dict,
-                 narrow: dict | None = None, gathers: dict | None = None,
-                 why_whole: dict | None = None, through: frozenset = frozenset()
-                 ) -> dict[int, int]:
+def pairs(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph,
+          members: set[int], candidates: Mapping[int, int],
+          narrow: dict | None = None, gathers: dict | None = None,
+          why_whole: dict | None = None, through: frozenset = frozenset()) -> dict[int, int]:
   """The (output, input) state pairs this cluster can keep sharded between steps.
 
   A pair qualifies when only the cluster reads the input. With `narrow` (a
@@ -57,10 +57,10 @@ def pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
   `why_whole`, an input that does not qualify for its whole reads records
   input position -> why. `through` are inputs the cluster reads through
   layout-only equations that others read too (`through_copies`): only the
-  cluster reads them, but whole through those copies. `readers` is
-  `planner._readers(jaxpr)`: variable -> the equations that read it.
+  cluster reads them, but whole through those copies. `graph` is the
+  jaxpr's (`graph.Graph`).
   """
-  outvars = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  jaxpr, outvars = graph.jaxpr, graph.outputs
   pairs = {}
   for out_pos, in_pos in candidates.items():
     x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
@@ -69,10 +69,10 @@ def pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
             and x.aval.dtype == y.aval.dtype
             and layout.formats.get(x) == layout.formats.get(y) is not None):
       continue
-    if readers.get(x, set()) <= members and x not in through:
+    if graph.only_read_by(x, members) and x not in through:
       pairs[out_pos] = in_pos
     elif narrow is not None:
-      read = precision.narrowed(jaxpr, x, members, readers)
+      read = precision.narrowed(graph, x, members)
       if isinstance(read, str) or read.copies:
         # Copies outside the cluster would read the narrow whole value and
         # hand it to the update: the cluster must hold them (through_copies).
@@ -86,10 +86,9 @@ def pairs(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
   return pairs
 
 
-def through_copies(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr,
-                    candidates: Mapping[int, int], readers: dict, ctx,
-                    why_whole: dict
-                    ) -> tuple[clusters_lib.Cluster, layouts.Layout, frozenset]:
+def through_copies(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph,
+                   candidates: Mapping[int, int], ctx, why_whole: dict
+                   ) -> tuple[clusters_lib.Cluster, layouts.Layout, frozenset]:
   """`c` reading the weights it updates through layout-only equations (shard_weights).
 
   `wus.pmap` squeezes the mapped axis off every argument: the update reads
@@ -107,14 +106,14 @@ def through_copies(c: clusters_lib.Cluster, layout: layouts.Layout, jaxpr: Jaxpr
   """
   members, copies, weights = set(c.eqns), set(), []
   kind_ctx = shardable.Context(ctx.facts, ctx.axes)
-  outvars = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  jaxpr, outvars = graph.jaxpr, graph.outputs
   for out_pos, in_pos in candidates.items():
     x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
     if (compat.is_literal(y) or y not in c.program_outputs or x in c.reads or x in outvars
         or not ctx.big(x) or x.aval.dtype != y.aval.dtype
         or not ctx.facts.is_redundant(x, ctx.axes)):
       continue
-    read = precision.narrowed(jaxpr, x, members, readers)
+    read = precision.narrowed(graph, x, members)
     if isinstance(read, str):
       why_whole[in_pos] = read
     elif read.copies and all(shardable.shard_kind(jaxpr.eqns[i], kind_ctx) is Kind.LAYOUT
@@ -148,8 +147,8 @@ def _with_copies(c: clusters_lib.Cluster, jaxpr: Jaxpr, copies: list[int],
       sharded=(*c.sharded, *(v for i in copies for v in jaxpr.eqns[i].outvars)), reads=reads)
 
 
-def continued(jaxpr: Jaxpr, c: clusters_lib.Cluster, clustered: set[int], readers: dict,
-               state_pairs: Mapping[int, int], ctx) -> tuple[clusters_lib.Cluster, dict]:
+def continued(graph: Graph, c: clusters_lib.Cluster, clustered: set[int],
+              state_pairs: Mapping[int, int], ctx) -> tuple[clusters_lib.Cluster, dict]:
   """The rest of a replicated cluster's weight update, which no cluster holds.
 
   Growth stops at an equation with no shard rule (a matmul with the weight, a
@@ -161,16 +160,16 @@ def continued(jaxpr: Jaxpr, c: clusters_lib.Cluster, clustered: set[int], reader
   so that the Plan lists them with the cluster that keeps them whole; and the
   pairs of `state_pairs` whose input only this update reads (state, not weight).
   """
-  producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+  jaxpr, producer = graph.jaxpr, graph.producer
   seen: set[int] = set()
-  todo = [r for v in c.sharded for r in readers.get(v, ())] + list(c.kept_whole)
+  todo = [r for v in c.sharded for r in graph.readers(v)] + list(c.kept_whole)
   while todo:
     i = todo.pop()
     if i in seen or i in clustered or not ctx.facts.repeats(jaxpr.eqns[i], ctx.axes):
       continue
     seen.add(i)
     eqn = jaxpr.eqns[i]
-    todo += [r for v in eqn.outvars for r in readers.get(v, ())]
+    todo += [r for v in eqn.outvars for r in graph.readers(v)]
     todo += [producer[v] for v in eqn.invars if not compat.is_literal(v) and v in producer]
   inputs = set(jaxpr.invars) - set(c.reads)
   reads = {v: None for r in sorted(seen) for v in jaxpr.eqns[r].invars
@@ -182,6 +181,6 @@ def continued(jaxpr: Jaxpr, c: clusters_lib.Cluster, clustered: set[int], reader
       outputs.setdefault(v, []).append(p)
   update = seen | set(c.eqns)
   pairs = {o: k for o, k in state_pairs.items()
-           if jaxpr.invars[k] in reads and readers.get(jaxpr.invars[k], set()) <= update}
+           if jaxpr.invars[k] in reads and graph.only_read_by(jaxpr.invars[k], update)}
   return (clusters_lib.Cluster((), {}, (), (), tuple(reads), {},
                                {v: tuple(p) for v, p in outputs.items()}), pairs)

@@ -10,13 +10,14 @@ k steps (the frequency analysis of §3.2).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from jax import lax
 
-from wus.analysis import compat, precision
+from wus.analysis import compat, precision, reasons
 from wus.analysis import formats as formats_lib
 from wus.analysis.compat import Jaxpr, source_line
+from wus.analysis.graph import Graph
 from wus.analysis.plan import Program
 
 
@@ -32,18 +33,38 @@ class PlannedLoop:
   gather_dtypes: dict
 
 
-def plan_loops(jaxpr: Jaxpr, ctx, in_names, label: str,
-               plan_body: Callable) -> dict[int, PlannedLoop]:
-  """Plans the body of every while / scan of `jaxpr` whose body shards something.
+@dataclasses.dataclass(frozen=True)
+class Body:
+  """A while / scan body and what planning it takes: the key of the planner's memo.
 
-  Carried state (optimizer state) stays sharded across iterations: it is
+  Attributes:
+    jaxpr: the body (not closed); the same object for every loop that runs it.
+    state_pairs: (carry output position, body input position) pairs: the
+      carries, but those the loop condition reads (they stay whole).
+    in_names, out_names: names of the body's inputs and outputs, for the Plan.
+    label: the loop's place ("loop at f.py:12: "), prefixed to its clusters' reasons.
+    counters: the body inputs that count iterations (`counts`).
+  """
+
+  jaxpr: Jaxpr
+  state_pairs: tuple[tuple[int, int], ...]
+  in_names: tuple[str, ...]
+  out_names: tuple[str, ...]
+  label: str
+  counters: frozenset
+
+
+def bodies(jaxpr: Jaxpr, in_names, label: str) -> dict[int, Body]:
+  """The body of every while / scan of `jaxpr`: equation index -> `Body`.
+
+  Carried state (optimizer state) may stay sharded across iterations: it is
   sharded before the loop and gathered after it only where read whole (Fig. 4
-  left). Carries the loop condition reads stay whole. `plan_body(body, ctx,
-  state_pairs, in_names, out_names, label, in_loop=True, counters=...)` plans a
-  body (the planner's own `_plan`, passed in: loops nest).
+  left). Carries the loop condition reads stay whole. The planner plans each
+  body through its memoized entry point (loops nest) and keeps the loops
+  whose body shards something (`planned_loop`).
   """
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
-  loops = {}
+  out = {}
   for i, eqn in enumerate(jaxpr.eqns):
     if eqn.primitive not in (compat.scan_p, compat.while_p):
       continue
@@ -52,18 +73,26 @@ def plan_loops(jaxpr: Jaxpr, ctx, in_names, label: str,
     names = [outer_name(op, invar_pos, in_names, f"loop input {k}")
              for k, op in enumerate(loop.body_operands)]
     cond_reads = loop.cond_reads()
-    pairs = {k: j for k, j in enumerate(carry_in) if k not in cond_reads}
-    where = f"loop at {source_line(eqn)}: "
-    counters = frozenset(inner.invars[j] for k, j in enumerate(carry_in) if counts(inner, j, k))
-    planned = plan_body(inner, ctx, pairs, names, [names[j] for j in carry_in]
-                    + [f"loop output {k}" for k in range(len(inner.outvars) - loop.num_carry)],
-                    label + where, in_loop=True, counters=counters)
-    if planned.program.shard_eqns:
-      carries = {j - loop.num_consts: f for j, f in planned.program.sharded_in.items()}
-      read_whole = {k for k in carries if inner.invars[carry_in[k]] in planned.gather_dtypes}
-      loops[i] = PlannedLoop(planned.program, carries, read_whole, planned.clusters,
-                             planned.formats, planned.gather_dtypes)
-  return loops
+    out_names = [names[j] for j in carry_in] + [
+        f"loop output {k}" for k in range(len(inner.outvars) - loop.num_carry)]
+    out[i] = Body(inner, tuple((k, j) for k, j in enumerate(carry_in) if k not in cond_reads),
+                  tuple(names), tuple(out_names), f"{label}loop at {source_line(eqn)}: ",
+                  frozenset(inner.invars[j] for k, j in enumerate(carry_in)
+                            if counts(inner, j, k)))
+  return out
+
+
+def planned_loop(eqn, planned) -> PlannedLoop | None:
+  """The loop `eqn` with its body planned (`planned`, the planner's plan of its `Body`),
+  or None if the body shards nothing."""
+  if not planned.program.shard_eqns:
+    return None
+  loop = compat.loop(eqn)
+  inner, carry_in = loop.body.jaxpr, loop.body_carry
+  carries = {j - loop.num_consts: f for j, f in planned.program.sharded_in.items()}
+  read_whole = {k for k in carries if inner.invars[carry_in[k]] in planned.gather_dtypes}
+  return PlannedLoop(planned.program, carries, read_whole, planned.clusters, planned.formats,
+                     planned.gather_dtypes)
 
 
 def counts(body: Jaxpr, in_pos: int, out_pos: int) -> bool:
@@ -110,25 +139,24 @@ class LoopState:
   copies: tuple[int, ...]
 
 
-def loop_state(jaxpr: Jaxpr, i: int, loop: PlannedLoop, y, x, readers: dict
-               ) -> LoopState | None:
+def loop_state(graph: Graph, i: int, loop: PlannedLoop, y, x) -> LoopState | None:
   """How (x in, y out) are a loop carry kept sharded between steps, if they are.
 
   x reaches the carry's initial value, and the carry's result reaches y,
   directly or through layout-only copies that nothing else reads
   (`precision.copy_chain`). Weights the body reads whole (Fig. 4 right) leave
-  the step whole: the user reads them too. `readers` maps a variable to the
-  indices of the equations that read it.
+  the step whole: the user reads them too. `graph` is the jaxpr's.
   """
+  jaxpr = graph.jaxpr
   eqn = jaxpr.eqns[i]
   init = compat.loop(eqn).carry
   if y not in jaxpr.outvars or x in jaxpr.outvars:
     return None
   for k, fmt in loop.carries.items():
-    if k in loop.read_whole or set(readers.get(init[k], ())) != {i} or readers.get(y):
+    if k in loop.read_whole or set(graph.readers(init[k])) != {i} or graph.readers(y):
       continue
-    into = precision.copy_chain(jaxpr, x, init[k], readers)
-    out_of = precision.copy_chain(jaxpr, eqn.outvars[k], y, readers)
+    into = precision.copy_chain(graph, x, init[k])
+    out_of = precision.copy_chain(graph, eqn.outvars[k], y)
     if into is None or out_of is None:
       continue
     values = [x, *(jaxpr.eqns[j].outvars[0] for j in into + out_of)]
@@ -142,9 +170,8 @@ def loop_state(jaxpr: Jaxpr, i: int, loop: PlannedLoop, y, x, readers: dict
   return None
 
 
-def placements(c, jaxpr: Jaxpr, members: set[int], carries: Mapping[int, int],
-                pairs: Mapping[int, int], narrow: dict, invar_pos, in_names,
-                readers: dict) -> str:
+def placements(c, graph: Graph, members: set[int], carries: Mapping[int, int],
+               pairs: Mapping[int, int], narrow: dict, in_names) -> reasons.LoopGathers:
   """Where each carried weight of a loop body's cluster is all-gathered, and why (Fig. 4).
 
   The choice is by bytes per iteration: gathering right before the forward
@@ -155,17 +182,13 @@ def placements(c, jaxpr: Jaxpr, members: set[int], carries: Mapping[int, int],
   """
   out = []
   for in_pos in sorted(set(carries.values())):
-    x = jaxpr.invars[in_pos]
-    if x not in c.reads or readers.get(x, set()) <= members:
+    x = graph.jaxpr.invars[in_pos]
+    if x not in c.reads or graph.only_read_by(x, members):
       continue  # Not this cluster's, or optimizer state only the update reads.
     whole = x.aval.size * x.aval.dtype.itemsize
     if x in narrow:
-      out.append(f"{in_names[in_pos]} kept sharded across iterations and all-gathered in "
-                 f"{narrow[x].name} right before the forward pass reads it: "
-                 f"{x.aval.size * narrow[x].itemsize} B per iteration instead of {whole} B "
-                 "(Fig. 4 right, Fig. 7)")
+      out.append(reasons.Gather(in_names[in_pos], narrow[x].name, x.aval.size * narrow[x].itemsize,
+                                whole, True))
     elif in_pos not in pairs.values():
-      out.append(f"{in_names[in_pos]} all-gathered at the end of each iteration ({whole} B, "
-                 f"{x.aval.dtype.name}): the forward pass reads it whole in that dtype, so "
-                 "gathering before it would move as many bytes (Fig. 4 left)")
-  return ", ".join(out) or "no carried weight is read whole: nothing gathered in the loop"
+      out.append(reasons.Gather(in_names[in_pos], x.aval.dtype.name, whole, whole, False))
+  return reasons.LoopGathers(tuple(out))

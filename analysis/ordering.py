@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from jax import lax
 
 from wus.analysis import compat
-from wus.analysis.compat import Jaxpr
+from wus.analysis.graph import Graph
 from wus.analysis.primitives import ELEMENTWISE
 from wus.analysis.shardable import Kind
 
@@ -56,7 +56,7 @@ _DUPLICABLE: frozenset = ELEMENTWISE | frozenset({
 })
 
 
-def gather_after(jaxpr: Jaxpr, shard_eqns: Mapping[int, Kind], formats: Mapping,
+def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
                  sharded_out: Mapping) -> tuple[tuple, frozenset]:
   """Values the outputs written into donated buffers must follow (module docstring).
 
@@ -65,7 +65,7 @@ def gather_after(jaxpr: Jaxpr, shard_eqns: Mapping[int, Kind], formats: Mapping,
   a donated input of the same shape and dtype may be.
 
   Args:
-    jaxpr: the step's flat jaxpr.
+    graph: the graph of the step's flat jaxpr.
     shard_eqns: its equations run on shards (`Program.shard_eqns`).
     formats: the values held as shards (`Plan.formats`).
     sharded_out: outputs returned as shards (`Program.sharded_out`).
@@ -77,8 +77,8 @@ def gather_after(jaxpr: Jaxpr, shard_eqns: Mapping[int, Kind], formats: Mapping,
     of the outputs computed whole that the rewrite ties to them too (the
     all-gathered ones are tied before their all-gathers).
   """
+  jaxpr, producer = graph.jaxpr, graph.producer
   eqns = jaxpr.eqns
-  producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
   given = set(jaxpr.invars)
   outs = [(k, v) for k, v in enumerate(jaxpr.outvars) if k not in sharded_out
           and not compat.is_literal(v) and (v in formats or (
@@ -87,22 +87,17 @@ def gather_after(jaxpr: Jaxpr, shard_eqns: Mapping[int, Kind], formats: Mapping,
   outs = [(k, v) for k, v in outs if any(_aval(v) == _aval(u) for u in inputs)]
   if not inputs:
     return (), frozenset()
-  consumers: dict = {}
-  for i, eqn in enumerate(eqns):
-    for v in eqn.invars:
-      if not compat.is_literal(v):
-        consumers.setdefault(v, []).append(i)
   seeds = [i for i in sorted(shard_eqns) if shard_eqns[i] is Kind.REDUCE_SCATTER]
-  reach = _reach(jaxpr, {i: 1 << k for k, i in enumerate(seeds)}, consumers)
+  reach = _reach(graph, {i: 1 << k for k, i in enumerate(seeds)})
   # Per equation, the outputs (bit k: outs[k]) it precedes.
-  before = _reach(jaxpr, {producer[v]: 1 << k for k, (_, v) in enumerate(outs)
-                          if v in producer}, consumers)
+  before = _reach(graph, {producer[v]: 1 << k for k, (_, v) in enumerate(outs)
+                          if v in producer})
   written = {}  # aval -> the outputs an input of that aval may give its buffer to
   for k, (_, v) in enumerate(outs):
     written[_aval(v)] = written.get(_aval(v), 0) | 1 << k
   need = []
   for v in inputs:
-    reads = _reads(jaxpr, v, consumers, shard_eqns, set(seeds))
+    reads = _reads(graph, v, shard_eqns, set(seeds))
     need += [(reach[i], i) for i in reads if before[i] & written[_aval(v)] != written[_aval(v)]]
     if not reads:  # Read before the step (module docstring): after every gradient sum.
       need += [(1 << b, None) for b in range(len(seeds))]
@@ -119,7 +114,7 @@ def _aval(v) -> tuple:
   return tuple(v.aval.shape), v.aval.dtype
 
 
-def _reads(jaxpr: Jaxpr, x, consumers: dict, shard_eqns: Mapping, seeds: set) -> set[int]:
+def _reads(graph: Graph, x, shard_eqns: Mapping, seeds: set) -> set[int]:
   """The equations whose instructions may read input `x`, outside the update (module docstring).
 
   The update's own equations (`shard_eqns`, but for gradient all-reduces)
@@ -133,10 +128,10 @@ def _reads(jaxpr: Jaxpr, x, consumers: dict, shard_eqns: Mapping, seeds: set) ->
     return (jaxpr.eqns[i].primitive in _DUPLICABLE and i not in seeds
             and not any(v in outputs for v in jaxpr.eqns[i].outvars))
 
-  outputs = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  jaxpr, outputs = graph.jaxpr, graph.outputs
   reads, seen, todo = set(), set(), [x]
   while todo:
-    for i in consumers.get(todo.pop(), ()):
+    for i in graph.readers(todo.pop()):
       if i in seen or skip(i):
         continue
       seen.add(i)
@@ -147,13 +142,14 @@ def _reads(jaxpr: Jaxpr, x, consumers: dict, shard_eqns: Mapping, seeds: set) ->
   return reads
 
 
-def _reach(jaxpr: Jaxpr, bit: Mapping[int, int], consumers: dict) -> list[int]:
+def _reach(graph: Graph, bit: Mapping[int, int]) -> list[int]:
   """Per equation, the OR of `bit` over the equations its results flow into, itself included."""
-  reach = [0] * len(jaxpr.eqns)
-  for i in reversed(range(len(jaxpr.eqns))):
+  eqns = graph.jaxpr.eqns
+  reach = [0] * len(eqns)
+  for i in reversed(range(len(eqns))):
     r = bit.get(i, 0)
-    for v in jaxpr.eqns[i].outvars:
-      for j in consumers.get(v, ()):
+    for v in eqns[i].outvars:
+      for j in graph.readers(v):
         r |= reach[j]
     reach[i] = r
   return reach

@@ -35,8 +35,9 @@ from collections.abc import Mapping
 
 from jax import lax
 
-from wus.analysis import compat, divides, owners, primitives, shardable
+from wus.analysis import compat, divides, owners, primitives, reasons, shardable
 from wus.analysis.compat import Jaxpr, source_line
+from wus.analysis.graph import Graph
 from wus.analysis.owned import Ownership, Placement
 from wus.analysis.plan import ClusterPlan, TensorPlan
 from wus.analysis.shardable import Kind
@@ -90,31 +91,29 @@ class _Unit:
     return self.clusters[0][0]
 
 
-def plan_ownership(jaxpr: Jaxpr, ctx, candidates: list, taken: Mapping[int, Kind],
-                   state_pairs: Mapping[int, int], readers: dict, in_names, out_names) -> Owned:
+def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind],
+                   state_pairs: Mapping[int, int], in_names, out_names) -> Owned:
   """Plans ownership for the replicated clusters `candidates` of a step (module docstring).
 
   Args:
-    jaxpr: the step's flat per-replica jaxpr (not a loop body).
+    graph: the graph of the step's flat per-replica jaxpr (not a loop body).
     ctx: the planner's context (facts, axes, num_shards, big, topology).
     candidates: (cluster index, Cluster, ClusterPlan) of clusters kept
       replicated for a reason of structure, not cost.
     taken: equations that already run on shards (Program.shard_eqns).
     state_pairs: output position -> input position of the step's state.
-    readers: variable -> indices of the equations reading it.
     in_names, out_names: names of the flat inputs and outputs.
 
   Returns:
     The additions to the plan.
   """
-  out = Owned()
-  producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+  out, jaxpr = Owned(), graph.jaxpr
   units: list[_Unit] = []
   kind_ctx = shardable.Context(ctx.facts, ctx.axes)
   for idx, c, cp in candidates:
     seeds = [i for i in (*c.eqns, *c.kept_whole)
              if shardable.shard_kind(jaxpr.eqns[i], kind_ctx) is Kind.REDUCE_SCATTER]
-    eqns = _unit(jaxpr, seeds, ctx, taken, readers, producer)
+    eqns = _unit(graph, seeds, ctx, taken)
     merged = [u for u in units if u.eqns & eqns]
     for u in merged:
       units.remove(u)
@@ -122,10 +121,10 @@ def plan_ownership(jaxpr: Jaxpr, ctx, candidates: list, taken: Mapping[int, Kind
                        eqns.union(*(u.eqns for u in merged))))
   owned = []
   for u in units:
-    why = _check(jaxpr, u, ctx, readers, state_pairs) or owners.worth(jaxpr, u, ctx)
+    why = _check(graph, u, ctx, state_pairs) or owners.worth(jaxpr, u, ctx)
     if why:
       for idx, cp in u.clusters:
-        out.clusters[idx] = dataclasses.replace(cp, reason=f"{cp.reason}; not owned: {why}")
+        out.clusters[idx] = dataclasses.replace(cp, why=cp.why.noted(reasons.NotOwned(why)))
     else:
       owned.append(u)
   if not owned:
@@ -145,7 +144,7 @@ def plan_ownership(jaxpr: Jaxpr, ctx, candidates: list, taken: Mapping[int, Kind
     why = (f"too large to balance: owning it with the rest predicts {own * 1e6:.3g} us "
            f"against {rep * 1e6:.3g} us replicated (imbalance {ownership.imbalance:.3f})")
     for idx, cp in largest.clusters:
-      out.clusters[idx] = dataclasses.replace(cp, reason=f"{cp.reason}; not owned: {why}")
+      out.clusters[idx] = dataclasses.replace(cp, why=cp.why.noted(reasons.NotOwned(why)))
     if not owned:
       return out
   out.ownership = divides.pinned(jaxpr, ownership, rewritten)
@@ -165,10 +164,9 @@ def plan_ownership(jaxpr: Jaxpr, ctx, candidates: list, taken: Mapping[int, Kind
   return out
 
 
-def _unit(jaxpr: Jaxpr, seeds, ctx, taken, readers: dict, producer: dict) -> set[int]:
+def _unit(graph: Graph, seeds, ctx, taken) -> set[int]:
   """The equations of the update that the all-reduces `seeds` start (module docstring, 1)."""
-  eqns = jaxpr.eqns
-  outputs = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  eqns, outputs = graph.jaxpr.eqns, graph.outputs
 
   def repeated(i: int) -> bool:
     return i not in taken and ctx.facts.repeats(eqns[i], ctx.axes)
@@ -176,7 +174,7 @@ def _unit(jaxpr: Jaxpr, seeds, ctx, taken, readers: dict, producer: dict) -> set
   unit, todo = set(seeds), list(seeds)
   while todo:
     for v in eqns[todo.pop()].outvars:
-      for r in readers.get(v, ()):
+      for r in graph.readers(v):
         if r not in unit and repeated(r):
           unit.add(r)
           todo.append(r)
@@ -185,11 +183,11 @@ def _unit(jaxpr: Jaxpr, seeds, ctx, taken, readers: dict, producer: dict) -> set
     grown = False
     for i in sorted(unit):
       for v in eqns[i].invars:
-        p = None if compat.is_literal(v) else producer.get(v)
+        p = None if compat.is_literal(v) else graph.producer.get(v)
         if (p is None or p in unit or not repeated(p)
             or any(o in outputs for o in eqns[p].outvars)):
           continue
-        if all(r in unit for o in eqns[p].outvars for r in readers.get(o, ())):
+        if all(graph.only_read_by(o, unit) for o in eqns[p].outvars):
           unit.add(p)
           grown = True
   return unit
@@ -206,9 +204,9 @@ def _runs_on_owner(eqn, ctx) -> bool:
       _runs_on_owner(e, ctx) for sub in compat.sub_jaxprs(eqn) for e in sub.eqns)
 
 
-def _check(jaxpr: Jaxpr, u: _Unit, ctx, readers: dict,
-           state_pairs: Mapping[int, int]) -> str | None:
+def _check(graph: Graph, u: _Unit, ctx, state_pairs: Mapping[int, int]) -> str | None:
   """Why `u` cannot be owned, or None; fills its seeds, state pairs, exits and weights."""
+  jaxpr = graph.jaxpr
   eqns = jaxpr.eqns
   kind_ctx = shardable.Context(ctx.facts, ctx.axes)
   seeds, operands = [], set()
@@ -225,7 +223,7 @@ def _check(jaxpr: Jaxpr, u: _Unit, ctx, readers: dict,
   made = {v for i in u.eqns for v in eqns[i].outvars}
   outputs = [v for v in jaxpr.outvars if not compat.is_literal(v)]
   for v in made:
-    outside = sorted(r for r in readers.get(v, ()) if r not in u.eqns)
+    outside = [r for r in graph.readers(v) if r not in u.eqns]
     if outside:
       eqn = eqns[outside[0]]
       return (f"{eqn.primitive} at {source_line(eqn)} reads {v.aval.str_short()} of the "
@@ -238,7 +236,7 @@ def _check(jaxpr: Jaxpr, u: _Unit, ctx, readers: dict,
   for out_pos, in_pos in state_pairs.items():
     x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
     if (not compat.is_literal(y) and y in made and x in reads and ctx.big(x)
-        and readers.get(x, set()) <= u.eqns and x not in outputs and outputs.count(y) == 1
+        and graph.only_read_by(x, u.eqns) and x not in outputs and outputs.count(y) == 1
         and x.aval.shape == y.aval.shape and x.aval.dtype == y.aval.dtype):
       pairs[out_pos] = in_pos
   paired = {jaxpr.outvars[o] for o in pairs}
@@ -287,14 +285,11 @@ def _cluster_plans(jaxpr: Jaxpr, u: _Unit, ownership: Ownership, state: dict, st
            else f"stack {u.stack} remainder, balanced by predicted cost")
   rep, own = u.predicted
   idx, cp = u.clusters[0]
-  reason = (f"OWNED by replica {u.owner}, {where}: the owner runs the update on whole tensors "
-            f"({len(u.eqns)} equations, predicted {u.cost * 1e6:.3g} us); gradient "
-            "reduce-scattered in rows, new weights all-gathered, state only on its owner")
-  if len(u.clusters) > 1:
-    reason += f"; with cluster(s) {[i for i, _ in u.clusters[1:]]}, which share its equations"
-  out = {idx: dataclasses.replace(cp, tensors=tuple(tensors), reason=reason, owner=u.owner,
+  why = reasons.Reason(reasons.Owned(u.owner, where, len(u.eqns), u.cost,
+                                     tuple(i for i, _ in u.clusters[1:])))
+  out = {idx: dataclasses.replace(cp, tensors=tuple(tensors), why=why, owner=u.owner,
                                   replicated_seconds=rep, sharded_seconds=own)}
   for j, other in u.clusters[1:]:
-    out[j] = dataclasses.replace(other, reason=f"owned with cluster {idx} (shares equations)",
+    out[j] = dataclasses.replace(other, why=reasons.Reason(reasons.OwnedWith(idx)),
                                  owner=u.owner, tensors=())
   return out

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from wus.analysis import costmodel, network
+from wus.analysis import costmodel, network, reasons
 from wus.analysis.formats import ShardFormat
 from wus.analysis.owned import Ownership
+from wus.analysis.reasons import Reason
 from wus.analysis.shardable import Kind
 
 
@@ -56,7 +57,7 @@ class ClusterPlan:
     index: position in `Plan.clusters`.
     tensors: the tensors it reads and writes.
     sharded: whether it runs on shards.
-    reason: why.
+    why: why, as a value (`reasons.Reason`); `reason` is its text.
     all_reduce_bytes: whole bytes of its gradient all-reduces.
     all_gather_bytes: whole bytes it all-gathers per step when sharded.
     saved_bytes: predicted bytes of weights, state and outputs each replica no
@@ -71,13 +72,18 @@ class ClusterPlan:
   index: int
   tensors: tuple[TensorPlan, ...]
   sharded: bool
-  reason: str
+  why: Reason
   all_reduce_bytes: int
   all_gather_bytes: int
   saved_bytes: int
   replicated_seconds: float = 0.0
   sharded_seconds: float = 0.0
   owner: int | None = None
+
+  @property
+  def reason(self) -> str:
+    """Why, in the Plan's words (`reasons.render`)."""
+    return reasons.render(self.why)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +337,7 @@ def replicated(plan: Plan, reason: str) -> Plan:
   The rewrite then replays the step unchanged.
   """
   clusters = tuple(dataclasses.replace(
-      c, sharded=False, reason=reason, owner=None,
+      c, sharded=False, why=Reason(reason), owner=None,
       tensors=tuple(dataclasses.replace(t, format=None) for t in c.tensors)) for c in plan.clusters)
   inputs = tuple(dataclasses.replace(i, sharded=False, reason=reason) if i.sharded else i
                  for i in plan.inputs)

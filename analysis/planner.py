@@ -1,7 +1,9 @@
 """The planner: clusters, formats and cost decisions of a step, frozen into a Plan (§3, §4).
 
-`make_plan` runs the passes (clusters, formats, cost) on an analysed jaxpr,
-loops first (`loops.plan_loops`), and returns the `plan.Plan`.
+`make_plan` builds the step's `graph.Graph` and runs the passes (clusters,
+formats, cost, ownership) on it, loops first: each loop body through one
+memoized entry point, `_plan_body` (loops nest); it returns the `plan.Plan`,
+whose reasons are `reasons.Reason` values.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from collections.abc import Mapping, Sequence
 
 from wus.analysis import clusters as clusters_lib
 from wus.analysis import (compat, cost, formats, kept_state, layouts, loops, network, ordering,
-                          ownership)
+                          ownership, reasons)
 from wus.analysis.compat import Jaxpr, source_line
+from wus.analysis.graph import Graph
 from wus.analysis.plan import ClusterPlan, InputPlan, Plan, Program, TensorPlan
 from wus.analysis.redundancy import Redundancy
 from wus.analysis.shardable import Kind
@@ -57,14 +60,11 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   Returns:
     The frozen Plan.
   """
-  def big(v) -> bool:
-    return (not compat.is_literal(v)
-            and formats.is_shardable_shape(tuple(v.aval.shape), num_shards, min_size))
-
-  ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, big, objective,
+  graph = Graph(jaxpr, num_shards, min_size)
+  ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, graph.big, objective,
              topology or network.default_topology(num_shards), shard_weights,
              frozenset(jaxpr.invars[k] for k in roots))
-  planned = _plan(jaxpr, ctx, state_pairs, in_names, out_names)
+  planned = _plan(graph, ctx, state_pairs, in_names, out_names)
   inputs = []
   state = set(state_pairs.values()) | set(state_whole or ())
   for k, v in enumerate(jaxpr.invars):
@@ -83,7 +83,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   # first, the parameter copies it saves are lost for such steps.
   rooted = any(t.role == "root" for c in planned.clusters for t in c.tensors)
   after, tied = ((), frozenset()) if rooted else ordering.gather_after(
-      jaxpr, planned.program.shard_eqns, planned.formats, planned.program.sharded_out)
+      graph, planned.program.shard_eqns, planned.formats, planned.program.sharded_out)
   program = dataclasses.replace(planned.program, gather_after=after, tied_outputs=tied)
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               program, planned.formats, planned.gather_dtypes, objective=objective,
@@ -102,6 +102,9 @@ class _Ctx:
   topology: network.Topology
   shard_weights: bool = False
   roots: frozenset = frozenset()  # Declared roots (variables of the step's jaxpr).
+  # This planning's memo: a loop's `loops.Body` -> its plan (`_plan_body`), a
+  # conditional's branch jaxpr -> its cluster (`clusters.find_clusters`).
+  memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclasses.dataclass
@@ -116,21 +119,26 @@ class _Planned:
   owned: object = None  # The step's `owned.Ownership` (never a loop body's).
 
 
-def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out_names,
+def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out_names,
           label: str = "", in_loop: bool = False, counters: frozenset = frozenset()) -> _Planned:
-  """Clusters, formats and decisions of one jaxpr; loops inside are planned first.
+  """Clusters, formats and decisions of one jaxpr (`graph.jaxpr`); loops inside are
+  planned first.
 
   `counters` are a loop body's inputs that count iterations: a conditional
   whose predicate depends on one is taken every k steps (§3.2).
   """
+  jaxpr = graph.jaxpr
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   rare = loops.rare_conds(jaxpr, counters)
   cluster_plans, shard_eqns, state_in, state_out, all_formats, bodies = [], {}, {}, {}, {}, {}
   gather_dtypes: dict = {}
   input_reason: dict[int, tuple[bool, str]] = {}
 
-  readers = _readers(jaxpr)
-  planned_loops = loops.plan_loops(jaxpr, ctx, in_names, label, _plan)
+  planned_loops = {}
+  for i, body in loops.bodies(jaxpr, in_names, label).items():
+    loop = loops.planned_loop(jaxpr.eqns[i], _plan_body(body, ctx))
+    if loop is not None:
+      planned_loops[i] = loop
   for i, loop in planned_loops.items():
     shard_eqns[i], bodies[i] = Kind.LOOP, (loop.program,)
     cluster_plans += loop.clusters
@@ -138,8 +146,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     gather_dtypes.update(loop.gather_dtypes)
     all_formats.update({jaxpr.eqns[i].outvars[k]: f for k, f in loop.carries.items()})
     for out_pos, in_pos in state_pairs.items():
-      state = loops.loop_state(jaxpr, i, loop, jaxpr.outvars[out_pos], jaxpr.invars[in_pos],
-                               readers)
+      state = loops.loop_state(graph, i, loop, jaxpr.outvars[out_pos], jaxpr.invars[in_pos])
       if state is not None:
         all_formats.update(state.formats)
         shard_eqns.update(dict.fromkeys(state.copies, Kind.LAYOUT))
@@ -158,24 +165,27 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       jaxpr.invars[k] for k in state_pairs.values() if k not in state_in)
   found = clusters_lib.find_clusters(jaxpr, ctx.facts, ctx.axes, ctx.num_shards, ctx.min_size,
                                      held_sharded=frozenset(held), state=state,
-                                     roots=frozenset() if in_loop else ctx.roots)
+                                     roots=frozenset() if in_loop else ctx.roots, graph=graph,
+                                     memo=ctx.memo)
   clustered = {i for c in found for i in c.eqns}
   read_whole: set = set()  # Values a sharded cluster reads whole.
   candidates = []  # Replicated clusters of the step: ownership may run them on whole tensors.
   for c in found:
     idx = len(cluster_plans)
     members = set(c.eqns)
+    # The layout, or the verdict that stops it (words, or the parts that run whole).
     layout = layouts.assign(jaxpr, c, ctx.num_shards, ctx.big)
     if not c.eqns:
-      layout = _kept_whole_reason(jaxpr, c)
+      layout = _kept_whole(jaxpr, c)
+    notes: list = []  # What the passes below add to the verdict (`reasons`).
     narrow = None  # Inputs kept sharded and gathered in a narrower float where read.
     why_whole: dict[int, str] = {}  # shard_weights: weights this cluster updates, kept whole.
-    if not isinstance(layout, str) and (mismatch := [
+    if isinstance(layout, layouts.Layout) and (mismatch := [
         v for v in c.reads if v in held and layout.formats.get(v) != held[v]]):
       layout = (f"{mismatch[0].aval.str_short()} leaves a loop as shards of another format "
                 "than this update needs")
-    if isinstance(layout, str):
-      decision = cost.Decision(False, layout, 0, 0, 0)
+    if not isinstance(layout, layouts.Layout):
+      decision, verdict = cost.Decision(False, "", 0, 0, 0), layout
       layout = layouts.Layout({}, frozenset(), frozenset())
       pairs = {}
     else:
@@ -184,60 +194,54 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       weights = ctx.shard_weights and not in_loop
       through = frozenset()
       if weights:
-        c, layout, through = kept_state.through_copies(c, layout, jaxpr, state_pairs, readers, ctx,
-                                             why_whole)
+        c, layout, through = kept_state.through_copies(c, layout, graph, state_pairs, ctx,
+                                                       why_whole)
         members = set(c.eqns)
-      pairs = kept_state.pairs(c, layout, jaxpr, members, state_pairs, invar_pos, readers, narrow,
-                           gathers, why_whole if weights else None, through)
+      pairs = kept_state.pairs(c, layout, graph, members, state_pairs, narrow, gathers,
+                               why_whole if weights else None, through)
       narrow_bytes = sum(x.aval.size * dtype.itemsize for x, dtype in (narrow or {}).items())
       decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards,
                              rare, objective=ctx.objective, topology=ctx.topology,
                              extra_gather=0 if in_loop else narrow_bytes,
                              sliced=_sliced(c, jaxpr, pairs, invar_pos, in_names))
+      verdict = decision.reason
       # A value the rewrite holds as shards has one format: a cluster that
       # needs another format of a value an earlier cluster shards stays whole.
       if decision.shard and (clash := next((v for v, f in layout.formats.items()
                                              if all_formats.get(v, f) != f), None)) is not None:
-        name = loops.outer_name(clash, invar_pos, in_names, clash.aval.str_short())
-        decision = dataclasses.replace(decision, shard=False, reason=(
-            f"{name} is read as shards of another format by an earlier cluster (one value, "
-            "one format)"))
+        decision = dataclasses.replace(decision, shard=False)
+        verdict = reasons.FormatClash(
+            loops.outer_name(clash, invar_pos, in_names, clash.aval.str_short()))
         pairs = {}
       if rare & set(c.nested) and decision.shard:
-        decision = dataclasses.replace(decision, reason=decision.reason + "; " + ", ".join(
-            f"the conditional at {source_line(jaxpr.eqns[i])} follows the loop counter: it "
-            "gathers what it reads whole inside its branch, off the frequent path (§3.2)"
-            for i in sorted(rare & set(c.nested))))
+        notes.append(reasons.RareConditionals(tuple(
+            source_line(jaxpr.eqns[i]) for i in sorted(rare & set(c.nested)))))
       if in_loop and decision.shard:
         gather_dtypes.update(gathers)
-        decision = dataclasses.replace(decision, reason=decision.reason + "; " + loops.placements(
-            c, jaxpr, members, state_pairs, pairs, narrow, invar_pos, in_names, readers))
+        notes.append(loops.placements(c, graph, members, state_pairs, pairs, narrow, in_names))
       elif narrow and decision.shard:
         gather_dtypes.update(gathers)
-        decision = dataclasses.replace(decision, reason=decision.reason + "; " + ", ".join(
-            f"{in_names[invar_pos[x]]} kept sharded between steps (shard_weights=True) and "
-            f"all-gathered in {dtype.name} at its first read: {x.aval.size * dtype.itemsize} B "
-            f"per step instead of {x.aval.size * x.aval.dtype.itemsize} B (Fig. 4 right, "
-            "Fig. 7)" for x, dtype in narrow.items()))
+        notes.append(reasons.KeptShardedWeights(tuple(
+            reasons.Gather(in_names[invar_pos[x]], dtype.name, x.aval.size * dtype.itemsize,
+                           x.aval.size * x.aval.dtype.itemsize, True)
+            for x, dtype in narrow.items())))
     across = sorted({a for i in c.seeds for a in compat.collective_axes(jaxpr.eqns[i])}
                     - ctx.axes)
     if across and decision.shard:
-      decision = dataclasses.replace(decision, reason=decision.reason + (
-          f"; partial sharding (§5.2): reduce-scatter over {sorted(ctx.axes)}, the shards "
-          f"all-reduced across {across}"))
+      notes.append(reasons.PartialSharding(tuple(sorted(ctx.axes)), tuple(across)))
     if c.kept_whole and c.eqns:
-      decision = dataclasses.replace(decision, reason=decision.reason + "; "
-                                     + _kept_whole_reason(jaxpr, c))
+      notes.append(_kept_whole(jaxpr, c))
     fmt = layout.formats.get if decision.shard else (lambda v: None)
     tensors = _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt)
     if not decision.shard:
       # The update goes on past the equation that stopped the cluster: name
       # what it reads and returns there as kept whole with this cluster.
-      rest, rest_pairs = kept_state.continued(jaxpr, c, clustered, readers, state_pairs, ctx)
+      rest, rest_pairs = kept_state.continued(graph, c, clustered, state_pairs, ctx)
       tensors += _tensors(rest, jaxpr, rest_pairs, in_names, out_names, invar_pos, fmt)
       for v in rest.reads:
         input_reason.setdefault(invar_pos[v], (False, f"cluster {idx} stays replicated"))
-    cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, label + decision.reason,
+    why = reasons.Reason(verdict, tuple(notes), label)
+    cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, why,
                                      decision.all_reduce_bytes, decision.all_gather_bytes,
                                      decision.saved_bytes, decision.replicated_seconds,
                                      decision.sharded_seconds))
@@ -268,7 +272,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       bodies.update(_bodies(jaxpr, c, layout, ctx.big))
       for out_pos, in_pos in pairs.items():
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
-  owned = ownership.plan_ownership(jaxpr, ctx, candidates, shard_eqns, state_pairs, readers,
+  owned = ownership.plan_ownership(graph, ctx, candidates, shard_eqns, state_pairs,
                                    in_names, out_names) if candidates else ownership.Owned()
   for idx, cluster_plan in owned.clusters.items():
     cluster_plans[idx] = cluster_plan
@@ -282,8 +286,8 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       if in_pos in state_in:
         continue
       y = jaxpr.outvars[out_pos]
-      if (v in all_formats and v not in read_whole and readers.get(v)
-          and all(shard_eqns.get(j) not in (None, Kind.LOOP) for j in readers[v])
+      if (v in all_formats and v not in read_whole and graph.readers(v)
+          and all(shard_eqns.get(j) not in (None, Kind.LOOP) for j in graph.readers(v))
           and all_formats.get(y) == all_formats[v] and jaxpr.outvars.count(y) == 1):
         # Read only as shards by sharded updates (several clusters: Sophia's nu, read by the
         # step and refreshed from a Hessian estimate; or returned unchanged:
@@ -292,7 +296,7 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         input_reason[in_pos] = (True, "optimizer state: only sharded updates read it"
                                       + (", and it is returned unchanged" if y is v else ""))
         continue
-      chain = kept_state.passed_through(jaxpr, in_pos, out_pos, readers, ctx)
+      chain = kept_state.passed_through(graph, in_pos, out_pos, ctx)
       if chain is not None:
         for j in chain:
           shard_eqns[j] = Kind.LAYOUT
@@ -307,7 +311,19 @@ def _plan(jaxpr: Jaxpr, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
                   input_reason, all_formats, gather_dtypes, owned.ownership)
 
 
-def _kept_whole_reason(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> str:
+def _plan_body(body: loops.Body, ctx: _Ctx) -> _Planned:
+  """The plan of a loop body: the one entry point of the planner's recursion into loops,
+  memoized by `body` (its jaxpr, carries and names), so a body that several loops run
+  is planned once and every such loop shares the same Program (as
+  `jax.experimental.key_reuse` memoizes a sub-jaxpr's signature)."""
+  if body not in ctx.memo:
+    ctx.memo[body] = _plan(Graph(body.jaxpr, ctx.num_shards, ctx.min_size), ctx,
+                           dict(body.state_pairs), body.in_names, body.out_names, body.label,
+                           in_loop=True, counters=body.counters)
+  return ctx.memo[body]
+
+
+def _kept_whole(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> reasons.KeptWhole:
   """Which equations of the update run whole, and the readers that make them."""
   parts = []
   for r in sorted(set(c.kept_whole.values())):
@@ -316,10 +332,9 @@ def _kept_whole_reason(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> str:
                                                                     compat.psum_invariant_p)]
     what = (f"the all-reduce at {source_line(jaxpr.eqns[collectives[0]])}" if collectives
             else f"{jaxpr.eqns[max(whole)].primitive} at {source_line(jaxpr.eqns[max(whole)])}")
-    parts.append(f"{what} and {len(whole) - 1} more equation(s) run whole: "
-                 f"{jaxpr.eqns[r].primitive} at {source_line(jaxpr.eqns[r])} reads the result "
-                 "whole and has no shard rule")
-  return "; ".join(parts)
+    parts.append(reasons.RunsWhole(what, len(whole) - 1,
+                                   f"{jaxpr.eqns[r].primitive} at {source_line(jaxpr.eqns[r])}"))
+  return reasons.KeptWhole(tuple(parts))
 
 
 def _bodies(jaxpr: Jaxpr, c: clusters_lib.Cluster, layout: layouts.Layout,
@@ -337,16 +352,6 @@ def _bodies(jaxpr: Jaxpr, c: clusters_lib.Cluster, layout: layouts.Layout,
           _bodies(inner, sub, layout, big)))
     out[i] = tuple(progs)
   return out
-
-
-def _readers(jaxpr: Jaxpr) -> dict:
-  """Variable -> the indices of the equations of `jaxpr` that read it."""
-  readers: dict = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if not compat.is_literal(v):
-        readers.setdefault(v, set()).add(i)
-  return readers
 
 
 def _sliced(c: clusters_lib.Cluster, jaxpr: Jaxpr, pairs, invar_pos, in_names) -> list[str]:

@@ -23,7 +23,8 @@ import numpy as np
 from jax import lax
 
 from wus.analysis import compat
-from wus.analysis.compat import Jaxpr, JaxprEqn
+from wus.analysis.compat import JaxprEqn
+from wus.analysis.graph import Graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,25 +59,23 @@ def is_copy(eqn: JaxprEqn) -> bool:
   return False
 
 
-def copy_chain(jaxpr: Jaxpr, start, end, readers: dict) -> list[int] | None:
+def copy_chain(graph: Graph, start, end) -> list[int] | None:
   """The layout-only equations (`is_copy`, no pvary) leading from `start` to `end`.
 
   Each value on the way before `end` has exactly one reader and is no output
   of `jaxpr`, so the chain can run on shards with nothing else noticing.
 
   Args:
-    jaxpr: the jaxpr.
-    start, end: variables of `jaxpr` (the same one: an empty chain).
-    readers: variable -> indices of the equations that read it.
+    graph: the jaxpr's graph.
+    start, end: variables of the jaxpr (the same one: an empty chain).
 
   Returns:
     The equations' indices in order, or None if there is no such chain.
   """
-  chain, v = [], start
-  outputs = {u for u in jaxpr.outvars if not compat.is_literal(u)}
+  chain, v, jaxpr = [], start, graph.jaxpr
   while v is not end:
-    rs = list(readers.get(v, ()))
-    if len(rs) != 1 or v in outputs:
+    rs = graph.readers(v)
+    if len(rs) != 1 or v in graph.outputs:
       return None
     eqn = jaxpr.eqns[rs[0]]
     if eqn.primitive is compat.pvary_p or not is_copy(eqn):
@@ -86,32 +85,31 @@ def copy_chain(jaxpr: Jaxpr, start, end, readers: dict) -> list[int] | None:
   return chain
 
 
-def narrowed(jaxpr: Jaxpr, x, members: set[int], readers: dict) -> Narrowed | str:
+def narrowed(graph: Graph, x, members: set[int]) -> Narrowed | str:
   """How the equations outside the update `members` read `x`: only narrow, or why not.
 
   Args:
-    jaxpr: the jaxpr.
+    graph: the jaxpr's graph.
     x: a weight the update reads as shards (or reads through layout-only
       equations, `is_copy`).
     members: indices of the update's equations.
-    readers: variable -> indices of the equations that read it.
 
   Returns:
     The `Narrowed` read, or a reason (the first equation that reads `x`
     otherwise than converted to one narrower float).
   """
+  jaxpr = graph.jaxpr
   reads = {v for i in members for v in jaxpr.eqns[i].invars if not compat.is_literal(v)}
-  outvars = {v for v in jaxpr.outvars if not compat.is_literal(v)}
 
   def to_update(v) -> bool:
     """Whether the update reads `v` or a layout-only copy of it."""
     return v in reads or any(is_copy(jaxpr.eqns[i]) and to_update(jaxpr.eqns[i].outvars[0])
-                             for i in readers.get(v, ()))
+                             for i in graph.readers(v))
 
   # The values holding x's elements as shards: x, and the copies on its way to the update.
   held, copies, todo = [x], [], [x]
   while todo:
-    for i in sorted(readers.get(todo.pop(), ())):
+    for i in graph.readers(todo.pop()):
       eqn = jaxpr.eqns[i]
       if is_copy(eqn) and (i in members or to_update(eqn.outvars[0])):
         copies += [] if i in members else [i]
@@ -119,9 +117,9 @@ def narrowed(jaxpr: Jaxpr, x, members: set[int], readers: dict) -> Narrowed | st
         todo.append(eqn.outvars[0])
   found, gathered, skip = set(), [], members | set(copies)
   for v in held:
-    if not (readers.get(v, set()) - skip):
+    if graph.only_read_by(v, skip):
       continue
-    dtypes = _whole_reads(jaxpr, v, skip, readers, outvars)
+    dtypes = _whole_reads(graph, v, skip)
     if isinstance(dtypes, str):
       return dtypes
     found |= dtypes
@@ -132,8 +130,7 @@ def narrowed(jaxpr: Jaxpr, x, members: set[int], readers: dict) -> Narrowed | st
   return Narrowed(found.pop(), tuple(copies), tuple(gathered))
 
 
-def _whole_reads(jaxpr: Jaxpr, v, skip: set[int], readers: dict,
-                 outvars: set) -> set[np.dtype] | str:
+def _whole_reads(graph: Graph, v, skip: set[int]) -> set[np.dtype] | str:
   """The narrower floats the readers of `v` outside `skip` convert it to.
 
   The value is all-gathered narrow: it may only flow, through layout-only
@@ -143,10 +140,10 @@ def _whole_reads(jaxpr: Jaxpr, v, skip: set[int], readers: dict,
   found, todo = set(), [v]
   while todo:
     u = todo.pop()
-    if u in outvars:
+    if u in graph.outputs:
       return f"{u.aval.str_short()} is returned"
-    for i in sorted(readers.get(u, ())):
-      eqn = jaxpr.eqns[i]
+    for i in graph.readers(u):
+      eqn = graph.jaxpr.eqns[i]
       if u is v and i in skip:
         continue  # The update reads the shard.
       if eqn.primitive is lax.convert_element_type_p:

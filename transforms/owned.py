@@ -35,6 +35,7 @@ from wus.analysis import compat
 from wus.analysis.formats import ShardFormat
 from wus.analysis.owned import Ownership
 from wus.analysis.plan import Plan
+from wus.analysis.shardable import Kind
 from wus.collectives import owned as rows_lib
 
 
@@ -79,6 +80,29 @@ class Region:
     self.received.update(zip(dtypes, shards, strict=True))
 
   # --- The switch. ------------------------------------------------------------
+
+  def meet(self, eqn, kind: Kind, env) -> list:
+    """The rewrite's rule for an owned equation (`Kind.OWNED`, `Kind.OWNED_SCATTER`).
+
+    A gradient waits for the batched reduce-scatter of rows; the first other
+    owned equation runs them all, each on its owner, in one switch (`run`).
+
+    Args:
+      eqn: the equation.
+      kind: its Kind in the program.
+      env: the rewrite's values (`whole`, `shard`, `scatter`, `jaxpr`).
+
+    Returns:
+      Per output, this replica's column of its bank (owned state), or None (a
+      new weight, gathered as rows where read whole).
+    """
+    if kind is Kind.OWNED_SCATTER:
+      self.summands[eqn.outvars[0]] = env.whole(eqn.invars[0])
+    elif not self.done:
+      if self.summands:
+        env.scatter()
+      self.run(env.jaxpr, env.whole, env.shard)
+    return [self.columns.get(v) for v in eqn.outvars]
 
   def run(self, jaxpr, whole: Callable[[Any], Any], column: Callable[[Any], Any]) -> None:
     """Runs every owned equation of `jaxpr` (the step's), each on its owner.

@@ -38,7 +38,7 @@ from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan, Program
 from wus.analysis.primitives import REDUCTIONS, Reduction
 from wus.analysis.shardable import Kind
-from wus.transforms import owned
+from wus.transforms import owned, schedule
 
 
 class _Held:
@@ -355,17 +355,9 @@ shard_rules[Kind.LOOP] = _loop
 
 
 def _owned(eqn: JaxprEqn, env: _Env) -> list[Any]:
-  # Owned updates (`transforms.owned`): a gradient waits for the batched reduce-scatter of
-  # rows; the first other equation runs them all, each on its owner, in one switch. The
-  # new state is this replica's column of its bank; new weights are gathered as rows.
-  region = env.owned
-  if env.program.shard_eqns[env.current] is Kind.OWNED_SCATTER:
-    region.summands[eqn.outvars[0]] = env.whole(eqn.invars[0])
-  elif not region.done:
-    if region.summands:
-      env.scatter()
-    region.run(env.jaxpr, env.whole, env.shard)
-  return [_Held(shard=region.columns.get(v)) for v in eqn.outvars]
+  # Owned updates run on whole tensors, each on its owner (`owned.Region.meet`).
+  columns = env.owned.meet(eqn, env.program.shard_eqns[env.current], env)
+  return [_Held(shard=x) for x in columns]
 
 
 shard_rules[Kind.OWNED_SCATTER] = shard_rules[Kind.OWNED] = _owned
@@ -399,7 +391,7 @@ def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
     env.held[v] = _Held(whole=c)
   for k, (v, x) in enumerate(zip(inner.invars, args, strict=True)):
     env.held[v] = _Held(shard=x) if k in program.sharded_in else _Held(whole=x)
-  for i in _schedule(inner, program):
+  for i in schedule.schedule(inner, program):
     eqn, env.current = inner.eqns[i], i
     kind = program.shard_eqns.get(i)
     if kind is None:
@@ -433,43 +425,3 @@ def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
                     strict=True):
       outs[k] = x
   return outs
-
-
-def _schedule(jaxpr, program: Program) -> list[int]:
-  """An order of the equations that batches the collectives of the update (§5.2).
-
-  An equation's level counts, on its longest input path, the all-reduces of
-  partial results (two levels each) and whether the weight update has begun
-  (one level): level 2p is phase p before the update, 2p + 1 its update.
-  Running equations by (level, position) is a valid order (a reader's level
-  is at least its producer's) in which every gradient all-reduce runs before
-  the update reads any (one batched reduce-scatter) and every reduction of
-  one phase before anything reads a result of that phase (one batched
-  all-reduce per phase). Effectful equations keep their order. Owned updates
-  run together (`transforms.owned`), last of the highest level any reaches.
-  """
-  owned_eqns = {i for i, k in program.shard_eqns.items() if k is Kind.OWNED}
-  keys = _levels(jaxpr, program)
-  if owned_eqns:
-    keys = _levels(jaxpr, program, owned_eqns, max(keys[i][0] for i in owned_eqns))
-  return [i for *_, i in sorted(keys)]
-
-
-def _levels(jaxpr, program: Program, owned_eqns=frozenset(), top: int = 0) -> list[tuple]:
-  """(level, owned, position) per equation (`_schedule`); `owned_eqns` forced to `top`."""
-  level: dict = {}
-  keys, last_effect = [], 0
-  for i, eqn in enumerate(jaxpr.eqns):
-    p = max((level.get(v, 0) for v in eqn.invars if not compat.is_literal(v)), default=0)
-    kind = program.shard_eqns.get(i)
-    if kind is not None and kind.update:
-      p |= 1
-    if compat.side_effects(eqn):
-      p = last_effect = max(p, last_effect)
-    if i in owned_eqns:
-      p = top
-    done = p + (kind is not None and kind.partial) + (i in owned_eqns)
-    for v in eqn.outvars:
-      level[v] = done
-    keys.append((p, i in owned_eqns, i))
-  return keys

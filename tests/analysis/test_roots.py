@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import analysed_body, assert_trees_equal, collective_arrays, mesh, run_both
-from wus.analysis import clusters, formats, planner
+from wus.analysis import clusters, planner
+from wus.analysis.graph import Graph
 
 TX = optax.adam(1e-2)
 
@@ -198,10 +199,6 @@ def _update(w, m, g):
   return w - 0.1 * m, m
 
 
-def _big(v):
-  return formats.is_shardable_shape(tuple(v.aval.shape), N, 0)
-
-
 def test_declared_root_seeds_a_cluster_that_reads_it_by_a_local_slice():
   jaxpr, facts = analysed_body(_update, [R, R, R], [(64,)] * 3, (R, R), mesh=mesh(N))
   w, m, g = jaxpr.invars
@@ -216,10 +213,11 @@ def test_roots_of_state_no_all_reduce_reaches_are_found():
   w, m, g = jaxpr.invars
   # The momentum's update reads g (its shape, a float, identical everywhere);
   # w's reads the scaled momentum, a root too. State is no root.
-  roots = clusters.find_roots(jaxpr, facts, AXES, _big, {w, m}, set())
+  graph = Graph(jaxpr, N)
+  roots = clusters.find_roots(graph, facts, AXES, {w, m}, set())
   assert g in roots and not {w, m} & roots
   # State a cluster already reads has its update found: no roots.
-  assert clusters.find_roots(jaxpr, facts, AXES, _big, {w, m}, set(range(len(jaxpr.eqns)))) \
+  assert clusters.find_roots(graph, facts, AXES, {w, m}, set(range(len(jaxpr.eqns)))) \
       == frozenset()
   (c,) = clusters.find_clusters(jaxpr, facts, AXES, N, state=frozenset({w, m}))
   assert c.roots[0] is g and g in c.reads  # Defined first; read by a local slice.

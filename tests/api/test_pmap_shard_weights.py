@@ -31,7 +31,8 @@ import pytest
 
 import wus
 from helpers import assert_trees_equal, collective_arrays, sharded_leaves
-from wus.analysis import compat, precision
+from wus.analysis import precision
+from wus.analysis.graph import Graph
 
 N = 8
 TX = optax.sgd(optax.linear_schedule(0.0, 0.1, 5), momentum=0.9, nesterov=True)
@@ -290,26 +291,21 @@ def test_partial_sharding_gathers_narrow_too():
 # --- The precision pass through a squeeze. ----------------------------------------
 
 def _squeezed(forward):
-  """(jaxpr, readers) of `w = squeeze(w3)`, `forward(w)`, and the update `w + u`."""
+  """(graph, update) of `w = squeeze(w3)`, `forward(w)`, and the update `w + u`."""
   def f(w3, u):
     w = jnp.squeeze(w3, 0)
     return forward(w), w + u
   jaxpr = jax.make_jaxpr(f)(jnp.zeros((1, 4, 4)), jnp.zeros((4, 4))).jaxpr
-  readers = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if not compat.is_literal(v):
-        readers.setdefault(v, set()).add(i)
-  return jaxpr, readers, {len(jaxpr.eqns) - 1}  # The update: the last equation.
+  return Graph(jaxpr, N), {len(jaxpr.eqns) - 1}  # The update: the last equation.
 
 
 def test_narrowed_follows_the_squeeze_the_update_reads_through():
-  jaxpr, readers, update = _squeezed(lambda w: w.astype(jnp.bfloat16) * 2)
-  (squeeze, convert, *_), x = jaxpr.eqns, jaxpr.invars[0]
-  read = precision.narrowed(jaxpr, x, update, readers)
+  graph, update = _squeezed(lambda w: w.astype(jnp.bfloat16) * 2)
+  (squeeze, convert, *_), x = graph.jaxpr.eqns, graph.jaxpr.invars[0]
+  read = precision.narrowed(graph, x, update)
   # The squeeze joins the update; its result is gathered narrow, in its shape.
   assert read == precision.Narrowed(np.dtype(jnp.bfloat16), (0,), (squeeze.outvars[0],))
-  assert precision.narrowed(jaxpr, x, update | {0}, readers).copies == ()
-  jaxpr, readers, update = _squeezed(lambda w: w.astype(jnp.bfloat16) * jnp.sum(w * w))
+  assert precision.narrowed(graph, x, update | {0}).copies == ()
+  graph, update = _squeezed(lambda w: w.astype(jnp.bfloat16) * jnp.sum(w * w))
   assert re.match(r"mul at .* reads it in float32", precision.narrowed(
-      jaxpr, jaxpr.invars[0], update, readers))
+      graph, graph.jaxpr.invars[0], update))
