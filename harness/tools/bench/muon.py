@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 import wus
-from wus.harness import report
+from wus.harness.tools import report
 
 AXIS = "data"
 LEARNING_RATE = 1e-2
