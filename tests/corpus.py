@@ -678,18 +678,25 @@ def wmt_case():
     p_step = functools.partial(wmt_train_step, config=config, learning_rate_fn=learning_rate_fn,
                                label_smoothing=0.1, axis=axis, grad_form=grad_form,
                                fold_in_replica=shard_map)
-    if not shard_map:
-      return p_step  # Called as the example calls it: p_train_step(state, batch, dropout_rng=...).
-
-    def train_step(state, batch, dropout_rng):  # shard_map passes arguments by position.
-      return p_step(state, batch, dropout_rng=dropout_rng)
-    return train_step
+    return _rng_by_position(p_step, shard_map)
 
   return Case(
       name="wmt", make_step=make_step, init=init,
       inputs=lambda n, i: (_token_batch(n, i, keys=("inputs", "targets")), _key(i)),
       input_specs=(P("data"), P()),
       opt_state=lambda s: s[0].opt_state)
+
+
+def _rng_by_position(p_step, shard_map: bool):
+  """A Flax example's step as the example calls it (`p_train_step(state, batch,
+  dropout_rng=...)`), or for shard_map, which passes arguments by position, with the
+  key third."""
+  if not shard_map:
+    return p_step
+
+  def train_step(state, batch, dropout_rng):
+    return p_step(state, batch, dropout_rng=dropout_rng)
+  return train_step
 
 
 def lm1b_case():
@@ -711,12 +718,7 @@ def lm1b_case():
   def make_step(axis, grad_form, shard_map):
     p_step = functools.partial(lm1b_train_step, config=config, learning_rate_fn=learning_rate_fn,
                                axis=axis, grad_form=grad_form, fold_in_replica=shard_map)
-    if not shard_map:
-      return p_step  # Called as the example calls it: p_train_step(state, batch, dropout_rng=...).
-
-    def train_step(state, batch, dropout_rng):  # shard_map passes arguments by position.
-      return p_step(state, batch, dropout_rng=dropout_rng)
-    return train_step
+    return _rng_by_position(p_step, shard_map)
 
   return Case(
       name="lm1b", make_step=make_step, init=init,

@@ -172,6 +172,26 @@ def run_both(step, args, xs, *, wus_kw=None, **kw):
   return a, b, ws
 
 
+def two_axis_run(shape, check_vma, width, *, wus_kw=None):
+  """Adam on `dense_step` over a ("replica", "data") mesh of `shape`, the batch split
+  over both axes and the gradients all-reduced over both: three steps unmodified and
+  under wus (`run_both`), from weights of [24, width] and [width].
+
+  Returns:
+    (the mesh, the unmodified outputs, the wus outputs, the wus step, the last batch).
+  """
+  axes = ("replica", "data")
+  mesh, tx, batch = jax.make_mesh(shape, axes), optax.adam(1e-2), P(axes)
+  k = jax.random.split(jax.random.key(0), 2)
+  params = {"w": 0.1 * jax.random.normal(k[0], (24, width)),
+            "b": 0.1 * jax.random.normal(k[1], (width,))}
+  kw = dict(mesh=mesh, in_specs=(P(), P(), batch), out_specs=(P(), P()), check_vma=check_vma)
+  xs = [jax.device_put(jax.random.normal(jax.random.key(i), (16, 24)), NamedSharding(mesh, batch))
+        for i in range(3)]
+  a, b, ws = run_both(dense_step(tx, axes), (params, tx.init(params)), xs, wus_kw=wus_kw, **kw)
+  return mesh, a, b, ws, xs[-1]
+
+
 def dense_inputs(m, steps=3):
   k = jax.random.split(jax.random.key(0), 2 + steps)
   params = {"w": 0.1 * jax.random.normal(k[0], (24, 40)), "b": 0.1 * jax.random.normal(k[1], (40,))}

@@ -1,5 +1,7 @@
-"""The code passes the project's linter (`ruff check`, configured in pyproject.toml)."""
+"""The code passes the project's linter (`ruff check`, configured in pyproject.toml) and keeps
+JAX and Orbax internals in the one place each may be touched."""
 
+import ast
 import pathlib
 import shutil
 import subprocess
@@ -14,3 +16,44 @@ def test_ruff_check_passes():
   result = subprocess.run([*cmd, "check", "--no-cache", "--output-format", "concise", str(ROOT)],
                           capture_output=True, text=True, cwd=ROOT)
   assert result.returncode == 0, result.stdout + result.stderr
+
+
+# The packages installed as wus, wus.analysis, ... (tests may reach into JAX to check them).
+PACKAGES = ("wus", "analysis", "transforms", "collectives", "harness")
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+  """(line, module) of every import in a file, `from a.b import c` as a.b and a.b.c."""
+  out = []
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      out += [(node.lineno, a.name) for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      out += [(node.lineno, node.module)]
+      out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+  return out
+
+
+def _importers(prefixes: tuple[str, ...]) -> dict[str, list[int]]:
+  """Source files of the packages importing a module under one of `prefixes`, with lines."""
+  found: dict[str, list[int]] = {}
+  for package in PACKAGES:
+    for path in sorted((ROOT / package).rglob("*.py")):
+      for line, module in _imports(path):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+          found.setdefault(path.relative_to(ROOT).as_posix(), []).append(line)
+  return found
+
+
+def test_jax_internals_only_in_compat():
+  """DESIGN.md §4 invariant 4: `jax._src` and `jax.extend` only under analysis/compat/."""
+  found = _importers(("jax._src", "jax.extend"))
+  outside = {f: lines for f, lines in found.items() if not f.startswith("analysis/compat/")}
+  assert not outside, f"JAX internals imported outside analysis/compat/: {outside}"
+  assert "analysis/compat/handles.py" in found  # The check sees the imports it looks for.
+
+
+def test_orbax_internals_only_in_the_checkpoint_handler():
+  """Orbax internals (`orbax.checkpoint._src`) only in wus/checkpoint/handler.py."""
+  found = _importers(("orbax.checkpoint._src",))
+  assert set(found) == {"wus/checkpoint/handler.py"}, found

@@ -4,6 +4,7 @@ Modules, one concern each:
   inline     calls inlined, all-reduces hoisted out of remat, scan and cond, for the analysis
   rewrite    the evaluate-and-retrace interpreter emitting the sharded step
   programs   the shard_state / step / unshard_state programs (§4.2)
+  layout     `ShardedLayout`: where a tensor kept sharded lies (format, axes, spec, mesh, groups)
   groups     sharding groups of G consecutive replicas of one axis, on a derived mesh (§5.2)
   gc_pause   Python's cyclic GC paused while wus traces
 """

@@ -13,7 +13,8 @@ within each group, the shards all-reduced across the groups, the update on
 1/G, all-gather within the group.
 
 Values enter the compiled programs on the derived mesh and leave on the
-user's (`place`), so users never see it; sharded state lives on it.
+user's (`place`), so users never see it; sharded state lives on it, and its
+layout (`transforms.layout.ShardedLayout`) carries the Groups with it.
 """
 
 from __future__ import annotations
@@ -108,10 +109,6 @@ def check_group_size(group_size: Any) -> None:
                      f"replicas; got {group_size!r}")
 
 
-# Derived meshes -> their Groups, to place values leaving the derived mesh.
-_HOMES: dict[Mesh, Groups] = {}
-
-
 @functools.lru_cache(maxsize=None)
 def derive(mesh: Mesh, axis: str, group_size: int) -> Groups:
   """The sharding groups of `group_size` consecutive replicas of `mesh`'s `axis`.
@@ -140,20 +137,13 @@ def derive(mesh: Mesh, axis: str, group_size: int) -> Groups:
   derived = Mesh(mesh.devices.reshape(shape),
                  (*mesh.axis_names[:k], outer, inner, *mesh.axis_names[k + 1:]),
                  axis_types=(*types[:k], types[k], types[k], *types[k + 1:]))
-  groups = Groups(mesh, axis, int(group_size), derived, outer, inner)
-  _HOMES[derived] = groups
-  return groups
+  return Groups(mesh, axis, int(group_size), derived, outer, inner)
 
 
 def _fresh(name: str, mesh: Mesh) -> str:
   while name in mesh.axis_names:
     name += "_"
   return name
-
-
-def home(mesh: Mesh) -> Groups | None:
-  """The Groups `mesh` was derived for (None: a user's mesh)."""
-  return _HOMES.get(mesh)
 
 
 def on(mesh: Mesh):

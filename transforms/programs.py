@@ -23,12 +23,8 @@ from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
 from wus.collectives import owned as owned_rows
 from wus.transforms import gc_pause, groups
+from wus.transforms.layout import ShardedLayout, shard_spec
 from wus.transforms.rewrite import rewrite
-
-
-def shard_spec(axes: Sequence[str]) -> P:
-  """The PartitionSpec of a sharded tensor: leading dim split over `axes`."""
-  return P(axes[0] if len(axes) == 1 else tuple(axes))
 
 
 def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequence[P],
@@ -93,33 +89,31 @@ def _placed(fn: Callable, mesh: Mesh, ins: Sequence[P], outs: Sequence[P], shard
 
 
 @functools.lru_cache(maxsize=None)
-def shard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
-                  specs: tuple[P, ...]) -> Callable[..., list[jax.Array]]:
+def shard_program(layouts: tuple[ShardedLayout, ...]) -> Callable[..., list[jax.Array]]:
   """Whole tensors -> sharded global arrays (the sharding program of §4.2).
 
   One program for all of a step's state. Each device takes its own shard of
-  its whole value (shape `fmt.shape`, laid out by `spec` as the step's in_spec
-  lays it out) with a local slice: no communication. Owned state
+  its whole value (shape `format.shape`, laid out by `spec` as the step's
+  in_spec lays it out) with a local slice: no communication. Owned state
   (`wus.analysis.owned`) is converted by bank, all of a bank's members together.
 
   Args:
-    fmts: a format per tensor.
-    mesh: the step's mesh.
-    axes: the replica axes.
-    specs: a PartitionSpec per tensor (P(): one replicated array).
+    layouts: a layout per tensor, all on one mesh, over the same replica axes.
 
   Returns:
-    A function of one array per format returning, per tensor, a global array
-    of shape `fmt.padded_shape` laid out with `shard_spec(axes)`.
+    A function of one array per layout returning, per tensor, a global array
+    of shape `format.padded_shape` laid out by its `data_sharding`.
   """
+  fmts, specs, mesh, axes, home = _common(layouts)
+
   def body(*xs):
     return _shard_all(xs, fmts, axes)
-  if groups.home(mesh) is None:
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+  if home is None:
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
                                  out_specs=[shard_spec(axes)] * len(fmts)))
   # A mesh derived for sharding groups: whole values may come on the user's mesh,
   # and `wus.pmap`'s stacked copies, split over the groups too, are equal copies.
-  split = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+  split = jax.shard_map(body, mesh=mesh, in_specs=specs,
                         out_specs=[shard_spec(axes)] * len(fmts), check_vma=False)
 
   def placed(*xs):
@@ -130,8 +124,7 @@ def shard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
 
 
 @functools.lru_cache(maxsize=None)
-def unshard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
-                    specs: tuple[P, ...]) -> Callable[..., list[jax.Array]]:
+def unshard_program(layouts: tuple[ShardedLayout, ...]) -> Callable[..., list[jax.Array]]:
   """Sharded global arrays -> the whole tensors on every device, in one program.
 
   The all-gathers are batched (§5.2, `collectives.batched.all_gather`), so a
@@ -139,21 +132,21 @@ def unshard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
   is gathered by bank: a member is whole only with all of its bank's columns.
 
   Args:
-    fmts: a format per tensor.
-    mesh: the mesh the arrays are laid out on.
-    axes: the replica axes they are sharded over.
-    specs: per tensor, the PartitionSpec of the per-device whole values (the
-      step's out_spec; P(): one replicated array).
+    layouts: a layout per tensor, all on one mesh, over the same replica axes;
+      each `spec` lays out the per-device whole values (the step's out_spec;
+      P(): one replicated array).
 
   Returns:
-    A function of one global array per format (shape `fmt.padded_shape`)
-    returning the whole arrays (each device's value of shape `fmt.shape`).
+    A function of one global array per layout (shape `format.padded_shape`)
+    returning the whole arrays (each device's value of shape `format.shape`),
+    on the user's mesh.
   """
+  fmts, specs, mesh, axes, home = _common(layouts)
+
   def body(*shards):
     return _gather_all(shards, fmts, axes)
   gather = jax.shard_map(body, mesh=mesh, in_specs=(shard_spec(axes),) * len(fmts),
                          out_specs=list(specs))
-  home = groups.home(mesh)
   if home is None:
     return jax.jit(gather)
   # State sharded in groups (`shard_group_size`): whole values on the user's mesh.
@@ -164,6 +157,20 @@ def unshard_program(fmts: tuple[ShardFormat, ...], mesh: Mesh, axes: tuple,
     return [groups.place(x, NamedSharding(home.mesh, home.user_spec(s)))
             for x, s in zip(wholes, specs, strict=True)]
   return jax.jit(placed)
+
+
+def _common(layouts: Sequence[ShardedLayout]) -> tuple:
+  """(formats, specs, mesh, replica axes, groups) of layouts that share the last three.
+
+  Raises:
+    ValueError: the layouts live on different meshes, axes or groups.
+  """
+  first = layouts[0]
+  if any((x.mesh, x.axes, x.groups) != (first.mesh, first.axes, first.groups) for x in layouts):
+    raise ValueError("one shard or unshard program converts tensors of one mesh, replica axes "
+                     "and sharding groups")
+  return (tuple(x.format for x in layouts), tuple(x.spec for x in layouts), first.mesh,
+          tuple(first.axes), first.groups)
 
 
 def banks(fmts: Sequence) -> dict:

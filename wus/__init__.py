@@ -19,6 +19,6 @@ from wus.sharded import ShardedArray
 from wus.sharded import checkpointable
 from wus.sharded import is_sharded
 from wus.sharded import unreplicate
-from wus.sharded import unshard
+from wus.runtime import unshard
 
 __version__ = "0.1.0"

@@ -22,8 +22,7 @@ from wus.analysis import compat, network
 from wus.analysis.plan import Plan
 from wus.matching import Signature, StateMatch, aval
 from wus.options import Options
-from wus.sharded import ShardedArray, is_sharded, unshard
-from wus.transforms import programs
+from wus.sharded import ShardedArray, is_sharded
 
 
 def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = compat.INFER,
@@ -170,9 +169,8 @@ class ShardedStep:
       return self._as_jax_shard_map(args, why)
     leaves, prog = self._program(args, replicated)
     outs = prog.step(*runtime.operands(leaves, prog))
-    wrapped = [ShardedArray(x, prog.plan.state_outputs[k], prog.plan.axes, prog.out_specs[k],
-                            prog.mesh)
-               if k in prog.plan.state_outputs else x for k, x in enumerate(outs)]
+    wrapped = [ShardedArray(x, prog.state_out[k]) if k in prog.state_out else x
+               for k, x in enumerate(outs)]
     return jax.tree.unflatten(prog.out_tree, wrapped), list(prog.out_replicated)
 
   def _inside_transform(self, args: tuple) -> str | None:
@@ -198,7 +196,7 @@ class ShardedStep:
     s = self._step
     smap = jax.shard_map(s.f, mesh=self._mesh, in_specs=s.in_specs, out_specs=s.out_specs,
                          check_vma=s.check_vma, axis_names=s.axis_names)
-    out = smap(*unshard(args))
+    out = smap(*runtime.unshard(args))
     return out, [False] * len(jax.tree.leaves(out))
 
   def plan(self, *args, replicated: frozenset = frozenset()) -> Plan:
@@ -240,14 +238,13 @@ class ShardedStep:
     leaves, prog = self._program(args, replicated)
     mesh = prog.user_mesh
     if self._step.in_specs is compat.INFER:
-      specs = [runtime.user_spec(x) if is_sharded(x) else x.sharding.spec for x in leaves]
+      specs = [x.layout.user_spec if is_sharded(x) else x.sharding.spec for x in leaves]
     else:
       specs = jax.tree.leaves(jax.tree.broadcast(self._step.in_specs, args, is_leaf=is_sharded))
     out = []
     for k, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
       if k in prog.state_in:
-        fmt, spec = prog.state_in[k]
-        out.append(checkpoint.restore_target(fmt, prog.plan.axes, spec, prog.mesh, x.dtype))
+        out.append(checkpoint.restore_target(prog.state_in[k], x.dtype))
       else:
         out.append(jax.ShapeDtypeStruct(np.shape(x), aval(x)[1],
                                         sharding=NamedSharding(mesh, spec),
@@ -273,12 +270,12 @@ class ShardedStep:
       bytes, `.compile().as_text()` the optimized HLO.
     """
     leaves, prog = self._program(args, replicated)
-    spec = NamedSharding(prog.mesh, programs.shard_spec(prog.plan.axes))
     ops = []
     for src in prog.sources:
       if src[0] == "arg" and src[1] in prog.state_in:
-        fmt = prog.state_in[src[1]][0]
-        ops.append(jax.ShapeDtypeStruct(fmt.padded_shape, leaves[src[1]].dtype, sharding=spec))
+        layout = prog.state_in[src[1]]
+        ops.append(jax.ShapeDtypeStruct(layout.format.padded_shape, leaves[src[1]].dtype,
+                                        sharding=layout.data_sharding))
       else:
         ops.append(src[1] if src[0] == "const" else leaves[src[1]])
     return prog.step.lower(*ops)

@@ -83,18 +83,22 @@ class _Compiled:
 
   plan: Plan
   run: Callable[..., Any]       # The jitted program of the flat dynamic leaves.
-  state_in: dict                # Flat leaf -> (ShardFormat, whole spec): passed sharded.
-  state_out: dict               # Flat output -> ShardFormat: returned sharded.
+  state_in: dict                # Flat leaf -> its ShardedLayout: passed sharded.
+  state_out: dict               # Flat output -> its ShardedLayout: returned sharded.
   in_names: tuple[str, ...]
   out_tree: Any
   mesh: Mesh | None
   axes: tuple
   in_shardings: tuple = ()      # Per flat leaf: where the program takes it.
 
-  # What `ShardedStep._operands` reads of a program.
+  # What `runtime.operands` reads of a program.
   @property
   def sources(self) -> tuple:
     return tuple(("arg", k) for k in range(len(self.in_names)))
+
+  @property
+  def user_mesh(self) -> Mesh | None:
+    return self.mesh  # No sharding groups: the programs run on the user's mesh.
 
 
 class JitStep:
@@ -121,8 +125,8 @@ class JitStep:
     ops = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
            for x, s in zip(ops, prog.in_shardings, strict=True)]
     outs = prog.run(*ops)
-    wrapped = [ShardedArray(x, prog.state_out[k], prog.axes, P(), prog.mesh)
-               if k in prog.state_out else x for k, x in enumerate(outs)]
+    wrapped = [ShardedArray(x, prog.state_out[k]) if k in prog.state_out else x
+               for k, x in enumerate(outs)]
     return jax.tree.unflatten(prog.out_tree, wrapped)
 
   def plan(self, *args, **kwargs) -> Plan:
@@ -134,8 +138,8 @@ class JitStep:
     leaves, prog = self._program(args, kwargs)
     if prog.mesh is None:
       return self._jitted.lower(*args, **kwargs)
-    spec = NamedSharding(prog.mesh, programs.shard_spec(prog.axes))
-    ops = [jax.ShapeDtypeStruct(prog.state_in[k][0].padded_shape, x.dtype, sharding=spec)
+    ops = [jax.ShapeDtypeStruct(prog.state_in[k].format.padded_shape, x.dtype,
+                                sharding=prog.state_in[k].data_sharding)
            if k in prog.state_in else x for k, x in enumerate(leaves)]
     return prog.run.lower(*ops)
 
@@ -160,8 +164,7 @@ class JitStep:
     out = []
     for k, x in enumerate(leaves):
       if k in prog.state_in:
-        out.append(checkpoint.restore_target(prog.state_in[k][0], prog.axes, P(), prog.mesh,
-                                             x.dtype))
+        out.append(checkpoint.restore_target(prog.state_in[k], x.dtype))
       else:
         sharding = prog.in_shardings[k] if prog.in_shardings else getattr(x, "sharding", None)
         out.append(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding,
@@ -279,10 +282,10 @@ class JitStep:
                         for v, s in zip(region.invars, region.in_specs, strict=True))
     _, sub = step._program(region_args)
     # Region input / output positions -> the step's flat leaves.
-    state_in = {in_pos[region.invars[k]]: (fmt, P()) for k, (fmt, _) in sub.state_in.items()}
-    state_out = {o: sub.plan.state_outputs[region_out[v]] for o, v in enumerate(jaxpr.outvars)
-                 if not compat.is_literal(v) and v in region_out
-                 and region_out[v] in sub.plan.state_outputs}
+    state_in = {in_pos[region.invars[k]]: dataclasses.replace(layout, spec=P())
+                for k, layout in sub.state_in.items()}
+    state_out = {o: sub.state_out[region_out[v]] for o, v in enumerate(jaxpr.outvars)
+                 if not compat.is_literal(v) and v in region_out and region_out[v] in sub.state_out}
     donated = tuple(k for k, info in enumerate(jax.tree.leaves(traced.args_info))
                     if getattr(info, "donated", False))
     shard = NamedSharding(mesh, programs.shard_spec(sub.plan.axes))

@@ -31,6 +31,7 @@ from wus.matching import Signature, StateMatch, argument_paths, aval, match_stat
 from wus.options import Options
 from wus.sharded import is_sharded
 from wus.transforms import gc_pause, groups, inline, programs
+from wus.transforms.layout import ShardedLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,8 @@ class Compiled:
   plan: Plan
   step: Callable[..., tuple]
   sources: tuple        # Per step operand: ("arg", leaf index) or ("const", value).
-  state_in: dict        # Arg leaf index -> (ShardFormat, whole-value spec), inputs passed sharded.
+  state_in: dict        # Arg leaf index -> its ShardedLayout, for inputs passed sharded.
+  state_out: dict       # Flat output -> its ShardedLayout, for outputs returned sharded.
   in_names: tuple[str, ...]
   out_specs: tuple      # Per flat output: its PartitionSpec in the user's program.
   out_replicated: tuple  # Per flat output: identical on every replica of the plan's axes.
@@ -117,7 +119,7 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   start = time.perf_counter()
   # 1. Trace the user's step exactly as jax.shard_map would.
   traced = [jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                 sharding=NamedSharding(mesh, runtime.user_spec(x)))
+                                 sharding=NamedSharding(mesh, x.layout.user_spec))
             if is_sharded(x) else x for x in leaves]
   smap = jax.shard_map(step.f, mesh=mesh, in_specs=step.in_specs,
                        out_specs=step.out_specs, check_vma=step.check_vma,
@@ -223,11 +225,14 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   step = programs.step_program(ClosedJaxpr(flat, ()), plan, mesh=mesh, in_specs=in_specs,
                                out_specs=out_specs, axis_names=manual, check_vma=check_vma,
                                donate_argnums=donated, timings=timings, home=home)
-  state_in = {sources[k][1]: (fmt, in_specs[k]) for k, fmt in plan.state_inputs.items()}
+  state_in = {sources[k][1]: ShardedLayout(fmt, tuple(plan.axes), in_specs[k], mesh, home)
+              for k, fmt in plan.state_inputs.items()}
+  state_out = {k: ShardedLayout(fmt, tuple(plan.axes), out_specs[k], mesh, home)
+               for k, fmt in plan.state_outputs.items()}
   # Identical on every replica: of all the data-parallel axes, also across groups.
   same = frozenset(axes) | (frozenset((home.outer, home.inner)) if home is not None else set())
   out_replicated = tuple(facts.is_redundant(v, same) for v in flat.outvars)
-  return Compiled(plan, step, sources, state_in, tuple(names), tuple(out_specs),
+  return Compiled(plan, step, sources, state_in, state_out, tuple(names), tuple(out_specs),
                   out_replicated, out_tree, mesh, user_mesh, timings)
 
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from wus.errors import StateMismatchError
-from wus.sharded import ShardedArray, check_alive, is_sharded, unshard
-from wus.transforms import groups, programs
+from wus.sharded import ShardedArray, check_alive, is_sharded
+from wus.transforms import programs
+from wus.transforms.layout import ShardedLayout
 
 
 def operands(leaves: list, prog) -> list:
@@ -25,8 +27,9 @@ def operands(leaves: list, prog) -> list:
 
   `prog` is a compiled step (`pipeline.Compiled`, or `wus.jit`'s program): its
   `sources` (per operand: ("arg", leaf index) or ("const", value)), `state_in`
-  (leaf index -> (format, whole-value spec) for inputs passed sharded),
-  `in_names`, `mesh` and `plan.axes`.
+  (leaf index -> the `ShardedLayout` of an input passed sharded), `in_names`,
+  `mesh` (where the programs run) and `user_mesh` (the mesh `mesh` was derived
+  from for sharding groups, or `mesh`).
 
   Sharded state this step's plan holds another way (the step's signature
   changed between calls, so its plan did) is gathered and re-sharded on the
@@ -37,40 +40,70 @@ def operands(leaves: list, prog) -> list:
     StateMismatchError: sharded state made for another mesh.
   """
   ops: list = []
-  expected = NamedSharding(prog.mesh, programs.shard_spec(prog.plan.axes))
-  whole_state = []  # (operand position, leaf, format, spec): sharded by one program.
+  whole_state = []  # (operand position, leaf, layout): sharded by one program.
   regather = []     # (operand position, sharded leaf): gathered first.
   for src in prog.sources:
     if src[0] == "const":
       ops.append(src[1])
       continue
     k = src[1]
-    x, (fmt, spec) = leaves[k], prog.state_in.get(k, (None, None))
+    x, layout = leaves[k], prog.state_in.get(k)
     check_alive(x, prog.in_names[k])
-    if is_sharded(x) and fits(x, fmt, spec, prog.plan.axes, expected, prog.in_names[k]):
+    if is_sharded(x) and fits(x, layout, prog.mesh, prog.user_mesh, prog.in_names[k]):
       ops.append(x.data)
     elif is_sharded(x):
       regather.append((len(ops), x))
       ops.append(None)
-    elif fmt is not None:
-      whole_state.append((len(ops), x, fmt, spec))
+    elif layout is not None:
+      whole_state.append((len(ops), x, layout))
       ops.append(None)
     else:
       ops.append(x)
   if regather:
     pos, xs = zip(*regather, strict=True)
     for p, x in zip(pos, unshard(list(xs)), strict=True):
-      fmt, spec = prog.state_in.get(prog.sources[p][1], (None, None))
-      if fmt is None:
+      layout = prog.state_in.get(prog.sources[p][1])
+      if layout is None:
         ops[p] = x
       else:
-        whole_state.append((p, x, fmt, spec))
+        whole_state.append((p, x, layout))
   if whole_state:
-    pos, xs, fmts, specs = zip(*whole_state, strict=True)
-    shards = programs.shard_program(fmts, prog.mesh, prog.plan.axes, specs)(*xs)
+    pos, xs, layouts = zip(*whole_state, strict=True)
+    shards = programs.shard_program(tuple(layouts))(*xs)
     for p, x in zip(pos, shards, strict=True):
       ops[p] = x
   return ops
+
+
+def unshard(tree: Any) -> Any:
+  """Whole arrays back from any pytree holding sharded state.
+
+  Each `ShardedArray` becomes a `jax.Array` of its logical shape and dtype,
+  laid out as the step returned whole values (replicated on every device for
+  `wus.shard_map` with out_spec P(); stacked copies for `wus.pmap`). The
+  tensors of one mesh are gathered by one program with batched all-gathers
+  (§5.2). Other leaves, and trees without sharded state, pass through
+  unchanged.
+
+  Args:
+    tree: any pytree.
+
+  Returns:
+    The same structure with every ShardedArray replaced by its whole array.
+  """
+  paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
+  leaves = [x for _, x in paths]
+  together: dict = {}  # (mesh, axes, groups) -> the leaves gathered by one program.
+  for (path, x), k in zip(paths, range(len(leaves)), strict=True):
+    check_alive(x, jax.tree_util.keystr(path), "wus.unshard")
+    if is_sharded(x):
+      together.setdefault((x.mesh, x.axes, x.layout.groups), []).append(k)
+  for ks in together.values():
+    xs = [leaves[k] for k in ks]
+    gather = programs.unshard_program(tuple(x.layout for x in xs))
+    for k, whole in zip(ks, gather(*[x.data for x in xs]), strict=True):
+      leaves[k] = whole
+  return jax.tree.unflatten(treedef, leaves)
 
 
 
@@ -136,34 +169,24 @@ def normal(spec: P) -> tuple:
   return tuple(entries)
 
 
-def fits(x: ShardedArray, fmt, spec, axes: tuple, expected: NamedSharding, name: str) -> bool:
-  """Whether `x` is sharded exactly as this step expects; False if it only needs
-  converting (same mesh, another format or a tensor this step reads whole; or
-  sharded in groups of another size on the same mesh, `shard_group_size`).
+def fits(x: ShardedArray, layout: ShardedLayout | None, mesh: Mesh, user_mesh: Mesh,
+         name: str) -> bool:
+  """Whether `x` is sharded exactly as a step on `mesh` expects (`layout`; None: the
+  step reads it whole); False if it only needs converting (same mesh, another format
+  or a tensor the step reads whole; or sharded in groups of another size on the same
+  devices, `shard_group_size`: `user_mesh` is the mesh `mesh` was derived from).
 
   Raises:
     StateMismatchError: `x` lives on another mesh.
   """
-  if x.mesh != expected.mesh and user_mesh(x.mesh) == user_mesh(expected.mesh):
+  if x.mesh != mesh and x.layout.user_mesh == user_mesh:
     return False
-  if x.mesh != expected.mesh:
+  if x.mesh != mesh:
     raise StateMismatchError(
         f"argument {name} was sharded on another mesh ({x}, on {x.mesh}); this step runs on "
-        f"{expected.mesh}. Pass wus.unshard(state), placed on this step's mesh, to re-shard it "
+        f"{mesh}. Pass wus.unshard(state), placed on this step's mesh, to re-shard it "
         "for this step.")
   traced = isinstance(x.data, jax.core.Tracer)  # Under jax.jit: its in_shardings decide.
-  return (fmt is not None and x.format == fmt and x.axes == axes
-          and normal(x.spec) == normal(spec)
-          and (traced or x.data.sharding.is_equivalent_to(expected, x.data.ndim)))
-
-
-def user_spec(x: ShardedArray) -> P:
-  """The PartitionSpec of `x`'s whole value over the user's mesh."""
-  home = groups.home(x.mesh)
-  return x.spec if home is None else home.user_spec(x.spec)
-
-
-def user_mesh(mesh: Mesh) -> Mesh:
-  """The user's mesh `mesh` was derived from for sharding groups, or `mesh`."""
-  home = groups.home(mesh)
-  return mesh if home is None else home.mesh
+  return (layout is not None and x.format == layout.format and x.axes == layout.axes
+          and normal(x.spec) == normal(layout.spec)
+          and (traced or x.data.sharding.is_equivalent_to(layout.data_sharding, x.data.ndim)))

@@ -3,24 +3,47 @@
 from __future__ import annotations
 
 import math
+import operator
 import sys
 import weakref
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
 
-from wus.analysis.formats import ShardFormat
-from wus.transforms import programs
+from wus.transforms.layout import ShardedLayout
 
 
 _UNSHARD = ("Call wus.unshard(tree) for whole arrays (it gathers a whole tree in one program), "
             "or save wus.checkpointable(tree) with Orbax to keep it sharded.")
 
 
+class WholeShape:
+  """`ndim`, `size` and `nbytes` of a value that stands for a whole array of
+  `shape` and `dtype` (a `ShardedArray`; a checkpoint's `LogicalView`), not of
+  the padded shards that hold it."""
+
+  __slots__ = ()
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    """Elements of the whole value (`shape`), without the shards' padding."""
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the whole value (`shape`), as a whole array of it would hold."""
+    return self.size * np.dtype(self.dtype).itemsize
+
+
 @jax.tree_util.register_pytree_node_class
-class ShardedArray:
+class ShardedArray(WholeShape):
   """A tensor kept sharded across replicas between steps (§4.2), e.g. Adam's `mu`.
 
   It stands where the user's pytree had a whole array, and answers what an array
@@ -45,53 +68,39 @@ class ShardedArray:
   Attributes:
     data: global array, shape `format.padded_shape`, dtype of the tensor,
       leading dim split over `axes` (each device holds `format.shard_shape`).
-    format: how one replica's whole value (shape `format.shape`) maps to
-      `data` (§4.1).
-    axes: the mesh axes it is sharded over.
-    spec: the PartitionSpec of the whole value in the user's program: P() for
-      a `wus.shard_map` step, P(axis_name) (stacked copies) for `wus.pmap`.
-    mesh: the mesh `data` is laid out on (kept also under `jax.jit`, where
-      `data` is a tracer).
+    layout: where it lies (`ShardedLayout`): `format`, how one replica's whole
+      value (shape `format.shape`) maps to `data` (§4.1); `axes`, the mesh
+      axes it is sharded over; `spec`, the PartitionSpec of the whole value in
+      the user's program (P() for a `wus.shard_map` step, P(axis_name), stacked
+      copies, for `wus.pmap`); `mesh`, the mesh `data` is laid out on (kept
+      also under `jax.jit`, where `data` is a tracer); `groups`, the sharding
+      groups of `shard_group_size`, or None. Each is also an attribute here.
   """
 
-  __slots__ = ("data", "format", "axes", "spec", "mesh", "_dtype", "_traced_by_jax",
-               "__weakref__")
+  __slots__ = ("data", "layout", "_dtype", "_traced_by_jax", "__weakref__")
 
-  def __init__(self, data: jax.Array, format: ShardFormat, axes: tuple, spec: P,  # noqa: A002
-               mesh: Mesh, dtype: Any = None):
-    self.data, self.format, self.axes, self.spec, self.mesh = data, format, tuple(axes), spec, mesh
+  def __init__(self, data: jax.Array, layout: ShardedLayout, dtype: Any = None):
+    self.data, self.layout = data, layout
     self._dtype = np.dtype(data.dtype if dtype is None else dtype)
     # Rebuilt by JAX around a tracer (the argument of a traced function): not a wus step's.
     self._traced_by_jax = False
     _remember(self)
 
+  # The layout's parts, as the array's own attributes.
+  format = property(operator.attrgetter("layout.format"))
+  axes = property(operator.attrgetter("layout.axes"))
+  spec = property(operator.attrgetter("layout.spec"))
+  mesh = property(operator.attrgetter("layout.mesh"))
+
   @property
   def shape(self) -> tuple[int, ...]:
     """Global shape of the whole value, as the user's program sees it."""
-    shape = list(self.format.shape)
-    for d, entry in enumerate(self.spec):
-      names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-      shape[d] *= math.prod(self.mesh.shape[n] for n in names)
-    return tuple(shape)
+    return self.layout.shape
 
   @property
   def dtype(self) -> np.dtype:
     data = getattr(self.data, "dtype", None)
     return self._dtype if data is None else np.dtype(data)
-
-  @property
-  def ndim(self) -> int:
-    return len(self.shape)
-
-  @property
-  def size(self) -> int:
-    """Elements of the whole value (`shape`), without the shards' padding."""
-    return math.prod(self.shape)
-
-  @property
-  def nbytes(self) -> int:
-    """Bytes of the whole value (`shape`), as a whole array of it would hold."""
-    return self.size * self.dtype.itemsize
 
   @property
   def nbytes_per_device(self) -> int:
@@ -103,8 +112,7 @@ class ShardedArray:
     """How the padded shards (`data`, shape `format.padded_shape`) lie on the mesh: the
     leading dim split over `axes`. Not a sharding of `shape`: one replica's shard is a
     range of the row-major tensor, in general not a box of it."""
-    return jax.sharding.NamedSharding(self.mesh, P(self.axes[0] if len(self.axes) == 1
-                                                   else tuple(self.axes)))
+    return self.layout.data_sharding
 
   def tree_flatten(self):
     if self._traced_by_jax:
@@ -112,11 +120,11 @@ class ShardedArray:
           f"{self!r} is optimizer state wus keeps sharded between steps, passed into a JAX "
           "transformation (jax.jit, jax.grad, jax.shard_map, lax.scan, ...) of a function that "
           "is not a wus step; only a wus step reads it there. " + _UNSHARD)
-    return (self.data,), (self.format, self.axes, self.spec, self.mesh, self._dtype)
+    return (self.data,), (self.layout, self._dtype)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    data, fmt = children[0], aux[0]
+    data, fmt = children[0], aux[0].format
     if (isinstance(data, (jax.Array, np.ndarray, np.generic))
         and tuple(np.shape(data)) != fmt.padded_shape):
       # A per-leaf function reached the shards (flax.jax_utils.unreplicate,
@@ -129,7 +137,7 @@ class ShardedArray:
           "or a checkpoint), or save wus.checkpointable(tree) with Orbax to keep it sharded. "
           "To map over ShardedArrays as leaves, pass is_leaf=wus.is_sharded.")
     out = object.__new__(cls)
-    out.data, (out.format, out.axes, out.spec, out.mesh, out._dtype) = data, aux
+    out.data, (out.layout, out._dtype) = data, aux
     out._traced_by_jax = isinstance(data, jax.core.Tracer)
     _remember(out)
     return out
@@ -208,38 +216,6 @@ def check_alive(x: Any, name: str, reader: str = "") -> None:
     raise ValueError(
         f"{where}argument {name or 'tree'}, whose buffer was donated to an earlier call "
         "(donate_argnums) and is gone; pass the value that call returned instead")
-
-
-def unshard(tree: Any) -> Any:
-  """Whole arrays back from any pytree holding sharded state.
-
-  Each `ShardedArray` becomes a `jax.Array` of its logical shape and dtype,
-  laid out as the step returned whole values (replicated on every device for
-  `wus.shard_map` with out_spec P(); stacked copies for `wus.pmap`). The
-  tensors of one mesh are gathered by one program with batched all-gathers
-  (§5.2). Other leaves, and trees without sharded state, pass through
-  unchanged.
-
-  Args:
-    tree: any pytree.
-
-  Returns:
-    The same structure with every ShardedArray replaced by its whole array.
-  """
-  paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
-  leaves = [x for _, x in paths]
-  groups: dict = {}
-  for (path, x), k in zip(paths, range(len(leaves)), strict=True):
-    check_alive(x, jax.tree_util.keystr(path), "wus.unshard")
-    if is_sharded(x):
-      groups.setdefault((x.mesh, x.axes), []).append(k)
-  for (mesh, axes), ks in groups.items():
-    xs = [leaves[k] for k in ks]
-    gather = programs.unshard_program(tuple(x.format for x in xs), mesh, axes,
-                                      tuple(x.spec for x in xs))
-    for k, whole in zip(ks, gather(*[x.data for x in xs]), strict=True):
-      leaves[k] = whole
-  return jax.tree.unflatten(treedef, leaves)
 
 
 def unreplicate(tree: Any) -> Any:

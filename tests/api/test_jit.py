@@ -76,6 +76,17 @@ def _run(step, args, batches):
   return params, opt_state, metrics
 
 
+def _jit_and_wus(mesh, tx, steps, batch=48):
+  """`MLP`'s Flax step with `tx`, run `steps` times by `jax.jit` and by `wus.jit` from
+  the same state, as the user writes it (`_context`): both (params, opt_state, metrics)."""
+  model = MLP()
+  step = _flax_step(model, tx)
+  with _context(mesh):
+    args = _init(mesh, model, tx)
+    batches = _batches(mesh, steps, batch=batch)
+    return _run(jax.jit(step), args, batches), _run(wus.jit(step), args, batches)
+
+
 def _float_state(tree, n):
   return [x for x in jax.tree.leaves(tree, is_leaf=is_sharded)
           if jnp.issubdtype(x.dtype, jnp.floating) and int(np.prod(x.shape)) > n]
@@ -85,13 +96,7 @@ def _float_state(tree, n):
 @pytest.mark.parametrize("n", [8, 6])
 def test_flax_adam_step_bit_for_bit_with_state_sharded(kind, n):
   mesh = _mesh(kind, n)
-  model, tx = MLP(), optax.adam(1e-2)
-  step = _flax_step(model, tx)
-  with _context(mesh):
-    args = _init(mesh, model, tx)
-    batches = _batches(mesh, 3, batch=8 * n)
-    ref = _run(jax.jit(step), args, batches)
-    out = _run(wus.jit(step), args, batches)
+  ref, out = _jit_and_wus(mesh, optax.adam(1e-2), 3, batch=8 * n)
   assert_trees_equal(ref, wus.unshard(out))
   state = _float_state(out[1], n)
   assert state and all(is_sharded(x) for x in state), [type(x) for x in state]
@@ -182,15 +187,8 @@ def test_flax_train_state(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_global_norm_clipping_within_summation_order(kind):
-  mesh = _mesh(kind)
-  model = MLP()
   tx = optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2))
-  step = _flax_step(model, tx)
-  with _context(mesh):
-    args = _init(mesh, model, tx)
-    batches = _batches(mesh, 3)
-    ref = _run(jax.jit(step), args, batches)
-    out = _run(wus.jit(step), args, batches)
+  ref, out = _jit_and_wus(_mesh(kind), tx, 3)
   assert_trees_equal(ref, wus.unshard(out), rtol=1e-5, atol=1e-7)
   assert all(is_sharded(x) for x in _float_state(out[1], 8))
 
@@ -340,15 +338,9 @@ def test_flax_nnx_split_merge_step():
 
 
 def test_multi_steps_apply_if_finite_and_bfloat16_moments():
-  mesh = _mesh("auto")
-  model = MLP()
   tx = optax.MultiSteps(optax.apply_if_finite(optax.chain(
       optax.clip_by_global_norm(1.0), optax.adam(1e-2, mu_dtype=jnp.bfloat16)), 3), 2)
-  step = _flax_step(model, tx)
-  args = _init(mesh, model, tx)
-  batches = _batches(mesh, 4)
-  ref = _run(jax.jit(step), args, batches)
-  out = _run(wus.jit(step), args, batches)
+  ref, out = _jit_and_wus(_mesh("auto"), tx, 4)
   assert_trees_equal(ref, wus.unshard(out), rtol=1e-5, atol=1e-7)
   assert all(is_sharded(x) for x in _float_state(out[1], 8))
 

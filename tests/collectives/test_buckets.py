@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 from helpers import assert_trees_equal, mesh, run_both
 from wus.analysis import costmodel, network
-from wus.harness import report
+from wus.harness.tools import report
 
 N = 8
 TX = optax.adam(1e-2)

@@ -12,17 +12,13 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, dense_step, run_both, sharded_leaves
+from helpers import assert_trees_equal, sharded_leaves, two_axis_run
 from wus.collectives import formatted
-
-AXES = ("replica", "data")
-BATCH = P(AXES)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2), (2, 2, 2)])
@@ -55,15 +51,7 @@ def test_phases_place_rows_as_one_collective_does(shape):
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
 def test_sharded_over_both_axes_in_two_phases(shape, check_vma):
-  mesh = jax.make_mesh(shape, AXES)
-  tx = optax.adam(1e-2)
-  k = jax.random.split(jax.random.key(0), 2)
-  params = {"w": 0.1 * jax.random.normal(k[0], (24, 41)), "b": 0.1 * jax.random.normal(k[1], (41,))}
-  kw = dict(mesh=mesh, in_specs=(P(), P(), BATCH), out_specs=(P(), P()), check_vma=check_vma)
-  xs = [jax.device_put(jax.random.normal(jax.random.key(i), (16, 24)), NamedSharding(mesh, BATCH))
-        for i in range(3)]
-  a, b, ws = run_both(dense_step(tx, AXES), (params, tx.init(params)), xs, **kw)
-  x = xs[-1]
+  mesh, a, b, ws, x = two_axis_run(shape, check_vma, 41)
   # The gradient sums within "data" first, then across "replica": rounding only.
   assert_trees_equal(a[0], b[0], rtol=1e-6, atol=1e-7)
   assert_trees_equal(a[1], wus.unshard(b[1]), rtol=1e-6, atol=1e-7)

@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, dense_step, run_both, sharded_leaves
-from wus.harness import report
+from helpers import assert_trees_equal, dense_step, sharded_leaves, two_axis_run
+from wus.harness.tools import report
 
 BATCH = P(("replica", "data"))
 
@@ -19,16 +19,7 @@ def test_sharded_within_the_data_axis_all_reduced_across_replica(shape, check_vm
   """A ("replica", "data") mesh with gradients all-reduced over both and
   axis_name="data": state is 1/|data| per device, the gradient is one batched
   reduce-scatter within groups plus one batched all-reduce of the shards."""
-  mesh = jax.make_mesh(shape, ("replica", "data"))
-  tx = optax.adam(1e-2)
-  k = jax.random.split(jax.random.key(0), 3)
-  params = {"w": 0.1 * jax.random.normal(k[0], (24, 40)), "b": 0.1 * jax.random.normal(k[1], (40,))}
-  kw = dict(mesh=mesh, in_specs=(P(), P(), BATCH), out_specs=(P(), P()), check_vma=check_vma)
-  xs = [jax.device_put(jax.random.normal(jax.random.key(i), (16, 24)), NamedSharding(mesh, BATCH))
-        for i in range(3)]
-  a, b, ws = run_both(dense_step(tx, ("replica", "data")), (params, tx.init(params)), xs,
-                      wus_kw=dict(axis_name="data"), **kw)
-  x = xs[-1]
+  mesh, a, b, ws, x = two_axis_run(shape, check_vma, 40, wus_kw=dict(axis_name="data"))
   # The gradient sums run in another order (within groups, then across): rounding only.
   assert_trees_equal(a[0], b[0], rtol=1e-6, atol=1e-7)
   assert_trees_equal(a[1], wus.unshard(b[1]), rtol=1e-6, atol=1e-7)

@@ -15,7 +15,7 @@ import wus
 from helpers import (SPECS, assert_trees_equal, batches, collective_arrays, collective_shapes,
                      first_args, make_params, make_step, mesh, run)
 from wus.analysis import network
-from wus.harness import report
+from wus.harness.tools import report
 
 N = 8
 

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal
-from wus.harness import config, loop, steps, train
+from wus.harness.training import config, loop, steps, train
 
 pytestmark = pytest.mark.slow  # Minutes of training each (README: Tests).
 
@@ -42,7 +42,8 @@ def run_config(output_dir, **overrides) -> config.RunConfig:
 def cli(output_dir, **overrides) -> list[str]:
   """`wus-train` with FLAGS (and overrides); its checkpoints go to output_dir/wus."""
   flags = {**FLAGS, **overrides, "modes": "wus", "output_dir": output_dir}
-  return [sys.executable, "-m", "wus.harness.train", *(f"--{k}={v}" for k, v in flags.items())]
+  return [sys.executable, "-m", "wus.harness.training.train",
+          *(f"--{k}={v}" for k, v in flags.items())]
 
 
 def checkpoint_steps(run_dir) -> list[int]:

@@ -1,6 +1,6 @@
 """End to end on 8 CPU devices: both modes train alike; the digits are learned.
 
-Each run goes through `wus.harness.train.fit`, what `wus-train` runs per mode:
+Each run goes through `wus.harness.training.train.fit`, what `wus-train` runs per mode:
 data, model, optimizer, the mapped step, evaluation, checkpoints.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import wus
-from wus.harness import config, train
+from wus.harness.training import config, train
 
 pytestmark = pytest.mark.slow  # Minutes of training each (README: Tests).
 

@@ -6,24 +6,27 @@ import jax
 import pytest
 
 from wus.analysis import network
-from wus.harness import bench, calibrate, steps
+from wus.harness.tools.bench import calibrate, regimes, summary, variants
+from wus.harness.training import config, steps
 
 pytestmark = pytest.mark.slow  # Times every variant of wus-bench (minutes; README: Tests).
 
 ROUNDS = 2
+LEARNING_RATE = config.RunConfig.for_model("mlp_small").learning_rate
 
 
 @pytest.fixture(scope="module")
 def results():
   mesh = jax.make_mesh((8,), (steps.AXIS_NAME,))
-  regimes = [bench.Regime("weight-update-bound", 1, jit=True), bench.Regime("compute-bound", 4),
-             bench.Regime("bf16-loop", 1, steps_per_call=2)]
-  return [bench.run_regime(r, model="mlp_small", rounds=ROUNDS, mesh=mesh) for r in regimes]
+  settings = [variants.Regime("weight-update-bound", 1, jit=True),
+              variants.Regime("compute-bound", 4),
+              variants.Regime("bf16-loop", 1, steps_per_call=2)]
+  return [regimes.run_regime(r, model="mlp_small", rounds=ROUNDS, mesh=mesh) for r in settings]
 
 
 def test_every_variant_is_timed_and_measured(results):
   for r in results:
-    assert r["variants"] == list(bench.Regime(
+    assert r["variants"] == list(variants.Regime(
         r["regime"], 1, r["steps_per_call"],
         (2, 4) if r["regime"] == "partial-sharding" else (),
         jit=r["regime"] == "weight-update-bound").variants)
@@ -40,9 +43,12 @@ def test_variants_compute_the_same_update(results):
     assert r["wus"]["max_param_difference"] == 0  # wus is bit for bit (XLA flags of conftest)
     if "wus_undonated" in r:
       assert r["wus_undonated"]["max_param_difference"] == 0
+    # The others round differently (the flat update, GSPMD's partitioning); Adam divides
+    # by sqrt(v), so a rounding near a zero gradient can move a weight by up to one step
+    # (the learning rate), never more than that.
     for v in ("gspmd_zero1", "handwritten", "handwritten_flat", "jit", "wus_jit"):
       if v in r:
-        assert r[v]["max_param_difference"] < 1e-5, (r["regime"], v)
+        assert r[v]["max_param_difference"] < LEARNING_RATE, (r["regime"], v)
   # wus.jit is bit for bit with the jax.jit step it replaces.
   assert [r["wus_jit"]["max_jit_param_difference"] for r in results if "wus_jit" in r] == [0]
 
@@ -53,7 +59,7 @@ def test_sharded_variants_hold_a_share_of_the_optimizer_state(results):
     for v in ("wus", "wus_jit"):
       if v in r:
         share = r[v]["opt_state_per_device"] * r["num_devices"] / r["opt_state_bytes"]
-        assert share == pytest.approx(1, abs=bench.STATE_TOLERANCE), v
+        assert share == pytest.approx(1, abs=summary.STATE_TOLERANCE), v
     if "jit" in r:
       assert r["jit"]["opt_state_per_device"] == r["opt_state_bytes"]
 
@@ -61,7 +67,7 @@ def test_sharded_variants_hold_a_share_of_the_optimizer_state(results):
 @pytest.fixture(scope="module")
 def partial():
   mesh = jax.make_mesh((8,), (steps.AXIS_NAME,))
-  return bench.run_regime(bench.Regime("partial-sharding", 1, group_sizes=(2, 4)),
+  return regimes.run_regime(variants.Regime("partial-sharding", 1, group_sizes=(2, 4)),
                           model="mlp_small", rounds=ROUNDS, mesh=mesh)
 
 
@@ -74,10 +80,11 @@ def test_partial_sharding_rows_hold_v_over_g_and_move_no_more_bytes(partial):
     m = r[f"wus_g{g}"]
     assert m["opt_state_per_device"] * g / r["opt_state_bytes"] == pytest.approx(1, abs=0.01)
     assert m["wire_bytes"] <= r["replicated"]["wire_bytes"]
-    assert m["max_param_difference"] < 1e-5  # Summed within groups, then across: rounding.
-  text = bench.markdown([r])
+    # Summed within groups, then across: rounding, at most one Adam step (as above).
+    assert m["max_param_difference"] < LEARNING_RATE
+  text = summary.markdown([r])
   assert "| wus_g2 " in text and "wus_g4 collective bytes <= replicated" in text
-  assert bench.predict(r, network.default_topology(8)) is None  # No wus (G = N) row.
+  assert summary.predict(r, network.default_topology(8)) is None  # No wus (G = N) row.
 
 
 def test_bf16_loop_gathers_weights_in_16_bits(results):
@@ -92,36 +99,36 @@ def test_parts_alone_give_the_limit_of_each_one_update_regime(results):
   """The forward and backward pass, the collectives and the update, timed in
   the same rounds; wus / limit, its copies and compile time are targets."""
   for r in results:
-    bound = bench.limit_of(r)
+    bound = summary.limit_of(r)
     if r["steps_per_call"] > 1:
       assert bound is None
       continue
     assert all(len(r[f"{k}_seconds"]) == ROUNDS for k in ("rest", "collectives", "update"))
     assert bound["total"] == pytest.approx(bound["rest"] + bound["collectives"] + bound["update"])
     assert min(bound["rest"], bound["collectives"], bound["update"]) > 0
-    assert "Limit: forward and backward" in bench.limit_markdown(r)
+    assert "Limit: forward and backward" in summary.limit_markdown(r)
     assert r["wus"]["moves"]["parameter copy"]["count"] == 0  # Donated, gathered in place.
-  rows = [t for t, _, _ in bench.targets(results)]
+  rows = [t for t, _, _ in summary.targets(results)]
   assert "weight-update-bound: wus / limit (the parts timed alone) <= 1.05" in rows
   assert "weight-update-bound: wus with the state donated no slower than without" in rows
   assert "weight-update-bound: XLA compile time (CPU seconds), wus / replicated <= 1.2" in rows
-  assert bench.paired_ratio([2.0, 3.0, 10.0], [1.0, 3.0, 5.0]) == 2.0
+  assert summary.paired_ratio([2.0, 3.0, 10.0], [1.0, 3.0, 5.0]) == 2.0
 
 
 def test_markdown_has_every_row_and_target(results):
-  text = bench.markdown(results)
+  text = summary.markdown(results)
   for r in results:
     assert f"### {r['regime']}: mlp_small + Adam, N=8" in text
-  for v in bench.VARIANTS + bench.JIT_VARIANTS:
+  for v in variants.VARIANTS + variants.JIT_VARIANTS:
     assert f"| {v} " in text
-  rows = bench.targets(results)
+  rows = summary.targets(results)
   assert [t for t, _, _ in rows if "weight-update-bound: wus step time" in t] == [
       f"weight-update-bound: wus step time <= {a}'s (median of per-round ratios)"
-      for a in bench.ALTERNATIVES]
+      for a in variants.ALTERNATIVES]
   assert sum("optimizer state per device" in t for t, _, _ in rows) == 4
   assert [t for t, _, _ in rows if "wus_jit step time" in t] == [
       f"weight-update-bound: wus_jit step time <= {a}'s (median of per-round ratios)"
-      for a in bench.JIT_ALTERNATIVES]
+      for a in variants.JIT_ALTERNATIVES]
   assert "wus_jit / it (per-round ratio, median)" in text
   assert all(isinstance(ok, bool) for _, ok, _ in rows)
 
@@ -149,7 +156,7 @@ def test_cost_model_predicts_each_one_update_regime(results):
   update to the measured forward and backward pass, and wus's update is 1/N."""
   topology = network.Topology((network.Axis("measured", 8, 1e-5, 1e9),), 1e9)
   for r in results:
-    p = bench.predict(r, topology)
+    p = summary.predict(r, topology)
     if r["steps_per_call"] > 1:
       assert p is None
       continue
@@ -158,6 +165,6 @@ def test_cost_model_predicts_each_one_update_regime(results):
     assert rep.rest == ws.rest == pytest.approx(statistics.median(r["rest_seconds"]))
     assert ws.update == pytest.approx(rep.update / 8, rel=0.01)  # Shards pad a little.
     assert rep.collectives["all-reduce"] >= 1 and ws.collectives["reduce-scatter"] >= 1
-  text = bench.prediction_markdown(results, topology,
+  text = summary.prediction_markdown(results, topology,
                                    {"all_reduce": [(1, 1e-3), (2, 2e-3)], "memory": (1, 1.0)})
   assert text.count("| wus ") == 2 and "wus/replicated measured" in text

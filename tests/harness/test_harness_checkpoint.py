@@ -1,4 +1,5 @@
-"""Tests of wus.harness.checkpoint: sharded state saved in place, restored whole or sharded."""
+"""Tests of wus.harness.training.checkpoint: sharded state saved in place, restored whole or
+sharded."""
 
 import json
 import shutil
@@ -11,7 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal
-from wus.harness import checkpoint, errors
+from wus.harness.training import checkpoint
+from wus.harness import errors
 
 IDENTITY = {"model": "toy", "config": {"width": 7}}
 

@@ -1,4 +1,4 @@
-"""Tests of wus.harness.cli: flags to RunConfigs, model defaults, environment."""
+"""Tests of wus.harness.training.cli: flags to RunConfigs, model defaults, environment."""
 
 import pathlib
 from unittest import mock
@@ -6,7 +6,8 @@ from unittest import mock
 import pytest
 from absl.testing import flagsaver
 
-from wus.harness import cli, config, errors
+from wus.harness.training import cli, config
+from wus.harness import errors
 
 
 @pytest.fixture

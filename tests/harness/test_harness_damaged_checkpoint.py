@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from wus.harness import config, steps, train
+from wus.harness.training import config, steps, train
 
 pytestmark = pytest.mark.slow  # Trains, then runs wus-train twice (README: Tests).
 
@@ -57,7 +57,7 @@ def test_damaged_checkpoint_stops_the_run_in_one_line_and_is_left_untouched(
   damage(out / "wus" / "checkpoints" / "2" / "state")
   before = snapshot(out)
   flags = {**FLAGS, "steps": 4, "output_dir": out}
-  proc = subprocess.run([sys.executable, "-m", "wus.harness.train",
+  proc = subprocess.run([sys.executable, "-m", "wus.harness.training.train",
                          *(f"--{k}={v}" for k, v in flags.items())],
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 1, proc.stderr

@@ -1,9 +1,9 @@
-"""Tests of wus.harness.data: the corpus, the split, the windows."""
+"""Tests of wus.harness.data.text: the corpus, the split, the windows."""
 
 import numpy as np
 import pytest
 
-from wus.harness import data
+from wus.harness.data import text as data
 
 TOKENS = (np.arange(1000) % 256).astype(np.uint8)
 

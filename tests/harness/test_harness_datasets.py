@@ -1,4 +1,4 @@
-"""Tests of wus.harness.datasets and wus.harness.batches: sources, order, placement."""
+"""Tests of wus.harness.data.datasets and wus.harness.data.batches: sources, order, placement."""
 
 import jax
 import numpy as np
@@ -6,7 +6,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from PIL import Image
 
-from wus.harness import batches, datasets, errors, tasks
+from wus.harness.data import batches, datasets
+from wus.harness import errors
+from wus.harness.models import tasks
 
 LOAD = dict(seq_len=8, image_size=6, seed=0)
 

@@ -1,11 +1,11 @@
-"""Tests of wus.harness.logs: the metrics file, TensorBoard events, resuming."""
+"""Tests of wus.harness.training.logs: the metrics file, TensorBoard events, resuming."""
 
 import json
 import struct
 
 from tensorboardX.proto import event_pb2
 
-from wus.harness import logs
+from wus.harness.training import logs
 
 
 def read(path):

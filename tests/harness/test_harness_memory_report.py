@@ -9,7 +9,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from wus.harness import memory_report, mlp, steps, tasks
+from wus.harness.tools import memory_report
+from wus.harness.models import mlp, tasks
+from wus.harness.training import steps
 
 N = 8
 BATCH = 2  # per replica

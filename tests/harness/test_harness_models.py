@@ -1,4 +1,4 @@
-"""Tests of wus.harness.resnet, models and tasks: sizes, batch norm across replicas."""
+"""Tests of wus.harness.models.resnet, models and tasks: sizes, batch norm across replicas."""
 
 import functools
 import json
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from wus.harness import loop, tasks
+from wus.harness.training import loop
+from wus.harness.models import tasks
 
 
 def num_params(tree) -> int:

@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from wus.harness import muon_bench
+from wus.harness.tools.bench import muon as muon_bench
 
 pytestmark = pytest.mark.slow  # A wus-bench run (minutes); README: Tests.
 

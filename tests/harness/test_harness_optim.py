@@ -1,4 +1,4 @@
-"""Tests of wus.harness.optim: the schedules and what LARS decays."""
+"""Tests of wus.harness.training.optim: the schedules and what LARS decays."""
 
 import collections
 
@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from wus.harness import optim, tasks
+from wus.harness.training import optim
+from wus.harness.models import tasks
 
 
 def test_lars_schedule_warms_up_then_decays_polynomially():

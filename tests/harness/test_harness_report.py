@@ -1,4 +1,4 @@
-"""Tests of wus.harness.report on tiny programs whose bytes are known by hand."""
+"""Tests of wus.harness.tools.report on tiny programs whose bytes are known by hand."""
 
 import doctest
 import re
@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from wus.harness import report
+from wus.harness.tools import report
 
 NUM_DEVICES = 8
 NO_COLLECTIVES = {kind: (0, 0, 0) for kind in report.COLLECTIVE_KINDS}

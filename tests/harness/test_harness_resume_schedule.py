@@ -8,7 +8,8 @@ import pytest
 
 import wus
 from helpers import assert_trees_equal
-from wus.harness import config, errors, train
+from wus.harness.training import config, train
+from wus.harness import errors
 
 pytestmark = pytest.mark.slow  # Three wus-train runs; README: Tests.
 

@@ -1,4 +1,5 @@
-"""Tests of wus.harness.train: the printed comparison, the CLI's one-line errors, results."""
+"""Tests of wus.harness.training.train: the printed comparison, the CLI's one-line errors,
+results."""
 
 import json
 
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 from absl.testing import flagsaver
 
-from wus.harness import checkpoint, cli, config, report, train
+from wus.harness.training import checkpoint, cli, config, train
+from wus.harness.tools import report
 
 
 def summary(losses, start_step=0, **overrides):

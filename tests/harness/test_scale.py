@@ -7,7 +7,7 @@ import pytest
 from absl import flags
 from absl.testing import flagsaver
 
-from wus.harness import scale
+from wus.harness.tools import scale
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ import pytest
 
 import partial_worker as W
 from helpers import free_port
-from wus.harness import report
+from wus.harness.tools import report
 
 WORKER = W.__file__
 GROUP = 4  # devices per process: the "local" axis

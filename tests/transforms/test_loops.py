@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import wus
 from helpers import (LOOP_STEPS as K, assert_trees_equal, collective_shapes, loop_bodies,
                      loop_setup, loop_xs, loss_fn, make_params, mesh, sharded_leaves)
-from wus.harness.report import computations as hlo_computations, shape_bytes
+from wus.harness.tools.report import computations as hlo_computations, shape_bytes
 
 
 def collective_bytes(lines, kind: str) -> list[int]:

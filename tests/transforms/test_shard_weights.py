@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, mesh, sharded_leaves
-from wus.harness import report
+from wus.harness.tools import report
 
 TX = optax.adam(1e-2)
 SPECS = dict(in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))

@@ -7,6 +7,7 @@ import optax
 from helpers import SPECS, batches, make_params, make_step
 from wus.analysis import compat
 from wus.analysis.compat import ClosedJaxpr
+from wus.analysis.compat import tracing
 from wus.transforms import inline
 
 N = 8
@@ -34,12 +35,12 @@ def _flat():
 
 def test_staging_equals_binding(monkeypatch):
   body, retrace = _flat()
-  staged, stage = [], compat._stage
-  monkeypatch.setattr(compat, "_stage", lambda eqn, args: staged.append(stage(eqn, args))
+  staged, stage = [], tracing._stage
+  monkeypatch.setattr(tracing, "_stage", lambda eqn, args: staged.append(stage(eqn, args))
                       or staged[-1])
   fast = retrace(body)
   assert sum(out is not None for out in staged) > len(body.eqns) // 2
-  monkeypatch.setattr(compat, "_stage", lambda eqn, args: None)  # Every equation re-bound.
+  monkeypatch.setattr(tracing, "_stage", lambda eqn, args: None)  # Every equation re-bound.
   assert str(retrace(body)) == str(fast)
 
 

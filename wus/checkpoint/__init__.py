@@ -26,7 +26,7 @@ small; one process has no such constraint).
 Restoring. `ShardedStep.state_target(*args)` gives the step's arguments as
 abstract values: `jax.ShapeDtypeStruct`s with the step's shardings for what
 the step reads whole, and `LogicalView`s without data (their `sharding` is a
-`ShardedLayout`: the step's format, mesh and replica axes) for the state it
+`ShardedLayout`: the step's format, axes, spec, mesh and groups) for the state it
 keeps sharded. `StandardCheckpointer().restore(path, target)` then reads, on
 each process, the boxes of the ranges its devices hold for this step's
 format (any replica count), pads them with zeros as the step's own sharding
@@ -64,17 +64,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
-
-from wus.analysis.formats import ShardFormat
 from wus.checkpoint.boxes import boxes, chunk_shape
 from wus.checkpoint.handler import ArrayHandler, register
-from wus.checkpoint.views import LogicalView, ShardedLayout, StackedLayout, layout_of
+from wus.checkpoint.views import LogicalView, ShardedLayout, StackedLayout
 from wus.sharded import check_alive, is_sharded
 from wus.transforms import programs
 
 __all__ = ["ArrayHandler", "LogicalView", "ShardedLayout", "StackedLayout", "boxes",
-           "checkpointable", "chunk_shape", "layout_of", "register", "restore_target",
+           "checkpointable", "chunk_shape", "register", "restore_target",
            "stacked_target"]
 
 
@@ -92,7 +89,7 @@ def checkpointable(tree: Any) -> Any:
       return x
     if isinstance(x.data, jax.core.Tracer):
       raise TypeError(f"{x!r} holds a tracer: checkpoints are saved outside jax.jit")
-    return LogicalView(layout_of(x), x.dtype, x, members.get(getattr(x.format, "bank", None)))
+    return LogicalView(x.layout, x.dtype, x, members.get(getattr(x.format, "bank", None)))
 
   return jax.tree_util.tree_map_with_path(view, tree, is_leaf=is_sharded)
 
@@ -105,7 +102,8 @@ def stacked_target(target: jax.ShapeDtypeStruct, axis: int) -> LogicalView:
   return LogicalView(StackedLayout(shape, axis, target.sharding), target.dtype)
 
 
-def restore_target(fmt: ShardFormat, axes: tuple, spec: P, mesh: Mesh, dtype) -> LogicalView:
-  """The restore target of one tensor a step keeps sharded (see `ShardedStep.state_target`)."""
+def restore_target(layout: ShardedLayout, dtype) -> LogicalView:
+  """The restore target of one tensor a step keeps sharded in `layout` (see
+  `ShardedStep.state_target`)."""
   register()
-  return LogicalView(ShardedLayout(fmt, tuple(axes), spec, mesh), dtype)
+  return LogicalView(layout, dtype)

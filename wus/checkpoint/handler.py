@@ -258,7 +258,7 @@ class _Write:
         runs.append((start, [flat]))
     runs = [(start, parts[0] if len(parts) == 1 else np.concatenate(parts))
             for start, parts in runs]
-    shape = view.layout.shape
+    shape = view.layout.saved_shape
     chunk = chunk_shape(shape, fmt.shard_size, bounds)
     return cls(info, x.mesh, shape, runs, _write_spec(info, arg, shape, chunk, np.dtype(x.dtype)),
                [(device, start, len(flat)) for device, start, flat in pieces])
@@ -268,7 +268,7 @@ class _Write:
     """Owned state: the whole tensor, written by its owner's process alone from its
     owner's row (the columns of every member of its bank on that device)."""
     x, fmt = view.shards, view.layout.format
-    slot, shape = fmt.slot, view.layout.shape
+    slot, shape = fmt.slot, view.layout.saved_shape
     runs, pieces = [], []
     owner = _device_of(x, slot.owner)
     if owner.process_index == jax.process_index():
@@ -325,7 +325,7 @@ def _device_of(x: ShardedArray, replica: int):
 
 async def _open(info, arg) -> ts.TensorStore:
   """Opens a saved array to restore as wus state; checks its shape against the target's."""
-  shape = arg.sharding.shape
+  shape = arg.sharding.saved_shape
   try:
     spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=info.is_ocdbt_checkpoint)
     store = await ts.open(ts.Spec(spec), open=True, read=True, context=info.ts_context)
@@ -351,7 +351,7 @@ async def _read(store: ts.TensorStore, info, arg) -> ShardedArray:
     start, stop = _valid(fmt, r)
     flat = np.zeros(fmt.shard_size, dtype)  # Padding as the step's sharding program pads.
     offset = 0
-    for box in boxes(layout.shape, start, stop):
+    for box in boxes(layout.saved_shape, start, stop):
       part = await store[box].read()
       flat[offset:offset + part.size] = np.asarray(part).reshape(-1)
       offset += part.size
@@ -365,7 +365,7 @@ async def _read(store: ts.TensorStore, info, arg) -> ShardedArray:
   arrays = [jax.device_put(shards[_shard_index(index, fmt)], device)
             for device, index in indices.items()]
   data = jax.make_array_from_single_device_arrays(fmt.padded_shape, sharding, arrays)
-  return ShardedArray(data, fmt, layout.axes, layout.spec, layout.mesh)
+  return ShardedArray(data, layout)
 
 
 async def _read_bank(members: list) -> list[ShardedArray]:
@@ -408,7 +408,7 @@ async def _read_bank(members: list) -> list[ShardedArray]:
     start, stop = bank.column(t)
     arrays = [jax.device_put(rows[replica[d]][start:stop], d) for d in index]
     data = jax.make_array_from_single_device_arrays(f.padded_shape, sharding, arrays)
-    out.append(ShardedArray(data, f, layout.axes, members[t][2].sharding.spec, layout.mesh))
+    out.append(ShardedArray(data, members[t][2].sharding))
   return out
 
 
@@ -422,7 +422,7 @@ async def _read_stacked(store: ts.TensorStore, info, arg) -> jax.Array:
   except Exception as e:  # noqa: BLE001 -- TensorStore raises many kinds
     raise CheckpointError(f"cannot read {_where(info)}: {first_line(e)}") from e
   sharding = layout.stacked
-  shape = list(layout.shape)
+  shape = list(layout.saved_shape)
   shape.insert(layout.axis, sharding.mesh.size)
   indices = sharding.addressable_devices_indices_map(tuple(shape))
   arrays = [jax.device_put(copy, device) for device in indices]

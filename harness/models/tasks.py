@@ -25,17 +25,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from wus.harness import mlp, models, resnet
+from wus.harness.models import mlp, resnet, transformer
 
 IMAGES, TEXT = "images", "text"
 # Model name -> (kind of data, config). The transformers are byte-level LMs.
 MODELS = {
     "resnet50": (IMAGES, resnet.CONFIGS["resnet50"]),
     "resnet_small": (IMAGES, resnet.CONFIGS["resnet_small"]),
-    "transformer_base": (TEXT, models.CONFIGS["base"]),
-    "transformer_small": (TEXT, models.CONFIGS["small"]),
-    "transformer_wide": (TEXT, models.CONFIGS["wide"]),
-    "transformer_mixed": (TEXT, models.CONFIGS["mixed"]),
+    "transformer_base": (TEXT, transformer.CONFIGS["base"]),
+    "transformer_small": (TEXT, transformer.CONFIGS["small"]),
+    "transformer_wide": (TEXT, transformer.CONFIGS["wide"]),
+    "transformer_mixed": (TEXT, transformer.CONFIGS["mixed"]),
     "mlp_large": (IMAGES, mlp.CONFIGS["large"]),
     "mlp_small": (IMAGES, mlp.CONFIGS["small"]),
     "mlp_deep": (IMAGES, mlp.CONFIGS["deep"]),
@@ -115,12 +115,12 @@ class ImageClassifier(Task):
 class LanguageModel(Task):
   """A byte-level causal Transformer LM on {"tokens"} batches."""
 
-  def __init__(self, name: str, config: models.TransformerConfig, seq_len: int):
+  def __init__(self, name: str, config: transformer.TransformerConfig, seq_len: int):
     self.name = name
-    self.module = models.TransformerLM(dataclasses.replace(config, max_len=seq_len))
+    self.module = transformer.TransformerLM(dataclasses.replace(config, max_len=seq_len))
 
   def init(self, seed, batch):
-    return models.init(self.module, seed), {}
+    return transformer.init(self.module, seed), {}
 
   def _losses(self, params, tokens):
     """Per-token cross-entropy and correctness, both [batch, seq_len]."""

@@ -20,8 +20,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import wus
-from wus.harness import batches, checkpoint, datasets, logs, report, steps, tasks
-from wus.harness.config import RunConfig
+from wus.harness.data import batches, datasets
+from wus.harness.training import checkpoint, logs, steps
+from wus.harness.tools import report
+from wus.harness.models import tasks
+from wus.harness.training.config import RunConfig
 
 
 # The initialization runs once: XLA's backend optimizations of its random-number

@@ -24,16 +24,18 @@ import dataclasses
 import json
 import math
 import pathlib
-import sys
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from wus.harness import (batches, checkpoint, cli, console, datasets, errors, loop, optim, report,
-                         steps, tasks)
-from wus.harness.config import RunConfig
+from wus.harness.data import batches, datasets
+from wus.harness.training import checkpoint, cli, loop, optim, steps
+from wus.harness import console, errors
+from wus.harness.tools import report
+from wus.harness.models import tasks
+from wus.harness.training.config import RunConfig
 
 
 def build(config: RunConfig):
@@ -349,17 +351,17 @@ def time_note(replicated: dict, sharded: dict) -> str:
                  "share of the step, as in the default run.")
 
 
-def main(argv):
-  if len(argv) > 1:
-    sys.exit(f"wus-train: error: unexpected arguments {argv[1:]}; flags are --name=value")
-  try:
-    configs = cli.configs_from_flags()
-    cli.setup_jax(configs[0])
-    given = cli.given_schedule()
-    configs = [continue_schedule(c, given) for c in configs]
-    results = fit_modes(configs)
-  except errors.InputError as e:
-    sys.exit(f"wus-train: error: {e}")
+def train() -> None:
+  """`wus-train` on the parsed flags: each mode trained, the comparison printed.
+
+  Raises:
+    errors.InputError: flags, data or a checkpoint that cannot be used.
+  """
+  configs = cli.configs_from_flags()
+  cli.setup_jax(configs[0])
+  given = cli.given_schedule()
+  configs = [continue_schedule(c, given) for c in configs]
+  results = fit_modes(configs)
   if jax.process_index() == 0:
     print(format_results(results))
     print()
@@ -376,9 +378,8 @@ def main(argv):
             "metrics and resuming.")
 
 
-def run():
-  """Entry point of the `wus-train` console script."""
-  console.run_console(main, __doc__, cli.__name__)
+COMMAND = console.Command("wus-train", train, __doc__, cli.__name__)
+main, run = COMMAND.main, COMMAND.run  # absl's main; the console script's entry point.
 
 
 if __name__ == "__main__":

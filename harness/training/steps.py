@@ -34,7 +34,7 @@ import optax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import wus
-from wus.harness import tasks
+from wus.harness.models import tasks
 
 AXIS_NAME = "data"
 MODES = ("replicated", "wus")

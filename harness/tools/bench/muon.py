@@ -41,7 +41,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 import wus
-from wus.harness import report
+from wus.harness.tools import report
+from wus.harness.tools.bench import timing
 
 AXIS = "data"
 LEARNING_RATE = 1e-2
@@ -258,12 +259,14 @@ def run(model: nn.Module, mesh: Mesh, *, rounds: int, batch_size: int = 1,
     for batch in data[:2]:  # Warm up: compile, and (wus) convert the state.
       current = jax.block_until_ready(step(*current, batch))
     states[name] = current
-  for r in range(rounds):
-    order = list(variants)[r % len(variants):] + list(variants)[:r % len(variants)]
-    for name in order:
-      started = time.perf_counter()
+  def update(name: str):
+    def call(r: int) -> None:
       states[name] = jax.block_until_ready(steps[name][0](*states[name], data[2 + r]))
-      out[name]["step_seconds"].append(time.perf_counter() - started)
+    return call
+
+  seconds = timing.interleaved({name: update(name) for name in variants}, rounds)
+  for name in variants:
+    out[name]["step_seconds"] = seconds[name]
   reference = jax.tree.map(np.asarray, states["replicated"][0])
   for name in variants:
     seconds = out[name]["step_seconds"]

@@ -35,7 +35,8 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wus.harness import steps, tasks
+from wus.harness.training import steps
+from wus.harness.models import tasks
 
 AXIS = steps.AXIS_NAME
 

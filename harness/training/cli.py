@@ -13,8 +13,10 @@ import pathlib
 import jax
 from absl import flags, logging
 
-from wus.harness import config as config_lib
-from wus.harness import errors, optim, steps, tasks
+from wus.harness.training import config as config_lib
+from wus.harness import errors
+from wus.harness.training import optim, steps
+from wus.harness.models import tasks
 
 FLAGS = flags.FLAGS
 

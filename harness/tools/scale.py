@@ -32,12 +32,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import sys
 
 from absl import flags
 
 from wus.analysis import costmodel, network
-from wus.harness import console, report
+from wus.harness import console, errors
+from wus.harness.tools import report
 
 MS = 1e3
 MIB = 2 ** 20
@@ -504,14 +504,17 @@ def _define_flags() -> None:
                         "published results, the sources and the assumptions.")
 
 
-def main(argv) -> None:
-  if len(argv) > 1:
-    sys.exit(f"wus-scale: error: unexpected arguments {argv[1:]}; flags are --name=value")
+def predict_all() -> None:
+  """`wus-scale` on the parsed flags: the predictions printed (and written, --output).
+
+  Raises:
+    errors.InputError: a --group_size that does not divide every case's cores.
+  """
   f = flags.FLAGS
   settings = Settings(alpha=f.alpha_us * 1e-6, group_size=f.group_size)
   if settings.group_size and any(c.cores % settings.group_size for c in CASES):
-    sys.exit(f"wus-scale: error: --group_size={settings.group_size} must divide "
-             f"{sorted({c.cores for c in CASES})}")
+    raise errors.InputError(f"--group_size={settings.group_size} must divide "
+                            f"{sorted({c.cores for c in CASES})}")
   out = results(settings)
   print(markdown(out))
   if f.output:
@@ -519,10 +522,8 @@ def main(argv) -> None:
     print(f"\nWrote {f.output}")
 
 
-def run() -> None:
-  """Entry point of the `wus-scale` console script."""
-  _define_flags()
-  console.run_console(main, __doc__, __name__)
+COMMAND = console.Command("wus-scale", predict_all, __doc__, __name__, _define_flags)
+main, run = COMMAND.main, COMMAND.run  # absl's main; the console script's entry point.
 
 
 if __name__ == "__main__":

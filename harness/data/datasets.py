@@ -4,13 +4,13 @@ A `Split` (training or held-out) knows three things: how many examples it has,
 which examples a training step uses (a pure function of (seed, step), so a
 resumed run sees exactly the batches an uninterrupted one would), and how to
 load given examples. Loading is separate from choosing so that each process
-loads only the rows of its own devices (`wus.harness.batches`).
+loads only the rows of its own devices (`wus.harness.data.batches`).
 
 Sources, chosen by `--data` and the model's kind (`tasks.IMAGES` or
 `tasks.TEXT`):
 
 * "digits": the 1,797 8x8 handwritten digits bundled with scikit-learn;
-* "stdlib": the bytes of Python's standard library (`data.stdlib_text`);
+* "stdlib": the bytes of Python's standard library (`text.stdlib_text`);
 * "synthetic": random images or bytes, for step-time measurement;
 * a path: a `.npz` file with arrays `images` ([n, h, w] or [n, h, w, c]; uint8
   scaled to [0, 1], or float) and `labels` (integer [n]), optionally
@@ -32,7 +32,9 @@ import zlib
 
 import numpy as np
 
-from wus.harness import data, errors, tasks
+from wus.harness.data import text
+from wus.harness import errors
+from wus.harness.models import tasks
 
 EVAL_FRACTION = 0.1
 SPLIT_SEED = 0  # fixes which examples are held out, whatever --seed is
@@ -97,7 +99,7 @@ class TextSplit:
 
   def sample(self, *, seed: int, step: int, batch_size: int) -> np.ndarray:
     """Start offsets of step `step`'s global batch: int64 [batch_size]."""
-    return data.window_starts(len(self.tokens), seed=seed, step=step, batch_size=batch_size,
+    return text.window_starts(len(self.tokens), seed=seed, step=step, batch_size=batch_size,
                               seq_len=self.seq_len)
 
   def eval_ids(self) -> np.ndarray:
@@ -106,7 +108,7 @@ class TextSplit:
 
   def load(self, ids: np.ndarray) -> dict[str, np.ndarray]:
     """{"tokens": int32 [k, seq_len + 1]}: the windows starting at `ids`."""
-    return {"tokens": data.gather_windows(self.tokens, ids, self.seq_len)}
+    return {"tokens": text.gather_windows(self.tokens, ids, self.seq_len)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,12 +147,12 @@ def load(source: str, kind: str, *, seq_len: int, image_size: int, seed: int) ->
     wanted = tasks.IMAGES if source == "digits" else tasks.TEXT
     if kind != wanted:
       raise errors.InputError(f"--data={source} is {wanted} data; this model reads {kind}")
-    return _digits() if source == "digits" else _text(data.load_tokens(), "stdlib", seq_len)
+    return _digits() if source == "digits" else _text(text.load_tokens(), "stdlib", seq_len)
   path = pathlib.Path(source)
   if not path.exists():
     raise errors.InputError(f"--data={source}: no such file or directory")
   if kind == tasks.TEXT:
-    return _text(data.load_tokens(path), str(path), seq_len)
+    return _text(text.load_tokens(path), str(path), seq_len)
   if path.is_dir():
     return _image_folder(path, image_size)
   if path.suffix != ".npz":
@@ -256,7 +258,7 @@ def _image_folder(root: pathlib.Path, image_size: int) -> Dataset:
 
 
 def _text(tokens: np.ndarray, description: str, seq_len: int) -> Dataset:
-  train, held_out = data.split(tokens, EVAL_FRACTION)
+  train, held_out = text.split(tokens, EVAL_FRACTION)
   if len(held_out) <= seq_len:
     raise errors.InputError(f"--data={description}: {len(tokens)} bytes are too few for "
                             f"--seq_len={seq_len} (the held-out 10% must exceed it)")

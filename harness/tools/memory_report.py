@@ -40,8 +40,11 @@ import numpy as np
 from absl import flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from wus.harness import config as config_lib
-from wus.harness import console, optim, report, steps, tasks
+from wus.harness.training import config as config_lib
+from wus.harness import console, errors
+from wus.harness.training import optim, steps
+from wus.harness.tools import report
+from wus.harness.models import tasks
 
 # Per model: its optimizer and the per-replica batch and input sizes reported.
 # ResNet-50 and the Transformer follow the paper's Table 1 (LARS, Adam); the
@@ -272,16 +275,19 @@ def _define_flags() -> None:
                       "and report.png go.")
 
 
-def main(argv) -> None:
-  if len(argv) > 1:
-    sys.exit(f"wus-memory: error: unexpected arguments {argv[1:]}; flags are --name=value")
+def report_memory() -> None:
+  """`wus-memory` on the parsed flags: each case compiled and measured, the report written.
+
+  Raises:
+    errors.InputError: --num_devices is not a list of positive counts.
+  """
   try:
     counts = [int(n) for n in flags.FLAGS.num_devices]
   except ValueError:
-    sys.exit(f"wus-memory: error: --num_devices={','.join(flags.FLAGS.num_devices)} must "
-             "be whole numbers")
+    raise errors.InputError(f"--num_devices={','.join(flags.FLAGS.num_devices)} must be whole "
+                            "numbers") from None
   if not counts or min(counts) < 1:
-    sys.exit("wus-memory: error: --num_devices needs at least one count of 1 or more")
+    raise errors.InputError("--num_devices needs at least one count of 1 or more")
   jax.config.update("jax_num_cpu_devices", max(counts))
   results = []
   for model in flags.FLAGS.models:
@@ -294,10 +300,8 @@ def main(argv) -> None:
   print("\nWrote " + ", ".join(map(str, paths.values())))
 
 
-def run() -> None:
-  """Entry point of the `wus-memory` console script."""
-  _define_flags()
-  console.run_console(main, __doc__, __name__)
+COMMAND = console.Command("wus-memory", report_memory, __doc__, __name__, _define_flags)
+main, run = COMMAND.main, COMMAND.run  # absl's main; the console script's entry point.
 
 
 if __name__ == "__main__":

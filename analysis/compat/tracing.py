@@ -1,0 +1,169 @@
+"""Building jaxprs: re-binding equations under a new trace, dead-code elimination,
+`jax.jit`'s static arguments and staging tracers."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as _np
+from jax._src import api_util as _api_util
+from jax._src import core as _core
+from jax._src import linear_util as _lu
+from jax._src import literals as _literals
+from jax._src import mesh as _mesh_lib
+from jax._src import source_info_util as _source_info
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax
+from jax._src.lax import slicing as _slicing
+
+from wus.analysis.compat.handles import (CALL_JAXPR_PARAM, Jaxpr, JaxprEqn, Literal,
+                                         side_effects)
+
+def rebind_call(eqn: JaxprEqn, fn: Any, args: Sequence[Any]) -> list[Any]:
+  """Binds a call-like equation (remat) on `args` with its inner jaxpr
+  replaced by `fn` traced on their types, other params kept (a remat after AD
+  keeps its `differentiated` flag, which `jax.checkpoint` would reset).
+
+  Constants the trace captures become leading operands, not rematerialized.
+  """
+  avals = [_core.typeof(x) for x in args]
+  debug = _api_util.debug_info("wus rename", fn, tuple(args), {})
+  jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(fn, debug_info=debug), avals)
+  params = dict(eqn.params)
+  if consts:
+    jaxpr = _pe.convert_constvars_jaxpr(jaxpr)
+    if isinstance(params.get("prevent_cse"), tuple):
+      params["prevent_cse"] = (False,) * len(consts) + params["prevent_cse"]
+  params[CALL_JAXPR_PARAM[eqn.primitive]] = jaxpr
+  with source_of(eqn):
+    out = eqn.primitive.bind(*consts, *args, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def bind(eqn: JaxprEqn, *args: Any, **new_params: Any) -> list[Any]:
+  """Re-binds `eqn` on `args` (tracers or arrays), as `jax.core.eval_jaxpr` does.
+
+  Args:
+    eqn: the equation to replay.
+    *args: one value per `eqn.invars`.
+    **new_params: params to override (for example a new `shape`).
+
+  Returns:
+    A list with one value per `eqn.outvars`.
+  """
+  if not new_params and (out := _stage(eqn, args)) is not None:
+    return out
+  return rebind(eqn, *args, **new_params)
+
+
+def rebind(eqn: JaxprEqn, *args: Any, **new_params: Any) -> list[Any]:
+  """`bind` with the types of the results worked out anew, never copied from
+  `eqn` (for operands of other types: another mesh, renamed axes)."""
+  params = dict(eqn.primitive.get_bind_params(eqn.params) if not new_params
+                else eqn.primitive.get_bind_params({**eqn.params, **new_params}))
+  with source_of(eqn):
+    out = eqn.primitive.bind(*args, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# Primitives whose jaxpr staging rule is `default_process_primitive` (jax 0.10:
+# the rules exist for dynamic shapes only).
+_PLAIN_STAGING = frozenset({_lax.broadcast_in_dim_p, _lax.reshape_p, _lax.iota_p,
+                            _slicing.dynamic_slice_p})
+
+
+def _stage(eqn: JaxprEqn, args: Sequence[Any]) -> list[Any] | None:
+  """`bind` under a jaxpr trace when every operand has the equation's own type.
+
+  The outputs then have the equation's types too, so the equation is staged as
+  `DynamicJaxprTrace.default_process_primitive` stages it, without abstract
+  evaluation: a replayed equation costs a fraction of a bind. Literal operands
+  must be passed as their `.val`. None (bind instead) under any other trace,
+  for other operand types, effects, a primitive with its own staging rule, or
+  a type of JAX's hijax layer.
+  """
+  trace = _core.trace_ctx.trace
+  if (not isinstance(trace, _pe.DynamicJaxprTrace) or side_effects(eqn)
+      or (eqn.primitive in _pe.custom_staging_rules and eqn.primitive not in _PLAIN_STAGING)
+      or eqn.primitive.is_high(*[v.aval for v in eqn.invars], **eqn.params)):
+    return None
+  src = eqn.source_info.replace(
+      name_stack=_source_info.current_name_stack() + eqn.source_info.name_stack)
+  tracers = []
+  for v, x in zip(eqn.invars, args, strict=True):
+    if isinstance(v, Literal) and x is v.val:
+      tracers.append(_pe.DynamicJaxprTracer(trace, v.aval, v, src))
+    elif isinstance(x, _pe.DynamicJaxprTracer) and x._trace is trace and x.aval == v.aval:
+      tracers.append(x)
+    else:
+      return None
+  out_avals = [v.aval for v in eqn.outvars]
+  if _pe.try_constant_folding(eqn.primitive, tracers, eqn.params, out_avals) is not None:
+    return None
+  staged, outs = trace.make_eqn(tracers, out_avals, eqn.primitive, eqn.params, eqn.effects,
+                                src, eqn.ctx)
+  if eqn.primitive in _pe.forwarding_rules:
+    forwarded, staged = _pe.forwarding_rules[eqn.primitive](staged)
+    outs = [t if k is None else tracers[k] for k, t in zip(forwarded, outs, strict=True)]
+  if staged is not None:
+    trace.frame.add_eqn(staged)
+  return outs
+
+
+@contextlib.contextmanager
+def source_of(eqn: JaxprEqn):
+  """Attributes equations traced in this context to `eqn`'s place in user code."""
+  name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+  with (_source_info.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager):
+    yield
+
+
+def in_current_mesh(eqn: JaxprEqn) -> JaxprEqn:
+  """`eqn` with the abstract mesh of its context replaced by the current one,
+  to re-bind it inside a shard_map over another mesh (renamed axes)."""
+  ctx = eqn.ctx
+  meta = None if ctx.xla_metadata is None else tuple(sorted(ctx.xla_metadata.items()))
+  return eqn.replace(ctx=_core.JaxprEqnContext._create(
+      ctx.compute_type, ctx.threefry_partitionable, _mesh_lib.get_abstract_mesh(),
+      ctx.remove_size_one_mesh_axis, meta))
+
+
+def retyped(value: Any) -> Any:
+  """A literal's value typed under the current mesh (jax 0.10: an array
+  literal remembers the mesh of the trace that made it)."""
+  if isinstance(value, _literals.TypedNdArray):
+    aval = value.aval
+    return _literals.TypedNdArray(_np.asarray(value),
+                                  _core.ShapedArray(aval.shape, aval.dtype,
+                                                    weak_type=aval.weak_type))
+  return value
+
+
+def dce(jaxpr: Jaxpr) -> Jaxpr:
+  """`jaxpr` without equations whose results nothing uses (effects are kept);
+  inputs and outputs unchanged."""
+  return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
+def attributed(eqn: JaxprEqn, caller: JaxprEqn) -> JaxprEqn:
+  """`eqn` attributed to `caller`'s place in user code, for an equation of a
+  call being inlined whose own traceback ends inside JAX (`jnp.where`'s jit)."""
+  return eqn.replace(source_info=eqn.source_info.replace(traceback=caller.source_info.traceback))
+
+
+def static_args(fun: Callable, argnums: Any, argnames: Any) -> tuple[frozenset, frozenset]:
+  """`jax.jit`'s static argument positions and names, each inferred from the other."""
+  nums = () if argnums is None else (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  names = () if argnames is None else (argnames,) if isinstance(argnames, str) else tuple(argnames)
+  sig = _api_util.fun_signature(fun)
+  if sig is not None:
+    nums, names = _api_util.infer_argnums_and_argnames(sig, nums or None, names or None)
+  return frozenset(nums), frozenset(names)
+
+
+def is_staging_tracer(x: Any) -> bool:
+  """Whether `x` is a tracer of `jax.jit` staging a jaxpr (not of `jax.grad` or `jax.vmap`)."""
+  return isinstance(x, _pe.DynamicJaxprTracer)

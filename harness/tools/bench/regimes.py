@@ -1,0 +1,152 @@
+"""One regime of `wus-bench` measured: every variant compiled, warmed up and timed
+interleaved, with the parts of a sharded step alone (`limit`)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from wus.analysis import network
+from wus.harness.data import batches, datasets
+from wus.harness.models import tasks
+from wus.harness.tools import report
+from wus.harness.tools.bench import limit, timing
+from wus.harness.tools.bench.variants import Regime, variant_steps
+from wus.harness.training import config as config_lib, optim, steps
+
+def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int = 0,
+               progress=None, topology: network.Topology | None = None) -> dict:
+  """Measures every variant of `regime` on `model` (Adam), interleaved.
+
+  Args:
+    regime: the setting.
+    model: a key of `tasks.MODELS` without collectives in its model (the MLPs,
+      the Transformers; see `zero`); `regime.model` if it names one.
+    rounds: timed updates per variant, after two warm-up calls.
+    mesh: a 1-D mesh with the axis `steps.AXIS_NAME`.
+    seed: of the initialization and the synthetic data.
+    progress: called with no arguments after each timed call, or None.
+    topology: the devices, for the wus variants' cost model; None: wus's default.
+
+  Returns:
+    JSON-ready: "regime", "model", "num_devices", "batch_size",
+    "steps_per_call", "opt_state_bytes" (V, whole) and per variant:
+    "step_seconds" (each timed call, divided by steps_per_call), "median",
+    "min", "max" (seconds per update), "memory" (`report.memory` of the
+    compiled step, bytes per device), "collectives" (kind -> count, bytes,
+    wire_bytes), "moves" (`report.data_movement` of the compiled step: kind ->
+    count, bytes), "wire_bytes" (sum over kinds), "opt_state_per_device"
+    (bytes device 0 holds), "lower_seconds", "compile_seconds",
+    "compile_cpu_seconds" (the CPU time of this process's threads while XLA
+    compiled: less sensitive than the wall time to other jobs on the machine),
+    "wire_bytes" (bytes a device sends per update: `report.collectives`
+    per run of the program, divided by steps_per_call), "loop_wire_bytes"
+    (the same for the collectives inside the loop only: per update of a
+    training loop, without what is gathered once per call after it),
+    "max_param_difference" (max |params - replicated params| after the run;
+    wus_jit also "max_jit_param_difference", against jit's);
+    wus also "analysis_seconds", "rewrite_seconds", "bucket_bytes",
+    "alone_bytes" and "buckets" (the Plan's choice). With one update per call
+    (`Regime.parts`) also "rest_seconds", "collectives_seconds" and
+    "update_seconds": each timed call of the parts alone (`limit.Parts` and
+    `steps.make_gradient_step`), and "tensor_elements" (of every weight).
+  """
+  model = regime.model or model
+  kind = tasks.MODELS[model][0]
+  cfg = config_lib.RunConfig.for_model(model, optimizer="adam", seed=seed)
+  dataset = datasets.load("synthetic", kind, seq_len=cfg.seq_len, image_size=cfg.image_size,
+                          seed=seed)
+  task = tasks.make(model, num_classes=dataset.num_classes, seq_len=cfg.seq_len,
+                    axis_name=steps.AXIS_NAME)
+  tx, _ = optim.make("adam", **cfg.optimizer_hyperparameters())
+  params, model_state = task.init(seed, dataset.train.load(np.arange(1)))
+  state = jax.device_put(steps.TrainState(params, model_state, tx.init(params)),
+                         NamedSharding(mesh, P()))
+  global_batch = regime.batch_size * regime.steps_per_call * mesh.size
+  data = [batches.train_batch(dataset.train, seed=seed, step=i, batch_size=global_batch,
+                              sharding=NamedSharding(mesh, P(steps.AXIS_NAME)))
+          for i in range(rounds + 2)]
+  variants = variant_steps(regime, task, tx, mesh, state, topology)
+  out = {"regime": regime.name, "model": model, "num_devices": mesh.size,
+         "variants": list(variants),
+         "batch_size": regime.batch_size, "steps_per_call": regime.steps_per_call,
+         "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(state.opt_state)),
+         "tensor_elements": [int(x.size) for x in jax.tree.leaves(params)],
+         "rest_seconds": [], "collectives_seconds": [], "update_seconds": []}
+  # The parts alone: the forward and backward pass (no all-reduce, no update;
+  # the cost model's "rest" of a one-update step), the collectives and the update.
+  parts = {}
+  if regime.parts:
+    rest = steps.make_gradient_step(task, mesh)
+    pieces = limit.Parts(out["tensor_elements"], tx, mesh, steps.AXIS_NAME)
+    parts = {"rest_seconds": lambda r: rest(state.params, state.model_state, data[2 + r]),
+             "collectives_seconds": lambda r: pieces.collectives(),
+             "update_seconds": lambda r: pieces.update()}
+  states = {}
+  for name, (step, fresh) in variants.items():
+    start = time.perf_counter()
+    lowered = step.lower(*fresh, data[0])
+    middle, cpu = time.perf_counter(), time.process_time()
+    compiled = lowered.compile()
+    cpu = time.process_time() - cpu
+    hlo = compiled.as_text()
+    collectives = report.collectives(hlo, per_run=True)
+    in_loop = report.collectives(hlo, per_run=True, only=report.in_loops(hlo))
+    out[name] = {"lower_seconds": middle - start, "compile_seconds": time.perf_counter() - middle,
+                 "compile_cpu_seconds": cpu,
+                 "memory": report.memory(compiled),
+                 "collectives": {k: c._asdict() for k, c in collectives.items()},
+                 "moves": {k: m._asdict() for k, m in report.data_movement(hlo).items()},
+                 "wire_bytes": sum(c.wire_bytes for c in collectives.values())
+                               / regime.steps_per_call,
+                 "loop_wire_bytes": sum(c.wire_bytes for c in in_loop.values())
+                                    / regime.steps_per_call,
+                 "step_seconds": []}
+    if name.startswith("wus"):
+      plan = step.plan(*fresh, data[0])
+      out[name].update(bucket_bytes=plan.bucket_bytes, alone_bytes=plan.alone_bytes,
+                       buckets=plan.buckets)
+    if hasattr(step, "timings"):  # wus.shard_map (wus.jit has no timings).
+      timings = step.timings(*fresh, data[0])
+      out[name].update(analysis_seconds=timings["analysis"], rewrite_seconds=timings["rewrite"])
+    for batch in data[:2]:  # Warm up: compile, and (wus) shard the state.
+      fresh = steps.TrainState(*jax.block_until_ready(step(*fresh, batch))[:3])
+    states[name] = fresh
+  for call in parts.values():
+    jax.block_until_ready(call(-2))
+  def update(name: str) -> Callable[[int], None]:
+    def call(r: int) -> None:
+      states[name] = steps.TrainState(
+          *jax.block_until_ready(variants[name][0](*states[name], data[2 + r]))[:3])
+    return call
+
+  calls = {k: lambda r, c=c: jax.block_until_ready(c(r)) for k, c in parts.items()}
+  calls.update({name: update(name) for name in variants})
+  seconds = timing.interleaved(
+      calls, rounds, seed=seed,
+      progress=progress and (lambda name: name in variants and progress()))
+  for key in parts:
+    out[key] = seconds[key]
+  for name in variants:
+    out[name]["step_seconds"] = [t / regime.steps_per_call for t in seconds[name]]
+  for name in variants:
+    seconds = out[name]["step_seconds"]
+    out[name].update(median=statistics.median(seconds), min=min(seconds), max=max(seconds))
+    out[name]["opt_state_per_device"] = report.bytes_per_device(states[name].opt_state)
+    out[name]["max_param_difference"] = _max_difference(states[name].params,
+                                                         states["replicated"].params)
+  if "wus_jit" in variants:
+    out["wus_jit"]["max_jit_param_difference"] = _max_difference(states["wus_jit"].params,
+                                                                 states["jit"].params)
+  return out
+
+
+def _max_difference(a, b) -> float:
+  """max |a - b| over the leaves of two trees of arrays."""
+  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))

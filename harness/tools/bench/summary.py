@@ -1,0 +1,259 @@
+"""What `wus-bench` prints of its measurements: a table per regime, the limit, the cost
+model's predictions beside the measured times, and the targets met or not."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from wus.analysis import costmodel, network
+from wus.harness.tools import report
+from wus.harness.tools.bench import limit
+from wus.harness.tools.bench.variants import (ALTERNATIVES, JIT_ALTERNATIVES, VARIANTS,
+                                              group_size)
+
+MIB = 2 ** 20
+
+# Targets of issues 5 and 22, checked on the measurements of one run.
+TIME_RATIO = 1.0         # wus / each alternative (and donated / undonated), median step time
+STATE_TOLERANCE = 0.01   # |opt state per device / (V/N) - 1|
+BF16_WIRE_RATIO = 0.76   # wus / replicated collective bytes, bf16 weight gather
+ANALYSIS_FRACTION = 0.1  # (analysis + rewrite) / XLA compile time of the wus step
+LIMIT_RATIO = 1.05       # wus / the sum of its parts timed alone (`limit`)
+COMPILE_RATIO = 1.2      # XLA compile time, wus / replicated
+# Regimes whose wus step is compared with its parts alone and the alternatives.
+LIMIT_REGIMES = ("weight-update-bound", "many-small-tensors")
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+  """The median over rounds of a[r] / b[r]: two variants timed in the same round share its
+  load, so their ratio is steadier than the ratio of their medians."""
+  return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def limit_of(result: dict) -> dict | None:
+  """The limit of a regime whose parts were timed (seconds per update), or None.
+
+  Returns:
+    {"rest", "collectives", "update": medians of the parts alone, "total":
+    their sum, "rounds": the sum of the parts in each round}.
+  """
+  if not result.get("collectives_seconds"):
+    return None
+  parts = {k: statistics.median(result[f"{k}_seconds"]) for k in ("rest", "collectives", "update")}
+  rounds = [sum(t) for t in zip(*(result[f"{k}_seconds"] for k in parts), strict=True)]
+  return {**parts, "total": sum(parts.values()), "rounds": rounds}
+
+
+def predict(result: dict, topology: network.Topology) -> dict | None:
+  """The cost model's step times for a regime's replicated and wus steps (seconds per update).
+
+  Fed this machine's measured costs (`calibrate.measure`) and the measured
+  median of the forward and backward pass alone as "rest"; nothing is fitted
+  to the step times it is compared with. Adam, sharded N ways (G = N), the
+  collectives batched as the wus step batches them (`Plan.bucket_bytes`,
+  `Plan.alone_bytes`).
+
+  Returns:
+    {"replicated": StepPrediction, "wus": StepPrediction}, or None for a
+    regime with several updates per call (no "rest" measured).
+  """
+  if not result.get("rest_seconds") or "wus" not in result:
+    return None
+  workload = costmodel.Workload(tuple(result["tensor_elements"]), costmodel.OPTIMIZERS["adam"])
+  rest = statistics.median(result["rest_seconds"])
+  bucket, alone = result["wus"]["bucket_bytes"], result["wus"].get("alone_bytes")
+  return {"replicated": costmodel.predict_replicated(workload, topology, rest, bucket),
+          "wus": costmodel.predict_sharded(workload, topology, result["num_devices"], rest, bucket,
+                                           alone)}
+
+
+def prediction_markdown(results: list[dict], topology: network.Topology, raw: dict) -> str:
+  """Predicted beside measured, per regime with one update per call."""
+  axis = topology.axes[0]
+  (d0, t0), (d1, t1) = raw["all_reduce"]
+  rows = []
+  for r in results:
+    p = predict(r, topology)
+    if p is None:
+      continue
+    for v in ("replicated", "wus"):
+      rows.append([r["regime"], v, 1e3 * r[v]["median"], 1e3 * p[v].with_copies,
+                   1e3 * p[v].rest, 1e3 * (p[v].communication + p[v].copies),
+                   1e3 * p[v].update,
+                   p[v].with_copies / p["replicated"].total if v == "wus" else "-",
+                   r[v]["median"] / r["replicated"]["median"] if v == "wus" else "-"])
+  return "\n\n".join([
+      "### Cost model: predicted beside measured",
+      f"This machine, measured before the regimes ran: all-reduce over {axis.size} devices of "
+      f"{d0} B in {1e3 * t0:.3f} ms and {d1} B in {1e3 * t1:.3f} ms, i.e. alpha "
+      f"{1e6 * axis.alpha:.1f} us per ring step and {axis.bandwidth / 1e9:.2f} GB/s per "
+      f"device; memory {topology.memory_bandwidth / 1e9:.2f} GB/s per device (all devices "
+      "busy). \"rest\" is the measured forward and backward pass alone; the model adds "
+      "collectives and the update to it (`wus.analysis.costmodel`, nothing fitted to "
+      "the step times).",
+      report.table(["regime", "variant", "measured ms", "predicted ms", "rest ms",
+                    "collectives + copies ms (pred.)", "update ms (pred.)",
+                    "wus/replicated predicted",
+                    "wus/replicated measured"], rows)])
+
+
+def targets(results: list[dict]) -> list[tuple[str, bool | None, str]]:
+  """The targets of issues 5 and 22 on measured results: (target, met or None if not
+  measured, detail)."""
+  rows = []
+  for r in results:
+    name = r["regime"]
+    for v in r.get("variants", ()):
+      if (g := group_size(v)) is None:
+        continue
+      share = r[v]["opt_state_per_device"] * g / r["opt_state_bytes"]
+      rows.append((f"{name}: {v} optimizer state per device within {STATE_TOLERANCE:.0%} of V/G",
+                   abs(share - 1) <= STATE_TOLERANCE, f"{share:.4f} x V/{g}"))
+      wire = r[v]["wire_bytes"] / r["replicated"]["wire_bytes"]
+      rows.append((f"{name}: {v} collective bytes <= replicated all-reduce's (§5.2)", wire <= 1,
+                   f"ratio {wire:.4f}"))
+    rows += _jit_targets(r)
+    if "wus" not in r:
+      continue
+    ws = r["wus"]
+    if name in LIMIT_REGIMES:
+      for alt in (a for a in ALTERNATIVES if a in r):
+        ratio = paired_ratio(ws["step_seconds"], r[alt]["step_seconds"])
+        rows.append((f"{name}: wus step time <= {alt}'s (median of per-round ratios)",
+                     ratio <= TIME_RATIO, f"ratio {ratio:.3f}"))
+      rows += _copy_free_targets(r)
+    share = ws["opt_state_per_device"] * r["num_devices"] / r["opt_state_bytes"]
+    rows.append((f"{name}: optimizer state per device within {STATE_TOLERANCE:.0%} of V/N",
+                 abs(share - 1) <= STATE_TOLERANCE, f"{share:.4f} x V/N"))
+    wire = ws["wire_bytes"] / r["replicated"]["wire_bytes"]
+    if r["steps_per_call"] > 1:
+      # Per step of the loop; what is gathered once after it is amortized over
+      # the loop's steps (§4.2), and shown in the regime's table.
+      wire = ws["loop_wire_bytes"] / r["replicated"]["loop_wire_bytes"]
+      rows.append((f"{name}: collective bytes per step in the loop <= {BF16_WIRE_RATIO:.0%} of "
+                   "replicated (bfloat16 weight all-gather)", wire <= BF16_WIRE_RATIO,
+                   f"ratio {wire:.3f}"))
+    else:
+      rows.append((f"{name}: collective bytes <= replicated all-reduce's", wire <= 1,
+                   f"ratio {wire:.4f}"))
+    fraction = (ws["analysis_seconds"] + ws["rewrite_seconds"]) / ws["compile_seconds"]
+    rows.append((f"{name}: wus analysis + rewrite < {ANALYSIS_FRACTION:.0%} of XLA compile time",
+                 fraction < ANALYSIS_FRACTION, f"{fraction:.1%}"))
+  return rows
+
+
+def _jit_targets(r: dict) -> list[tuple[str, bool | None, str]]:
+  """Issue 20's targets of a regime with the `jax.jit` user's variants."""
+  if "wus_jit" not in r:
+    return []
+  name, wj, rows = r["regime"], r["wus_jit"], []
+  for alt in (a for a in JIT_ALTERNATIVES if a in r):
+    ratio = paired_ratio(wj["step_seconds"], r[alt]["step_seconds"])
+    rows.append((f"{name}: wus_jit step time <= {alt}'s (median of per-round ratios)",
+                 ratio <= TIME_RATIO, f"ratio {ratio:.3f}"))
+  share = wj["opt_state_per_device"] * r["num_devices"] / r["opt_state_bytes"]
+  rows.append((f"{name}: wus_jit optimizer state per device within {STATE_TOLERANCE:.0%} of "
+               "V/N", abs(share - 1) <= STATE_TOLERANCE, f"{share:.4f} x V/N"))
+  return rows
+
+
+def jit_markdown(r: dict) -> str:
+  """The `jax.jit` user's variants side by side: wus_jit's step time over each, state / (V/N)."""
+  names = [v for v in (*JIT_ALTERNATIVES, "wus_jit") if v in r]
+  if "wus_jit" not in names:
+    return ""
+  per = r["opt_state_bytes"] / r["num_devices"]
+  rows = [[v, 1e3 * r[v]["median"], paired_ratio(r["wus_jit"]["step_seconds"],
+                                                  r[v]["step_seconds"]),
+           r[v]["opt_state_per_device"] / per, r[v]["moves"]["copy"]["bytes"] / MIB,
+           r[v]["compile_cpu_seconds"]] for v in names]
+  return "\n\n".join([
+      "For a `jax.jit` user (the step on global arrays, the batch on P(\"data\")):",
+      report.table(["variant", "median ms/update", "wus_jit / it (per-round ratio, median)",
+                    "opt state / (V/N)", "HLO copy MiB", "XLA compile CPU s"], rows)])
+
+
+def _copy_free_targets(r: dict) -> list[tuple[str, bool | None, str]]:
+  """Issue 22's targets of a regime: at the limit, donation no slower, no weight copied."""
+  name, ws, rows = r["regime"], r["wus"], []
+  bound = limit_of(r)
+  if bound is not None:
+    ratio = paired_ratio(ws["step_seconds"], bound["rounds"])
+    medians = ws["median"] / bound["total"]
+    rows.append((f"{name}: wus / limit (the parts timed alone) <= {LIMIT_RATIO}",
+                 ratio <= LIMIT_RATIO, f"ratio {ratio:.3f} (of the medians: {medians:.3f})"))
+  if "wus_undonated" in r:
+    ratio = paired_ratio(ws["step_seconds"], r["wus_undonated"]["step_seconds"])
+    rows.append((f"{name}: wus with the state donated no slower than without",
+                 ratio <= TIME_RATIO, f"ratio {ratio:.3f}"))
+  copies = ws["moves"]["parameter copy"]
+  rows.append((f"{name}: the compiled wus step copies no parameter", copies["count"] == 0,
+               f"{copies['count']} copies, {copies['bytes'] / MIB:.3g} MiB"))
+  ratio = ws["compile_cpu_seconds"] / r["replicated"]["compile_cpu_seconds"]
+  wall = ws["compile_seconds"] / r["replicated"]["compile_seconds"]
+  rows.append((f"{name}: XLA compile time (CPU seconds), wus / replicated <= {COMPILE_RATIO}",
+               ratio <= COMPILE_RATIO, f"ratio {ratio:.3f} (wall clock {wall:.3f})"))
+  return rows
+
+
+def limit_markdown(r: dict) -> str:
+  """The regime's limit (its parts timed alone) beside wus, and wus's data movement."""
+  bound = limit_of(r)
+  if bound is None:
+    return ""
+  moved = lambda v, k: r[v]["moves"][k]["bytes"] / MIB  # noqa: E731
+  flat = 4 * limit.flat_elements(r["tensor_elements"], r["num_devices"]) / MIB
+  lines = [f"Limit: forward and backward {1e3 * bound['rest']:.2f} ms + one reduce-scatter and "
+           f"one all-gather of {flat:.3g} MiB {1e3 * bound['collectives']:.2f} ms + Adam on a "
+           f"1/{r['num_devices']} shard "
+           f"{1e3 * bound['update']:.2f} ms = {1e3 * bound['total']:.2f} ms (medians of the same "
+           "rounds)."]
+  rows = [[v, paired_ratio(r[v]["step_seconds"], bound["rounds"]), moved(v, "copy"),
+           moved(v, "concatenate"), moved(v, "slice"), r[v]["moves"]["parameter copy"]["count"],
+           r[v]["compile_cpu_seconds"]]
+          for v in r["variants"]]
+  lines.append(report.table(["variant", "/ limit (per-round ratio, median)", "HLO copy MiB",
+                             "concatenate MiB", "slice MiB", "parameter copies",
+                             "XLA compile CPU s"], rows))
+  if "buckets" in r.get("wus", {}):
+    lines.append(f"wus plan: {r['wus']['buckets']}.")
+  return "\n\n".join(lines)
+
+
+def markdown(results: list[dict]) -> str:
+  """The benchmark as Markdown: one table per regime, then the targets."""
+  parts = []
+  for r in results:
+    names = r.get("variants") or [v for v in VARIANTS if v in r]
+    alternatives = [v for v in names if v in ALTERNATIVES or v == "replicated"]
+    best = min(alternatives, key=lambda v: r[v]["median"])
+    rows = []
+    for v in names:
+      m = r[v]
+      rows.append([v, 1e3 * m["median"], f"{1e3 * m['min']:.2f}-{1e3 * m['max']:.2f}",
+                   m["median"] / r["replicated"]["median"],
+                   m["median"] / r[best]["median"] if v == "wus" else "-",
+                   m["memory"]["total"] / MIB, m["opt_state_per_device"] / MIB,
+                   m["wire_bytes"] / MIB, m["compile_seconds"], m["max_param_difference"]])
+    parts += [f"### {r['regime']}: {r['model']} + Adam, N={r['num_devices']}, "
+              f"{r['batch_size']} examples per replica per update"
+              + (f", {r['steps_per_call']} updates per call" if r["steps_per_call"] > 1 else "")
+              + f"; {len(r['replicated']['step_seconds'])} timed calls per variant",
+              report.table(["variant", "median ms/update", "min-max ms", "/ replicated",
+                            f"/ best alternative ({best})", "memory MiB/device",
+                            "opt state MiB/device", "collective wire MiB/update",
+                            "XLA compile s",
+                            "max |Δ params| vs replicated"], rows)]
+    parts += [text for text in (limit_markdown(r), jit_markdown(r)) if text]
+    parts += [f"{v} analysis {r[v]['analysis_seconds']:.3f} s + rewrite "
+              f"{r[v]['rewrite_seconds']:.3f} s, beside XLA's compile of the {v} step "
+              f"{r[v]['compile_seconds']:.2f} s." for v in names if "analysis_seconds" in r[v]]
+    if r["steps_per_call"] > 1:
+      parts.append("Collective wire MiB per update inside the loop: " + ", ".join(
+          f"{v} {r[v]['loop_wire_bytes'] / MIB:.3f}" for v in names) + " (the table's column "
+          "adds what is gathered once per call after the loop, spread over its updates).")
+  parts += ["### Targets", report.table(
+      ["target", "", "measured"],
+      [[t, {True: "met", False: "NOT MET", None: "-"}[ok], d] for t, ok, d in targets(results)])]
+  return "\n\n".join(parts)
