@@ -148,6 +148,8 @@ def test_calibration_measures_this_machine():
                                     all_reduce_bytes=(2 ** 10, 2 ** 22), memory_bytes=2 ** 20)
   (axis,) = topology.axes
   assert axis.size == 8 and axis.alpha >= 0 and axis.bandwidth > 0
+  chained, seconds = raw["chain"]  # alpha: one all-reduce inside a program of CHAIN.
+  assert chained == calibrate.CHAIN and seconds > 0
   assert topology.memory_bandwidth == pytest.approx(3 * 2 ** 20 / raw["memory"][1])
 
 
@@ -166,5 +168,6 @@ def test_cost_model_predicts_each_one_update_regime(results):
     assert ws.update == pytest.approx(rep.update / 8, rel=0.01)  # Shards pad a little.
     assert rep.collectives["all-reduce"] >= 1 and ws.collectives["reduce-scatter"] >= 1
   text = summary.prediction_markdown(results, topology,
-                                   {"all_reduce": [(1, 1e-3), (2, 2e-3)], "memory": (1, 1.0)})
+                                   {"all_reduce": [(1, 1e-3), (2, 2e-3)], "chain": (9, 3e-3),
+                                    "memory": (1, 1.0)})
   assert text.count("| wus ") == 2 and "wus/replicated measured" in text

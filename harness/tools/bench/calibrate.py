@@ -10,8 +10,13 @@ with all of them busy, as they are in a step):
 
 * All-reduce: `lax.psum` of D bytes per device over the axis, at a small D
   (latency-bound) and a large one (bandwidth-bound). A ring all-reduce of n
-  devices takes 2 (n - 1)(alpha + D / (n B)): the line t = a + b D through
-  the two points gives alpha = a / (2 (n - 1)) and B = 2 (n - 1) / (n b).
+  devices takes 2 (n - 1)(alpha + D / (n B)): the slope b of the line through
+  the two points gives B = 2 (n - 1) / (n b). Its intercept also holds the
+  cost of launching a program (about 0.8 ms here, 14 x a collective's own
+  latency), which a collective inside a step does not pay; so alpha comes
+  from one program of `CHAIN` dependent all-reduces of the small size against
+  one of a single all-reduce: t = (t_chain - t_one) / (CHAIN - 1) is one
+  collective inside a program, alpha = (t - 2 (n - 1) D / (n B)) / (2 (n - 1)).
 * Memory bandwidth: an elementwise `x * c + y` on D bytes per device, which
   reads 2 D and writes D: 3 D / t bytes per second.
 
@@ -36,6 +41,8 @@ from wus.analysis import network
 # and of the elementwise pass.
 ALL_REDUCE_BYTES = (2 ** 12, 2 ** 22)
 MEMORY_BYTES = 2 ** 24
+# Dependent all-reduces in the program that measures a collective's latency inside a program.
+CHAIN = 9
 
 
 def median_seconds(calls: Sequence[Callable[[], object]], repeats: int) -> list[float]:
@@ -87,7 +94,8 @@ def measure(mesh: Mesh, axis_name: str, *, repeats: int = 15,
 
   Returns:
     (topology, raw): a one-axis `network.Topology` named "measured", and
-    {"all_reduce": [(bytes, seconds), (bytes, seconds)], "memory": (bytes, seconds)}.
+    {"all_reduce": [(bytes, seconds), (bytes, seconds)], "chain": (CHAIN, seconds of
+    the chained all-reduces), "memory": (bytes, seconds)}.
 
   Raises:
     ValueError: from `fit_ring`, when noise hid the all-reduce's growth.
@@ -96,15 +104,29 @@ def measure(mesh: Mesh, axis_name: str, *, repeats: int = 15,
   spec = NamedSharding(mesh, P(axis_name))
   reduce = jax.jit(jax.shard_map(lambda x: lax.psum(x, axis_name), mesh=mesh,
                                  in_specs=P(axis_name), out_specs=P(axis_name)))
+  chain = jax.jit(jax.shard_map(lambda x: _chained(x, axis_name), mesh=mesh,
+                                in_specs=P(axis_name), out_specs=P(axis_name)))
   axpy = jax.jit(jax.shard_map(lambda x, y: x * 0.999 + y, mesh=mesh,
                                in_specs=(P(axis_name), P(axis_name)), out_specs=P(axis_name)))
   ones = lambda nbytes: jax.device_put(jnp.ones((n * nbytes // 4,), jnp.float32), spec)
   small, large, x, y = (ones(all_reduce_bytes[0]), ones(all_reduce_bytes[1]),
                         ones(memory_bytes), ones(memory_bytes))
-  t_small, t_large, memory_seconds = median_seconds(
-      [lambda: reduce(small), lambda: reduce(large), lambda: axpy(x, y)], repeats)
-  alpha, bandwidth = fit_ring(tuple(all_reduce_bytes), (t_small, t_large), n)
+  t_small, t_large, t_chain, memory_seconds = median_seconds(
+      [lambda: reduce(small), lambda: reduce(large), lambda: chain(small),
+       lambda: axpy(x, y)], repeats)
+  _, bandwidth = fit_ring(tuple(all_reduce_bytes), (t_small, t_large), n)
+  steps = 2 * (n - 1)
+  inside = (t_chain - t_small) / (CHAIN - 1)
+  alpha = max(inside - steps * all_reduce_bytes[0] / (n * bandwidth), 0.0) / steps
   topology = network.Topology((network.Axis("measured", n, alpha, bandwidth),),
                                 memory_bandwidth=3 * memory_bytes / memory_seconds)
   return topology, {"all_reduce": list(zip(all_reduce_bytes, (t_small, t_large))),
-                    "memory": (memory_bytes, memory_seconds)}
+                    "chain": (CHAIN, t_chain), "memory": (memory_bytes, memory_seconds)}
+
+
+def _chained(x, axis_name):
+  """`CHAIN` all-reduces, each reading the last one's result plus the replica index (so
+  that no all-reduce sums equal values, which XLA would turn into a multiply)."""
+  for _ in range(CHAIN):
+    x = lax.psum(x, axis_name) + lax.axis_index(axis_name).astype(x.dtype)
+  return x

@@ -72,6 +72,7 @@ def prediction_markdown(results: list[dict], topology: network.Topology, raw: di
   """Predicted beside measured, per regime with one update per call."""
   axis = topology.axes[0]
   (d0, t0), (d1, t1) = raw["all_reduce"]
+  chain = raw["chain"]
   rows = []
   for r in results:
     p = predict(r, topology)
@@ -86,8 +87,10 @@ def prediction_markdown(results: list[dict], topology: network.Topology, raw: di
   return "\n\n".join([
       "### Cost model: predicted beside measured",
       f"This machine, measured before the regimes ran: all-reduce over {axis.size} devices of "
-      f"{d0} B in {1e3 * t0:.3f} ms and {d1} B in {1e3 * t1:.3f} ms, i.e. alpha "
-      f"{1e6 * axis.alpha:.1f} us per ring step and {axis.bandwidth / 1e9:.2f} GB/s per "
+      f"{d0} B in {1e3 * t0:.3f} ms and {d1} B in {1e3 * t1:.3f} ms (each its own program), "
+      f"{chain[0]} dependent ones of {d0} B in one program in {1e3 * chain[1]:.3f} ms, i.e. "
+      f"alpha {1e6 * axis.alpha:.1f} us per ring step inside a program and "
+      f"{axis.bandwidth / 1e9:.2f} GB/s per "
       f"device; memory {topology.memory_bandwidth / 1e9:.2f} GB/s per device (all devices "
       "busy). \"rest\" is the measured forward and backward pass alone; the model adds "
       "collectives and the update to it (`wus.analysis.costmodel`, nothing fitted to "
