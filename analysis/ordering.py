@@ -88,7 +88,7 @@ def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
   if not inputs:
     return (), frozenset()
   seeds = [i for i in sorted(shard_eqns) if shard_eqns[i] is Kind.REDUCE_SCATTER]
-  reach = _reach(graph, {i: 1 << k for k, i in enumerate(seeds)})
+  summed = _reach(graph, dict.fromkeys(seeds, 1))  # 1: a gradient sum follows the equation.
   # Per equation, the outputs (bit k: outs[k]) it precedes.
   before = _reach(graph, {producer[v]: 1 << k for k, (_, v) in enumerate(outs)
                           if v in producer})
@@ -98,12 +98,11 @@ def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
   need = []
   for v in inputs:
     reads = _reads(graph, v, shard_eqns, set(seeds))
-    need += [(reach[i], i) for i in reads if before[i] & written[_aval(v)] != written[_aval(v)]]
-    if not reads:  # Read before the step (module docstring): after every gradient sum.
-      need += [(1 << b, None) for b in range(len(seeds))]
-  # Every reduce-scatter, not a few that cover the reads: XLA:CPU runs collectives in
-  # data order, and all-gathers free to start between reduce-scatters made the
-  # step slower (mlp_deep, wus-bench: 0.78 of the step tied to a greedy cover).
+    need += [(summed[i], i) for i in reads if before[i] & written[_aval(v)] != written[_aval(v)]]
+    if not reads and seeds:  # Read before the step (module docstring): after every gradient sum.
+      need.append((1, None))
+  # Every reduce-scatter, as the update itself follows them all (`transforms.schedule`),
+  # not a few that cover the reads: one order for every step, owned updates included.
   chosen = [eqns[i].outvars[0] for i in seeds] if any(m for m, _ in need) else []
   rest = dict.fromkeys(next(iter(eqns[i].outvars), None) for m, i in need if not m)
   values = tuple(chosen) + tuple(v for v in rest if v is not None)
