@@ -57,7 +57,7 @@ _DUPLICABLE: frozenset = ELEMENTWISE | frozenset({
 
 
 def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
-                 sharded_out: Mapping) -> tuple[tuple, frozenset]:
+                 sharded_out: Mapping, *, read_tokens: bool = True) -> tuple[tuple, frozenset]:
   """Values the outputs written into donated buffers must follow (module docstring).
 
   Those outputs are the ones all-gathered, and the ones computed whole by an
@@ -69,6 +69,9 @@ def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
     shard_eqns: its equations run on shards (`Program.shard_eqns`).
     formats: the values held as shards (`Plan.formats`).
     sharded_out: outputs returned as shards (`Program.sharded_out`).
+    read_tokens: whether the results of reads may be tokens; if not, only
+      the gradient all-reduces order the all-gathers (a read no gradient sum
+      follows then leaves its weight copied).
 
   Returns:
     (values, tied): variables of `jaxpr`, outputs of gradient all-reduces
@@ -104,7 +107,8 @@ def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
   # Every reduce-scatter, as the update itself follows them all (`transforms.schedule`),
   # not a few that cover the reads: one order for every step, owned updates included.
   chosen = [eqns[i].outvars[0] for i in seeds] if any(m for m, _ in need) else []
-  rest = dict.fromkeys(next(iter(eqns[i].outvars), None) for m, i in need if not m)
+  rest = dict.fromkeys(next(iter(eqns[i].outvars), None) for m, i in need
+                       if not m and read_tokens)
   values = tuple(chosen) + tuple(v for v in rest if v is not None)
   return values, frozenset(k for k, v in outs if v not in formats) if values else frozenset()
 

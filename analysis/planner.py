@@ -76,14 +76,14 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
                             k in state, v.aval.dtype.itemsize, (matched or {}).get(k, "")))
   limit, alone, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology,
                                             objective)
-  # The copy-free order of donated weights (`ordering`) is left out of a step with
-  # clusters grown from roots: their gradients are computed whole on every replica in
-  # the same program, and ordering the all-gathers after them changed how XLA:CPU
-  # sums them (one ulp, tests/analysis/test_roots.py). Not yet understood: exactness
-  # first, the parameter copies it saves are lost for such steps.
+  # In a step with clusters grown from roots, the copy-free order of donated weights
+  # (`ordering`) takes only the gradient all-reduces as tokens, never the result of a
+  # read: the roots' gradients are computed whole on every replica in the same
+  # program, and a token on a matmul's result there (one more consumer) changed how
+  # XLA:CPU fuses and rounds it (one ulp, tests/analysis/test_roots.py).
   rooted = any(t.role == "root" for c in planned.clusters for t in c.tensors)
-  after, tied = ((), frozenset()) if rooted else ordering.gather_after(
-      graph, planned.program.shard_eqns, planned.formats, planned.program.sharded_out)
+  after, tied = ordering.gather_after(graph, planned.program.shard_eqns, planned.formats,
+                                      planned.program.sharded_out, read_tokens=not rooted)
   program = dataclasses.replace(planned.program, gather_after=after, tied_outputs=tied)
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               program, planned.formats, planned.gather_dtypes, objective=objective,

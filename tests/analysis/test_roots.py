@@ -23,6 +23,7 @@ import wus
 from helpers import analysed_body, assert_trees_equal, collective_arrays, mesh, run_both
 from wus.analysis import clusters, planner
 from wus.analysis.graph import Graph
+from wus.harness.tools import report
 
 TX = optax.adam(1e-2)
 
@@ -84,6 +85,31 @@ def test_position_embedding_state_shards_under_check_vma(n):
   (table,) = [c for c in plan.clusters if any("position" in t.name for t in c.tensors)]
   assert table.sharded and "scatter-add at" in table.reason, str(plan)
   assert [t.role for t in table.tensors if t.role == "root"] == ["root"]
+
+
+def test_donated_step_with_a_root_gathers_weights_without_a_copy():
+  """With the state donated, a step with a root cluster (the position table)
+  all-gathers every weight into its own buffer, ordered after the gradient
+  reduce-scatters, with no parameter copy (it copied the 4 MiB token table
+  while root clusters left the ordering out altogether), and computes what the
+  unmodified step computes, bit for bit."""
+  model = BertEmbedder(vocab=1024, dim=64)
+  params = model.init(jax.random.key(0), jnp.zeros((2, 16), jnp.int32))
+  m = mesh(8)
+  tokens = [jax.device_put(jax.random.randint(jax.random.key(i), (16, 17), 0, 1024),
+                           NamedSharding(m, P("data"))) for i in range(3)]
+  kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  donating = wus.shard_map(_bert_step(model), donate_argnums=(0, 1), **kw)
+  plan = donating.plan(params, TX.init(params), tokens[0])
+  assert any(t.role == "root" for c in plan.clusters for t in c.tensors), str(plan)
+  assert plan.program.gather_after
+  hlo = donating.lower(params, TX.init(params), tokens[0]).compile().as_text()
+  assert report.data_movement(hlo)["parameter copy"].count == 0
+  ref = jax.jit(jax.shard_map(_bert_step(model), **kw))
+  want, got = (params, TX.init(params)), (jax.tree.map(jnp.copy, params), TX.init(params))
+  for x in tokens:
+    want, got = ref(*want, x), donating(*got, x)
+  assert_trees_equal(wus.unshard(got), want)
 
 
 # --- Bug 5: a weight-decay term formed from invariant values. -------------------------------
