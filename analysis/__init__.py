@@ -9,7 +9,8 @@ Modules, one concern each, in the order the passes run:
   formats     `ShardFormat`: reshape, pad, split (§4.1, Fig. 6)
   layouts     a format for every tensor of a cluster
   cost        shard a cluster or not, with the reason and predicted times (§3.2)
-  costmodel   alpha-beta model of collectives and the update's memory traffic (§5)
+  costmodel   alpha-beta model of a step's or a cluster's collectives and update (§5)
+  network     the network in that model: mesh axes, ring collectives, batching
   precision   which narrower float a sharded weight is read whole in (Fig. 7)
   loops       loop bodies and conditionals in the planner (§3.2, §4.2, Fig. 4)
   ownership   which updates can run whole on one replica each (Muon, Shampoo-like)

@@ -21,14 +21,15 @@ not state). It is taken when
     reduce-scatter, its gradient a local slice) only adds all-gathers: it is
     taken only when it keeps optimizer state sharded.
 
-Every decision also carries the alpha-beta cost model's prediction
-(`costmodel`, ring collectives over the topology's axes, the update's bytes
-over the memory bandwidth) of the cluster's collectives and update, sharded
-and replicated. With `objective="time"` a cluster shards only where that
+Every decision also carries the alpha-beta cost model's prediction of the
+cluster's collectives and update, sharded and replicated
+(`costmodel.cluster_seconds` of the cluster's `costmodel.Workload`: its
+gradients, the values it all-gathers, the inputs and outputs its update
+reads and writes). With `objective="time"` a cluster shards only where that
 prediction is no slower; with `objective="memory"` the prediction is only
-reported. The prediction counts bytes, not latency: the cluster's
-collectives share batched buckets with the other clusters' (§5.2), so one
-more tensor adds bytes to a collective, not a collective.
+reported. The step's batching (`bucket_bytes`) and `shard_group_size="auto"`
+(`auto_group_size`) price the sharded clusters' workloads together
+(`step_workload`).
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ class Decision:
     saved_bytes: predicted bytes of program inputs and outputs each replica
       no longer reads or writes: (1 - 1/N) of their whole size.
     replicated_seconds: predicted seconds of the cluster's all-reduces and
-      update, replicated (`predict`); 0 when not predicted.
+      update, replicated (`costmodel.cluster_seconds`); 0 when not predicted.
     sharded_seconds: the same sharded: reduce-scatters, all-gathers and the
       update on 1/N.
+    workload: what the prediction prices (None when not predicted).
   """
 
   shard: bool
@@ -75,51 +77,35 @@ class Decision:
   saved_bytes: int
   replicated_seconds: float = dataclasses.field(default=0.0, compare=False)
   sharded_seconds: float = dataclasses.field(default=0.0, compare=False)
+  workload: costmodel.Workload | None = dataclasses.field(default=None, compare=False,
+                                                          repr=False)
 
 
 OBJECTIVES = ("memory", "time")
-
-
-def predict(all_reduce: int, all_gather: int, io: int, num_shards: int,
-            topology: network.Topology) -> tuple[float, float]:
-  """(replicated, sharded) predicted seconds of one cluster's collectives and update (§3.2).
-
-  Replicated: the all-reduce of `all_reduce` bytes and the update reading and
-  writing `io` bytes. Sharded: a reduce-scatter of the same bytes, an
-  all-gather of `all_gather` bytes, the update on `io / num_shards`. Ring
-  collectives over `topology.axes` with their latency left out (see the
-  module docstring); the update at `topology.memory_bandwidth`.
-
-  Args:
-    all_reduce, all_gather, io: whole bytes.
-    num_shards: N.
-    topology: the devices the update is sharded over (N of them).
-  """
-  axes = tuple(dataclasses.replace(a, alpha=0.0) for a in topology.axes)
-  memory = topology.memory_bandwidth
-  replicated = network.all_reduce(all_reduce, axes) + io / memory
-  sharded = (network.reduce_scatter(all_reduce, axes) + network.all_gather(all_gather, axes)
-             + io / num_shards / memory)
-  return replicated, sharded
 
 
 def _microseconds(seconds: float) -> str:
   return network.format_seconds(seconds)
 
 
-def _branch_gathers(cluster: Cluster, rare: set[int]) -> int:
-  """Whole bytes that conditionals' branches all-gather (read whole inside).
+def tensor(v: Var) -> costmodel.Tensor:
+  """`v` as the cost model sees it: (elements, bytes per element)."""
+  return int(v.aval.size), v.aval.dtype.itemsize
+
+
+def _branch_gathers(cluster: Cluster, rare: set[int]) -> list[Var]:
+  """The values conditionals' branches all-gather (read whole inside).
 
   A conditional in `rare` runs every k steps (§3.2): what it gathers is
   amortized and not counted.
   """
-  total = 0
+  out = []
   for i, subs in cluster.nested.items():
     if i in rare:
       continue
     for sub in subs:
-      total += sum(nbytes(v) for v in sub.outside_readers) + _branch_gathers(sub, set())
-  return total
+      out += [*sub.outside_readers, *_branch_gathers(sub, set())]
+  return out
 
 
 def _first_whole_reader(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes) -> str:
@@ -137,7 +123,8 @@ def _first_whole_reader(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes)
 def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
            axes: frozenset, state_outputs: set[int], num_shards: int,
            rare: set[int] = frozenset(), *, objective: str = "memory",
-           topology: network.Topology | None = None, extra_gather: int = 0,
+           topology: network.Topology | None = None,
+           extra_gather: tuple[costmodel.Tensor, ...] = (),
            sliced: list[str] | tuple = ()) -> Decision:
   """Decides one cluster.
 
@@ -153,11 +140,13 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
       (taken every k steps, §3.2 frequency analysis).
     objective: "memory" (shard whenever the update can run on shards and
       saves memory traffic or keeps optimizer state sharded) or "time" (as
-      "memory", and only where `predict` says sharded is no slower).
-    topology: the N devices, for `predict`; None:
+      "memory", and only where `costmodel.cluster_seconds` says sharded is no
+      slower).
+    topology: the N devices, for the prediction; None:
       `network.default_topology(num_shards)`.
-    extra_gather: whole bytes of inputs it keeps sharded that are gathered
-      where read (weights with `shard_weights`, in their narrow dtype).
+    extra_gather: (elements, bytes per element) of inputs it keeps sharded
+      that are gathered where read (weights with `shard_weights`, in their
+      narrow dtype).
     sliced: for a cluster grown from roots (`Cluster.roots`), the names of
       the values identical on every replica it reads by a local slice.
 
@@ -175,19 +164,26 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
     raise ValueError(f"the topology has {topology.num_devices} devices; the update is sharded "
                      f"over {num_shards}")
   eqns = jaxpr.eqns
-  all_reduce = sum(nbytes(eqns[i].outvars[0]) for i in cluster.seeds)
   gathered = [v for v in cluster.sharded if v not in layout.partial and (
       v in cluster.outside_readers or v in layout.whole_reads
       or any(p not in state_outputs for p in cluster.program_outputs.get(v, ())))]
-  all_gather = sum(nbytes(v) for v in gathered) + _branch_gathers(cluster, rare) + extra_gather
   inputs = set(jaxpr.invars)
-  io = (sum(nbytes(v) for v in cluster.reads if v in inputs)
-        + sum(nbytes(v) * len(p) for v, p in cluster.program_outputs.items()))
+  # The cluster's facts as the cost model sees them: its gradients, what it
+  # gathers, and the inputs it reads and outputs it writes (non-fusible).
+  workload = costmodel.Workload(
+      gradients=tuple(tensor(eqns[i].outvars[0]) for i in cluster.seeds),
+      gathered=(*map(tensor, gathered), *map(tensor, _branch_gathers(cluster, rare)),
+                *extra_gather),
+      updated=(*(tensor(v) for v in cluster.reads if v in inputs),
+               *(tensor(v) for v, p in cluster.program_outputs.items() for _ in p)))
+  all_reduce, all_gather, io = (sum(n * b for n, b in ts) for ts in (
+      workload.gradients, workload.gathered, workload.updated))
   saved = io - io // num_shards
-  replicated_s, sharded_s = predict(all_reduce, all_gather, io, num_shards, topology)
+  replicated_s, sharded_s = costmodel.cluster_seconds(workload, topology)
 
   def verdict(shard: bool, reason: str) -> Decision:
-    return Decision(shard, reason, all_reduce, all_gather, saved, replicated_s, sharded_s)
+    return Decision(shard, reason, all_reduce, all_gather, saved, replicated_s, sharded_s,
+                    workload)
 
   def slower() -> Decision | None:
     """The time objective's veto, if the prediction says sharding is slower."""
@@ -245,9 +241,8 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
 def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, str]:
   """`shard_group_size="auto"`: the G the cost model predicts fastest (§5.2), and why.
 
-  The workload is what the Plan of full sharding shards: the elements of
-  each sharded gradient, and the bytes per element the update reads and
-  writes (its saved bytes, scaled back to whole). G is chosen among the
+  The workload is what the Plan of full sharding shards (`step_workload`):
+  its sharded gradients and what their updates read and write. G is chosen among the
   divisors of N whose groups follow the topology's axes
   (`costmodel.choose_group_size`); None means N, one group.
 
@@ -259,7 +254,7 @@ def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, str]:
     (G, or None for N; the choice and its predicted times in words).
   """
   n = plan.num_shards
-  workload = sharded_workload(plan.clusters)
+  workload = step_workload(plan.clusters)
   if len(plan.axes) != 1 or workload is None:
     return None, (f"shard_group_size='auto': one group of all {n} replicas (nothing to group: "
                   f"{'several sharding axes' if workload else 'no sharded update'})")
@@ -272,26 +267,24 @@ def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, str]:
   return (None if best.group_size == n else best.group_size), why
 
 
-def sharded_workload(clusters) -> costmodel.Workload | None:
-  """The cost model's `Workload` of the sharded clusters (None if none is sharded).
+def step_workload(clusters) -> costmodel.Workload | None:
+  """The cost model's `Workload` of the sharded clusters together (None if none has a gradient).
 
-  Its tensors are the sharded gradients, whole; the bytes per element the
-  update reads and writes come from the clusters' saved bytes, scaled back
-  to whole (they save (N - 1) / N of them).
+  Their gradients, in the Plan's order; what each cluster's update reads and
+  writes (`Decision.workload`). The all-gathers are taken as the gradients'
+  tensors in the gradients' dtype: the batched all-gather of the new weights
+  mirrors the reduce-scatter (`bucket_bytes`).
 
   Args:
     clusters: the `plan.ClusterPlan`s of one step.
   """
-  grads = [t for c in clusters if c.sharded for t in c.tensors if t.role == "gradient"]
+  sharded = [c for c in clusters if c.sharded]
+  grads = tuple((math.prod(t.shape), t.itemsize) for c in sharded for t in c.tensors
+                if t.role == "gradient")
   if not grads:
     return None
-  n = next(t.format.num_shards for t in grads if t.format is not None)
-  elements = sum(math.prod(t.shape) for t in grads)
-  io = sum(c.saved_bytes for c in clusters if c.sharded) * n / max(n - 1, 1)
-  passes = max(1, round(io / (elements * grads[0].itemsize)))
-  return costmodel.Workload(tuple(math.prod(t.shape) for t in grads),
-                            costmodel.Optimizer("the step's update", ("x",) * passes, ()),
-                            grad_bytes=grads[0].itemsize, state_bytes=grads[0].itemsize)
+  return costmodel.Workload(gradients=grads, gathered=grads, updated=tuple(
+      t for c in sharded if c.workload is not None for t in c.workload.updated))
 
 
 def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
@@ -318,7 +311,7 @@ def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
   Returns:
     (bucket limit in bytes, alone_bytes or None, the choice in words for the Plan).
   """
-  workload = sharded_workload(clusters)
+  workload = step_workload(clusters)
   if workload is None:
     return costmodel.DEFAULT_BUCKET_BYTES, None, ""
   candidates = [c for c in costmodel.BUCKET_CANDIDATES
@@ -328,10 +321,9 @@ def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
   chosen = costmodel.predict_sharded(workload, topology, num_shards, bucket_bytes=limit,
                                      alone_bytes=alone)
   counts = chosen.collectives
-  sizes = [n * workload.grad_bytes for n in workload.tensors]
-  shards = [costmodel.shard_elements(n, num_shards, topology.tile_elements)
-            for n in workload.tensors]
-  padded = [num_shards * k != n for k, n in zip(shards, workload.tensors, strict=True)]
+  sizes = [n * b for n, b in workload.gradients]
+  padded = [num_shards * costmodel.shard_elements(n, num_shards, topology.tile_elements) != n
+            for n, _ in workload.gradients]
   apart = sum(len(b) == 1 for b in batched.buckets(sizes, limit, alone, padded))
   copied = network.copied(sizes, limit, alone, padded)
   by_size = ("every tensor under the limit shares one" if alone is None else

@@ -18,9 +18,8 @@ The pieces (section numbers are those of Xu et al. 2020, arXiv:2004.13336):
   group. G = N is full sharding (no all-reduce across groups); G = 1 is the
   replicated baseline (no reduce-scatter or all-gather).
 * The weight update is memory bound (§2.2): its time is the bytes it reads
-  and writes (`Optimizer.bytes_per_element` per weight element) divided by
-  the device's memory bandwidth; sharded in groups of G it touches 1/G of
-  every tensor.
+  and writes (`Workload.updated`) divided by the device's memory bandwidth;
+  sharded in groups of G it touches 1/G of every tensor.
 * A tiled memory layout pads shards (§4.1, §5.2): with `tile_elements` > 1, a
   tensor of n elements is ceil(n / tile) tiles, a shard ceil(tiles / G) tiles.
   Combined all-reduces need not respect shard boundaries (§5.2), so the
@@ -47,89 +46,44 @@ from wus.analysis.network import Axis, Topology
 # when they run on shards (§4.1, Fig. 6).
 _SCALAR_BYTES = 4
 
-
-# --- The weight update's memory traffic (§2.2) -----------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Optimizer:
-  """The memory traffic of an optimizer's update, per weight element.
-
-  Attributes:
-    name: as printed.
-    reads: the tensors read per weight element, one pass each ("w" weight,
-      "g" gradient, "m", "v" moments); a tensor read twice appears twice (the
-      norms of LARS and LAMB read before the update can use them).
-    writes: the tensors written.
-    norms: per-tensor norms the update needs (LARS: |w|, |g|; LAMB: |w|,
-      |u|). On shards each is a partial sum, all-reduced within the group,
-      batched (§4.1, Fig. 6).
-  """
-
-  name: str
-  reads: tuple[str, ...]
-  writes: tuple[str, ...]
-  norms: int = 0
-
-  def bytes_per_element(self, state_bytes: int = 4, copy_bytes: int = 0) -> int:
-    """Bytes read and written per weight element.
-
-    Args:
-      state_bytes: bytes per element of the weights, gradients and moments.
-      copy_bytes: bytes per element of a narrow copy of the weight the update
-        also writes for the next forward pass (2 for bfloat16, §4.2 Fig. 7; 0
-        for none).
-    """
-    return (len(self.reads) + len(self.writes)) * state_bytes + copy_bytes
-
-
-OPTIMIZERS = {
-    # w -= lr g
-    "sgd": Optimizer("sgd", reads=("w", "g"), writes=("w",)),
-    # m = mu m + g; w -= lr m
-    "momentum": Optimizer("momentum", reads=("w", "g", "m"), writes=("w", "m")),
-    # m, v moving averages of g and g^2; w -= lr m^ / (sqrt(v^) + eps)
-    "adam": Optimizer("adam", reads=("w", "g", "m", "v"), writes=("w", "m", "v")),
-    # You et al. 2017: momentum with a per-tensor trust ratio |w| / |g|; the two
-    # norms are a first pass over w and g.
-    "lars": Optimizer("lars", reads=("w", "g", "w", "g", "m"), writes=("w", "m"), norms=2),
-    # You et al. 2019: Adam's direction u, then a trust ratio |w| / |u|; the
-    # second pass recomputes u from m, v and w for its norm.
-    "lamb": Optimizer("lamb", reads=("w", "g", "m", "v", "w", "m", "v"),
-                      writes=("w", "m", "v"), norms=2),
-}
+# A tensor as the model sees it: (elements, bytes per element).
+Tensor = tuple[int, int]
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-  """What a step reduces and updates.
+  """What an update reduces, reads and writes, and gathers: a whole step's, or one cluster's.
+
+  Built from facts: the planner's from a cluster's tensors (`wus.analysis.cost`),
+  the paper-scale harness's from a model's tensors and a named optimizer
+  (`wus.harness.tools.paper_model`). Every tensor is (elements, bytes per element).
 
   Attributes:
-    tensors: elements of each weight tensor, in the order the collectives
-      see them.
-    optimizer: the update's memory traffic.
-    grad_bytes: bytes per element of the reduced gradients.
-    gather_bytes: bytes per element of the weights all-gathered after a
-      sharded update (2: bfloat16, when the forward pass reads the weights in
-      bfloat16 and they stay sharded across steps, §4.2 Fig. 7).
-    state_bytes: bytes per element of weights and optimizer state.
-    copy_bytes: bytes per element of a narrow copy of the weights the update
-      writes for the forward pass (see `Optimizer.bytes_per_element`).
+    gradients: the gradients reduced (all-reduced replicated, reduce-scattered
+      sharded), in the order the collectives see them.
+    gathered: the tensors all-gathered after a sharded update (the new
+      weights, in the dtype they are gathered in: 2 bytes for bfloat16 when
+      the forward pass reads them in bfloat16, §4.2 Fig. 7).
+    updated: the tensors the update reads and writes, bytes per element
+      being all it moves per element (a tensor read in two passes counts
+      twice; the memory bound of §2.2).
+    norms: per-gradient scalars the update all-reduces when it runs on
+      shards (LARS: |w|, |g|; LAMB: |w|, |u|; batched, §4.1 Fig. 6).
   """
 
-  tensors: tuple[int, ...]
-  optimizer: Optimizer
-  grad_bytes: int = 4
-  gather_bytes: int = 4
-  state_bytes: int = 4
-  copy_bytes: int = 0
+  gradients: tuple[Tensor, ...]
+  gathered: tuple[Tensor, ...] = ()
+  updated: tuple[Tensor, ...] = ()
+  norms: int = 0
 
   def __post_init__(self):
-    object.__setattr__(self, "tensors", tuple(int(n) for n in self.tensors))
+    for name in ("gradients", "gathered", "updated"):
+      object.__setattr__(self, name, tuple((int(n), int(b)) for n, b in getattr(self, name)))
 
   @property
   def num_elements(self) -> int:
-    return sum(self.tensors)
+    """Elements of the gradients (of the weights they update)."""
+    return sum(n for n, _ in self.gradients)
 
 
 def padded_elements(n: int, tile: int) -> int:
@@ -146,15 +100,22 @@ def shard_elements(n: int, group_size: int, tile: int = 1) -> int:
   return -(-(-(-n // tile)) // group_size) * tile
 
 
+def _shards(tensors, group_size: int, tile: int) -> tuple[list[int], list[bool]]:
+  """Each tensor's shard elements (`shard_elements`), and whether G shards pad it."""
+  shards = [shard_elements(n, group_size, tile) for n, _ in tensors]
+  return shards, [group_size * s != n for s, (n, _) in zip(shards, tensors, strict=True)]
+
+
 def update_seconds(workload: Workload, topology: Topology, group_size: int = 1) -> float:
   """Seconds of the weight update on 1/G of every tensor: its bytes / memory bandwidth (§2.2).
 
   With group_size = 1 the replicated update. Each tensor's shard is padded
-  to whole tiles (`shard_elements`).
+  to whole tiles (`shard_elements`); a tensor smaller than G shards still
+  moves one element (tiny tensors stay whole).
   """
-  elements = sum(shard_elements(n, group_size, topology.tile_elements) for n in workload.tensors)
-  per_element = workload.optimizer.bytes_per_element(workload.state_bytes, workload.copy_bytes)
-  return elements * per_element / topology.memory_bandwidth
+  tile = topology.tile_elements
+  moved = sum(shard_elements(n, group_size, tile) * b for n, b in workload.updated)
+  return moved / topology.memory_bandwidth
 
 
 # --- Step predictions ----------------------------------------------------------
@@ -242,13 +203,13 @@ def predict_replicated(workload: Workload, topology: Topology, rest: float = 0.0
   + the whole update on every replica (§2.2, Fig. 2).
 
   Args:
-    workload: tensors and optimizer.
+    workload: gradients, gathered tensors, the update's traffic.
     topology: devices.
     rest: seconds of the rest of the step.
     bucket_bytes: bucket limit of the batched all-reduce, bytes.
   """
   tile = topology.tile_elements
-  sizes = [padded_elements(n, tile) * workload.grad_bytes for n in workload.tensors]
+  sizes = [padded_elements(n, tile) * b for n, b in workload.gradients]
   seconds, count = network.batched(network.all_reduce, sizes, topology.axes, bucket_bytes)
   return StepPrediction(
       group_size=1, bucket_bytes=bucket_bytes, rest=rest, reduce_scatter=0.0,
@@ -270,7 +231,7 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
   + the update on 1/G of every tensor
   + all-reduce of the partial norms within the group (LARS, LAMB; one
     batched collective)
-  + all-gather of the new weights within the group, in `gather_bytes`.
+  + all-gather of `workload.gathered` (the new weights) within the group.
   The optimizer state stays sharded between steps: it is never gathered.
   Beside them, `copies`: what batching copies (`copied`, at the memory
   bandwidth).
@@ -279,7 +240,7 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
   `predict_replicated`.
 
   Args:
-    workload: tensors and optimizer.
+    workload: gradients, gathered tensors, the update's traffic.
     topology: devices; `topology.split(group_size)` gives the axes.
     group_size: G.
     rest: seconds of the rest of the step.
@@ -291,24 +252,24 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
   """
   inner, outer = topology.split(group_size)
   tile, g = topology.tile_elements, group_size
-  shards = [shard_elements(n, g, tile) for n in workload.tensors]
-  padded = [g * s != n for s, n in zip(shards, workload.tensors, strict=True)]
-  scatter = [g * s * workload.grad_bytes for s in shards]   # input of the reduce-scatter
-  reduced = [s * workload.grad_bytes for s in shards]       # what each device keeps
-  gather = [g * s * workload.gather_bytes for s in shards]  # output of the all-gather
+  shards, padded = _shards(workload.gradients, g, tile)
+  out_shards, out_padded = _shards(workload.gathered, g, tile)
+  scatter = [g * s * b for s, (_, b) in zip(shards, workload.gradients, strict=True)]
+  reduced = [s * b for s, (_, b) in zip(shards, workload.gradients, strict=True)]
+  gather = [g * s * b for s, (_, b) in zip(out_shards, workload.gathered, strict=True)]
   rs, rs_count = network.batched(network.reduce_scatter, scatter, inner, bucket_bytes,
                                  alone_bytes, padded)
   ar, ar_count = network.batched(network.all_reduce, reduced, outer, bucket_bytes)
   ag, ag_count = network.batched(network.all_gather, gather, inner, bucket_bytes, alone_bytes,
-                                 padded)
+                                 out_padded)
   # The copies move the tensors' own bytes (wus pads a tensor by fewer than G
   # elements; the tiles' padding is the layout's, copied or not).
-  grads = [n * workload.grad_bytes for n in workload.tensors]
-  weights = [n * workload.gather_bytes for n in workload.tensors]
+  grads = [n * b for n, b in workload.gradients]
+  weights = [n * b for n, b in workload.gathered]
   copies = (network.copied(scatter, bucket_bytes, alone_bytes, padded, grads)  # G = 1: none.
-            + network.copied(gather, bucket_bytes, alone_bytes, padded, weights)
+            + network.copied(gather, bucket_bytes, alone_bytes, out_padded, weights)
             + (network.copied(reduced, bucket_bytes) if outer else 0.0)) if inner else 0.0
-  norms = workload.optimizer.norms * len(workload.tensors) * _SCALAR_BYTES
+  norms = workload.norms * len(workload.gradients) * _SCALAR_BYTES
   nar, nar_count = network.batched(network.all_reduce, [norms] if norms else [], inner)
   return StepPrediction(
       group_size=g, bucket_bytes=bucket_bytes, rest=rest, reduce_scatter=rs, all_reduce=ar,
@@ -320,6 +281,24 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
                   + wire_bytes(norms, inner, "all-reduce")
                   + wire_bytes(sum(gather), inner, "all-gather")),
       copies=network.copy_seconds(copies, topology), alone_bytes=alone_bytes)
+
+
+def cluster_seconds(workload: Workload, topology: Topology) -> tuple[float, float]:
+  """(replicated, sharded) predicted seconds of one cluster's collectives and update (§3.2).
+
+  `predict_replicated` and `predict_sharded` over all N devices of the
+  topology, latency left out and each collective one bucket: the cluster's
+  collectives share the step's batched buckets with the other clusters'
+  (§5.2), so one more tensor adds bytes to a collective, not a collective.
+  Copies into buckets are the step's (`choose_batching`), not counted here.
+
+  Args:
+    workload: the cluster's gradients, gathered tensors and update traffic.
+    topology: the N devices the update is sharded over.
+  """
+  bandwidth = topology.without_latency()
+  return (predict_replicated(workload, bandwidth).total,
+          predict_sharded(workload, bandwidth, topology.num_devices).total)
 
 
 # The bucket limit of batched collectives the cost model did not choose (a
@@ -343,7 +322,7 @@ def choose_bucket_bytes(workload: Workload, topology: Topology, group_size: int 
   taken: bandwidth-bound buckets, no larger than needed.
 
   Args:
-    workload: tensors and optimizer.
+    workload: gradients, gathered tensors, the update's traffic.
     topology: devices.
     group_size: G (1: the replicated all-reduce).
     tolerance: allowed relative excess over a single bucket.
@@ -386,7 +365,7 @@ def choose_batching(workload: Workload, topology: Topology, group_size: int, *,
   memory copy behind a thread rendezvous (CPU devices), most are.
 
   Args:
-    workload: tensors and optimizer.
+    workload: gradients, gathered tensors, the update's traffic.
     topology: devices.
     group_size: G > 1.
     tolerance: allowed relative excess over the best.
@@ -419,7 +398,7 @@ def choose_group_size(workload: Workload, topology: Topology, rest: float = 0.0,
   across groups are shorter than one ring over all) or when small shards pad.
 
   Args:
-    workload: tensors and optimizer.
+    workload: gradients, gathered tensors, the update's traffic.
     topology: devices.
     rest: seconds of the rest of the step (the same for every G).
     bucket_bytes: bucket limit, bytes; None: `choose_bucket_bytes` per G.

@@ -95,6 +95,11 @@ class Topology:
   def num_devices(self) -> int:
     return math.prod(a.size for a in self.axes)
 
+  def without_latency(self) -> Topology:
+    """The same devices with every axis's alpha 0: what bytes alone cost."""
+    return dataclasses.replace(
+        self, axes=tuple(dataclasses.replace(a, alpha=0.0) for a in self.axes))
+
   def split(self, group_size: int) -> tuple[tuple[Axis, ...], tuple[Axis, ...]]:
     """The axes of a group of `group_size` consecutive devices, and the rest.
 

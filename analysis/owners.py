@@ -15,15 +15,14 @@ results of every equation, unfused) at the topology's memory bandwidth.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 from jax import lax
 
-from wus.analysis import compat, network
+from wus.analysis import compat, costmodel, network
 from wus.analysis.compat import Jaxpr
-from wus.analysis.cost import nbytes, predict
+from wus.analysis.cost import nbytes, tensor
 from wus.analysis.owned import Ownership, OwnedFormat, OwnedUnit, Slot, build_bank
 
 # Flops per second of one device for the update's arithmetic: an accelerator's
@@ -70,11 +69,14 @@ def update_seconds(jaxpr: Jaxpr, eqns, topology: network.Topology) -> float:
 def worth(jaxpr: Jaxpr, u, ctx) -> str | None:
   """Why owning unit `u` would not pay (`ownership` docstring, 2), or None; fills its cost."""
   u.cost = update_seconds(jaxpr, u.eqns, ctx.topology)
-  grads = sum(nbytes(jaxpr.eqns[i].outvars[0]) for i in u.seeds)
-  gathered = sum(nbytes(v) for v in u.exits)
-  rep, own = predict(grads, gathered, u.cost * ctx.topology.memory_bandwidth, ctx.num_shards,
-                     ctx.topology)
-  own += 2 * (grads + gathered) / ctx.topology.memory_bandwidth  # Into and out of the rows.
+  # Its collectives as the cost model prices a cluster's; its update is this
+  # module's (flops and traffic), shared by N replicas when owned.
+  w = costmodel.Workload(tuple(tensor(jaxpr.eqns[i].outvars[0]) for i in u.seeds),
+                         tuple(map(tensor, u.exits)))
+  rep, own = costmodel.cluster_seconds(w, ctx.topology)
+  rep, own = rep + u.cost, own + u.cost / ctx.num_shards
+  moved = sum(n * b for n, b in (*w.gradients, *w.gathered))
+  own += 2 * moved / ctx.topology.memory_bandwidth  # Into and out of the rows.
   u.predicted = (rep, own)
   if own > rep:
     return (f"its update is too cheap to own (predicted {own * 1e6:.3g} us owned, with the "
@@ -180,13 +182,13 @@ def whole_prediction(jaxpr: Jaxpr, units: list, ownership: Ownership,
                       ctx) -> tuple[float, float]:
   """(replicated, owned) predicted seconds of all owned units' collectives and updates."""
   topo = ctx.topology
-  axes = tuple(dataclasses.replace(a, alpha=0.0) for a in topo.axes)
   n = ctx.num_shards
-  grads = sum(nbytes(jaxpr.eqns[i].outvars[0]) for u in units for i in u.seeds)
-  itemsize = {d: np.dtype(d).itemsize for d in {*ownership.grad_rows, *ownership.out_rows}}
-  grad_rows = sum(n * length * itemsize[d] for d, length in ownership.grad_rows.items())
-  out_rows = sum(n * length * itemsize[d] for d, length in ownership.out_rows.items())
-  rep = network.all_reduce(grads, axes) + sum(u.cost for u in units)
-  own = (network.reduce_scatter(grad_rows, axes) + network.all_gather(out_rows, axes)
-         + max(ownership.loads) + 2 * (grad_rows + out_rows) / topo.memory_bandwidth)
+  grads = tuple(tensor(jaxpr.eqns[i].outvars[0]) for u in units for i in u.seeds)
+  # The rows of each dtype, as tensors of N rows (`costmodel.cluster_seconds`).
+  rows = [tuple((n * length, np.dtype(d).itemsize) for d, length in lengths.items())
+          for lengths in (ownership.grad_rows, ownership.out_rows)]
+  rep = costmodel.cluster_seconds(costmodel.Workload(grads), topo)[0] + sum(
+      u.cost for u in units)
+  own = (costmodel.cluster_seconds(costmodel.Workload(*rows), topo)[1] + max(ownership.loads)
+         + 2 * sum(k * b for k, b in (*rows[0], *rows[1])) / topo.memory_bandwidth)
   return rep, own

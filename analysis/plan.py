@@ -64,9 +64,12 @@ class ClusterPlan:
       longer reads or writes per step when sharded.
     replicated_seconds, sharded_seconds: the cost model's prediction of the
       cluster's collectives and update, replicated and sharded (seconds;
-      `cost.predict`), 0 where not predicted; for an owned cluster, owned.
+      `costmodel.cluster_seconds`), 0 where not predicted; for an owned
+      cluster, owned.
     owner: the replica that runs the cluster's update on whole tensors
       (ownership, `Plan.owned`), or None; an owned cluster is not `sharded`.
+    workload: what the cost model priced (`cost.Decision.workload`): the
+      step's batching and group size price the sharded clusters' together.
   """
 
   index: int
@@ -79,6 +82,8 @@ class ClusterPlan:
   replicated_seconds: float = 0.0
   sharded_seconds: float = 0.0
   owner: int | None = None
+  workload: costmodel.Workload | None = dataclasses.field(default=None, compare=False,
+                                                          repr=False)
 
   @property
   def reason(self) -> str:

@@ -199,10 +199,10 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         members = set(c.eqns)
       pairs = kept_state.pairs(c, layout, graph, members, state_pairs, narrow, gathers,
                                why_whole if weights else None, through)
-      narrow_bytes = sum(x.aval.size * dtype.itemsize for x, dtype in (narrow or {}).items())
+      narrow_gathers = tuple((x.aval.size, d.itemsize) for x, d in (narrow or {}).items())
       decision = cost.decide(c, layout, jaxpr, ctx.facts, ctx.axes, set(pairs), ctx.num_shards,
                              rare, objective=ctx.objective, topology=ctx.topology,
-                             extra_gather=0 if in_loop else narrow_bytes,
+                             extra_gather=() if in_loop else narrow_gathers,
                              sliced=_sliced(c, jaxpr, pairs, invar_pos, in_names))
       verdict = decision.reason
       # A value the rewrite holds as shards has one format: a cluster that
@@ -244,7 +244,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, why,
                                      decision.all_reduce_bytes, decision.all_gather_bytes,
                                      decision.saved_bytes, decision.replicated_seconds,
-                                     decision.sharded_seconds))
+                                     decision.sharded_seconds, workload=decision.workload))
     for v in c.reads:
       if v in invar_pos:
         k = invar_pos[v]

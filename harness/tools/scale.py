@@ -37,7 +37,7 @@ from absl import flags
 
 from wus.analysis import costmodel, network
 from wus.harness import console, errors
-from wus.harness.tools import report
+from wus.harness.tools import paper_model, report
 
 MS = 1e3
 MIB = 2 ** 20
@@ -204,7 +204,7 @@ class Case:
 
   Attributes:
     model: a key of MODELS.
-    optimizer: a key of `costmodel.OPTIMIZERS`.
+    optimizer: a key of `paper_model.OPTIMIZERS`.
     cores: replicas, one per core.
     batch_size: global batch.
     chips: (x, y) array of chips.
@@ -253,8 +253,8 @@ TRANSFORMER_BASELINE_CASE = CASES[3]               # the setting of that baselin
 
 def workload(model: str, optimizer: str, settings: Settings) -> costmodel.Workload:
   """The model's tensors and optimizer, float32 state, bfloat16 copy and gather."""
-  return costmodel.Workload(MODELS[model](), costmodel.OPTIMIZERS[optimizer], grad_bytes=4,
-                            gather_bytes=settings.gather_bytes, state_bytes=4, copy_bytes=2)
+  return paper_model.workload(MODELS[model](), optimizer, grad_bytes=4,
+                              gather_bytes=settings.gather_bytes, state_bytes=4, copy_bytes=2)
 
 
 def _replicated(w: costmodel.Workload, topology: network.Topology,
@@ -280,7 +280,7 @@ def rest_per_example(model: str, settings: Settings) -> tuple[float, str]:
         f"predicted all-reduce ({own.communication * MS:.2f} ms) and update "
         f"({own.update * MS:.2f} ms)")
   # The Flax run: SGD momentum, float32 weights cast in the forward pass (no copy).
-  flax = costmodel.Workload(resnet50_tensors(), costmodel.OPTIMIZERS["momentum"])
+  flax = paper_model.workload(resnet50_tensors(), "momentum")
   own = _replicated(flax, tpu_v3_topology(2, 2, torus=False, settings=settings))
   rest = _positive(FLAX_V3_8_SECONDS_PER_STEP - own.communication - own.update, model)
   return rest / FLAX_V3_8_PER_CORE, (
@@ -328,7 +328,7 @@ def predict_case(case: Case, settings: Settings = Settings()) -> dict:
     sharded = costmodel.best_sharded(w, topology, rest)
   reduction = 1 - sharded.total / replicated.total
   out = {**dataclasses.asdict(case), "per_core": case.per_core, "label": case.label,
-         "params": w.num_elements, "tensors": len(w.tensors),
+         "params": w.num_elements, "tensors": len(w.gradients),
          "rest_ms": rest * MS,
          "rest_source": f"{per_example * MS:.4f} ms/example x {case.per_core}: {source}",
          "replicated": _prediction_dict(replicated), "sharded": _prediction_dict(sharded),

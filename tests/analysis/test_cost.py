@@ -21,8 +21,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from helpers import analysed_body, mesh
-from wus.analysis import clusters, compat, cost, formats, layouts
+from wus.analysis import clusters, cost, layouts
 from wus.analysis.cost import Decision
+from wus.analysis.graph import Graph
 
 N = 8
 AXES = frozenset({"data"})
@@ -33,11 +34,7 @@ def decide(f, in_specs, shapes, out_specs, state_outputs=()) -> Decision:
   """The decision on the one cluster of `f`; `state_outputs` stay sharded between steps."""
   jaxpr, facts = analysed_body(f, in_specs, shapes, out_specs, mesh=mesh(N))
   (c,) = clusters.find_clusters(jaxpr, facts, AXES, N)
-
-  def big(v):
-    return not compat.is_literal(v) and formats.is_shardable_shape(tuple(v.aval.shape), N, 0)
-
-  layout = layouts.assign(jaxpr, c, N, big)
+  layout = layouts.assign(jaxpr, c, N, Graph(jaxpr, N).big)
   assert not isinstance(layout, str), layout
   return cost.decide(c, layout, jaxpr, facts, AXES, set(state_outputs), N)
 

@@ -15,8 +15,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from helpers import analysed_body, mesh
-from wus.analysis import clusters, compat, formats, layouts
+from wus.analysis import clusters, layouts
 from wus.analysis.formats import ShardFormat
+from wus.analysis.graph import Graph
 from wus.analysis.shardable import Kind
 
 R, X = P(), P("data")
@@ -27,11 +28,7 @@ def assign(f, in_specs, shapes, out_specs, n=8):
   """(jaxpr, its one cluster, the cluster's layout or the reason it has none)."""
   jaxpr, facts = analysed_body(f, in_specs, shapes, out_specs, mesh=mesh(n))
   (c,) = clusters.find_clusters(jaxpr, facts, frozenset({"data"}), n)
-
-  def big(v):
-    return not compat.is_literal(v) and formats.is_shardable_shape(tuple(v.aval.shape), n, 0)
-
-  return jaxpr, c, layouts.assign(jaxpr, c, n, big)
+  return jaxpr, c, layouts.assign(jaxpr, c, n, Graph(jaxpr, n).big)
 
 
 def outputs_of(jaxpr, prim) -> list:

@@ -1,7 +1,7 @@
 """The objective of the cluster decisions: memory (the default) or time, by the cost model (§3.2).
 
-`cost.predict` prices a cluster's collectives and update with the alpha-beta
-model of `wus.analysis.costmodel`; `cost.decide(objective="time")` keeps a
+`costmodel.cluster_seconds` prices a cluster's collectives and update with the
+alpha-beta model of `wus.analysis.costmodel`; `cost.decide(objective="time")` keeps a
 cluster replicated where that prediction is slower, `objective="memory"`
 shards it for the optimizer state it keeps sharded. The topologies below are
 made up so that the answer is obvious.
@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 from helpers import (PMAP_TX, analysed_body, assert_trees_equal, mesh, pmap_params, pmap_step,
                      pmap_xs, sharded_leaves, stack)
-from wus.analysis import clusters, compat, cost, network, formats, layouts
+from wus.analysis import clusters, cost, costmodel, layouts, network
+from wus.analysis.graph import Graph
 
 N = 8
 AXES = frozenset({"data"})
@@ -39,7 +40,9 @@ def test_predict_by_hand():
   all-gather 7/8 D / B each; the update io / M, sharded io / (8 M); latency
   (alpha 1 ms here) is left out."""
   t = topology(bandwidth=1e9, memory_bandwidth=2e9)
-  replicated, sharded = cost.predict(8000, 16000, 40000, N, t)
+  # 8000 B of gradients, 16000 B gathered, 40000 B read and written by the update.
+  w = costmodel.Workload(((2000, 4),), ((2000, 4), (2000, 4)), ((5000, 4), (5000, 4)))
+  replicated, sharded = costmodel.cluster_seconds(w, t)
   assert replicated == pytest.approx(2 * 7 / 8 * 8000 / 1e9 + 40000 / 2e9)
   assert sharded == pytest.approx(7 / 8 * 8000 / 1e9 + 7 / 8 * 16000 / 1e9 + 5000 / 2e9)
 
@@ -57,8 +60,7 @@ def ema_target(w, m, target, x):
 def _decide(objective, t):
   jaxpr, facts = analysed_body(ema_target, [R, R, R, X], [(4000,)] * 4, (R, R, R), mesh=mesh(N))
   (c,) = clusters.find_clusters(jaxpr, facts, AXES, N)
-  big = lambda v: not compat.is_literal(v) and formats.is_shardable_shape(tuple(v.aval.shape), N, 0)
-  layout = layouts.assign(jaxpr, c, N, big)
+  layout = layouts.assign(jaxpr, c, N, Graph(jaxpr, N).big)
   return cost.decide(c, layout, jaxpr, facts, AXES, {1}, N, objective=objective, topology=t)
 
 

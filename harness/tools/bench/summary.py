@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 
 from wus.analysis import costmodel, network
-from wus.harness.tools import report
+from wus.harness.tools import paper_model, report
 from wus.harness.tools.bench import limit
 from wus.harness.tools.bench.variants import (ALTERNATIVES, JIT_ALTERNATIVES, VARIANTS,
                                               group_size)
@@ -60,7 +60,7 @@ def predict(result: dict, topology: network.Topology) -> dict | None:
   """
   if not result.get("rest_seconds") or "wus" not in result:
     return None
-  workload = costmodel.Workload(tuple(result["tensor_elements"]), costmodel.OPTIMIZERS["adam"])
+  workload = paper_model.workload(result["tensor_elements"], "adam")
   rest = statistics.median(result["rest_seconds"])
   bucket, alone = result["wus"]["bucket_bytes"], result["wus"].get("alone_bytes")
   return {"replicated": costmodel.predict_replicated(workload, topology, rest, bucket),
