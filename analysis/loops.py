@@ -28,7 +28,6 @@ class PlannedLoop:
   program: Program
   carries: dict           # Carry position -> format, for carries held as shards.
   read_whole: set         # Carries also read whole in the body (weights, Fig. 4 right).
-  clusters: list
   formats: dict
   gather_dtypes: dict
 
@@ -60,8 +59,9 @@ def bodies(jaxpr: Jaxpr, in_names, label: str) -> dict[int, Body]:
   Carried state (optimizer state) may stay sharded across iterations: it is
   sharded before the loop and gathered after it only where read whole (Fig. 4
   left). Carries the loop condition reads stay whole. The planner plans each
-  body through its memoized entry point (loops nest) and keeps the loops
-  whose body shards something (`planned_loop`).
+  body through its memoized entry point (loops nest), lists every body's
+  clusters in the Plan, sharded or not (a replicated one says why), and runs
+  on shards the loops whose body shards something (`planned_loop`).
   """
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   out = {}
@@ -91,7 +91,7 @@ def planned_loop(eqn, planned) -> PlannedLoop | None:
   inner, carry_in = loop.body.jaxpr, loop.body_carry
   carries = {j - loop.num_consts: f for j, f in planned.program.sharded_in.items()}
   read_whole = {k for k in carries if inner.invars[carry_in[k]] in planned.gather_dtypes}
-  return PlannedLoop(planned.program, carries, read_whole, planned.clusters, planned.formats,
+  return PlannedLoop(planned.program, carries, read_whole, planned.formats,
                      planned.gather_dtypes)
 
 

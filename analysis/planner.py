@@ -116,6 +116,7 @@ class _Planned:
   input_reason: dict
   formats: dict
   gather_dtypes: dict
+  kept_whole: dict  # Input position -> a replicated cluster reading it, or a whole reader.
   owned: object = None  # The step's `owned.Ownership` (never a loop body's).
 
 
@@ -134,14 +135,28 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   gather_dtypes: dict = {}
   input_reason: dict[int, tuple[bool, str]] = {}
 
+  # Input position -> why it stays whole, for the loop around this jaxpr: the
+  # replicated cluster that reads it (its index), or the reader that keeps it whole.
+  kept_whole: dict[int, int | str] = {}
   planned_loops = {}
   for i, body in loops.bodies(jaxpr, in_names, label).items():
-    loop = loops.planned_loop(jaxpr.eqns[i], _plan_body(body, ctx))
+    planned = _plan_body(body, ctx)
+    # The body's clusters are the step's, numbered on from the step's, sharded or not: a
+    # body that shards nothing still says why.
+    offset = len(cluster_plans)
+    cluster_plans += [dataclasses.replace(c, index=offset + c.index) for c in planned.clusters]
+    operands = compat.loop(jaxpr.eqns[i]).body_operands
+    for k, why in planned.kept_whole.items():
+      if not compat.is_literal(operands[k]) and operands[k] in invar_pos:
+        kept_whole.setdefault(invar_pos[operands[k]], offset + why if isinstance(why, int)
+                              else why)
+    loop = loops.planned_loop(jaxpr.eqns[i], planned)
     if loop is not None:
       planned_loops[i] = loop
+  for k, why in kept_whole.items():
+    input_reason.setdefault(k, (False, _kept_whole_reason(why)))
   for i, loop in planned_loops.items():
     shard_eqns[i], bodies[i] = Kind.LOOP, (loop.program,)
-    cluster_plans += loop.clusters
     all_formats.update(loop.formats)
     gather_dtypes.update(loop.gather_dtypes)
     all_formats.update({jaxpr.eqns[i].outvars[k]: f for k, f in loop.carries.items()})
@@ -240,6 +255,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       tensors += _tensors(rest, jaxpr, rest_pairs, in_names, out_names, invar_pos, fmt)
       for v in rest.reads:
         input_reason.setdefault(invar_pos[v], (False, f"cluster {idx} stays replicated"))
+        kept_whole.setdefault(invar_pos[v], idx)
     why = reasons.Reason(verdict, tuple(notes), label)
     cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, why,
                                      decision.all_reduce_bytes, decision.all_gather_bytes,
@@ -258,6 +274,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
               k, (False, f"read whole elsewhere; cluster {idx} slices it locally"))
         else:
           input_reason.setdefault(k, (False, f"cluster {idx} stays replicated"))
+          kept_whole.setdefault(k, idx)
     for k, why in why_whole.items():
       if not input_reason.get(k, (False,))[0]:
         before = input_reason.get(k, (False, f"cluster {idx} updates it"))[1]
@@ -272,6 +289,12 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       bodies.update(_bodies(jaxpr, c, layout, ctx.big))
       for out_pos, in_pos in pairs.items():
         state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
+  updated = {v for c in found for v in c.program_outputs}
+  for out_pos, in_pos in state_pairs.items():
+    if in_pos not in input_reason and jaxpr.outvars[out_pos] in updated and (
+        reader := kept_state.whole_reader(graph, jaxpr.invars[in_pos], clustered, ctx)):
+      kept_whole.setdefault(in_pos, reader)
+      input_reason[in_pos] = (False, _kept_whole_reason(reader))
   owned = ownership.plan_ownership(graph, ctx, candidates, shard_eqns, state_pairs,
                                    in_names, out_names) if candidates else ownership.Owned()
   for idx, cluster_plan in owned.clusters.items():
@@ -308,7 +331,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         input_reason[in_pos] = (True, "returned unchanged, read by nothing else (state another "
                                       "step updates): kept sharded between steps as it came")
   return _Planned(Program(shard_eqns, state_in, state_out, bodies), cluster_plans,
-                  input_reason, all_formats, gather_dtypes, owned.ownership)
+                  input_reason, all_formats, gather_dtypes, kept_whole, owned.ownership)
 
 
 def _plan_body(body: loops.Body, ctx: _Ctx) -> _Planned:
@@ -321,6 +344,14 @@ def _plan_body(body: loops.Body, ctx: _Ctx) -> _Planned:
                            dict(body.state_pairs), body.in_names, body.out_names, body.label,
                            in_loop=True, counters=body.counters)
   return ctx.memo[body]
+
+
+def _kept_whole_reason(why: int | str) -> str:
+  """Why an input stays whole: the replicated cluster reading it (its index), or the
+  reader with no shard rule that keeps the state of an update whole."""
+  if isinstance(why, int):
+    return f"cluster {why} stays replicated"
+  return f"{why} reads it whole and has no shard rule (an update computes its next value)"
 
 
 def _kept_whole(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> reasons.KeptWhole:

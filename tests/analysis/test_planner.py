@@ -106,15 +106,16 @@ def test_carried_update_with_no_shard_rule_stays_replicated_and_its_state_whole(
   assert not any(c.sharded for c in plan.clusters) and not any(i.sharded for i in plan.inputs)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the planner drops the clusters of a loop body that shards nothing "
-    "(loops.planned_loop): the Plan lists no cluster and says m stays whole because "
-    "'the step has no gradient all-reduce over exactly [data]', which is wrong"))
 def test_carried_update_with_no_shard_rule_says_why_in_the_plan():
-  """The Plan names the equation that keeps the loop's update replicated."""
+  """The Plan lists the loop body's replicated cluster (the body shards nothing), and
+  the momentum's reason names the equation that keeps it whole: the sort."""
   jaxpr, plan = _plan(_sorted_momentum)
-  assert any("sort" in c.reason for c in plan.clusters), plan.details()
-  assert "no gradient all-reduce" not in plan.inputs[1].reason, plan.details()
+  (c,) = plan.clusters
+  assert not c.sharded and c.reason.startswith("loop at "), plan.details()
+  assert {t.name for t in c.tensors} >= {"w", "m"}, plan.details()
+  w, m, _ = plan.inputs
+  assert w.reason == "cluster 0 stays replicated", plan.details()
+  assert m.reason.startswith("sort at ") and "has no shard rule" in m.reason, plan.details()
 
 
 def _shared_body_step():
