@@ -60,7 +60,7 @@ class Owned:
     kinds: equation index -> OWNED or OWNED_SCATTER.
     state_in, state_out: input / output position -> OwnedFormat.
     clusters: cluster index -> its ClusterPlan, owned or with why not.
-    input_reason: input position -> (kept sharded, why).
+    input_reason: input position -> (kept sharded, why: a `reasons` verdict).
   """
 
   ownership: Ownership | None = None
@@ -155,11 +155,9 @@ def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind
     for out_pos, in_pos in u.pairs.items():
       out.state_in[in_pos] = state[jaxpr.invars[in_pos]]
       out.state_out[out_pos] = state[jaxpr.invars[in_pos]]
-      out.input_reason[in_pos] = (True, f"optimizer state owned by replica {u.owner}: only "
-                                        f"cluster {u.index} reads it, on its owner")
+      out.input_reason[in_pos] = (True, reasons.OwnedState(u.owner, u.index))
     for v in u.weights:
-      out.input_reason[invar_pos[v]] = (False, f"read whole by its owner, replica {u.owner} "
-                                               f"(cluster {u.index})")
+      out.input_reason[invar_pos[v]] = (False, reasons.ReadByOwner(u.owner, u.index))
     out.clusters.update(_cluster_plans(jaxpr, u, ownership, state, stacks, in_names, out_names))
   return out
 

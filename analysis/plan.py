@@ -94,7 +94,8 @@ class InputPlan:
     name: pytree path of the argument leaf.
     shape, dtype: logical shape and numpy dtype name.
     sharded: whether it is kept sharded between steps (optimizer state).
-    reason: why it is, or why it stays whole.
+    why: why it is, or why it stays whole, as a value (`reasons.Reason`); `reason`
+      is its text.
     state: whether an output is its next value (the step's state: weights,
       optimizer state), whether or not it is sharded.
     itemsize: bytes per element (typed PRNG keys have no numpy dtype).
@@ -107,10 +108,15 @@ class InputPlan:
   shape: tuple[int, ...]
   dtype: str
   sharded: bool
-  reason: str
+  why: Reason
   state: bool = False
   itemsize: int = 4
   matched: str = ""
+
+  @property
+  def reason(self) -> str:
+    """Why, in the Plan's words (`reasons.render`)."""
+    return reasons.render(self.why)
 
   @property
   def nbytes(self) -> int:
@@ -339,7 +345,7 @@ def replicated(plan: Plan, reason: str) -> Plan:
   clusters = tuple(dataclasses.replace(
       c, sharded=False, why=Reason(reason), owner=None,
       tensors=tuple(dataclasses.replace(t, format=None) for t in c.tensors)) for c in plan.clusters)
-  inputs = tuple(dataclasses.replace(i, sharded=False, reason=reason) if i.sharded else i
+  inputs = tuple(dataclasses.replace(i, sharded=False, why=Reason(reason)) if i.sharded else i
                  for i in plan.inputs)
   return dataclasses.replace(plan, inputs=inputs, clusters=clusters, program=Program({}, {}, {}),
                              formats={}, gather_dtypes={}, owned=None)

@@ -68,11 +68,12 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   inputs = []
   state = set(state_pairs.values()) | set(state_whole or ())
   for k, v in enumerate(jaxpr.invars):
-    sharded, reason = planned.input_reason.get(
+    sharded, why = planned.input_reason.get(
         k, (False, _why_whole(v, facts, ctx, bool(planned.clusters), split_reason)))
+    why = why if isinstance(why, reasons.Reason) else reasons.Reason(why)
     if not sharded and k in (state_whole or {}):
-      reason = f"{state_whole[k]}; {reason}"
-    inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
+      why = reasons.Reason(state_whole[k], (why.verdict, *why.notes))
+    inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, why,
                             k in state, v.aval.dtype.itemsize, (matched or {}).get(k, "")))
   limit, alone, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology,
                                             objective)
@@ -116,8 +117,14 @@ class _Planned:
   input_reason: dict
   formats: dict
   gather_dtypes: dict
-  kept_whole: dict  # Input position -> a replicated cluster reading it, or a whole reader.
   owned: object = None  # The step's `owned.Ownership` (never a loop body's).
+
+  @property
+  def whole_inputs(self) -> dict:
+    """Input position -> why it stays whole, for a loop around this jaxpr: the
+    replicated cluster that reads it, or the reader with no shard rule."""
+    return {k: why for k, (sharded, why) in self.input_reason.items()
+            if not sharded and isinstance(why, (reasons.ClusterReplicated, reasons.NoShardRule))}
 
 
 def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out_names,
@@ -133,11 +140,8 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   rare = loops.rare_conds(jaxpr, counters)
   cluster_plans, shard_eqns, state_in, state_out, all_formats, bodies = [], {}, {}, {}, {}, {}
   gather_dtypes: dict = {}
-  input_reason: dict[int, tuple[bool, str]] = {}
-
-  # Input position -> why it stays whole, for the loop around this jaxpr: the
-  # replicated cluster that reads it (its index), or the reader that keeps it whole.
-  kept_whole: dict[int, int | str] = {}
+  # Input position -> (kept sharded, why: a `reasons` verdict, or a `reasons.Reason`).
+  input_reason: dict[int, tuple[bool, object]] = {}
   planned_loops = {}
   for i, body in loops.bodies(jaxpr, in_names, label).items():
     planned = _plan_body(body, ctx)
@@ -146,15 +150,12 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     offset = len(cluster_plans)
     cluster_plans += [dataclasses.replace(c, index=offset + c.index) for c in planned.clusters]
     operands = compat.loop(jaxpr.eqns[i]).body_operands
-    for k, why in planned.kept_whole.items():
+    for k, why in planned.whole_inputs.items():
       if not compat.is_literal(operands[k]) and operands[k] in invar_pos:
-        kept_whole.setdefault(invar_pos[operands[k]], offset + why if isinstance(why, int)
-                              else why)
+        input_reason.setdefault(invar_pos[operands[k]], (False, reasons.shifted(why, offset)))
     loop = loops.planned_loop(jaxpr.eqns[i], planned)
     if loop is not None:
       planned_loops[i] = loop
-  for k, why in kept_whole.items():
-    input_reason.setdefault(k, (False, _kept_whole_reason(why)))
   for i, loop in planned_loops.items():
     shard_eqns[i], bodies[i] = Kind.LOOP, (loop.program,)
     all_formats.update(loop.formats)
@@ -167,8 +168,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         shard_eqns.update(dict.fromkeys(state.copies, Kind.LAYOUT))
         state_in[in_pos] = state.formats[jaxpr.invars[in_pos]]
         state_out[out_pos] = state.formats[jaxpr.outvars[out_pos]]
-        input_reason[in_pos] = (True, f"state of the loop at {source_line(jaxpr.eqns[i])}, "
-                                      "sharded between steps")
+        input_reason[in_pos] = (True, reasons.LoopCarried(source_line(jaxpr.eqns[i])))
 
   # A loop's carries held as shards after it (a gradient accumulated on shards)
   # seed clusters as the gradient all-reduces do (§4.2).
@@ -254,8 +254,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       rest, rest_pairs = kept_state.continued(graph, c, clustered, state_pairs, ctx)
       tensors += _tensors(rest, jaxpr, rest_pairs, in_names, out_names, invar_pos, fmt)
       for v in rest.reads:
-        input_reason.setdefault(invar_pos[v], (False, f"cluster {idx} stays replicated"))
-        kept_whole.setdefault(invar_pos[v], idx)
+        input_reason.setdefault(invar_pos[v], (False, reasons.ClusterReplicated(idx)))
     why = reasons.Reason(verdict, tuple(notes), label)
     cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, why,
                                      decision.all_reduce_bytes, decision.all_gather_bytes,
@@ -265,21 +264,18 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       if v in invar_pos:
         k = invar_pos[v]
         if decision.shard and narrow and v in narrow and not in_loop:
-          input_reason[k] = (True, f"weight kept sharded (shard_weights=True): cluster {idx} "
-                                   f"updates it, the forward pass reads it in {narrow[v].name}")
+          input_reason[k] = (True, reasons.NarrowWeight(idx, narrow[v].name))
         elif decision.shard and k in pairs.values():
-          input_reason[k] = (True, f"optimizer state: only cluster {idx} reads it")
+          input_reason[k] = (True, reasons.OnlyCluster(idx))
         elif decision.shard:
-          input_reason.setdefault(
-              k, (False, f"read whole elsewhere; cluster {idx} slices it locally"))
+          input_reason.setdefault(k, (False, reasons.SlicedLocally(idx)))
         else:
-          input_reason.setdefault(k, (False, f"cluster {idx} stays replicated"))
-          kept_whole.setdefault(k, idx)
+          input_reason.setdefault(k, (False, reasons.ClusterReplicated(idx)))
     for k, why in why_whole.items():
       if not input_reason.get(k, (False,))[0]:
-        before = input_reason.get(k, (False, f"cluster {idx} updates it"))[1]
-        input_reason[k] = (False, f"{before}; not kept sharded by shard_weights=True, which "
-                                  f"keeps weights read whole only in a narrower float: {why}")
+        before = input_reason.get(k, (False, reasons.ClusterUpdates(idx)))[1]
+        before = before if isinstance(before, reasons.Reason) else reasons.Reason(before)
+        input_reason[k] = (False, before.noted(reasons.NotKeptByShardWeights(why)))
     if not decision.shard and not in_loop and (c.seeds or c.kept_whole):
       candidates.append((idx, c, cluster_plans[-1]))
     if decision.shard:
@@ -293,8 +289,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   for out_pos, in_pos in state_pairs.items():
     if in_pos not in input_reason and jaxpr.outvars[out_pos] in updated and (
         reader := kept_state.whole_reader(graph, jaxpr.invars[in_pos], clustered, ctx)):
-      kept_whole.setdefault(in_pos, reader)
-      input_reason[in_pos] = (False, _kept_whole_reason(reader))
+      input_reason[in_pos] = (False, reasons.NoShardRule(reader))
   owned = ownership.plan_ownership(graph, ctx, candidates, shard_eqns, state_pairs,
                                    in_names, out_names) if candidates else ownership.Owned()
   for idx, cluster_plan in owned.clusters.items():
@@ -316,8 +311,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         # step and refreshed from a Hessian estimate; or returned unchanged:
         # prodigy's params0), its next value held in the same format.
         state_in[in_pos] = state_out[out_pos] = all_formats[v]
-        input_reason[in_pos] = (True, "optimizer state: only sharded updates read it"
-                                      + (", and it is returned unchanged" if y is v else ""))
+        input_reason[in_pos] = (True, reasons.OnlySharded(y is v))
         continue
       chain = kept_state.passed_through(graph, in_pos, out_pos, ctx)
       if chain is not None:
@@ -328,10 +322,9 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
                                                       ctx.num_shards)
         state_in[in_pos] = all_formats[v]
         state_out[out_pos] = all_formats[jaxpr.outvars[out_pos]]
-        input_reason[in_pos] = (True, "returned unchanged, read by nothing else (state another "
-                                      "step updates): kept sharded between steps as it came")
+        input_reason[in_pos] = (True, reasons.PassedThrough())
   return _Planned(Program(shard_eqns, state_in, state_out, bodies), cluster_plans,
-                  input_reason, all_formats, gather_dtypes, kept_whole, owned.ownership)
+                  input_reason, all_formats, gather_dtypes, owned.ownership)
 
 
 def _plan_body(body: loops.Body, ctx: _Ctx) -> _Planned:
@@ -344,14 +337,6 @@ def _plan_body(body: loops.Body, ctx: _Ctx) -> _Planned:
                            dict(body.state_pairs), body.in_names, body.out_names, body.label,
                            in_loop=True, counters=body.counters)
   return ctx.memo[body]
-
-
-def _kept_whole_reason(why: int | str) -> str:
-  """Why an input stays whole: the replicated cluster reading it (its index), or the
-  reader with no shard rule that keeps the state of an update whole."""
-  if isinstance(why, int):
-    return f"cluster {why} stays replicated"
-  return f"{why} reads it whole and has no shard rule (an update computes its next value)"
 
 
 def _kept_whole(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> reasons.KeptWhole:
@@ -425,14 +410,12 @@ def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[Tens
   return tuple(out)
 
 
-def _why_whole(v, facts: Redundancy, ctx: _Ctx, any_cluster: bool, split_reason: str) -> str:
-  """Why an input no cluster decided on stays whole."""
+def _why_whole(v, facts: Redundancy, ctx: _Ctx, any_cluster: bool, split_reason: str):
+  """Why an input no cluster decided on stays whole (a `reasons` verdict)."""
   if not facts.is_redundant(v, ctx.axes):
-    return f"not identical across {sorted(ctx.axes)} ({split_reason})"
+    return reasons.Differs(tuple(sorted(ctx.axes)), split_reason)
   if not ctx.big(v):
-    return (f"scalar or tiny (at most {ctx.num_shards} elements, or fewer than "
-            f"min_shard_size={ctx.min_size}): kept replicated")
+    return reasons.Tiny(ctx.num_shards, ctx.min_size)
   if not any_cluster:
-    return (f"the step has no gradient all-reduce over exactly {sorted(ctx.axes)}, so no "
-            "weight update to shard (pass axis_name= the data-parallel axes)")
-  return "no weight-update cluster reads it (read whole only, e.g. by the forward pass)"
+    return reasons.NoGradientAllReduce(tuple(sorted(ctx.axes)))
+  return reasons.NotRead()

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from wus import jit_arguments, runtime
 from wus.analysis import compat, global_view
 from wus.analysis.plan import InputPlan, Plan, Program
+from wus.analysis.reasons import Reason
 from wus.api import ShardedStep
 from wus.matching import Signature, StateMatch, argument_paths, match_state
 from wus.sharded import ShardedArray, check_alive, is_sharded
@@ -311,7 +312,7 @@ def _produced_by(jaxpr, v) -> str:
 
 def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: str) -> Plan:
   """The Plan of a step wus runs unchanged, every input whole for `reason`."""
-  inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False, reason)
+  inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False, Reason(reason))
                  for name, v in zip(paths, jaxpr.invars, strict=True))
   n = math.prod(mesh.shape[a] for a in axes) if mesh is not None and axes else 1
   return Plan(tuple(axes), n, 0, inputs, (), Program({}, {}, {}), unchanged=reason)
