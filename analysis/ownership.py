@@ -155,9 +155,9 @@ def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind
     for out_pos, in_pos in u.pairs.items():
       out.state_in[in_pos] = state[jaxpr.invars[in_pos]]
       out.state_out[out_pos] = state[jaxpr.invars[in_pos]]
-      out.input_reason[in_pos] = (True, reasons.OwnedState(u.owner, u.index))
+      out.input_reason[in_pos] = (True, reasons.OnOwner(u.owner, u.index, True))
     for v in u.weights:
-      out.input_reason[invar_pos[v]] = (False, reasons.ReadByOwner(u.owner, u.index))
+      out.input_reason[invar_pos[v]] = (False, reasons.OnOwner(u.owner, u.index, False))
     out.clusters.update(_cluster_plans(jaxpr, u, ownership, state, stacks, in_names, out_names))
   return out
 

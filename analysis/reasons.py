@@ -166,19 +166,13 @@ class NarrowWeight:
 
 
 @dataclasses.dataclass(frozen=True)
-class OwnedState:
-  """Kept on its owner: optimizer state only the owned cluster `index` reads."""
+class OnOwner:
+  """The owned cluster `index` reads it on its owner: optimizer state only it reads
+  (`state`, kept on the owner), or a weight it reads whole."""
 
   owner: int
   index: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadByOwner:
-  """Whole: a weight the owned cluster `index` reads whole on its owner."""
-
-  owner: int
-  index: int
+  state: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,9 +324,9 @@ _RENDER: dict[type, Callable] = {
                               "updates): kept sharded between steps as it came"),
     NarrowWeight: lambda x: (f"weight kept sharded (shard_weights=True): cluster {x.index} "
                              f"updates it, the forward pass reads it in {x.dtype}"),
-    OwnedState: lambda x: (f"optimizer state owned by replica {x.owner}: only cluster "
-                           f"{x.index} reads it, on its owner"),
-    ReadByOwner: lambda x: f"read whole by its owner, replica {x.owner} (cluster {x.index})",
+    OnOwner: lambda x: (f"optimizer state owned by replica {x.owner}: only cluster {x.index} "
+                        "reads it, on its owner" if x.state
+                        else f"read whole by its owner, replica {x.owner} (cluster {x.index})"),
     ClusterReplicated: lambda x: f"cluster {x.index} stays replicated",
     SlicedLocally: lambda x: f"read whole elsewhere; cluster {x.index} slices it locally",
     ClusterUpdates: lambda x: f"cluster {x.index} updates it",
