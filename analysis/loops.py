@@ -18,14 +18,14 @@ from wus.analysis import compat, precision, reasons
 from wus.analysis import formats as formats_lib
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
-from wus.analysis.plan import Program
+from wus.analysis.plan import JaxprPlan
 
 
 @dataclasses.dataclass
 class PlannedLoop:
   """A loop whose body runs the weight update on shards (§4.2)."""
 
-  program: Program
+  jaxpr_plan: JaxprPlan
   carries: dict           # Carry position -> format, for carries held as shards.
   read_whole: set         # Carries also read whole in the body (weights, Fig. 4 right).
   formats: dict
@@ -85,13 +85,13 @@ def bodies(jaxpr: Jaxpr, in_names, label: str) -> dict[int, Body]:
 def planned_loop(eqn, planned) -> PlannedLoop | None:
   """The loop `eqn` with its body planned (`planned`, the planner's plan of its `Body`),
   or None if the body shards nothing."""
-  if not planned.program.shard_eqns:
+  if not planned.jaxpr_plan.shard_eqns:
     return None
   loop = compat.loop(eqn)
   inner, carry_in = loop.body.jaxpr, loop.body_carry
-  carries = {j - loop.num_consts: f for j, f in planned.program.sharded_in.items()}
+  carries = {j - loop.num_consts: f for j, f in planned.jaxpr_plan.sharded_in.items()}
   read_whole = {k for k in carries if inner.invars[carry_in[k]] in planned.gather_dtypes}
-  return PlannedLoop(planned.program, carries, read_whole, planned.formats,
+  return PlannedLoop(planned.jaxpr_plan, carries, read_whole, planned.formats,
                      planned.gather_dtypes)
 
 
@@ -126,7 +126,7 @@ def outer_name(v, invar_pos, in_names, default: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LoopState:
-  """A program input carried by a loop and returned after it, kept sharded between steps.
+  """A step input carried by a loop and returned after it, kept sharded between steps.
 
   Attributes:
     formats: the format of every value on the way: the input, the layout-only

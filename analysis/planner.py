@@ -16,7 +16,7 @@ from wus.analysis import (compat, cost, formats, kept_state, layouts, loops, net
                           ownership, reasons)
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
-from wus.analysis.plan import ClusterPlan, InputPlan, Plan, Program, TensorPlan
+from wus.analysis.plan import ClusterPlan, InputPlan, JaxprPlan, Plan, TensorPlan
 from wus.analysis.redundancy import Redundancy
 from wus.analysis.shardable import Kind
 
@@ -84,10 +84,10 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   # first, the parameter copies it saves are lost for such steps.
   rooted = any(t.role == "root" for c in planned.clusters for t in c.tensors)
   after, tied = ((), frozenset()) if rooted else ordering.gather_after(
-      graph, planned.program.shard_eqns, planned.formats, planned.program.sharded_out)
-  program = dataclasses.replace(planned.program, gather_after=after, tied_outputs=tied)
+      graph, planned.jaxpr_plan.shard_eqns, planned.formats, planned.jaxpr_plan.sharded_out)
+  jaxpr_plan = dataclasses.replace(planned.jaxpr_plan, gather_after=after, tied_outputs=tied)
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
-              program, planned.formats, planned.gather_dtypes, objective=objective,
+              jaxpr_plan, planned.formats, planned.gather_dtypes, objective=objective,
               bucket_bytes=limit, alone_bytes=alone, buckets=buckets, owned=planned.owned,
               resolution=network.resolution(ctx.topology))
 
@@ -112,7 +112,7 @@ class _Ctx:
 class _Planned:
   """The plan of one jaxpr (the step, or a loop body)."""
 
-  program: Program
+  jaxpr_plan: JaxprPlan
   clusters: list
   input_reason: dict
   formats: dict
@@ -138,7 +138,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   jaxpr = graph.jaxpr
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   rare = loops.rare_conds(jaxpr, counters)
-  cluster_plans, shard_eqns, state_in, state_out, all_formats, bodies = [], {}, {}, {}, {}, {}
+  cluster_plans, shard_eqns, sharded_in, sharded_out, all_formats, bodies = [], {}, {}, {}, {}, {}
   gather_dtypes: dict = {}
   # Input position -> (kept sharded, why: a `reasons` verdict, or a `reasons.Reason`).
   input_reason: dict[int, tuple[bool, object]] = {}
@@ -157,7 +157,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     if loop is not None:
       planned_loops[i] = loop
   for i, loop in planned_loops.items():
-    shard_eqns[i], bodies[i] = Kind.LOOP, (loop.program,)
+    shard_eqns[i], bodies[i] = Kind.LOOP, (loop.jaxpr_plan,)
     all_formats.update(loop.formats)
     gather_dtypes.update(loop.gather_dtypes)
     all_formats.update({jaxpr.eqns[i].outvars[k]: f for k, f in loop.carries.items()})
@@ -166,8 +166,8 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       if state is not None:
         all_formats.update(state.formats)
         shard_eqns.update(dict.fromkeys(state.copies, Kind.LAYOUT))
-        state_in[in_pos] = state.formats[jaxpr.invars[in_pos]]
-        state_out[out_pos] = state.formats[jaxpr.outvars[out_pos]]
+        sharded_in[in_pos] = state.formats[jaxpr.invars[in_pos]]
+        sharded_out[out_pos] = state.formats[jaxpr.outvars[out_pos]]
         input_reason[in_pos] = (True, reasons.LoopCarried(source_line(jaxpr.eqns[i])))
 
   # A loop's carries held as shards after it (a gradient accumulated on shards)
@@ -177,7 +177,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   # Outside loops, updates no all-reduce reaches grow from their roots (§3.1:
   # redundant computation, whatever feeds it).
   state = frozenset() if in_loop else frozenset(
-      jaxpr.invars[k] for k in state_pairs.values() if k not in state_in)
+      jaxpr.invars[k] for k in state_pairs.values() if k not in sharded_in)
   found = clusters_lib.find_clusters(jaxpr, ctx.facts, ctx.axes, ctx.num_shards, ctx.min_size,
                                      held_sharded=frozenset(held), state=state,
                                      roots=frozenset() if in_loop else ctx.roots, graph=graph,
@@ -284,7 +284,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       read_whole.update(layout.whole_reads)
       bodies.update(_bodies(jaxpr, c, layout, ctx.big))
       for out_pos, in_pos in pairs.items():
-        state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
+        sharded_in[in_pos] = sharded_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
   updated = {v for c in found for v in c.program_outputs}
   for out_pos, in_pos in state_pairs.items():
     if in_pos not in input_reason and jaxpr.outvars[out_pos] in updated and (
@@ -295,13 +295,13 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   for idx, cluster_plan in owned.clusters.items():
     cluster_plans[idx] = cluster_plan
   shard_eqns.update(owned.kinds)
-  state_in.update(owned.state_in)
-  state_out.update(owned.state_out)
+  sharded_in.update(owned.sharded_in)
+  sharded_out.update(owned.sharded_out)
   input_reason.update(owned.input_reason)
   if not in_loop:
     for out_pos, in_pos in state_pairs.items():
       v = jaxpr.invars[in_pos]
-      if in_pos in state_in:
+      if in_pos in sharded_in:
         continue
       y = jaxpr.outvars[out_pos]
       if (v in all_formats and v not in read_whole and graph.readers(v)
@@ -310,7 +310,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         # Read only as shards by sharded updates (several clusters: Sophia's nu, read by the
         # step and refreshed from a Hessian estimate; or returned unchanged:
         # prodigy's params0), its next value held in the same format.
-        state_in[in_pos] = state_out[out_pos] = all_formats[v]
+        sharded_in[in_pos] = sharded_out[out_pos] = all_formats[v]
         input_reason[in_pos] = (True, reasons.OnlySharded(y is v))
         continue
       chain = kept_state.passed_through(graph, in_pos, out_pos, ctx)
@@ -320,17 +320,17 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         for u in [v, *(jaxpr.eqns[j].outvars[0] for j in chain)]:
           all_formats[u] = formats.format_from_bounds(tuple(u.aval.shape), frozenset(),
                                                       ctx.num_shards)
-        state_in[in_pos] = all_formats[v]
-        state_out[out_pos] = all_formats[jaxpr.outvars[out_pos]]
+        sharded_in[in_pos] = all_formats[v]
+        sharded_out[out_pos] = all_formats[jaxpr.outvars[out_pos]]
         input_reason[in_pos] = (True, reasons.PassedThrough())
-  return _Planned(Program(shard_eqns, state_in, state_out, bodies), cluster_plans,
+  return _Planned(JaxprPlan(shard_eqns, sharded_in, sharded_out, bodies), cluster_plans,
                   input_reason, all_formats, gather_dtypes, owned.ownership)
 
 
 def _plan_body(body: loops.Body, ctx: _Ctx) -> _Planned:
   """The plan of a loop body: the one entry point of the planner's recursion into loops,
   memoized by `body` (its jaxpr, carries and names), so a body that several loops run
-  is planned once and every such loop shares the same Program (as
+  is planned once and every such loop shares the same JaxprPlan (as
   `jax.experimental.key_reuse` memoizes a sub-jaxpr's signature)."""
   if body not in ctx.memo:
     ctx.memo[body] = _plan(Graph(body.jaxpr, ctx.num_shards, ctx.min_size), ctx,
@@ -354,19 +354,19 @@ def _kept_whole(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> reasons.KeptWhole:
 
 
 def _bodies(jaxpr: Jaxpr, c: clusters_lib.Cluster, layout: layouts.Layout,
-            big) -> dict[int, tuple[Program, ...]]:
-  """The branch Programs of the conditionals of a sharded cluster."""
+            big) -> dict[int, tuple[JaxprPlan, ...]]:
+  """The branch JaxprPlans of the conditionals of a sharded cluster."""
   out = {}
   for i, subs in c.nested.items():
-    progs = []
+    branch_plans = []
     for branch, sub in zip(compat.cond(jaxpr.eqns[i]).branches, subs, strict=True):
       inner = branch.jaxpr
-      progs.append(Program(
+      branch_plans.append(JaxprPlan(
           dict(sub.kinds),
           {k: layout.formats[v] for k, v in enumerate(inner.invars) if big(v)},
           {k: layout.formats[v] for k, v in enumerate(inner.outvars) if big(v)},
           _bodies(inner, sub, layout, big)))
-    out[i] = tuple(progs)
+    out[i] = tuple(branch_plans)
   return out
 
 
@@ -392,7 +392,7 @@ def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[Tens
     return TensorPlan(name, tuple(v.aval.shape), v.aval.dtype.name, role, fmt(v),
                       v.aval.dtype.itemsize)
 
-  state_in = set(pairs.values())
+  state_positions = set(pairs.values())
   out = [entry(f"all-reduce at {source_line(jaxpr.eqns[i])}", jaxpr.eqns[i].outvars[0], "gradient")
          for i in c.seeds]
   # A cluster grown from roots reads them, and what they are computed from
@@ -402,7 +402,7 @@ def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[Tens
   for v in c.reads:
     if v in invar_pos and v not in roots:
       k = invar_pos[v]
-      out.append(entry(in_names[k], v, "state" if k in state_in else "weight"))
+      out.append(entry(in_names[k], v, "state" if k in state_positions else "weight"))
   for v, positions in c.program_outputs.items():
     for p in positions:
       if p not in pairs:

@@ -59,8 +59,8 @@ def test_scan_carried_update_is_sharded_and_its_state_stays_sharded_between_step
   # The same decision as a value (`reasons`): w gathered whole in its own dtype.
   assert c.why.where.startswith("loop at ")
   assert c.why.notes == (reasons.LoopGathers((reasons.Gather("w", "float32", 256, 256, False),)),)
-  # The body's Program holds m as shards from iteration to iteration, w whole.
-  (body,) = plan.program.bodies[loop]
+  # The body's JaxprPlan holds m as shards from iteration to iteration, w whole.
+  (body,) = plan.jaxpr_plan.bodies[loop]
   carry_m = compat.loop(jaxpr.eqns[loop]).body_carry[1]
   carry_w = compat.loop(jaxpr.eqns[loop]).body_carry[0]
   assert carry_m in body.sharded_in and carry_w not in body.sharded_in
@@ -83,7 +83,7 @@ def test_narrow_forward_pass_keeps_the_carried_weight_sharded_across_iterations(
   assert "w kept sharded across iterations and all-gathered in bfloat16" in c.reason
   assert f"{64 * 2} B per iteration instead of {64 * 4} B" in c.reason
   assert c.why.notes == (reasons.LoopGathers((reasons.Gather("w", "bfloat16", 128, 256, True),)),)
-  (body,) = plan.program.bodies[loop]
+  (body,) = plan.jaxpr_plan.bodies[loop]
   carries = compat.loop(jaxpr.eqns[loop]).body_carry
   assert {carries[0], carries[1]} <= set(body.sharded_in)
   # The user reads w after the loop: it leaves the step whole.
@@ -102,7 +102,7 @@ def _sorted_momentum(w, m, xs):
 
 def test_carried_update_with_no_shard_rule_stays_replicated_and_its_state_whole():
   jaxpr, plan = _plan(_sorted_momentum)
-  assert not plan.program.shard_eqns and not plan.state_inputs and not plan.state_outputs
+  assert not plan.jaxpr_plan.shard_eqns and not plan.state_inputs and not plan.state_outputs
   assert not any(c.sharded for c in plan.clusters) and not any(i.sharded for i in plan.inputs)
 
 
@@ -143,7 +143,7 @@ def _shared_body_step():
 
 def test_a_loop_body_that_several_loops_run_is_planned_once(monkeypatch):
   """The planner's entry point into loop bodies is memoized by the body (its jaxpr,
-  carries and names): one plan, one Program object shared by both loops, and the
+  carries and names): one plan, one JaxprPlan object shared by both loops, and the
   body's equations planned once."""
   jaxpr, facts = _shared_body_step()
   first, second = _loops(jaxpr)
@@ -161,7 +161,7 @@ def test_a_loop_body_that_several_loops_run_is_planned_once(monkeypatch):
                            in_names=["w", "m", "xs"], out_names=["w", "m"],
                            state_pairs={0: 0, 1: 1})
   assert planned.count(body) == 1 and planned.count(jaxpr) == 1, planned
-  assert plan.program.bodies[first][0] is plan.program.bodies[second][0]
+  assert plan.jaxpr_plan.bodies[first][0] is plan.jaxpr_plan.bodies[second][0]
   # Both loops still appear in the Plan, each with the body's cluster.
   assert [c.sharded for c in plan.clusters] == [True, True], plan
 
@@ -180,7 +180,7 @@ def test_memo_is_keyed_by_the_body_not_only_its_jaxpr(shared):
                      network.default_topology(N))
   a, b = planner._plan_body(body, ctx), planner._plan_body(other, ctx)
   assert (a is b) == shared
-  assert a.program == b.program  # The names change the Plan's words, not the program.
+  assert a.jaxpr_plan == b.jaxpr_plan  # The names change the Plan's words, not the program.
 
 
 def test_graph_lists_readers_once_in_order_and_outputs_by_position():
