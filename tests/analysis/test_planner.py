@@ -66,6 +66,7 @@ def test_scan_carried_update_is_sharded_and_its_state_stays_sharded_between_step
   assert carry_m in body.sharded_in and carry_w not in body.sharded_in
   w, m, xs = plan.inputs
   assert m.sharded and m.reason.startswith("state of the loop at "), m
+  assert isinstance(m.why.verdict, reasons.LoopCarried) and "test_planner.py" in m.why.verdict.line
   assert not w.sharded and not xs.sharded
   assert set(plan.state_inputs) == {1} and set(plan.state_outputs) == {1}
 
@@ -116,6 +117,9 @@ def test_carried_update_with_no_shard_rule_says_why_in_the_plan():
   w, m, _ = plan.inputs
   assert w.reason == "cluster 0 stays replicated", plan.details()
   assert m.reason.startswith("sort at ") and "has no shard rule" in m.reason, plan.details()
+  # The same reasons as values (`reasons`), rendered as the clusters' are.
+  assert w.why == reasons.Reason(reasons.ClusterReplicated(0))
+  assert isinstance(m.why.verdict, reasons.NoShardRule) and m.why.verdict.reader.startswith("sort")
 
 
 def _shared_body_step():
