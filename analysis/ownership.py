@@ -218,7 +218,9 @@ def _check(graph: Graph, u: _Unit, ctx, state_pairs: Mapping[int, int]) -> str |
       operands.update(v for v in eqn.invars if not compat.is_literal(v))
     elif not _runs_on_owner(eqn, ctx):
       return f"{eqn.primitive} at {source_line(eqn)} cannot run on one replica alone"
-  made = {v for i in u.eqns for v in eqns[i].outvars}
+  # In equation order: a set of variables iterates in an order that changes between runs
+  # (they hash by identity), and so did the reader this names.
+  made = {v: None for i in sorted(u.eqns) for v in eqns[i].outvars}
   outputs = [v for v in jaxpr.outvars if not compat.is_literal(v)]
   for v in made:
     outside = [r for r in graph.readers(v) if r not in u.eqns]
@@ -226,8 +228,9 @@ def _check(graph: Graph, u: _Unit, ctx, state_pairs: Mapping[int, int]) -> str |
       eqn = eqns[outside[0]]
       return (f"{eqn.primitive} at {source_line(eqn)} reads {v.aval.str_short()} of the "
               "update whole")
-  reads = {v for i in u.eqns for v in eqns[i].invars if not compat.is_literal(v)} - made
-  for v in reads - operands:
+  reads = {v: None for i in sorted(u.eqns) for v in eqns[i].invars
+           if not compat.is_literal(v) and v not in made}
+  for v in (v for v in reads if v not in operands):
     if not ctx.facts.is_redundant(v, ctx.axes):
       return f"it reads {v.aval.str_short()}, which differs across replicas"
   pairs = {}
