@@ -26,7 +26,7 @@ class ShardFormat:
   """The sharding format of one tensor (§4.1).
 
   Attributes:
-    shape: the logical shape, as the user's program sees it.
+    shape: the logical shape, as the user's step sees it.
     merged_shape: `shape` with runs of adjacent dimensions merged; same size.
     num_shards: the number of replicas the leading merged dim is split over.
   """
@@ -90,8 +90,8 @@ class ShardFormat:
 def _merges_adjacent(shape: tuple[int, ...], merged: tuple[int, ...]) -> bool:
   """Whether `merged` is `shape` with runs of adjacent dims merged (size-1 dims anywhere)."""
   dims = [d for d in shape if d != 1]
-  groups = [m for m in merged if m != 1]
-  for m in groups:
+  runs = [m for m in merged if m != 1]
+  for m in runs:
     size = 1
     while dims and size < m:
       size *= dims.pop(0)
@@ -135,7 +135,7 @@ def format_from_bounds(shape: tuple[int, ...], bounds: frozenset, num_shards: in
   return ShardFormat(tuple(shape), tuple(merged), num_shards)
 
 
-def groups(fmt: ShardFormat) -> list[tuple[int, ...]]:
+def merged_dims(fmt: ShardFormat) -> list[tuple[int, ...]]:
   """The logical dims (non-unit) merged into each dim of `fmt.merged_shape`."""
   out, dims = [], nonunit_dims(fmt.shape)
   for m in fmt.merged_shape:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from wus.analysis import clusters as clusters_lib
 from wus.analysis import compat, layouts, precision, shardable
-from wus.analysis.compat import Jaxpr
+from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
 from wus.analysis.shardable import Kind
 
@@ -184,3 +184,16 @@ def continued(graph: Graph, c: clusters_lib.Cluster, clustered: set[int],
            if jaxpr.invars[k] in reads and graph.only_read_by(jaxpr.invars[k], update)}
   return (clusters_lib.Cluster((), {}, (), (), tuple(reads), {},
                                {v: tuple(p) for v, p in outputs.items()}), pairs)
+
+
+def whole_reader(graph: Graph, x, clustered: set[int], ctx) -> str | None:
+  """A reader of `x` outside the clusters (`clustered`) that every replica repeats and
+  that has no shard rule (a `sort` of the momentum), in words ("sort at f.py:5"), or
+  None: what keeps state whole whose next value an update computes."""
+  kind_ctx = shardable.Context(ctx.facts, ctx.axes)
+  for r in graph.readers(x):
+    eqn = graph.jaxpr.eqns[r]
+    if (r not in clustered and ctx.facts.repeats(eqn, ctx.axes)
+        and shardable.shard_kind(eqn, kind_ctx) is None):
+      return f"{eqn.primitive} at {source_line(eqn)}"
+  return None

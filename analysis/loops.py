@@ -18,17 +18,16 @@ from wus.analysis import compat, precision, reasons
 from wus.analysis import formats as formats_lib
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
-from wus.analysis.plan import Program
+from wus.analysis.plan import JaxprPlan
 
 
 @dataclasses.dataclass
 class PlannedLoop:
   """A loop whose body runs the weight update on shards (§4.2)."""
 
-  program: Program
+  jaxpr_plan: JaxprPlan
   carries: dict           # Carry position -> format, for carries held as shards.
   read_whole: set         # Carries also read whole in the body (weights, Fig. 4 right).
-  clusters: list
   formats: dict
   gather_dtypes: dict
 
@@ -60,8 +59,9 @@ def bodies(jaxpr: Jaxpr, in_names, label: str) -> dict[int, Body]:
   Carried state (optimizer state) may stay sharded across iterations: it is
   sharded before the loop and gathered after it only where read whole (Fig. 4
   left). Carries the loop condition reads stay whole. The planner plans each
-  body through its memoized entry point (loops nest) and keeps the loops
-  whose body shards something (`planned_loop`).
+  body through its memoized entry point (loops nest), lists every body's
+  clusters in the Plan, sharded or not (a replicated one says why), and runs
+  on shards the loops whose body shards something (`planned_loop`).
   """
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   out = {}
@@ -85,13 +85,13 @@ def bodies(jaxpr: Jaxpr, in_names, label: str) -> dict[int, Body]:
 def planned_loop(eqn, planned) -> PlannedLoop | None:
   """The loop `eqn` with its body planned (`planned`, the planner's plan of its `Body`),
   or None if the body shards nothing."""
-  if not planned.program.shard_eqns:
+  if not planned.jaxpr_plan.shard_eqns:
     return None
   loop = compat.loop(eqn)
   inner, carry_in = loop.body.jaxpr, loop.body_carry
-  carries = {j - loop.num_consts: f for j, f in planned.program.sharded_in.items()}
+  carries = {j - loop.num_consts: f for j, f in planned.jaxpr_plan.sharded_in.items()}
   read_whole = {k for k in carries if inner.invars[carry_in[k]] in planned.gather_dtypes}
-  return PlannedLoop(planned.program, carries, read_whole, planned.clusters, planned.formats,
+  return PlannedLoop(planned.jaxpr_plan, carries, read_whole, planned.formats,
                      planned.gather_dtypes)
 
 
@@ -126,7 +126,7 @@ def outer_name(v, invar_pos, in_names, default: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LoopState:
-  """A program input carried by a loop and returned after it, kept sharded between steps.
+  """A step input carried by a loop and returned after it, kept sharded between steps.
 
   Attributes:
     formats: the format of every value on the way: the input, the layout-only

@@ -314,8 +314,8 @@ def batched(collective: Callable[[float, Sequence[Axis]], float], sizes: Sequenc
   """
   if not axes or not sizes:
     return 0.0, 0
-  groups = buckets(sizes, bucket_bytes, alone_bytes, padded)
-  return sum(collective(sum(sizes[i] for i in b), axes) for b in groups), len(groups)
+  bucketed = buckets(sizes, bucket_bytes, alone_bytes, padded)
+  return sum(collective(sum(sizes[i] for i in b), axes) for b in bucketed), len(bucketed)
 
 
 def copied(sizes: Sequence[float], bucket_bytes: float = math.inf,
@@ -326,9 +326,9 @@ def copied(sizes: Sequence[float], bucket_bytes: float = math.inf,
   Args and buckets as for `batched`; `data`: each tensor's own bytes, which
   the copies move (default `sizes`, which may hold the layout's tile padding).
   """
-  groups = buckets(sizes, bucket_bytes, alone_bytes, padded)
+  bucketed = buckets(sizes, bucket_bytes, alone_bytes, padded)
   own = sizes if data is None else data
-  return sum(own[i] for b in groups for i in b
+  return sum(own[i] for b in bucketed for i in b
              if len(b) > 1 or (i < len(padded) and padded[i]))
 
 

@@ -66,9 +66,9 @@ def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
 
   Args:
     graph: the graph of the step's flat jaxpr.
-    shard_eqns: its equations run on shards (`Program.shard_eqns`).
+    shard_eqns: its equations run on shards (`JaxprPlan.shard_eqns`).
     formats: the values held as shards (`Plan.formats`).
-    sharded_out: outputs returned as shards (`Program.sharded_out`).
+    sharded_out: outputs returned as shards (`JaxprPlan.sharded_out`).
     read_tokens: whether the results of reads may be tokens; if not, only
       the gradient all-reduces order the all-gathers (a read no gradient sum
       follows then leaves its weight copied).

@@ -207,7 +207,7 @@ class Ownership:
     outputs: each owned value read whole after the update (new weights) ->
       (dtype, its slot in the all-gathered rows).
     grad_rows, out_rows: dtype -> elements of one row.
-    state_in, state_out: owned state at the step's boundary: jaxpr variable
+    state_vars_in, state_vars_out: owned state at the step's boundary: jaxpr variable
       -> its `OwnedFormat`.
     stacks: per stack, in words: its tensors' shape and dtype and how many.
     loads: predicted seconds of the owned updates each replica runs.
@@ -229,8 +229,8 @@ class Ownership:
   outputs: Mapping = dataclasses.field(repr=False)
   grad_rows: Mapping[str, int]
   out_rows: Mapping[str, int]
-  state_in: Mapping = dataclasses.field(repr=False)
-  state_out: Mapping = dataclasses.field(repr=False)
+  state_vars_in: Mapping = dataclasses.field(repr=False)
+  state_vars_out: Mapping = dataclasses.field(repr=False)
   stacks: tuple[str, ...]
   loads: tuple[float, ...]
   pins: tuple = ()

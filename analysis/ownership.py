@@ -58,15 +58,15 @@ class Owned:
   Attributes:
     ownership: the Plan's ownership part (None: nothing owned).
     kinds: equation index -> OWNED or OWNED_SCATTER.
-    state_in, state_out: input / output position -> OwnedFormat.
+    sharded_in, sharded_out: input / output position -> OwnedFormat (`JaxprPlan`'s).
     clusters: cluster index -> its ClusterPlan, owned or with why not.
-    input_reason: input position -> (kept sharded, why).
+    input_reason: input position -> (kept sharded, why: a `reasons` verdict).
   """
 
   ownership: Ownership | None = None
   kinds: dict = dataclasses.field(default_factory=dict)
-  state_in: dict = dataclasses.field(default_factory=dict)
-  state_out: dict = dataclasses.field(default_factory=dict)
+  sharded_in: dict = dataclasses.field(default_factory=dict)
+  sharded_out: dict = dataclasses.field(default_factory=dict)
   clusters: dict = dataclasses.field(default_factory=dict)
   input_reason: dict = dataclasses.field(default_factory=dict)
 
@@ -100,7 +100,7 @@ def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind
     ctx: the planner's context (facts, axes, num_shards, big, topology).
     candidates: (cluster index, Cluster, ClusterPlan) of clusters kept
       replicated for a reason of structure, not cost.
-    taken: equations that already run on shards (Program.shard_eqns).
+    taken: equations that already run on shards (JaxprPlan.shard_eqns).
     state_pairs: output position -> input position of the step's state.
     in_names, out_names: names of the flat inputs and outputs.
 
@@ -153,13 +153,11 @@ def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind
     for i in u.eqns:
       out.kinds[i] = Kind.OWNED_SCATTER if i in u.seeds else Kind.OWNED
     for out_pos, in_pos in u.pairs.items():
-      out.state_in[in_pos] = state[jaxpr.invars[in_pos]]
-      out.state_out[out_pos] = state[jaxpr.invars[in_pos]]
-      out.input_reason[in_pos] = (True, f"optimizer state owned by replica {u.owner}: only "
-                                        f"cluster {u.index} reads it, on its owner")
+      out.sharded_in[in_pos] = state[jaxpr.invars[in_pos]]
+      out.sharded_out[out_pos] = state[jaxpr.invars[in_pos]]
+      out.input_reason[in_pos] = (True, reasons.OnOwner(u.owner, u.index, True))
     for v in u.weights:
-      out.input_reason[invar_pos[v]] = (False, f"read whole by its owner, replica {u.owner} "
-                                               f"(cluster {u.index})")
+      out.input_reason[invar_pos[v]] = (False, reasons.OnOwner(u.owner, u.index, False))
     out.clusters.update(_cluster_plans(jaxpr, u, ownership, state, stacks, in_names, out_names))
   return out
 

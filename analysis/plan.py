@@ -99,7 +99,8 @@ class InputPlan:
     name: pytree path of the argument leaf.
     shape, dtype: logical shape and numpy dtype name.
     sharded: whether it is kept sharded between steps (optimizer state).
-    reason: why it is, or why it stays whole.
+    why: why it is, or why it stays whole, as a value (`reasons.Reason`); `reason`
+      is its text.
     state: whether an output is its next value (the step's state: weights,
       optimizer state), whether or not it is sharded.
     itemsize: bytes per element (typed PRNG keys have no numpy dtype).
@@ -112,10 +113,15 @@ class InputPlan:
   shape: tuple[int, ...]
   dtype: str
   sharded: bool
-  reason: str
+  why: Reason
   state: bool = False
   itemsize: int = 4
   matched: str = ""
+
+  @property
+  def reason(self) -> str:
+    """Why, in the Plan's words (`reasons.render`)."""
+    return reasons.render(self.why)
 
   @property
   def nbytes(self) -> int:
@@ -123,19 +129,20 @@ class InputPlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class Program:
-  """How the rewrite runs one jaxpr: the step, a conditional's branch, a loop body.
+class JaxprPlan:
+  """The plan of one jaxpr (the step, a conditional's branch, a loop body): how the rewrite
+  runs it. (Programs are what `transforms/programs.py` compiles from the step's.)
 
   Attributes:
     shard_eqns: equation index -> shard kind, for every equation that runs on
       shards (valid for the jaxpr the plan was made from).
     sharded_in: input position -> format, for inputs that arrive as shards.
     sharded_out: output position -> format, for outputs returned as shards.
-    bodies: for each conditional in `shard_eqns`, one Program per branch; for
-      each loop, its body's Program.
+    bodies: for each conditional in `shard_eqns`, one JaxprPlan per branch; for
+      each loop, its body's JaxprPlan.
     gather_after: values the all-gathers of the outputs returned whole must
       follow, so that donated inputs' buffers hold them with no copy
-      (`wus.analysis.ordering`; the step's Program only).
+      (`wus.analysis.ordering`; the step's JaxprPlan only).
     tied_outputs: positions of outputs computed whole that follow
       `gather_after` too.
   """
@@ -143,9 +150,36 @@ class Program:
   shard_eqns: Mapping[int, Kind]
   sharded_in: Mapping[int, ShardFormat]
   sharded_out: Mapping[int, ShardFormat]
-  bodies: Mapping[int, tuple[Program, ...]] = dataclasses.field(default_factory=dict)
+  bodies: Mapping[int, tuple[JaxprPlan, ...]] = dataclasses.field(default_factory=dict)
   gather_after: tuple = ()
   tied_outputs: frozenset = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouping:
+  """The sharding groups of `shard_group_size` (§5.2, Fig. 10), as the Plan says them.
+
+  Attributes:
+    chosen: with `shard_group_size="auto"`, how the cost model chose G; "" otherwise.
+    layout: the groups in words (`transforms.groups.Groups.describe`), or why
+      there are none to speak of (G = 1, G = N); "" when "auto" kept G = N.
+    num_groups: M = N / G.
+    across: the batched all-reduces of the gradient shards across the groups
+      per step, predicted (0: none, or one group).
+  """
+
+  chosen: str = ""
+  layout: str = ""
+  num_groups: int = 0
+  across: int = 0
+
+  def __str__(self) -> str:
+    across = (f"the gradient shards are all-reduced across the {self.num_groups} groups in "
+              f"{self.across} batched all-reduce(s)") if self.across else ""
+    return "; ".join(filter(None, [self.chosen, self.layout, across]))
+
+  def __bool__(self) -> bool:
+    return bool(str(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +192,7 @@ class Plan:
     inputs: one entry per flat input.
     clusters: one entry per weight-update cluster.
     min_size: tensors with fewer elements (or fewer than N) stay whole.
-    program: the rewrite's instructions for the step; its `sharded_in` are
+    jaxpr_plan: the rewrite's instructions for the step; its `sharded_in` are
       the inputs kept sharded between steps (optimizer state), its
       `sharded_out` the outputs returned sharded.
     formats: the format of every tensor a sharded cluster holds or reads as
@@ -167,10 +201,10 @@ class Plan:
       narrower float: their all-gather moves that dtype (Fig. 7).
     group_size: with `shard_group_size=G`, G (the update is sharded within
       groups of G replicas of one axis, §5.2); None otherwise.
-    groups: how the replicas are grouped, in words ("" without groups).
+    groups: the sharding groups of `shard_group_size` (a `Grouping`; None
+      without that option). "Groups" means these alone: G replicas of one
+      axis that share one update (§5.2).
     objective: "memory" or "time", what the cluster decisions favour (`cost.decide`).
-    across_groups: with groups, the batched all-reduces of gradient shards
-      across them per step (Fig. 10, right), predicted.
     bucket_bytes: the most bytes of tensors one batched collective moves
       (§5.2), chosen by the cost model (`cost.bucket_bytes`).
     alone_bytes: tensors of this many bytes or more that need no padding
@@ -195,12 +229,11 @@ class Plan:
   min_size: int
   inputs: tuple[InputPlan, ...]
   clusters: tuple[ClusterPlan, ...]
-  program: Program
+  jaxpr_plan: JaxprPlan
   formats: Mapping = dataclasses.field(default_factory=dict, repr=False)
   gather_dtypes: Mapping = dataclasses.field(default_factory=dict, repr=False)
   group_size: int | None = None
-  groups: str = ""
-  across_groups: int = 0
+  groups: Grouping | None = None
   objective: str = "memory"
   bucket_bytes: int = costmodel.DEFAULT_BUCKET_BYTES
   alone_bytes: int | None = None
@@ -210,18 +243,24 @@ class Plan:
   unchanged: str = ""
 
   @property
+  def across_groups(self) -> int:
+    """With groups, the batched all-reduces of gradient shards across them per step
+    (Fig. 10, right), predicted; else 0."""
+    return self.groups.across if self.groups is not None else 0
+
+  @property
   def shard_eqns(self) -> Mapping[int, Kind]:
-    return self.program.shard_eqns
+    return self.jaxpr_plan.shard_eqns
 
   @property
   def state_inputs(self) -> Mapping[int, ShardFormat]:
     """Flat input position -> format, for inputs passed sharded."""
-    return self.program.sharded_in
+    return self.jaxpr_plan.sharded_in
 
   @property
   def state_outputs(self) -> Mapping[int, ShardFormat]:
     """Flat output position -> format, for outputs returned sharded."""
-    return self.program.sharded_out
+    return self.jaxpr_plan.sharded_out
 
   @property
   def sharded_bytes(self) -> int:
@@ -344,7 +383,8 @@ def replicated(plan: Plan, reason: str) -> Plan:
   clusters = tuple(dataclasses.replace(
       c, sharded=False, why=Reason(reason), owner=None,
       tensors=tuple(dataclasses.replace(t, format=None) for t in c.tensors)) for c in plan.clusters)
-  inputs = tuple(dataclasses.replace(i, sharded=False, reason=reason) if i.sharded else i
+  inputs = tuple(dataclasses.replace(i, sharded=False, why=Reason(reason)) if i.sharded else i
                  for i in plan.inputs)
-  return dataclasses.replace(plan, inputs=inputs, clusters=clusters, program=Program({}, {}, {}),
-                             formats={}, gather_dtypes={}, owned=None)
+  return dataclasses.replace(plan, inputs=inputs, clusters=clusters,
+                             jaxpr_plan=JaxprPlan({}, {}, {}), formats={}, gather_dtypes={},
+                             owned=None)

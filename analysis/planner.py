@@ -16,7 +16,7 @@ from wus.analysis import (compat, cost, formats, kept_state, layouts, loops, net
                           ownership, reasons)
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
-from wus.analysis.plan import ClusterPlan, InputPlan, Plan, Program, TensorPlan
+from wus.analysis.plan import ClusterPlan, InputPlan, JaxprPlan, Plan, TensorPlan
 from wus.analysis.redundancy import Redundancy
 from wus.analysis.shardable import Kind
 
@@ -68,11 +68,12 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   inputs = []
   state = set(state_pairs.values()) | set(state_whole or ())
   for k, v in enumerate(jaxpr.invars):
-    sharded, reason = planned.input_reason.get(
+    sharded, why = planned.input_reason.get(
         k, (False, _why_whole(v, facts, ctx, bool(planned.clusters), split_reason)))
+    why = why if isinstance(why, reasons.Reason) else reasons.Reason(why)
     if not sharded and k in (state_whole or {}):
-      reason = f"{state_whole[k]}; {reason}"
-    inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, reason,
+      why = reasons.Reason(state_whole[k], (why.verdict, *why.notes))
+    inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, why,
                             k in state, v.aval.dtype.itemsize, (matched or {}).get(k, "")))
   limit, alone, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology,
                                             objective)
@@ -82,11 +83,11 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   # program, and a token on a matmul's result there (one more consumer) changed how
   # XLA:CPU fuses and rounds it (one ulp, tests/analysis/test_roots.py).
   rooted = any(t.role == "root" for c in planned.clusters for t in c.tensors)
-  after, tied = ordering.gather_after(graph, planned.program.shard_eqns, planned.formats,
-                                      planned.program.sharded_out, read_tokens=not rooted)
-  program = dataclasses.replace(planned.program, gather_after=after, tied_outputs=tied)
+  after, tied = ordering.gather_after(graph, planned.jaxpr_plan.shard_eqns, planned.formats,
+                                      planned.jaxpr_plan.sharded_out, read_tokens=not rooted)
+  jaxpr_plan = dataclasses.replace(planned.jaxpr_plan, gather_after=after, tied_outputs=tied)
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
-              program, planned.formats, planned.gather_dtypes, objective=objective,
+              jaxpr_plan, planned.formats, planned.gather_dtypes, objective=objective,
               bucket_bytes=limit, alone_bytes=alone, buckets=buckets, owned=planned.owned,
               resolution=network.resolution(ctx.topology))
 
@@ -111,12 +112,19 @@ class _Ctx:
 class _Planned:
   """The plan of one jaxpr (the step, or a loop body)."""
 
-  program: Program
+  jaxpr_plan: JaxprPlan
   clusters: list
   input_reason: dict
   formats: dict
   gather_dtypes: dict
   owned: object = None  # The step's `owned.Ownership` (never a loop body's).
+
+  @property
+  def whole_inputs(self) -> dict:
+    """Input position -> why it stays whole, for a loop around this jaxpr: the
+    replicated cluster that reads it, or the reader with no shard rule."""
+    return {k: why for k, (sharded, why) in self.input_reason.items()
+            if not sharded and isinstance(why, (reasons.ClusterReplicated, reasons.NoShardRule))}
 
 
 def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out_names,
@@ -130,18 +138,26 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   jaxpr = graph.jaxpr
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   rare = loops.rare_conds(jaxpr, counters)
-  cluster_plans, shard_eqns, state_in, state_out, all_formats, bodies = [], {}, {}, {}, {}, {}
+  cluster_plans, shard_eqns, sharded_in, sharded_out, all_formats, bodies = [], {}, {}, {}, {}, {}
   gather_dtypes: dict = {}
-  input_reason: dict[int, tuple[bool, str]] = {}
-
+  # Input position -> (kept sharded, why: a `reasons` verdict, or a `reasons.Reason`).
+  input_reason: dict[int, tuple[bool, object]] = {}
   planned_loops = {}
   for i, body in loops.bodies(jaxpr, in_names, label).items():
-    loop = loops.planned_loop(jaxpr.eqns[i], _plan_body(body, ctx))
+    planned = _plan_body(body, ctx)
+    # The body's clusters are the step's, numbered on from the step's, sharded or not: a
+    # body that shards nothing still says why.
+    offset = len(cluster_plans)
+    cluster_plans += [dataclasses.replace(c, index=offset + c.index) for c in planned.clusters]
+    operands = compat.loop(jaxpr.eqns[i]).body_operands
+    for k, why in planned.whole_inputs.items():
+      if not compat.is_literal(operands[k]) and operands[k] in invar_pos:
+        input_reason.setdefault(invar_pos[operands[k]], (False, reasons.shifted(why, offset)))
+    loop = loops.planned_loop(jaxpr.eqns[i], planned)
     if loop is not None:
       planned_loops[i] = loop
   for i, loop in planned_loops.items():
-    shard_eqns[i], bodies[i] = Kind.LOOP, (loop.program,)
-    cluster_plans += loop.clusters
+    shard_eqns[i], bodies[i] = Kind.LOOP, (loop.jaxpr_plan,)
     all_formats.update(loop.formats)
     gather_dtypes.update(loop.gather_dtypes)
     all_formats.update({jaxpr.eqns[i].outvars[k]: f for k, f in loop.carries.items()})
@@ -150,10 +166,9 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       if state is not None:
         all_formats.update(state.formats)
         shard_eqns.update(dict.fromkeys(state.copies, Kind.LAYOUT))
-        state_in[in_pos] = state.formats[jaxpr.invars[in_pos]]
-        state_out[out_pos] = state.formats[jaxpr.outvars[out_pos]]
-        input_reason[in_pos] = (True, f"state of the loop at {source_line(jaxpr.eqns[i])}, "
-                                      "sharded between steps")
+        sharded_in[in_pos] = state.formats[jaxpr.invars[in_pos]]
+        sharded_out[out_pos] = state.formats[jaxpr.outvars[out_pos]]
+        input_reason[in_pos] = (True, reasons.LoopCarried(source_line(jaxpr.eqns[i])))
 
   # A loop's carries held as shards after it (a gradient accumulated on shards)
   # seed clusters as the gradient all-reduces do (§4.2).
@@ -162,7 +177,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   # Outside loops, updates no all-reduce reaches grow from their roots (§3.1:
   # redundant computation, whatever feeds it).
   state = frozenset() if in_loop else frozenset(
-      jaxpr.invars[k] for k in state_pairs.values() if k not in state_in)
+      jaxpr.invars[k] for k in state_pairs.values() if k not in sharded_in)
   found = clusters_lib.find_clusters(jaxpr, ctx.facts, ctx.axes, ctx.num_shards, ctx.min_size,
                                      held_sharded=frozenset(held), state=state,
                                      roots=frozenset() if in_loop else ctx.roots, graph=graph,
@@ -239,7 +254,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       rest, rest_pairs = kept_state.continued(graph, c, clustered, state_pairs, ctx)
       tensors += _tensors(rest, jaxpr, rest_pairs, in_names, out_names, invar_pos, fmt)
       for v in rest.reads:
-        input_reason.setdefault(invar_pos[v], (False, f"cluster {idx} stays replicated"))
+        input_reason.setdefault(invar_pos[v], (False, reasons.ClusterReplicated(idx)))
     why = reasons.Reason(verdict, tuple(notes), label)
     cluster_plans.append(ClusterPlan(idx, tensors, decision.shard, why,
                                      decision.all_reduce_bytes, decision.all_gather_bytes,
@@ -249,20 +264,18 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       if v in invar_pos:
         k = invar_pos[v]
         if decision.shard and narrow and v in narrow and not in_loop:
-          input_reason[k] = (True, f"weight kept sharded (shard_weights=True): cluster {idx} "
-                                   f"updates it, the forward pass reads it in {narrow[v].name}")
+          input_reason[k] = (True, reasons.NarrowWeight(idx, narrow[v].name))
         elif decision.shard and k in pairs.values():
-          input_reason[k] = (True, f"optimizer state: only cluster {idx} reads it")
+          input_reason[k] = (True, reasons.OnlyCluster(idx))
         elif decision.shard:
-          input_reason.setdefault(
-              k, (False, f"read whole elsewhere; cluster {idx} slices it locally"))
+          input_reason.setdefault(k, (False, reasons.SlicedLocally(idx)))
         else:
-          input_reason.setdefault(k, (False, f"cluster {idx} stays replicated"))
+          input_reason.setdefault(k, (False, reasons.ClusterReplicated(idx)))
     for k, why in why_whole.items():
       if not input_reason.get(k, (False,))[0]:
-        before = input_reason.get(k, (False, f"cluster {idx} updates it"))[1]
-        input_reason[k] = (False, f"{before}; not kept sharded by shard_weights=True, which "
-                                  f"keeps weights read whole only in a narrower float: {why}")
+        before = input_reason.get(k, (False, reasons.ClusterUpdates(idx)))[1]
+        before = before if isinstance(before, reasons.Reason) else reasons.Reason(before)
+        input_reason[k] = (False, before.noted(reasons.NotKeptByShardWeights(why)))
     if not decision.shard and not in_loop and (c.seeds or c.kept_whole):
       candidates.append((idx, c, cluster_plans[-1]))
     if decision.shard:
@@ -271,19 +284,24 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       read_whole.update(layout.whole_reads)
       bodies.update(_bodies(jaxpr, c, layout, ctx.big))
       for out_pos, in_pos in pairs.items():
-        state_in[in_pos] = state_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
+        sharded_in[in_pos] = sharded_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
+  updated = {v for c in found for v in c.program_outputs}
+  for out_pos, in_pos in state_pairs.items():
+    if in_pos not in input_reason and jaxpr.outvars[out_pos] in updated and (
+        reader := kept_state.whole_reader(graph, jaxpr.invars[in_pos], clustered, ctx)):
+      input_reason[in_pos] = (False, reasons.NoShardRule(reader))
   owned = ownership.plan_ownership(graph, ctx, candidates, shard_eqns, state_pairs,
                                    in_names, out_names) if candidates else ownership.Owned()
   for idx, cluster_plan in owned.clusters.items():
     cluster_plans[idx] = cluster_plan
   shard_eqns.update(owned.kinds)
-  state_in.update(owned.state_in)
-  state_out.update(owned.state_out)
+  sharded_in.update(owned.sharded_in)
+  sharded_out.update(owned.sharded_out)
   input_reason.update(owned.input_reason)
   if not in_loop:
     for out_pos, in_pos in state_pairs.items():
       v = jaxpr.invars[in_pos]
-      if in_pos in state_in:
+      if in_pos in sharded_in:
         continue
       y = jaxpr.outvars[out_pos]
       if (v in all_formats and v not in read_whole and graph.readers(v)
@@ -292,9 +310,8 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         # Read only as shards by sharded updates (several clusters: Sophia's nu, read by the
         # step and refreshed from a Hessian estimate; or returned unchanged:
         # prodigy's params0), its next value held in the same format.
-        state_in[in_pos] = state_out[out_pos] = all_formats[v]
-        input_reason[in_pos] = (True, "optimizer state: only sharded updates read it"
-                                      + (", and it is returned unchanged" if y is v else ""))
+        sharded_in[in_pos] = sharded_out[out_pos] = all_formats[v]
+        input_reason[in_pos] = (True, reasons.OnlySharded(y is v))
         continue
       chain = kept_state.passed_through(graph, in_pos, out_pos, ctx)
       if chain is not None:
@@ -303,18 +320,17 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
         for u in [v, *(jaxpr.eqns[j].outvars[0] for j in chain)]:
           all_formats[u] = formats.format_from_bounds(tuple(u.aval.shape), frozenset(),
                                                       ctx.num_shards)
-        state_in[in_pos] = all_formats[v]
-        state_out[out_pos] = all_formats[jaxpr.outvars[out_pos]]
-        input_reason[in_pos] = (True, "returned unchanged, read by nothing else (state another "
-                                      "step updates): kept sharded between steps as it came")
-  return _Planned(Program(shard_eqns, state_in, state_out, bodies), cluster_plans,
+        sharded_in[in_pos] = all_formats[v]
+        sharded_out[out_pos] = all_formats[jaxpr.outvars[out_pos]]
+        input_reason[in_pos] = (True, reasons.PassedThrough())
+  return _Planned(JaxprPlan(shard_eqns, sharded_in, sharded_out, bodies), cluster_plans,
                   input_reason, all_formats, gather_dtypes, owned.ownership)
 
 
 def _plan_body(body: loops.Body, ctx: _Ctx) -> _Planned:
   """The plan of a loop body: the one entry point of the planner's recursion into loops,
   memoized by `body` (its jaxpr, carries and names), so a body that several loops run
-  is planned once and every such loop shares the same Program (as
+  is planned once and every such loop shares the same JaxprPlan (as
   `jax.experimental.key_reuse` memoizes a sub-jaxpr's signature)."""
   if body not in ctx.memo:
     ctx.memo[body] = _plan(Graph(body.jaxpr, ctx.num_shards, ctx.min_size), ctx,
@@ -338,19 +354,19 @@ def _kept_whole(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> reasons.KeptWhole:
 
 
 def _bodies(jaxpr: Jaxpr, c: clusters_lib.Cluster, layout: layouts.Layout,
-            big) -> dict[int, tuple[Program, ...]]:
-  """The branch Programs of the conditionals of a sharded cluster."""
+            big) -> dict[int, tuple[JaxprPlan, ...]]:
+  """The branch JaxprPlans of the conditionals of a sharded cluster."""
   out = {}
   for i, subs in c.nested.items():
-    progs = []
+    branch_plans = []
     for branch, sub in zip(compat.cond(jaxpr.eqns[i]).branches, subs, strict=True):
       inner = branch.jaxpr
-      progs.append(Program(
+      branch_plans.append(JaxprPlan(
           dict(sub.kinds),
           {k: layout.formats[v] for k, v in enumerate(inner.invars) if big(v)},
           {k: layout.formats[v] for k, v in enumerate(inner.outvars) if big(v)},
           _bodies(inner, sub, layout, big)))
-    out[i] = tuple(progs)
+    out[i] = tuple(branch_plans)
   return out
 
 
@@ -376,7 +392,7 @@ def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[Tens
     return TensorPlan(name, tuple(v.aval.shape), v.aval.dtype.name, role, fmt(v),
                       v.aval.dtype.itemsize)
 
-  state_in = set(pairs.values())
+  state_positions = set(pairs.values())
   out = [entry(f"all-reduce at {source_line(jaxpr.eqns[i])}", jaxpr.eqns[i].outvars[0], "gradient")
          for i in c.seeds]
   # A cluster grown from roots reads them, and what they are computed from
@@ -386,7 +402,7 @@ def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[Tens
   for v in c.reads:
     if v in invar_pos and v not in roots:
       k = invar_pos[v]
-      out.append(entry(in_names[k], v, "state" if k in state_in else "weight"))
+      out.append(entry(in_names[k], v, "state" if k in state_positions else "weight"))
   for v, positions in c.program_outputs.items():
     for p in positions:
       if p not in pairs:
@@ -394,14 +410,12 @@ def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[Tens
   return tuple(out)
 
 
-def _why_whole(v, facts: Redundancy, ctx: _Ctx, any_cluster: bool, split_reason: str) -> str:
-  """Why an input no cluster decided on stays whole."""
+def _why_whole(v, facts: Redundancy, ctx: _Ctx, any_cluster: bool, split_reason: str):
+  """Why an input no cluster decided on stays whole (a `reasons` verdict)."""
   if not facts.is_redundant(v, ctx.axes):
-    return f"not identical across {sorted(ctx.axes)} ({split_reason})"
+    return reasons.Differs(tuple(sorted(ctx.axes)), split_reason)
   if not ctx.big(v):
-    return (f"scalar or tiny (at most {ctx.num_shards} elements, or fewer than "
-            f"min_shard_size={ctx.min_size}): kept replicated")
+    return reasons.Tiny(ctx.num_shards, ctx.min_size)
   if not any_cluster:
-    return (f"the step has no gradient all-reduce over exactly {sorted(ctx.axes)}, so no "
-            "weight update to shard (pass axis_name= the data-parallel axes)")
-  return "no weight-update cluster reads it (read whole only, e.g. by the forward pass)"
+    return reasons.NoGradientAllReduce(tuple(sorted(ctx.axes)))
+  return reasons.NotRead()

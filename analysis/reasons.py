@@ -1,12 +1,16 @@
 """Why the Plan decides as it does, as values: the passes build them, `render` words them.
 
-A cluster's `Reason` is the verdict of the pass that decided it (the cost
-model's words, `cost.decide`; what stops its layout; a format clash; an
-owner) and the notes later passes add: where a loop gathers its weights
-(Fig. 4), the conditionals that gather inside their branch (§3.2), partial
-sharding (§5.2), the equations of the update that run whole, why ownership
-does not take it. `render` turns one into the Plan's text, in this one
-place, by a table keyed by the note's type.
+A cluster's `Reason` (`plan.ClusterPlan.why`) is the verdict of the pass
+that decided it (the cost model's words, `cost.decide`; what stops its
+layout; a format clash; an owner) and the notes later passes add: where a
+loop gathers its weights (Fig. 4), the conditionals that gather inside their
+branch (§3.2), partial sharding (§5.2), the equations of the update that run
+whole, why ownership does not take it. An input's (`plan.InputPlan.why`) is
+why it is kept sharded between steps (the cluster that alone reads it, a
+loop's carry, its owner) or whole (the replicated cluster that reads it, a
+reader with no shard rule, its in_spec, its size), and what
+`shard_weights=True` adds. `render` turns one into the Plan's text, in this
+one place, by a table keyed by the verdict's or note's type.
 """
 
 from __future__ import annotations
@@ -121,13 +125,133 @@ class OwnedWith:
   index: int
 
 
+# Inputs: why each is kept sharded between steps or whole (`plan.InputPlan.why`, a
+# `Reason` with one of these as its verdict; a front end's reason, that the caller
+# keeps the state whole, is a string verdict with the planner's as a note).
+
+@dataclasses.dataclass(frozen=True)
+class LoopCarried:
+  """Kept sharded: a loop carries it, sharded across iterations and between steps."""
+
+  line: str  # The loop's source line.
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlyCluster:
+  """Kept sharded: optimizer state only cluster `index` reads."""
+
+  index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlySharded:
+  """Kept sharded: optimizer state read only as shards by sharded updates
+  (several clusters); `unchanged` when the step returns it as it came."""
+
+  unchanged: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PassedThrough:
+  """Kept sharded: returned unchanged and read by nothing else (state another step updates)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NarrowWeight:
+  """Kept sharded (`shard_weights=True`): a weight cluster `index` updates, which the
+  forward pass reads only in `dtype`."""
+
+  index: int
+  dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OnOwner:
+  """The owned cluster `index` reads it on its owner: optimizer state only it reads
+  (`state`, kept on the owner), or a weight it reads whole."""
+
+  owner: int
+  index: int
+  state: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterReplicated:
+  """Whole: the cluster `index` that reads it stays replicated."""
+
+  index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicedLocally:
+  """Whole: read whole elsewhere; the sharded cluster `index` slices it locally."""
+
+  index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterUpdates:
+  """Whole: a weight cluster `index` updates (`NotKeptByShardWeights` says why whole)."""
+
+  index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NoShardRule:
+  """Whole: state whose next value an update computes, read whole by `reader` (its
+  primitive and source line), which every replica repeats and which has no shard rule."""
+
+  reader: str
+
+
+@dataclasses.dataclass(frozen=True)
+class NotKeptByShardWeights:
+  """A note: `shard_weights=True` does not keep this weight sharded, for `why`."""
+
+  why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Differs:
+  """Whole: not identical across the replica `axes`, for `why` (its in_spec splits it)."""
+
+  axes: tuple[str, ...]
+  why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+  """Whole: a scalar or tiny tensor (at most `num_shards` elements, or fewer than `min_size`)."""
+
+  num_shards: int
+  min_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NoGradientAllReduce:
+  """Whole: the step has no gradient all-reduce over exactly the replica `axes`."""
+
+  axes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class NotRead:
+  """Whole: no weight-update cluster reads it (the forward pass only)."""
+
+
+def shifted(x, offset: int):
+  """`x` with the cluster it names numbered `offset` later (a loop body's clusters
+  listed in the step's Plan after others)."""
+  return dataclasses.replace(x, index=x.index + offset) if hasattr(x, "index") else x
+
+
 @dataclasses.dataclass(frozen=True)
 class Reason:
-  """Why a cluster is sharded, replicated or owned.
+  """Why a cluster is sharded, replicated or owned, or an input kept sharded or whole.
 
   Attributes:
     verdict: the deciding pass's words, or one of this module's verdicts
-      (`FormatClash`, `KeptWhole`, `Owned`, `OwnedWith`).
+      (`FormatClash`, `KeptWhole`, `Owned`, `OwnedWith`; an input's `OnlyCluster`...).
     notes: what later passes add, in order.
     where: the loop the cluster sits in ("loop at f.py:12: "), "" at the step's level.
   """
@@ -192,4 +316,30 @@ _RENDER: dict[type, Callable] = {
     NotOwned: lambda x: f"not owned: {x.why}",
     Owned: _owned,
     OwnedWith: lambda x: f"owned with cluster {x.index} (shares equations)",
+    LoopCarried: lambda x: f"state of the loop at {x.line}, sharded between steps",
+    OnlyCluster: lambda x: f"optimizer state: only cluster {x.index} reads it",
+    OnlySharded: lambda x: ("optimizer state: only sharded updates read it"
+                            + (", and it is returned unchanged" if x.unchanged else "")),
+    PassedThrough: lambda x: ("returned unchanged, read by nothing else (state another step "
+                              "updates): kept sharded between steps as it came"),
+    NarrowWeight: lambda x: (f"weight kept sharded (shard_weights=True): cluster {x.index} "
+                             f"updates it, the forward pass reads it in {x.dtype}"),
+    OnOwner: lambda x: (f"optimizer state owned by replica {x.owner}: only cluster {x.index} "
+                        "reads it, on its owner" if x.state
+                        else f"read whole by its owner, replica {x.owner} (cluster {x.index})"),
+    ClusterReplicated: lambda x: f"cluster {x.index} stays replicated",
+    SlicedLocally: lambda x: f"read whole elsewhere; cluster {x.index} slices it locally",
+    ClusterUpdates: lambda x: f"cluster {x.index} updates it",
+    NoShardRule: lambda x: (f"{x.reader} reads it whole and has no shard rule (an update "
+                            "computes its next value)"),
+    NotKeptByShardWeights: lambda x: ("not kept sharded by shard_weights=True, which keeps "
+                                      f"weights read whole only in a narrower float: {x.why}"),
+    Differs: lambda x: f"not identical across {list(x.axes)} ({x.why})",
+    Tiny: lambda x: (f"scalar or tiny (at most {x.num_shards} elements, or fewer than "
+                     f"min_shard_size={x.min_size}): kept replicated"),
+    NoGradientAllReduce: lambda x: (f"the step has no gradient all-reduce over exactly "
+                                    f"{list(x.axes)}, so no weight update to shard (pass "
+                                    "axis_name= the data-parallel axes)"),
+    NotRead: lambda x: ("no weight-update cluster reads it (read whole only, e.g. by the "
+                        "forward pass)"),
 }

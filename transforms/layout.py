@@ -2,7 +2,7 @@
 
 A `ShardedLayout` is everything about a sharded tensor but its values: its
 format, the replica axes it is split over, the spec of its whole value in the
-user's program, the mesh its shards live on and, for `shard_group_size`, the
+user's step, the mesh its shards live on and, for `shard_group_size`, the
 sharding groups that mesh was derived for. `wus.ShardedArray` holds one, the
 runtime compares them, the shard and unshard programs are made from them, and
 checkpoints save and restore by them. The groups travel with the layout: no
@@ -52,7 +52,7 @@ class ShardedLayout:
 
   @property
   def shape(self) -> tuple[int, ...]:
-    """Global shape of the whole value, as the user's program sees it."""
+    """Global shape of the whole value, as the user's step sees it."""
     shape = list(self.format.shape)
     for d, entry in enumerate(self.spec):
       names = entry if isinstance(entry, tuple) else (entry,) if entry else ()

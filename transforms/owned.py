@@ -40,7 +40,7 @@ from wus.collectives import owned as rows_lib
 
 
 class Region:
-  """The owned updates of one step program, as the rewrite meets them.
+  """The owned updates of one step, as the rewrite meets them.
 
   Attributes:
     done: whether the switch has run.
@@ -114,10 +114,10 @@ class Region:
     """
     own, n = self.own, self.num_shards
     banks = {}  # bank -> {index: state input var}
-    for x, fmt in own.state_in.items():
+    for x, fmt in own.state_vars_in.items():
       banks.setdefault(fmt.bank, {})[fmt.index] = x
     outs_of = {}
-    for y, fmt in own.state_out.items():
+    for y, fmt in own.state_vars_out.items():
       outs_of[fmt.bank, fmt.index] = y
     banks = list(banks.items())
     state_rows = [lax.concatenate([column(members[t]) for t in range(len(bank.shapes))], 0)
@@ -127,7 +127,7 @@ class Region:
     made = {v for u in own.units for i in u.eqns for v in jaxpr.eqns[i].outvars}
     external = list(dict.fromkeys(
         v for u in own.units for i in u.eqns if i not in seeds for v in jaxpr.eqns[i].invars
-        if not compat.is_literal(v) and v not in made and v not in own.state_in))
+        if not compat.is_literal(v) and v not in made and v not in own.state_vars_in))
     dtypes = sorted(self.received)
     out_dtypes = sorted(own.out_rows)
 

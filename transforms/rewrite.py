@@ -35,7 +35,7 @@ from wus import collectives
 from wus.analysis import compat, formats
 from wus.analysis.compat import ClosedJaxpr, JaxprEqn
 from wus.analysis.formats import ShardFormat
-from wus.analysis.plan import Plan, Program
+from wus.analysis.plan import JaxprPlan, Plan
 from wus.analysis.primitives import REDUCTIONS, Reduction
 from wus.analysis.shardable import Kind
 from wus.transforms import owned, schedule
@@ -62,14 +62,15 @@ class _Held:
 class _Env:
   """Variable values of one jaxpr, converting between whole and shard on demand."""
 
-  def __init__(self, plan: Plan, program: Program):
-    self.plan, self.program = plan, program
+  def __init__(self, plan: Plan, jaxpr_plan: JaxprPlan):
+    self.plan, self.jaxpr_plan = plan, jaxpr_plan
     self.held: dict = {}
     self.pending: list = []  # Variables holding partial results.
     self.summands: list = []  # Variables waiting for their reduce-scatter.
     self.casts: dict = {}    # Whole values cast to varying (compat.match_varying).
     self.current = -1        # Index of the equation being rewritten.
-    self.owned = owned.Region(plan) if plan.owned is not None and program is plan.program else None
+    self.owned = (owned.Region(plan) if plan.owned is not None and jaxpr_plan is plan.jaxpr_plan
+                  else None)
 
   def fmt(self, v) -> ShardFormat:
     return self.plan.formats[v]
@@ -142,7 +143,7 @@ class _Env:
   def gather(self, vs: list, after: tuple = ()) -> None:
     """Gives each of `vs` (held as shards) its whole value, batched (§5.2); in
     the narrower float of `plan.gather_dtypes` where it has one (Fig. 7). The
-    all-gathers follow the values `after` (`Program.gather_after`)."""
+    all-gathers follow the values `after` (`JaxprPlan.gather_after`)."""
     narrow = self.plan.gather_dtypes
     mine = [v for v in vs if self.owned is None or v not in self.owned.own.outputs]
     shards = [self.shard(v) if v not in narrow else self.shard(v).astype(narrow[v]) for v in mine]
@@ -227,7 +228,7 @@ def _reduce(eqn: JaxprEqn, env: _Env) -> list[Any]:
   # shard dim makes the reduction local; a reduced one gives partial results.
   (v,), (y,) = eqn.invars, eqn.outvars
   reduction, axes = REDUCTIONS[eqn.primitive], set(eqn.params["axes"])
-  reduced = tuple(k for k, g in enumerate(formats.groups(env.fmt(v))) if g and g[0] in axes)
+  reduced = tuple(k for k, g in enumerate(formats.merged_dims(env.fmt(v))) if g and g[0] in axes)
   x = env.shard(v)
   if 0 not in reduced:
     return [jnp.reshape(_bind_reduce(eqn, x, reduced), env.fmt(y).shard_shape)]
@@ -249,8 +250,8 @@ def _broadcast_shard(env: _Env, x, y, dims) -> Any:
   """
   fy = env.fmt(y)
   mapped = {dims[i] for i in formats.nonunit_dims(x.aval.shape)}
-  group_dims = formats.groups(fy)
-  from_x = [bool(g) and g[0] in mapped for g in group_dims]
+  dims_of = formats.merged_dims(fy)
+  from_x = [bool(g) and g[0] in mapped for g in dims_of]
   if not from_x[0]:
     source, rows = env.whole(x), 1
   elif env.big(x):
@@ -320,13 +321,13 @@ shard_rules[Kind.BROADCAST_DIMS] = _broadcast_dims
 
 def _cond(eqn: JaxprEqn, env: _Env) -> list[Any]:
   # Big operands enter every branch as shards; each branch is rewritten by its
-  # own Program and returns its big results as shards.
-  progs = env.program.bodies[env.current]
+  # own JaxprPlan and returns its big results as shards.
+  branch_plans = env.jaxpr_plan.bodies[env.current]
   cond = compat.cond(eqn)
-  ops = [env.shard(v) if k in progs[0].sharded_in else env.whole(v)
+  ops = [env.shard(v) if k in branch_plans[0].sharded_in else env.whole(v)
          for k, v in enumerate(cond.operands)]
   fns = [functools.partial(_run, b, p, env.plan)
-         for b, p in zip(cond.branches, progs, strict=True)]
+         for b, p in zip(cond.branches, branch_plans, strict=True)]
   return cond.bind([env.whole(cond.index), *ops], fns)
 
 
@@ -334,18 +335,18 @@ shard_rules[Kind.COND] = _cond
 
 
 def _loop(eqn: JaxprEqn, env: _Env) -> list[_Held]:
-  # Carries the body's Program holds as shards enter as shards (sliced before
+  # Carries the body's JaxprPlan holds as shards enter as shards (sliced before
   # the loop) and leave as shards; they are gathered after the loop only where
   # something reads them whole (Fig. 4).
-  (prog,) = env.program.bodies[env.current]
+  (body_plan,) = env.jaxpr_plan.bodies[env.current]
   loop = compat.loop(eqn)
-  fmts = [prog.sharded_in.get(j) for j in loop.body_carry]  # Per carry: its format or None.
+  fmts = [body_plan.sharded_in.get(j) for j in loop.body_carry]  # Per carry: its format or None.
   ops = [*(env.whole(v) for v in loop.cond_consts + loop.consts),
          *(env.shard_as(v, f) if f else env.whole(v)
            for v, f in zip(loop.carry, fmts, strict=True)),
          *(env.whole(v) for v in loop.xs)]
-  whole = Program({}, {}, {})  # The condition reads only whole carries.
-  outs = loop.bind(ops, functools.partial(_run, loop.body, prog, env.plan),
+  whole = JaxprPlan({}, {}, {})  # The condition reads only whole carries.
+  outs = loop.bind(ops, functools.partial(_run, loop.body, body_plan, env.plan),
                    lambda a: _run(loop.cond, whole, env.plan, a))
   return [_Held(shard=x) if k < loop.num_carry and fmts[k] else _Held(whole=x)
           for k, x in enumerate(outs)]
@@ -356,7 +357,7 @@ shard_rules[Kind.LOOP] = _loop
 
 def _owned(eqn: JaxprEqn, env: _Env) -> list[Any]:
   # Owned updates run on whole tensors, each on its owner (`owned.Region.meet`).
-  columns = env.owned.meet(eqn, env.program.shard_eqns[env.current], env)
+  columns = env.owned.meet(eqn, env.jaxpr_plan.shard_eqns[env.current], env)
   return [_Held(shard=x) for x in columns]
 
 
@@ -380,20 +381,20 @@ def rewrite(jaxpr: ClosedJaxpr, plan: Plan) -> Callable[..., list[Any]]:
     shard, shape `format.shard_shape`; the rest whole) and returns one value per
     output (outputs in `plan.state_outputs` as shards, the rest whole).
   """
-  return lambda *args: _run(jaxpr, plan.program, plan, args)
+  return lambda *args: _run(jaxpr, plan.jaxpr_plan, plan, args)
 
 
-def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
-  """Evaluates `jaxpr` by `program` under the current trace (the interpreter loop)."""
-  env = _Env(plan, program)
+def _run(jaxpr: ClosedJaxpr, jaxpr_plan: JaxprPlan, plan: Plan, args) -> list[Any]:
+  """Evaluates `jaxpr` by `jaxpr_plan` under the current trace (the interpreter loop)."""
+  env = _Env(plan, jaxpr_plan)
   inner = env.jaxpr = jaxpr.jaxpr
   for v, c in zip(inner.constvars, jaxpr.consts, strict=True):
     env.held[v] = _Held(whole=c)
   for k, (v, x) in enumerate(zip(inner.invars, args, strict=True)):
-    env.held[v] = _Held(shard=x) if k in program.sharded_in else _Held(whole=x)
-  for i in schedule.schedule(inner, program):
+    env.held[v] = _Held(shard=x) if k in jaxpr_plan.sharded_in else _Held(whole=x)
+  for i in schedule.schedule(inner, jaxpr_plan):
     eqn, env.current = inner.eqns[i], i
-    kind = program.shard_eqns.get(i)
+    kind = jaxpr_plan.shard_eqns.get(i)
     if kind is None:
       outs = compat.bind(eqn, *[env.whole(v) for v in eqn.invars])
       held = [_Held(whole=x) for x in outs]
@@ -407,19 +408,19 @@ def _run(jaxpr: ClosedJaxpr, program: Program, plan: Plan, args) -> list[Any]:
     for v, h in zip(eqn.outvars, held, strict=True):
       env.held[v] = h
   # The weights the step returns whole are all-gathered together, after
-  # `program.gather_after`; the outputs computed whole that are tied to them
+  # `jaxpr_plan.gather_after`; the outputs computed whole that are tied to them
   # read one of the gathered values, which follows those values too and is
   # the same on every replica, as they are.
   gathered = list(dict.fromkeys(
-      v for k, v in enumerate(inner.outvars) if k not in program.sharded_out
+      v for k, v in enumerate(inner.outvars) if k not in jaxpr_plan.sharded_out
       and not compat.is_literal(v) and env.held[v].whole is None
       and (env.held[v].shard is not None or env.held[v].summand is not None
            or (env.owned is not None and v in env.owned.own.outputs))))
-  after = program.gather_after
+  after = jaxpr_plan.gather_after
   env.gather(gathered, after)
-  outs = [env.shard(v) if k in program.sharded_out else env.whole(v)
+  outs = [env.shard(v) if k in jaxpr_plan.sharded_out else env.whole(v)
           for k, v in enumerate(inner.outvars)]
-  tied = sorted(program.tied_outputs) if gathered and after else []
+  tied = sorted(jaxpr_plan.tied_outputs) if gathered and after else []
   if tied:
     for k, x in zip(tied, collectives.after([outs[k] for k in tied], [env.whole(gathered[0])]),
                     strict=True):

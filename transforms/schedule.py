@@ -1,4 +1,4 @@
-"""The order in which the rewrite runs a program's equations (§5.2).
+"""The order in which the rewrite runs a jaxpr's equations (§5.2).
 
 Any order that respects data dependence computes the same values; this one
 lets the rewrite batch its collectives: every gradient all-reduce before the
@@ -10,11 +10,11 @@ phase), and the owned updates (`transforms.owned`) together in one switch.
 from __future__ import annotations
 
 from wus.analysis import compat
-from wus.analysis.plan import Program
+from wus.analysis.plan import JaxprPlan
 from wus.analysis.shardable import Kind
 
 
-def schedule(jaxpr, program: Program) -> list[int]:
+def schedule(jaxpr, jaxpr_plan: JaxprPlan) -> list[int]:
   """An order of the equations that batches the collectives of the update (§5.2).
 
   An equation's level counts, on its longest input path, the all-reduces of
@@ -27,20 +27,20 @@ def schedule(jaxpr, program: Program) -> list[int]:
   all-reduce per phase). Effectful equations keep their order. Owned updates
   run together (`transforms.owned`), last of the highest level any reaches.
   """
-  owned_eqns = {i for i, k in program.shard_eqns.items() if k is Kind.OWNED}
-  keys = _levels(jaxpr, program)
+  owned_eqns = {i for i, k in jaxpr_plan.shard_eqns.items() if k is Kind.OWNED}
+  keys = _levels(jaxpr, jaxpr_plan)
   if owned_eqns:
-    keys = _levels(jaxpr, program, owned_eqns, max(keys[i][0] for i in owned_eqns))
+    keys = _levels(jaxpr, jaxpr_plan, owned_eqns, max(keys[i][0] for i in owned_eqns))
   return [i for *_, i in sorted(keys)]
 
 
-def _levels(jaxpr, program: Program, owned_eqns=frozenset(), top: int = 0) -> list[tuple]:
+def _levels(jaxpr, jaxpr_plan: JaxprPlan, owned_eqns=frozenset(), top: int = 0) -> list[tuple]:
   """(level, owned, position) per equation (`schedule`); `owned_eqns` forced to `top`."""
   level: dict = {}
   keys, last_effect = [], 0
   for i, eqn in enumerate(jaxpr.eqns):
     p = max((level.get(v, 0) for v in eqn.invars if not compat.is_literal(v)), default=0)
-    kind = program.shard_eqns.get(i)
+    kind = jaxpr_plan.shard_eqns.get(i)
     if kind is not None and kind.update:
       p |= 1
     if compat.side_effects(eqn):

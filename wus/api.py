@@ -167,11 +167,11 @@ class ShardedStep:
     """
     if (why := self._inside_transform(args)) is not None:
       return self._as_jax_shard_map(args, why)
-    leaves, prog = self._program(args, replicated)
-    outs = prog.step(*runtime.operands(leaves, prog))
-    wrapped = [ShardedArray(x, prog.state_out[k]) if k in prog.state_out else x
+    leaves, compiled = self._compiled(args, replicated)
+    outs = compiled.step(*runtime.operands(leaves, compiled))
+    wrapped = [ShardedArray(x, compiled.sharded_outputs[k]) if k in compiled.sharded_outputs else x
                for k, x in enumerate(outs)]
-    return jax.tree.unflatten(prog.out_tree, wrapped), list(prog.out_replicated)
+    return jax.tree.unflatten(compiled.out_tree, wrapped), list(compiled.out_replicated)
 
   def _inside_transform(self, args: tuple) -> str | None:
     """Why this call runs as plain `jax.shard_map`: it is inside `jax.grad`, `jax.vmap` or
@@ -206,7 +206,7 @@ class ShardedStep:
       TypeError: no arguments (the plan is made for the arguments' shapes and dtypes).
     """
     runtime.needs_arguments(args, "plan")
-    return self._program(args, replicated)[1].plan
+    return self._compiled(args, replicated)[1].plan
 
   def state_target(self, *args, replicated: frozenset = frozenset()) -> tuple:
     """The arguments as this step reads them, abstract: the target to restore a checkpoint into.
@@ -235,16 +235,16 @@ class ShardedStep:
       >>> params, opt_state = ckptr.restore(path, (params, opt_state))  # doctest: +SKIP
     """
     from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
-    leaves, prog = self._program(args, replicated)
-    mesh = prog.user_mesh
+    leaves, compiled = self._compiled(args, replicated)
+    mesh = compiled.user_mesh
     if self._step.in_specs is compat.INFER:
       specs = [x.layout.user_spec if is_sharded(x) else x.sharding.spec for x in leaves]
     else:
       specs = jax.tree.leaves(jax.tree.broadcast(self._step.in_specs, args, is_leaf=is_sharded))
     out = []
     for k, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
-      if k in prog.state_in:
-        out.append(checkpoint.restore_target(prog.state_in[k], x.dtype))
+      if k in compiled.sharded_leaves:
+        out.append(checkpoint.restore_target(compiled.sharded_leaves[k], x.dtype))
       else:
         out.append(jax.ShapeDtypeStruct(np.shape(x), aval(x)[1],
                                         sharding=NamedSharding(mesh, spec),
@@ -260,7 +260,7 @@ class ShardedStep:
       rewrite interpreter emitting the sharded step, present once the step
       has been called or lowered}.
     """
-    return dict(self._program(args)[1].timings)
+    return dict(self._compiled(args)[1].timings)
 
   def lower(self, *args, replicated: frozenset = frozenset()) -> jax.stages.Lowered:
     """Lowers the steady-state step program (optimizer state already sharded).
@@ -269,18 +269,18 @@ class ShardedStep:
       A `jax.stages.Lowered`; `.compile().memory_analysis()` gives per-device
       bytes, `.compile().as_text()` the optimized HLO.
     """
-    leaves, prog = self._program(args, replicated)
+    leaves, compiled = self._compiled(args, replicated)
     ops = []
-    for src in prog.sources:
-      if src[0] == "arg" and src[1] in prog.state_in:
-        layout = prog.state_in[src[1]]
+    for src in compiled.sources:
+      if src[0] == "arg" and src[1] in compiled.sharded_leaves:
+        layout = compiled.sharded_leaves[src[1]]
         ops.append(jax.ShapeDtypeStruct(layout.format.padded_shape, leaves[src[1]].dtype,
                                         sharding=layout.data_sharding))
       else:
         ops.append(src[1] if src[0] == "const" else leaves[src[1]])
-    return prog.step.lower(*ops)
+    return compiled.step.lower(*ops)
 
-  def _program(self, args: tuple, replicated: frozenset = frozenset()
+  def _compiled(self, args: tuple, replicated: frozenset = frozenset()
                ) -> tuple[list, pipeline.Compiled]:
     leaves, treedef = jax.tree.flatten(args, is_leaf=is_sharded)
     mesh = self._mesh if self._mesh is not None else jax.sharding.get_mesh()

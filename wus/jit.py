@@ -23,7 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus import jit_arguments, runtime
 from wus.analysis import compat, global_view
-from wus.analysis.plan import InputPlan, Plan, Program
+from wus.analysis.plan import InputPlan, JaxprPlan, Plan
+from wus.analysis.reasons import Reason
 from wus.api import ShardedStep
 from wus.matching import Signature, StateMatch, argument_paths, match_state
 from wus.sharded import ShardedArray, check_alive, is_sharded
@@ -83,15 +84,15 @@ class _Compiled:
 
   plan: Plan
   run: Callable[..., Any]       # The jitted program of the flat dynamic leaves.
-  state_in: dict                # Flat leaf -> its ShardedLayout: passed sharded.
-  state_out: dict               # Flat output -> its ShardedLayout: returned sharded.
+  sharded_leaves: dict          # Flat leaf -> its ShardedLayout: passed sharded.
+  sharded_outputs: dict         # Flat output -> its ShardedLayout: returned sharded.
   in_names: tuple[str, ...]
   out_tree: Any
   mesh: Mesh | None
   axes: tuple
   in_shardings: tuple = ()      # Per flat leaf: where the program takes it.
 
-  # What `runtime.operands` reads of a program.
+  # What `runtime.operands` reads of a compiled step.
   @property
   def sources(self) -> tuple:
     return tuple(("arg", k) for k in range(len(self.in_names)))
@@ -115,33 +116,33 @@ class JitStep:
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args, **kwargs):
-    leaves, prog = self._program(args, kwargs)
-    if prog.mesh is None:
+    leaves, compiled = self._compiled(args, kwargs)
+    if compiled.mesh is None:
       return self._jitted(*args, **kwargs)
     for k, x in enumerate(leaves):
-      check_alive(x, prog.in_names[k])
-    ops = runtime.operands(leaves, prog) if prog.state_in else leaves
+      check_alive(x, compiled.in_names[k])
+    ops = runtime.operands(leaves, compiled) if compiled.sharded_leaves else leaves
     # Placed where the program takes them, so the next call compiles nothing new.
     ops = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
-           for x, s in zip(ops, prog.in_shardings, strict=True)]
-    outs = prog.run(*ops)
-    wrapped = [ShardedArray(x, prog.state_out[k]) if k in prog.state_out else x
+           for x, s in zip(ops, compiled.in_shardings, strict=True)]
+    outs = compiled.run(*ops)
+    wrapped = [ShardedArray(x, compiled.sharded_outputs[k]) if k in compiled.sharded_outputs else x
                for k, x in enumerate(outs)]
-    return jax.tree.unflatten(prog.out_tree, wrapped)
+    return jax.tree.unflatten(compiled.out_tree, wrapped)
 
   def plan(self, *args, **kwargs) -> Plan:
     """The Plan for these arguments (whole or sharded state alike)."""
-    return self._program(args, kwargs)[1].plan
+    return self._compiled(args, kwargs)[1].plan
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """Lowers the steady-state step program (optimizer state already sharded)."""
-    leaves, prog = self._program(args, kwargs)
-    if prog.mesh is None:
+    leaves, compiled = self._compiled(args, kwargs)
+    if compiled.mesh is None:
       return self._jitted.lower(*args, **kwargs)
-    ops = [jax.ShapeDtypeStruct(prog.state_in[k].format.padded_shape, x.dtype,
-                                sharding=prog.state_in[k].data_sharding)
-           if k in prog.state_in else x for k, x in enumerate(leaves)]
-    return prog.run.lower(*ops)
+    ops = [jax.ShapeDtypeStruct(compiled.sharded_leaves[k].format.padded_shape, x.dtype,
+                                sharding=compiled.sharded_leaves[k].data_sharding)
+           if k in compiled.sharded_leaves else x for k, x in enumerate(leaves)]
+    return compiled.run.lower(*ops)
 
   def state_target(self, *args, **kwargs) -> tuple:
     """The arguments as this step reads them, abstract: the target to restore a checkpoint into.
@@ -160,13 +161,14 @@ class JitStep:
       arguments, `(that tuple, a dict like kwargs)`.
     """
     from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
-    leaves, prog = self._program(args, kwargs)
+    leaves, compiled = self._compiled(args, kwargs)
     out = []
     for k, x in enumerate(leaves):
-      if k in prog.state_in:
-        out.append(checkpoint.restore_target(prog.state_in[k], x.dtype))
+      if k in compiled.sharded_leaves:
+        out.append(checkpoint.restore_target(compiled.sharded_leaves[k], x.dtype))
       else:
-        sharding = prog.in_shardings[k] if prog.in_shardings else getattr(x, "sharding", None)
+        sharding = (compiled.in_shardings[k] if compiled.in_shardings
+                    else getattr(x, "sharding", None))
         out.append(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding,
                                         weak_type=bool(getattr(x, "weak_type", False))))
     full, full_kwargs = self._with_dynamic(args, kwargs, out)
@@ -174,7 +176,7 @@ class JitStep:
 
   # --- Tracing and planning. ----------------------------------------------------
 
-  def _program(self, args: tuple, kwargs: dict) -> tuple[list, _Compiled]:
+  def _compiled(self, args: tuple, kwargs: dict) -> tuple[list, _Compiled]:
     dyn = (tuple(x for i, x in enumerate(args) if i not in self._static),
            {k: v for k, v in kwargs.items() if k not in self._static_names})
     leaves, treedef = jax.tree.flatten(dyn, is_leaf=is_sharded)
@@ -280,27 +282,28 @@ class JitStep:
     region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                              sharding=NamedSharding(mesh, s))
                         for v, s in zip(region.invars, region.in_specs, strict=True))
-    _, sub = step._program(region_args)
+    _, sub = step._compiled(region_args)
     # Region input / output positions -> the step's flat leaves.
-    state_in = {in_pos[region.invars[k]]: dataclasses.replace(layout, spec=P())
-                for k, layout in sub.state_in.items()}
-    state_out = {o: sub.state_out[region_out[v]] for o, v in enumerate(jaxpr.outvars)
-                 if not compat.is_literal(v) and v in region_out and region_out[v] in sub.state_out}
+    sharded_leaves = {in_pos[region.invars[k]]: dataclasses.replace(layout, spec=P())
+                      for k, layout in sub.sharded_leaves.items()}
+    sharded_outputs = {o: sub.sharded_outputs[region_out[v]] for o, v in enumerate(jaxpr.outvars)
+                       if not compat.is_literal(v) and v in region_out
+                       and region_out[v] in sub.sharded_outputs}
     donated = tuple(k for k, info in enumerate(jax.tree.leaves(traced.args_info))
                     if getattr(info, "donated", False))
     shard = NamedSharding(mesh, programs.shard_spec(sub.plan.axes))
     in_shardings = tuple(
-        shard if k in state_in else d or jit_arguments.placement(x, mesh)
+        shard if k in sharded_leaves else d or jit_arguments.placement(x, mesh)
         for k, (x, d) in enumerate(zip(jax.tree.leaves(dyn, is_leaf=is_sharded), declared,
                                        strict=True)))
     wanted = jit_arguments.declared(self._jit_kwargs.get("out_shardings"), out_shape,
                                     jax.tree.leaves(out_shape))
-    out_shardings = tuple(shard if k in state_out else jit_arguments.named(s, mesh)
+    out_shardings = tuple(shard if k in sharded_outputs else jit_arguments.named(s, mesh)
                           for k, s in enumerate(wanted))
     run = jax.jit(functools.partial(global_view_program.run, flat, region, sub),
                   donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
-    return _Compiled(sub.plan, run, state_in, state_out, tuple(paths), traced.out_tree, sub.mesh,
-                     tuple(sub.plan.axes), in_shardings)
+    return _Compiled(sub.plan, run, sharded_leaves, sharded_outputs, tuple(paths),
+                     traced.out_tree, sub.mesh, tuple(sub.plan.axes), in_shardings)
 
 
 def _produced_by(jaxpr, v) -> str:
@@ -311,7 +314,7 @@ def _produced_by(jaxpr, v) -> str:
 
 def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: str) -> Plan:
   """The Plan of a step wus runs unchanged, every input whole for `reason`."""
-  inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False, reason)
+  inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False, Reason(reason))
                  for name, v in zip(paths, jaxpr.invars, strict=True))
   n = math.prod(mesh.shape[a] for a in axes) if mesh is not None and axes else 1
-  return Plan(tuple(axes), n, 0, inputs, (), Program({}, {}, {}), unchanged=reason)
+  return Plan(tuple(axes), n, 0, inputs, (), JaxprPlan({}, {}, {}), unchanged=reason)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from wus import collectives, runtime
 from wus.analysis import clusters, compat, cost, network, redundancy
 from wus.analysis.compat import ClosedJaxpr
-from wus.analysis.plan import Plan, replicated as replicated_plan
+from wus.analysis.plan import Grouping, Plan, replicated as replicated_plan
 from wus.analysis.planner import make_plan
 from wus.matching import Signature, StateMatch, argument_paths, aval, match_state
 from wus.options import Options
@@ -68,10 +68,10 @@ class Compiled:
   plan: Plan
   step: Callable[..., tuple]
   sources: tuple        # Per step operand: ("arg", leaf index) or ("const", value).
-  state_in: dict        # Arg leaf index -> its ShardedLayout, for inputs passed sharded.
-  state_out: dict       # Flat output -> its ShardedLayout, for outputs returned sharded.
+  sharded_leaves: dict  # Arg leaf index -> its ShardedLayout, for inputs passed sharded.
+  sharded_outputs: dict  # Flat output -> its ShardedLayout, for outputs returned sharded.
   in_names: tuple[str, ...]
-  out_specs: tuple      # Per flat output: its PartitionSpec in the user's program.
+  out_specs: tuple      # Per flat output: its PartitionSpec in the user's step.
   out_replicated: tuple  # Per flat output: identical on every replica of the plan's axes.
   out_tree: Any
   mesh: Mesh            # The mesh the programs run on (derived with shard_group_size).
@@ -107,9 +107,9 @@ def compile_step(step: Step, options: Options, args: tuple, leaves: list, treede
     whole = build(None)
     g, why = cost.auto_group_size(whole.plan, _topology_for(
         options.topology, whole.mesh, whole.plan.axes, whole.plan.num_shards))
-    prog = whole if g is None else build(g)
-    return dataclasses.replace(prog, plan=dataclasses.replace(
-        prog.plan, groups="; ".join(filter(None, [why, prog.plan.groups]))))
+    compiled = whole if g is None else build(g)
+    return dataclasses.replace(compiled, plan=dataclasses.replace(
+        compiled.plan, groups=dataclasses.replace(compiled.plan.groups or Grouping(), chosen=why)))
 
 
 
@@ -211,12 +211,11 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   if whole_reason is not None:
     plan = replicated_plan(plan, whole_reason)
   if group_size is not None:
-    across = _across_groups(plan) if home is not None else 0
-    if across:
-      grouping += (f"; the gradient shards are all-reduced across the {home.num_groups} "
-                   f"groups in {across} batched all-reduce(s)")
-    plan = dataclasses.replace(plan, group_size=group_size, groups=grouping,
-                               across_groups=across)
+    grouping = Grouping(layout=grouping)
+    if home is not None:
+      grouping = dataclasses.replace(grouping, num_groups=home.num_groups,
+                                     across=_across_groups(plan))
+    plan = dataclasses.replace(plan, group_size=group_size, groups=grouping)
 
   # 4. Compile the rewritten step.
   timings = {"trace": traced_at - start, "analysis": time.perf_counter() - traced_at}
@@ -225,15 +224,17 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   step = programs.step_program(ClosedJaxpr(flat, ()), plan, mesh=mesh, in_specs=in_specs,
                                out_specs=out_specs, axis_names=manual, check_vma=check_vma,
                                donate_argnums=donated, timings=timings, home=home)
-  state_in = {sources[k][1]: ShardedLayout(fmt, tuple(plan.axes), in_specs[k], mesh, home)
-              for k, fmt in plan.state_inputs.items()}
-  state_out = {k: ShardedLayout(fmt, tuple(plan.axes), out_specs[k], mesh, home)
-               for k, fmt in plan.state_outputs.items()}
+  # The Plan's state inputs are positions among the step's operands; the runtime's are
+  # positions among the user's flat argument leaves.
+  sharded_leaves = {sources[k][1]: ShardedLayout(fmt, tuple(plan.axes), in_specs[k], mesh, home)
+                    for k, fmt in plan.state_inputs.items()}
+  sharded_outputs = {k: ShardedLayout(fmt, tuple(plan.axes), out_specs[k], mesh, home)
+                     for k, fmt in plan.state_outputs.items()}
   # Identical on every replica: of all the data-parallel axes, also across groups.
   same = frozenset(axes) | (frozenset((home.outer, home.inner)) if home is not None else set())
   out_replicated = tuple(facts.is_redundant(v, same) for v in flat.outvars)
-  return Compiled(plan, step, sources, state_in, state_out, tuple(names), tuple(out_specs),
-                  out_replicated, out_tree, mesh, user_mesh, timings)
+  return Compiled(plan, step, sources, sharded_leaves, sharded_outputs, tuple(names),
+                  tuple(out_specs), out_replicated, out_tree, mesh, user_mesh, timings)
 
 
 def _groups(mesh: Mesh, axes: tuple,

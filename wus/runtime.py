@@ -22,11 +22,11 @@ from wus.transforms import programs
 from wus.transforms.layout import ShardedLayout
 
 
-def operands(leaves: list, prog) -> list:
+def operands(leaves: list, compiled) -> list:
   """The step's operands: sharded state checked, whole state sharded (§4.2).
 
-  `prog` is a compiled step (`pipeline.Compiled`, or `wus.jit`'s program): its
-  `sources` (per operand: ("arg", leaf index) or ("const", value)), `state_in`
+  `compiled` is a compiled step (`pipeline.Compiled`, or `wus.jit`'s): its
+  `sources` (per operand: ("arg", leaf index) or ("const", value)), `sharded_leaves`
   (leaf index -> the `ShardedLayout` of an input passed sharded), `in_names`,
   `mesh` (where the programs run) and `user_mesh` (the mesh `mesh` was derived
   from for sharding groups, or `mesh`).
@@ -42,14 +42,14 @@ def operands(leaves: list, prog) -> list:
   ops: list = []
   whole_state = []  # (operand position, leaf, layout): sharded by one program.
   regather = []     # (operand position, sharded leaf): gathered first.
-  for src in prog.sources:
+  for src in compiled.sources:
     if src[0] == "const":
       ops.append(src[1])
       continue
     k = src[1]
-    x, layout = leaves[k], prog.state_in.get(k)
-    check_alive(x, prog.in_names[k])
-    if is_sharded(x) and fits(x, layout, prog.mesh, prog.user_mesh, prog.in_names[k]):
+    x, layout = leaves[k], compiled.sharded_leaves.get(k)
+    check_alive(x, compiled.in_names[k])
+    if is_sharded(x) and fits(x, layout, compiled.mesh, compiled.user_mesh, compiled.in_names[k]):
       ops.append(x.data)
     elif is_sharded(x):
       regather.append((len(ops), x))
@@ -62,7 +62,7 @@ def operands(leaves: list, prog) -> list:
   if regather:
     pos, xs = zip(*regather, strict=True)
     for p, x in zip(pos, unshard(list(xs)), strict=True):
-      layout = prog.state_in.get(prog.sources[p][1])
+      layout = compiled.sharded_leaves.get(compiled.sources[p][1])
       if layout is None:
         ops[p] = x
       else:

@@ -71,7 +71,7 @@ class ShardedArray(WholeShape):
     layout: where it lies (`ShardedLayout`): `format`, how one replica's whole
       value (shape `format.shape`) maps to `data` (§4.1); `axes`, the mesh
       axes it is sharded over; `spec`, the PartitionSpec of the whole value in
-      the user's program (P() for a `wus.shard_map` step, P(axis_name), stacked
+      the user's step (P() for a `wus.shard_map` step, P(axis_name), stacked
       copies, for `wus.pmap`); `mesh`, the mesh `data` is laid out on (kept
       also under `jax.jit`, where `data` is a tracer); `groups`, the sharding
       groups of `shard_group_size`, or None. Each is also an attribute here.
@@ -94,7 +94,7 @@ class ShardedArray(WholeShape):
 
   @property
   def shape(self) -> tuple[int, ...]:
-    """Global shape of the whole value, as the user's program sees it."""
+    """Global shape of the whole value, as the user's step sees it."""
     return self.layout.shape
 
   @property

@@ -59,13 +59,14 @@ def test_scan_carried_update_is_sharded_and_its_state_stays_sharded_between_step
   # The same decision as a value (`reasons`): w gathered whole in its own dtype.
   assert c.why.where.startswith("loop at ")
   assert c.why.notes == (reasons.LoopGathers((reasons.Gather("w", "float32", 256, 256, False),)),)
-  # The body's Program holds m as shards from iteration to iteration, w whole.
-  (body,) = plan.program.bodies[loop]
+  # The body's JaxprPlan holds m as shards from iteration to iteration, w whole.
+  (body,) = plan.jaxpr_plan.bodies[loop]
   carry_m = compat.loop(jaxpr.eqns[loop]).body_carry[1]
   carry_w = compat.loop(jaxpr.eqns[loop]).body_carry[0]
   assert carry_m in body.sharded_in and carry_w not in body.sharded_in
   w, m, xs = plan.inputs
   assert m.sharded and m.reason.startswith("state of the loop at "), m
+  assert isinstance(m.why.verdict, reasons.LoopCarried) and "test_planner.py" in m.why.verdict.line
   assert not w.sharded and not xs.sharded
   assert set(plan.state_inputs) == {1} and set(plan.state_outputs) == {1}
 
@@ -83,7 +84,7 @@ def test_narrow_forward_pass_keeps_the_carried_weight_sharded_across_iterations(
   assert "w kept sharded across iterations and all-gathered in bfloat16" in c.reason
   assert f"{64 * 2} B per iteration instead of {64 * 4} B" in c.reason
   assert c.why.notes == (reasons.LoopGathers((reasons.Gather("w", "bfloat16", 128, 256, True),)),)
-  (body,) = plan.program.bodies[loop]
+  (body,) = plan.jaxpr_plan.bodies[loop]
   carries = compat.loop(jaxpr.eqns[loop]).body_carry
   assert {carries[0], carries[1]} <= set(body.sharded_in)
   # The user reads w after the loop: it leaves the step whole.
@@ -102,19 +103,23 @@ def _sorted_momentum(w, m, xs):
 
 def test_carried_update_with_no_shard_rule_stays_replicated_and_its_state_whole():
   jaxpr, plan = _plan(_sorted_momentum)
-  assert not plan.program.shard_eqns and not plan.state_inputs and not plan.state_outputs
+  assert not plan.jaxpr_plan.shard_eqns and not plan.state_inputs and not plan.state_outputs
   assert not any(c.sharded for c in plan.clusters) and not any(i.sharded for i in plan.inputs)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the planner drops the clusters of a loop body that shards nothing "
-    "(loops.planned_loop): the Plan lists no cluster and says m stays whole because "
-    "'the step has no gradient all-reduce over exactly [data]', which is wrong"))
 def test_carried_update_with_no_shard_rule_says_why_in_the_plan():
-  """The Plan names the equation that keeps the loop's update replicated."""
+  """The Plan lists the loop body's replicated cluster (the body shards nothing), and
+  the momentum's reason names the equation that keeps it whole: the sort."""
   jaxpr, plan = _plan(_sorted_momentum)
-  assert any("sort" in c.reason for c in plan.clusters), plan.details()
-  assert "no gradient all-reduce" not in plan.inputs[1].reason, plan.details()
+  (c,) = plan.clusters
+  assert not c.sharded and c.reason.startswith("loop at "), plan.details()
+  assert {t.name for t in c.tensors} >= {"w", "m"}, plan.details()
+  w, m, _ = plan.inputs
+  assert w.reason == "cluster 0 stays replicated", plan.details()
+  assert m.reason.startswith("sort at ") and "has no shard rule" in m.reason, plan.details()
+  # The same reasons as values (`reasons`), rendered as the clusters' are.
+  assert w.why == reasons.Reason(reasons.ClusterReplicated(0))
+  assert isinstance(m.why.verdict, reasons.NoShardRule) and m.why.verdict.reader.startswith("sort")
 
 
 def _shared_body_step():
@@ -142,7 +147,7 @@ def _shared_body_step():
 
 def test_a_loop_body_that_several_loops_run_is_planned_once(monkeypatch):
   """The planner's entry point into loop bodies is memoized by the body (its jaxpr,
-  carries and names): one plan, one Program object shared by both loops, and the
+  carries and names): one plan, one JaxprPlan object shared by both loops, and the
   body's equations planned once."""
   jaxpr, facts = _shared_body_step()
   first, second = _loops(jaxpr)
@@ -160,7 +165,7 @@ def test_a_loop_body_that_several_loops_run_is_planned_once(monkeypatch):
                            in_names=["w", "m", "xs"], out_names=["w", "m"],
                            state_pairs={0: 0, 1: 1})
   assert planned.count(body) == 1 and planned.count(jaxpr) == 1, planned
-  assert plan.program.bodies[first][0] is plan.program.bodies[second][0]
+  assert plan.jaxpr_plan.bodies[first][0] is plan.jaxpr_plan.bodies[second][0]
   # Both loops still appear in the Plan, each with the body's cluster.
   assert [c.sharded for c in plan.clusters] == [True, True], plan
 
@@ -179,7 +184,7 @@ def test_memo_is_keyed_by_the_body_not_only_its_jaxpr(shared):
                      network.default_topology(N))
   a, b = planner._plan_body(body, ctx), planner._plan_body(other, ctx)
   assert (a is b) == shared
-  assert a.program == b.program  # The names change the Plan's words, not the program.
+  assert a.jaxpr_plan == b.jaxpr_plan  # The names change the Plan's words, not the program.
 
 
 def test_graph_lists_readers_once_in_order_and_outputs_by_position():

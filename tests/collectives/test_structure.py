@@ -231,7 +231,7 @@ def test_donated_weights_are_gathered_into_their_buffers_without_a_copy(topology
   donating = wus.shard_map(_net_step, donate_argnums=(0, 1), topology=topology, **specs)
   plan = donating.plan(params, ADAM.init(params), xs[0])
   assert (plan.alone_bytes is not None) == (topology is not None)
-  assert plan.program.gather_after  # What the all-gathers follow.
+  assert plan.jaxpr_plan.gather_after  # What the all-gathers follow.
   hlo = donating.lower(params, ADAM.init(params), xs[0]).compile().as_text()
   assert report.data_movement(hlo)["parameter copy"].count == 0
   ref = jax.jit(jax.shard_map(_net_step, **specs))
@@ -263,7 +263,7 @@ def test_donated_jit_step_gathers_weights_without_a_copy(topology):
   xs = [jax.device_put(jax.random.normal(jax.random.key(i), (2 * N, 16)),
                        NamedSharding(m, P("data"))) for i in range(3)]
   donating = wus.jit(_global_net_step, donate_argnums=(0, 1), topology=topology)
-  assert donating.plan(params, ADAM.init(params), xs[0]).program.gather_after
+  assert donating.plan(params, ADAM.init(params), xs[0]).jaxpr_plan.gather_after
   hlo = donating.lower(params, ADAM.init(params), xs[0]).compile().as_text()
   assert report.data_movement(hlo)["parameter copy"].count == 0
   ref = jax.jit(_global_net_step)
