@@ -45,7 +45,7 @@ class Cluster:
     reads: big variables from outside the cluster that it reads as shards.
     outside_readers: for each sharded variable, the indices of equations outside
       the cluster that read it whole.
-    program_outputs: for each sharded variable that the jaxpr returns, the
+    returned: for each sharded variable that the jaxpr returns, the
       output positions.
     nested: for each conditional in `eqns`, one cluster per branch: the
       branch's equations that run on shards, its big inputs arriving as shards.
@@ -64,7 +64,7 @@ class Cluster:
   sharded: tuple[Var, ...]
   reads: tuple[Var, ...]
   outside_readers: dict[Var, tuple[int, ...]]
-  program_outputs: dict[Var, tuple[int, ...]]
+  returned: dict[Var, tuple[int, ...]]
   nested: dict[int, tuple[Cluster, ...]] = dataclasses.field(default_factory=dict)
   kept_whole: dict[int, int] = dataclasses.field(default_factory=dict)
   roots: tuple[Var, ...] = ()
@@ -314,7 +314,7 @@ def _make_cluster(idx: list[int], graph: Graph, kind, seeds: set[int], branches,
       sharded=tuple(sharded),
       reads=tuple(reads),
       outside_readers={v: r for v, r in outside.items() if r},
-      program_outputs={v: tuple(graph.outputs[v]) for v in sharded if v in graph.outputs},
+      returned={v: tuple(graph.outputs[v]) for v in sharded if v in graph.outputs},
       nested={i: branches(i) for i in idx if kind(i) is Kind.COND},
       kept_whole=dict(kept_whole),
       roots=tuple(v for v in _in_order(graph.jaxpr, roots)

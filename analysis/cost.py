@@ -166,7 +166,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   eqns = jaxpr.eqns
   gathered = [v for v in cluster.sharded if v not in layout.partial and (
       v in cluster.outside_readers or v in layout.whole_reads
-      or any(p not in state_outputs for p in cluster.program_outputs.get(v, ())))]
+      or any(p not in state_outputs for p in cluster.returned.get(v, ())))]
   inputs = set(jaxpr.invars)
   # The cluster's facts as the cost model sees them: its gradients, what it
   # gathers, and the inputs it reads and outputs it writes (non-fusible).
@@ -175,7 +175,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
       gathered=(*map(tensor, gathered), *map(tensor, _branch_gathers(cluster, rare)),
                 *extra_gather),
       updated=(*(tensor(v) for v in cluster.reads if v in inputs),
-               *(tensor(v) for v, p in cluster.program_outputs.items() for _ in p)))
+               *(tensor(v) for v, p in cluster.returned.items() for _ in p)))
   all_reduce, all_gather, io = (sum(n * b for n, b in ts) for ts in (
       workload.gradients, workload.gathered, workload.updated))
   saved = io - io // num_shards

@@ -64,7 +64,7 @@ def pairs(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph,
   pairs = {}
   for out_pos, in_pos in candidates.items():
     x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
-    if compat.is_literal(y) or not (y in c.program_outputs and x in c.reads and x not in outvars
+    if compat.is_literal(y) or not (y in c.returned and x in c.reads and x not in outvars
             and y not in layout.partial and x not in layout.whole_reads
             and x.aval.dtype == y.aval.dtype
             and layout.formats.get(x) == layout.formats.get(y) is not None):
@@ -109,7 +109,7 @@ def through_copies(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph
   jaxpr, outvars = graph.jaxpr, graph.outputs
   for out_pos, in_pos in candidates.items():
     x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
-    if (compat.is_literal(y) or y not in c.program_outputs or x in c.reads or x in outvars
+    if (compat.is_literal(y) or y not in c.returned or x in c.reads or x in outvars
         or not ctx.big(x) or x.aval.dtype != y.aval.dtype
         or not ctx.facts.is_redundant(x, ctx.axes)):
       continue
@@ -156,7 +156,7 @@ def continued(graph: Graph, c: clusters_lib.Cluster, clustered: set[int],
   outputs identical across `ctx.axes`, no side effects), with the ones of that
   kind that feed them (the momentum of the same tensor), continue the same
   update. Returned as a cluster with no seeds or equations, only the big
-  inputs they read (`reads`) and the outputs they return (`program_outputs`),
+  inputs they read (`reads`) and the outputs they return (`returned`),
   so that the Plan lists them with the cluster that keeps them whole; and the
   pairs of `state_pairs` whose input only this update reads (state, not weight).
   """
@@ -177,7 +177,7 @@ def continued(graph: Graph, c: clusters_lib.Cluster, clustered: set[int],
   made = {v for r in seen for v in jaxpr.eqns[r].outvars}
   outputs: dict = {}
   for p, v in enumerate(jaxpr.outvars):
-    if not compat.is_literal(v) and v in made and ctx.big(v) and v not in c.program_outputs:
+    if not compat.is_literal(v) and v in made and ctx.big(v) and v not in c.returned:
       outputs.setdefault(v, []).append(p)
   update = seen | set(c.eqns)
   pairs = {o: k for o, k in state_pairs.items()

@@ -285,9 +285,10 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       bodies.update(_bodies(jaxpr, c, layout, ctx.big))
       for out_pos, in_pos in pairs.items():
         sharded_in[in_pos] = sharded_out[out_pos] = layout.formats[jaxpr.invars[in_pos]]
-  updated = {v for c in found for v in c.program_outputs}
+  updated = {v for c in found for v in c.returned}
   for out_pos, in_pos in state_pairs.items():
-    if in_pos not in input_reason and jaxpr.outvars[out_pos] in updated and (
+    y = jaxpr.outvars[out_pos]
+    if in_pos not in input_reason and not compat.is_literal(y) and y in updated and (
         reader := kept_state.whole_reader(graph, jaxpr.invars[in_pos], clustered, ctx)):
       input_reason[in_pos] = (False, reasons.NoShardRule(reader))
   owned = ownership.plan_ownership(graph, ctx, candidates, shard_eqns, state_pairs,
@@ -403,7 +404,7 @@ def _tensors(c, jaxpr, pairs, in_names, out_names, invar_pos, fmt) -> tuple[Tens
     if v in invar_pos and v not in roots:
       k = invar_pos[v]
       out.append(entry(in_names[k], v, "state" if k in state_positions else "weight"))
-  for v, positions in c.program_outputs.items():
+  for v, positions in c.returned.items():
     for p in positions:
       if p not in pairs:
         out.append(entry(out_names[p], v, "output"))

@@ -49,7 +49,7 @@ def test_cluster_holds_the_update_downstream_of_its_seed_all_reduce():
   assert {w, m} <= set(c.reads) and x not in c.reads
   assert jaxpr.eqns[seed].invars[0] in c.reads  # The local gradient, reduce-scattered.
   assert set(c.sharded) == {v for i in c.eqns for v in jaxpr.eqns[i].outvars}
-  assert c.program_outputs == {jaxpr.outvars[0]: (0,), jaxpr.outvars[1]: (1,)}
+  assert c.returned == {jaxpr.outvars[0]: (0,), jaxpr.outvars[1]: (1,)}
   assert c.outside_readers == {} and c.kept_whole == {} and c.nested == {}
 
 
@@ -67,11 +67,11 @@ def test_elementwise_chain_of_several_state_tensors_is_one_cluster_per_weight():
   # w, m and v meet in elementwise operations: one cluster, one seed.
   assert first.seeds == (index(jaxpr, compat.psum_invariant_p, 0),)
   assert {w, m, v} <= set(first.reads) and b not in first.reads
-  assert sorted(p for ps in first.program_outputs.values() for p in ps) == [0, 1, 2]
+  assert sorted(p for ps in first.returned.values() for p in ps) == [0, 1, 2]
   # The other weight's update meets them nowhere: its own cluster.
   assert second.seeds == (index(jaxpr, compat.psum_invariant_p, 1),)
   assert b in second.reads and not {w, m, v} & set(second.reads)
-  assert list(second.program_outputs.values()) == [(3,)]
+  assert list(second.returned.values()) == [(3,)]
   assert not set(first.eqns) & set(second.eqns)
 
 
@@ -90,7 +90,7 @@ def test_matmul_reading_the_gradient_stops_growth_and_records_the_reader():
   assert c.seeds == () and seed not in c.eqns and dot not in c.eqns
   assert all(i > dot for i in c.eqns)  # No equation after the matmul joins...
   momentum_out = jaxpr.outvars[1]
-  assert c.program_outputs == {momentum_out: (1,)}  # ... except the momentum's.
+  assert c.returned == {momentum_out: (1,)}  # ... except the momentum's.
   assert jaxpr.outvars[0] not in c.sharded
 
 
