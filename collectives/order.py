@@ -1,4 +1,5 @@
-"""Data dependencies XLA keeps: `after(values, tokens)` orders a computation without changing it.
+"""Data dependencies XLA keeps: `after(values, tokens)` orders a computation without changing it,
+and `opaque(ints, like)` hides constants from it.
 
 XLA's copy insertion orders instructions by data dependence alone, and the
 CPU backend removes `lax.optimization_barrier` before it runs, so a barrier
@@ -14,6 +15,12 @@ The tokens' bits are ORed in one fusion; with more than a few, the result
 goes through a sort of two elements, which XLA neither fuses into consumers
 nor folds, so that the fusion reading every token runs once, not once per
 consumer of the zero.
+
+The same sort hides integers: XLA:CPU compiles one kernel per distinct
+fused computation, and a slice at a constant offset fused into its consumer
+makes each consumer distinct. With the offset read from a sort's result (a
+buffer, a parameter of the fusion), the consumers of equal shapes are one
+computation and share a kernel.
 """
 
 from __future__ import annotations
@@ -51,6 +58,27 @@ def after(values: Sequence[jnp.ndarray], tokens: Sequence[jnp.ndarray]) -> list[
   # A population count of 32 bits is at most 32, so shifting it right by 6 is 0.
   zero = lax.shift_right_logical(lax.population_count(acc), jnp.uint32(6))[0]
   return [_or(x, zero) for x in values]
+
+
+def opaque(ints: Sequence[int], like: jnp.ndarray) -> list[jnp.ndarray] | None:
+  """int32 scalars equal to `ints`, which XLA can neither fold into constants nor fuse.
+
+  They come out of one sort keyed on an element of `like`: each is a buffer
+  of its own, computed after `like`'s producer.
+
+  Args:
+    ints: values that fit int32.
+    like: any array whose `_bits` exist (non-empty, boolean, integer or float).
+
+  Returns:
+    int32 [] scalars equal to `ints`, or None if `like` has no bits to key on.
+  """
+  key = _bits(like)
+  if key is None or not ints:
+    return None
+  carried = [jnp.full((2,), i, jnp.int32) for i in ints]
+  # Two elements: XLA removes a sort of one, and folds a sort of constants.
+  return [x[0] for x in lax.sort((jnp.concatenate([key, key]), *carried), num_keys=1)[1:]]
 
 
 def _bits(t: jnp.ndarray) -> jnp.ndarray | None:

@@ -110,6 +110,24 @@ def computations(hlo_text: str) -> dict[str, list[str]]:
   return comps
 
 
+def fused_kernels(hlo_text: str) -> int:
+  """How many distinct fused computations the fusions of optimized HLO call.
+
+  XLA:CPU compiles one kernel per distinct fused computation, so this, more
+  than the number of fusions, sets how long the backend compiles: equal
+  updates of equal shapes are one kernel. Computations are compared as text
+  without names and metadata.
+
+  Args:
+    hlo_text: `Compiled.as_text()`.
+  """
+  comps = computations(hlo_text)
+  called = {f for lines in comps.values() for line in lines if " fusion(" in line
+            for f in _FUSED_RE.findall(line)}
+  return len({"\n".join(re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{[^}]*\}", "", line))
+                        for line in comps[f]) for f in called if f in comps})
+
+
 def _calls(comps: dict[str, list[str]]):
   """Yields (caller, callee, runs of callee per run of caller, callee is a loop's)."""
   for name, lines in comps.items():
@@ -232,8 +250,8 @@ def data_movement(hlo_text: str) -> dict[str, Moves]:
   Each instruction outside fusions (in the entry computation, loop bodies,
   branches) that is a `concatenate`, `slice`, `pad` or `copy`, or a fusion of
   only such data movement (and layout ops), is counted once, under the first
-  kind of MOVES it holds (a transpose alone: "copy"), with its result's
-  bytes; "parameter copy" counts the copies (and copying fusions) of an
+  kind of MOVES it holds (a dynamic-slice is a "slice", a transpose alone a
+  "copy"), with its result's bytes; "parameter copy" counts the copies (and copying fusions) of an
   entry parameter of more than one element into a buffer of its own shape
   and layout: a whole input copied each run, as XLA does to keep a donated
   input whose buffer an output takes (a transpose into another layout is a
@@ -267,7 +285,8 @@ def data_movement(hlo_text: str) -> dict[str, Moves]:
         continue
       inner = ops.get(next(iter(_FUSED_RE.findall(line)), ""), []) if m["op"] == "fusion" else [
           m["op"]]
-      kind = next((k for k in MOVES if k in inner), "copy" if "transpose" in inner else None)
+      kind = next((k for k in MOVES if k in inner or k == "slice" and "dynamic-slice" in inner),
+                  "copy" if "transpose" in inner else None)
       if kind is None or not set(inner) <= _MOVING:
         continue
       size = shape_bytes(m["shape"])

@@ -146,3 +146,44 @@ def test_large_tensors_keep_their_own_collectives_and_are_not_copied():
   cpu, fast = moved["cpu"], moved["fast memory"]
   assert cpu["concatenate"].bytes + cpu["slice"].bytes <= 3 * biases
   assert fast["concatenate"].bytes >= weights and fast["slice"].bytes >= weights
+
+
+def _norm_step(params, opt_state, x):
+  """A LayerNorm-like scale per layer: equal small tensors that share a bucket."""
+  def loss(p):
+    h = x
+    for k in sorted(p):
+      h = jnp.tanh(h * p[k])
+    return jnp.mean(h ** 2)
+
+  grads = lax.pmean(jax.grad(loss)(params), "data")
+  updates, opt_state = TX.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+@pytest.mark.parametrize("layers", [4, 16])
+def test_updates_of_equal_tensors_in_a_bucket_share_their_kernels(layers):
+  """Each tensor of a bucket is cut out of the reduce-scattered (and the
+  all-gathered) buffer at its own offset. Read as a constant, the offset made
+  every tensor's update a distinct fused computation, so a kernel of its own
+  that XLA:CPU compiles (1.9x the replicated step's compile time on a
+  100-tensor Transformer, issue 22). The compiled step of 16 equal tensors in
+  one bucket has as many distinct fused computations as that of 4 (with
+  constant offsets, about 3 more per tensor), and is bit for bit the
+  unmodified step."""
+  params = {f"layer{i:02d}": 1.0 + 0.1 * jax.random.normal(jax.random.key(i), (40,))
+            for i in range(layers)}
+  opt_state = TX.init(params)
+  m = mesh(N)
+  xs = [jax.device_put(jax.random.normal(jax.random.key(100 + i), (2 * N, 40)),
+                       NamedSharding(m, P("data"))) for i in range(2)]
+  specs = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  wrapped = wus.shard_map(_norm_step, **specs)
+  plan = wrapped.plan(params, opt_state, xs[0])
+  assert _predicted(plan) == [1, 1], plan.buckets  # One bucket each way.
+  hlo = wrapped.lower(params, opt_state, xs[0]).compile().as_text()
+  kernels = report.fused_kernels(hlo)
+  replicated = jax.jit(jax.shard_map(_norm_step, **specs)).lower(params, opt_state, xs[0])
+  assert kernels <= report.fused_kernels(replicated.compile().as_text()) + 12, kernels
+  want, got, _ = run_both(_norm_step, (params, opt_state), xs, **specs)
+  assert_trees_equal(wus.unshard(got), want)
