@@ -307,8 +307,11 @@ class JitStep:
 
 
 def _produced_by(jaxpr, v) -> str:
-  """A name for a value of the forward or backward pass the region reads."""
-  eqn = next(e for e in jaxpr.eqns if v in e.outvars)
+  """A name for a value of the forward or backward pass the region reads, or for a
+  constant the step closes over (optax.contrib.mechanize's, say)."""
+  eqn = next((e for e in jaxpr.eqns if v in e.outvars), None)
+  if eqn is None:
+    return f"<constant {v.aval.str_short()}>"
   return f"<{eqn.primitive} at {compat.source_line(eqn)}>"
 
 

@@ -338,3 +338,31 @@ def test_one_tensor_two_formats_adabelief_dog_agc():
   assert_trees_equal(a[0], b[0], rtol=1e-5, atol=1e-6)
   assert_trees_equal(a[1], wus.unshard(b[1]), rtol=1e-5, atol=1e-6)
   assert any("another format" in c.reason for c in ws.plan(*b, x).clusters)
+
+
+def test_jit_update_reading_a_constant_the_step_closes_over():
+  """Fuzz case (wus.jit, N=2, one [1] weight): `optax.MultiSteps(optax.chain(
+  optax.contrib.mechanize(optax.adam(1e-2)), optax.normalize_by_update_norm()),
+  every_k_schedule=2)`. Mechanize's update reads a constant of the traced step
+  (a jaxpr constvar, produced by no equation), and naming the update's inputs
+  for the Plan raised StopIteration. The Plan now names it `<constant ...>` and
+  the step matches `jax.jit`'s bit for bit."""
+  tx = optax.MultiSteps(optax.chain(optax.contrib.mechanize(optax.adam(1e-2)),
+                                    optax.normalize_by_update_norm()), every_k_schedule=2)
+
+  def step(params, opt_state, x):
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean((x * p["w"]) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  m = mesh(2, "auto")
+  with jax.set_mesh(m):
+    params = {"w": jnp.ones((1,))}
+    xs = [jax.device_put(jnp.arange(4.0).reshape(4, 1) * (i + 1), NamedSharding(m, P("data")))
+          for i in range(3)]
+    want = got = (params, tx.init(params))
+    ws = wus.jit(step)
+    for x in xs:
+      want, got = jax.jit(step)(*want[:2], x), ws(*got[:2], x)
+    assert_trees_equal(wus.unshard(got), want)
+    assert "<constant float32[6]>" in ws.plan(*got[:2], xs[0]).details()
