@@ -2,7 +2,15 @@
 
 Xu et al., "Automatic Cross-Replica Sharding of Weight Update in
 Data-Parallel Training", arXiv:2004.13336 (2020).
+
+`import wus` imports JAX, NumPy and wus's own modules only. The names that
+need another library import it when first used (PEP 562 module `__getattr__`):
+`wus.nnx_jit` imports Flax, `wus.checkpoint` imports Orbax and TensorStore
+(also imported by the steps' `state_target` and by `wus.checkpointable`).
 """
+
+import importlib
+from typing import TYPE_CHECKING
 
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
@@ -13,7 +21,6 @@ from wus.errors import StateMismatchError
 from wus.jit import JitStep
 from wus.filter_jit import filter_jit
 from wus.jit import jit
-from wus.nnx import nnx_jit
 from wus.pmap import pmap
 from wus.sharded import ShardedArray
 from wus.sharded import checkpointable
@@ -22,3 +29,44 @@ from wus.sharded import unreplicate
 from wus.runtime import unshard
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # For type checkers and the API reference; at run time, `__getattr__`.
+  from wus import checkpoint
+  from wus.nnx import nnx_jit
+
+# name -> (module, attribute or None for the module itself, the distribution it needs).
+_LAZY = {
+    "nnx_jit": ("wus.nnx", "nnx_jit", "flax"),
+    "checkpoint": ("wus.checkpoint", None, "orbax-checkpoint"),
+}
+
+__all__ = ["CheckpointError", "JitStep", "Plan", "ShardFormat", "ShardedArray", "ShardedStep",
+           "StateMismatchError", "checkpoint", "checkpointable", "filter_jit", "is_sharded",
+           "jit", "nnx_jit", "pmap", "shard_map", "unreplicate", "unshard"]
+
+
+def __getattr__(name: str):
+  """Imports `wus.nnx_jit` (Flax) and `wus.checkpoint` (Orbax) when first used.
+
+  Raises:
+    AttributeError: `name` is not a name of wus.
+    ImportError: the library the name needs is not installed (the message says
+      which to install).
+  """
+  if name not in _LAZY:
+    raise AttributeError(f"module 'wus' has no attribute {name!r}")
+  module_name, attribute, distribution = _LAZY[name]
+  try:
+    module = importlib.import_module(module_name)
+  except ModuleNotFoundError as e:
+    if e.name is None or e.name.startswith("wus"):
+      raise
+    raise ImportError(f"wus.{name} needs {distribution}, which is not installed "
+                      f"(No module named {e.name!r}): pip install {distribution}") from e
+  value = module if attribute is None else getattr(module, attribute)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_LAZY))
