@@ -24,7 +24,7 @@ Profiles. `python -m pytest -q tests` runs the default profile; `--slow` (or
 WUS_SLOW=1) also runs the tests marked `slow`, the slowest end-to-end runs and
 the larger parametrizations of the parity families (each family keeps cases in
 the default profile), and turns the fuzzer's 8 fixed-seed cases into 100
-(tests/equivalence/test_fuzz.py). .ci/run runs both. README.md ("Tests and exactness")
+(tests/equivalence/test_fuzz.py). .ci/run runs both. docs/tests.md
 gives the measured times.
 """
 

@@ -119,3 +119,11 @@ def test_the_library_imports_only_its_dependencies():
   extras = {k: _requirement_names(v) for k, v in project["optional-dependencies"].items()}
   assert {"flax", "orbax-checkpoint"} <= extras["harness"]
   assert "wus" in extras["test"] and "equinox" in extras["test"]  # wus[harness] and more.
+
+
+def test_the_api_reference_documents_every_public_name():
+  """docs/api.md has an entry (`::: wus.X`) for every name of `wus.__all__`; `mkdocs build
+  --strict` (.ci/run) then fails for an entry whose docstring does not render."""
+  import wus  # noqa: PLC0415
+  entries = set(re.findall(r"^::: wus\.(\w+)", (ROOT / "docs" / "api.md").read_text(), re.M))
+  assert set(wus.__all__) <= entries, set(wus.__all__) - entries

@@ -49,9 +49,12 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
 
   Args:
     f: the per-replica step, as for `jax.shard_map`.
-    out_specs, in_specs, mesh, check_vma, axis_names: as for `jax.shard_map`
-      (in_specs inferred from the arguments' shardings when not given; mesh
-      from `jax.set_mesh` when not given).
+    out_specs: as for `jax.shard_map`.
+    in_specs: as for `jax.shard_map`; inferred from the arguments' shardings
+      when not given.
+    mesh: as for `jax.shard_map`; from `jax.set_mesh` when not given.
+    check_vma: as for `jax.shard_map`.
+    axis_names: as for `jax.shard_map`.
     axis_name: the data-parallel mesh axis (or axes) to shard the update over.
       Default: the axes of the gradient all-reduces (the all-reduces whose
       operands have the shape of a state input, most bytes first), which on a
@@ -219,7 +222,7 @@ class ShardedStep:
     restores the same way). Each process reads only what its devices hold.
 
     Args:
-      args: the step's arguments, concrete or abstract (`jax.eval_shape`), whole
+      *args: the step's arguments, concrete or abstract (`jax.eval_shape`), whole
         or sharded.
       replicated: as for `call`.
 

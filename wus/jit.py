@@ -54,9 +54,18 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
 
   Args:
     fun: the step, as for `jax.jit`.
-    in_shardings, out_shardings, static_argnums, static_argnames,
-      donate_argnums, donate_argnames: as for `jax.jit`.
-    min_shard_size, objective, topology: as for `wus.shard_map`.
+    in_shardings: as for `jax.jit`.
+    out_shardings: as for `jax.jit`.
+    static_argnums: as for `jax.jit`.
+    static_argnames: as for `jax.jit`.
+    donate_argnums: as for `jax.jit`; a donated argument (sharded state
+      included) must not be used after the call (passing it again raises
+      ValueError).
+    donate_argnames: as for `jax.jit`.
+    min_shard_size: as for `wus.shard_map`: tensors with fewer elements stay
+      replicated.
+    objective: as for `wus.shard_map` ("memory" or "time", §3.2).
+    topology: as for `wus.shard_map`: the devices, for the cost model.
 
   Returns:
     A `JitStep`, called like the `jax.jit` of `fun`, with `.plan(*args,
@@ -152,7 +161,8 @@ class JitStep:
     format, at this mesh's replica count.
 
     Args:
-      args, kwargs: the step's arguments, concrete or abstract, whole or sharded.
+      *args: the step's arguments, concrete or abstract, whole or sharded.
+      **kwargs: its keyword arguments, the same.
 
     Returns:
       A tuple like `args` (static arguments as given): `jax.ShapeDtypeStruct`s

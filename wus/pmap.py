@@ -72,8 +72,9 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
       all-reduce the gradient shards across the groups (partial sharding,
       §5.2, Fig. 10; as for `wus.shard_map`, "auto" included): optimizer
       state 1/G per device.
-    objective, topology: what the cluster decisions favour, and the devices
-      for the cost model, as for `wus.shard_map`.
+    objective: what the cluster decisions favour, as for `wus.shard_map`
+      ("memory" or "time", §3.2).
+    topology: the devices for the cost model, as for `wus.shard_map`.
     shard_weights: as for `wus.shard_map`: also keep sharded between calls,
       like optimizer state, the weights the forward pass reads only in a
       narrower float (mixed precision), all-gathered in that float at their

@@ -317,7 +317,7 @@ def test_damaged_checkpoint_is_one_line_and_changes_nothing(saved, tmp_path, dam
 
 
 def readme_loop(path, m, num_steps):
-  """The loop of README.md's Checkpoints section, on mesh `m`, saving every 2 updates."""
+  """The loop of docs/checkpoints.md, on mesh `m`, saving every 2 updates."""
   step = W.wus_step(m)
   params, opt_state = fresh()
   batches = [W.batch(i, m) for i in range(num_steps)]

@@ -104,7 +104,7 @@ def _owned(tree):
 
 
 # The default profile runs each optimizer once, both vma modes and both N among
-# them; --slow runs every combination (README: Tests and exactness).
+# them; --slow runs every combination (docs/tests.md).
 _DEFAULT = {("muon", True, 8), ("muon_adamw", False, 6), ("shampoo_like", True, 6)}
 _CASES = [pytest.param(name, make_tx, vma, n, id=f"{name}-{'vma' if vma else 'novma'}-{n}",
                        marks=() if (name, vma, n) in _DEFAULT else pytest.mark.slow)

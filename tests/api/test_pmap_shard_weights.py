@@ -277,7 +277,7 @@ def test_unmapped_params_as_the_flax_imagenet_example():
 
 def test_partial_sharding_gathers_narrow_too():
   """With groups of 4 the gradient sums in another order than jax.pmap's
-  all-reduce (README); bit for bit with the same groups without shard_weights."""
+  all-reduce (docs/options.md); bit for bit with the same groups without shard_weights."""
   _, b, _, _ = _run_dense(shard_group_size=4, same_metrics=False)
   step, state = dense_step()
   plain = wus.pmap(step, axis_name="i", shard_group_size=4)

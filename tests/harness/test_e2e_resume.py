@@ -25,7 +25,7 @@ import wus
 from helpers import assert_trees_equal
 from wus.harness.training import config, loop, steps, train
 
-pytestmark = pytest.mark.slow  # Minutes of training each (README: Tests).
+pytestmark = pytest.mark.slow  # Minutes of training each (docs/tests.md).
 
 # resnet_small + LARS on the digits, in wus mode.
 FLAGS = {"model": "resnet_small", "steps": 20, "batch_size": 8, "checkpoint_every": 5,

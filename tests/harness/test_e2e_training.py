@@ -14,7 +14,7 @@ import pytest
 import wus
 from wus.harness.training import config, train
 
-pytestmark = pytest.mark.slow  # Minutes of training each (README: Tests).
+pytestmark = pytest.mark.slow  # Minutes of training each (docs/tests.md).
 
 # The two modes compute the same update, but LARS's norms (and the gradient
 # all-reduce) are sums in another order: the losses agree to float32 rounding

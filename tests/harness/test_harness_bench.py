@@ -9,7 +9,7 @@ from wus.analysis import network
 from wus.harness.tools.bench import calibrate, regimes, summary, variants
 from wus.harness.training import config, steps
 
-pytestmark = pytest.mark.slow  # Times every variant of wus-bench (minutes; README: Tests).
+pytestmark = pytest.mark.slow  # Times every variant of wus-bench (minutes; docs/tests.md).
 
 ROUNDS = 2
 LEARNING_RATE = config.RunConfig.for_model("mlp_small").learning_rate

@@ -14,7 +14,7 @@ import pytest
 
 from wus.harness.training import config, steps, train
 
-pytestmark = pytest.mark.slow  # Trains, then runs wus-train twice (README: Tests).
+pytestmark = pytest.mark.slow  # Trains, then runs wus-train twice (docs/tests.md).
 
 # decay_steps: the LARS schedule the 4-step resume continues (it would refuse one ending at 2).
 FLAGS = {"model": "resnet_small", "steps": 2, "decay_steps": 4, "batch_size": 2,

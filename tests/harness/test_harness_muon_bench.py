@@ -5,7 +5,7 @@ import pytest
 
 from wus.harness.tools.bench import muon as muon_bench
 
-pytestmark = pytest.mark.slow  # A wus-bench run (minutes); README: Tests.
+pytestmark = pytest.mark.slow  # A wus-bench run (minutes); docs/tests.md.
 
 ROUNDS = 2
 

@@ -11,7 +11,7 @@ from helpers import assert_trees_equal
 from wus.harness.training import config, train
 from wus.harness import errors
 
-pytestmark = pytest.mark.slow  # Three wus-train runs; README: Tests.
+pytestmark = pytest.mark.slow  # Three wus-train runs; docs/tests.md.
 
 FLAGS = dict(model="mlp_small", batch_size=2, eval_every=0, checkpoint_every=0,
              eval_examples=64)
