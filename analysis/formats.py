@@ -25,10 +25,22 @@ import numpy as np
 class ShardFormat:
   """The sharding format of one tensor (§4.1).
 
+  The tensor's dims are merged into `merged_shape` so that the dims a
+  reduction in the update keeps stay apart from those it reduces; the leading
+  merged dim is padded with zeros to a multiple of `num_shards` (N) and split
+  into N equal shards, replica r holding merged rows [r * shard_rows,
+  (r + 1) * shard_rows). Elementwise updates use the flat format (`flat`: one
+  merged dim, each replica holding `shard_size` elements). Shapes count
+  elements, not bytes.
+
   Attributes:
     shape: the logical shape, as the user's step sees it.
     merged_shape: `shape` with runs of adjacent dimensions merged; same size.
     num_shards: the number of replicas the leading merged dim is split over.
+
+  Raises:
+    ValueError: `merged_shape` is not `shape` with runs of adjacent dims
+      merged, or `num_shards` < 1.
   """
 
   shape: tuple[int, ...]

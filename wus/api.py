@@ -128,7 +128,20 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
 
 
 class ShardedStep:
-  """A data-parallel step whose weight update runs on shards (from `wus.shard_map`)."""
+  """A data-parallel step whose weight update runs on shards (from `wus.shard_map`).
+
+  Called like the jit-compiled `jax.shard_map(f, ...)` it replaces:
+  `step(*args)` returns `f`'s outputs, the state it keeps sharded (optimizer
+  state, §4.2) as `wus.ShardedArray`s of 1/N of each tensor per device, to pass
+  to the next call as they are. The first call with an argument signature
+  traces, analyses (§3) and compiles the sharded step for it; later calls with
+  the same shapes, dtypes and shardings reuse it.
+
+  A call raises `wus.StateMismatchError` for sharded state made on another
+  mesh (pass `wus.unshard(state)`), and `ValueError` for an argument whose
+  buffer was donated to an earlier call; sharded state read by the user's own
+  JAX code (a `jax.jit` of a plain function, an optax call) raises `TypeError`.
+  """
 
   def __init__(self, f: Callable, *, mesh: Mesh | None, in_specs: Any, out_specs: Any,
                check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
@@ -204,6 +217,16 @@ class ShardedStep:
 
   def plan(self, *args, replicated: frozenset = frozenset()) -> Plan:
     """The Plan for these arguments (whole or sharded state alike).
+
+    Args:
+      *args: the step's arguments, concrete or abstract (`jax.eval_shape`),
+        whole or sharded.
+      replicated: as for `call`.
+
+    Returns:
+      The `wus.Plan`: each weight-update cluster (§3.2), sharded, owned or
+      replicated and why, with its tensors' formats (§4.1) and the cost
+      model's prediction; which inputs stay sharded between steps.
 
     Raises:
       TypeError: no arguments (the plan is made for the arguments' shapes and dtypes).

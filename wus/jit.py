@@ -112,7 +112,15 @@ class _Compiled:
 
 
 class JitStep:
-  """A global-view step whose weight update runs on shards (from `wus.jit`)."""
+  """A global-view step whose weight update runs on shards (from `wus.jit`).
+
+  Called like the `jax.jit` of the step it replaces. The gradient sums over the
+  batch axes and the update after them run as a `shard_map` over those axes,
+  each sum reduce-scattered and the update run on 1/N of every tensor (§4);
+  the rest of the step runs as traced, partitioned by GSPMD. The state it keeps
+  sharded comes back as `wus.ShardedArray`s, to pass to the next call as they
+  are. A call raises `ValueError` for an argument donated to an earlier call.
+  """
 
   def __init__(self, fun: Callable, jit_kwargs: dict, options: dict):
     self._fun = fun
@@ -140,11 +148,32 @@ class JitStep:
     return jax.tree.unflatten(compiled.out_tree, wrapped)
 
   def plan(self, *args, **kwargs) -> Plan:
-    """The Plan for these arguments (whole or sharded state alike)."""
+    """The Plan for these arguments (whole or sharded state alike).
+
+    Args:
+      *args: the step's arguments, concrete or abstract, whole or sharded.
+      **kwargs: its keyword arguments, the same.
+
+    Returns:
+      The `wus.Plan`: each weight-update cluster, sharded, owned or replicated
+      and why (§3.2), with the cost model's prediction; `Plan.unchanged` says
+      why a step runs as `jax.jit` runs it (no batch split, state split over a
+      mesh axis).
+    """
     return self._compiled(args, kwargs)[1].plan
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-    """Lowers the steady-state step program (optimizer state already sharded)."""
+    """Lowers the steady-state step program (optimizer state already sharded).
+
+    Args:
+      *args: the step's arguments, concrete or abstract, whole or sharded.
+      **kwargs: its keyword arguments, the same.
+
+    Returns:
+      A `jax.stages.Lowered`, as `jax.jit(...).lower` returns:
+      `.compile().memory_analysis()` gives per-device bytes,
+      `.compile().as_text()` the optimized HLO.
+    """
     leaves, compiled = self._compiled(args, kwargs)
     if compiled.mesh is None:
       return self._jitted.lower(*args, **kwargs)

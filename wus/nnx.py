@@ -32,7 +32,17 @@ def nnx_jit(fun: Callable | None = None, /, **jit_kwargs) -> Callable:
 
   Returns:
     The step, called like `fun`: its graph-object arguments hold their new
-    state afterwards; it returns what `fun` returns (arrays only).
+    state afterwards; it returns what `fun` returns (arrays only). The
+    optimizer state it keeps sharded (1/N of each tensor per device, §4.2)
+    stays in the `nnx.Optimizer` as `wus.ShardedArray`s.
+
+  Raises:
+    ValueError: at call time, as for `wus.jit` (an argument donated to an
+      earlier call).
+
+  `wus.nnx_jit` is imported when first used (`import wus` does not import
+  Flax); where Flax is missing, `wus.nnx_jit` raises an ImportError saying to
+  install it.
   """
   def make(f: Callable) -> Callable:
     def pure(static, states, rest, kwargs):

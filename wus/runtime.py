@@ -89,7 +89,11 @@ def unshard(tree: Any) -> Any:
     tree: any pytree.
 
   Returns:
-    The same structure with every ShardedArray replaced by its whole array.
+    The same structure with every ShardedArray replaced by its whole array
+    (`x.shape`, `x.dtype`: the logical, unpadded shape).
+
+  Raises:
+    ValueError: a leaf's buffer was donated to an earlier call and is gone.
   """
   paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
   leaves = [x for _, x in paths]

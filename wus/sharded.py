@@ -200,7 +200,17 @@ def holder_of(array: Any) -> ShardedArray | None:
 
 
 def is_sharded(x: Any) -> bool:
-  """Whether `x` is a `ShardedArray`: pass as `is_leaf=` to map over whole tensors."""
+  """Whether `x` is a `ShardedArray`: pass as `is_leaf=` to map over whole tensors.
+
+  Args:
+    x: any value (a pytree leaf or node).
+
+  Returns:
+    True for a `wus.ShardedArray` (state a wus step keeps sharded, §4.2).
+
+  Example:
+    >>> jax.tree.map(lambda x: x.shape, opt_state, is_leaf=wus.is_sharded)  # doctest: +SKIP
+  """
   return isinstance(x, ShardedArray)
 
 
@@ -232,7 +242,12 @@ def unreplicate(tree: Any) -> Any:
     tree: any pytree (e.g. a `TrainState` a `wus.pmap` step returned).
 
   Returns:
-    The same structure: whole leaves unreplicated, ShardedArrays unchanged.
+    The same structure: whole leaves unreplicated (the mapped leading axis
+    removed), ShardedArrays unchanged.
+
+  Raises:
+    ValueError: a leaf's buffer was donated to an earlier call and is gone.
+    ImportError: Flax is not installed (its rule unreplicates whole leaves).
   """
   import flax.jax_utils  # noqa: PLC0415 -- Flax's own rule for each whole leaf
 
@@ -263,6 +278,10 @@ def checkpointable(tree: Any) -> Any:
 
   Raises:
     TypeError: a ShardedArray holds a tracer (inside `jax.jit`).
+    ValueError: a leaf's buffer was donated to an earlier call and is gone, or
+      the tree holds only part of a bank of owned state (save the whole
+      optimizer state together).
+    ImportError: Orbax is not installed (`pip install orbax-checkpoint`).
 
   Example:
     >>> ckptr = ocp.StandardCheckpointer()  # doctest: +SKIP

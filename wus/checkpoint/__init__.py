@@ -95,15 +95,38 @@ def checkpointable(tree: Any) -> Any:
 
 
 def stacked_target(target: jax.ShapeDtypeStruct, axis: int) -> LogicalView:
-  """The restore target of a whole tensor a `wus.pmap` step reads as stacked copies
-  (`target`, mapped along `axis`), from a checkpoint of one copy."""
+  """The restore target of a whole tensor a `wus.pmap` step reads as stacked copies.
+
+  Args:
+    target: the stacked tensor as the step reads it (shape with the mapped
+      axis, dtype, and its sharding over the step's devices).
+    axis: the mapped axis of `target` the copies are stacked along.
+
+  Returns:
+    A `LogicalView` of the saved (unreplicated) shape, `target.shape` without
+    `axis`: restored from a checkpoint of one copy, it is put on every device
+    stacked along `axis`, as `flax.jax_utils.replicate` would.
+  """
   register()
   shape = tuple(d for k, d in enumerate(target.shape) if k != axis)
   return LogicalView(StackedLayout(shape, axis, target.sharding), target.dtype)
 
 
 def restore_target(layout: ShardedLayout, dtype) -> LogicalView:
-  """The restore target of one tensor a step keeps sharded in `layout` (see
-  `ShardedStep.state_target`)."""
+  """The restore target of one tensor a step keeps sharded in `layout`.
+
+  `ShardedStep.state_target` makes one for each tensor a step keeps sharded.
+
+  Args:
+    layout: the step's layout of the tensor: its format (§4.1: logical shape,
+      merged dims, N), replica axes, spec, mesh and sharding groups (§5.2).
+    dtype: the tensor's dtype.
+
+  Returns:
+    A `LogicalView` without data, of the logical shape `layout.format.shape`:
+    Orbax restores it as a `wus.ShardedArray` in `layout`, each process
+    reading only the elements its devices hold, from a checkpoint saved at
+    any replica count (or of a whole array).
+  """
   register()
   return LogicalView(layout, dtype)
