@@ -9,3 +9,17 @@ Modules:
   console     the one entry point every console command shares (`Command`)
   errors      the one-line InputError
 """
+
+# The harness's dependencies are an extra (`pip install "wus[harness]"`), not the library's: say
+# so where one is missing, before a module deep inside fails on it.
+try:
+  import flax
+  import orbax.checkpoint
+  import tensorboardX
+  import tensorstore
+  import tqdm
+except ModuleNotFoundError as e:
+  raise ModuleNotFoundError(
+      f"wus.harness (wus-train, wus-bench, wus-memory, wus-scale) needs {e.name}, one of the "
+      "harness's dependencies: pip install \"wus[harness]\" (or -e \".[harness]\" in a checkout)",
+      name=e.name) from e

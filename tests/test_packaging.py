@@ -127,3 +127,15 @@ def test_the_api_reference_documents_every_public_name():
   import wus  # noqa: PLC0415
   entries = set(re.findall(r"^::: wus\.(\w+)", (ROOT / "docs" / "api.md").read_text(), re.M))
   assert set(wus.__all__) <= entries, set(wus.__all__) - entries
+
+
+def test_the_harness_says_to_install_its_extra_where_a_dependency_is_missing():
+  out = _run("""
+      import sys
+      sys.modules["tensorboardX"] = None  # As if only `pip install wus` had run.
+      try:
+        import wus.harness.training.train
+      except ModuleNotFoundError as e:
+        print(e)
+      """)
+  assert "needs tensorboardX" in out and 'pip install "wus[harness]"' in out, out
