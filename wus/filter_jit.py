@@ -21,7 +21,10 @@ def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **option
   every other leaf (an Equinox module's activation function, a Python float)
   is static, part of the cache key. Outputs may hold non-array leaves too.
   The one-line change for an Equinox step: `@eqx.filter_jit` becomes
-  `@wus.filter_jit`.
+  `@wus.filter_jit`. The traced step runs under `wus.jit`: its gradient sums
+  are reduce-scattered and the update runs on 1/N of every tensor (§4), the
+  optimizer state kept sharded between calls (§4.2). wus does not import
+  Equinox.
 
   Args:
     fun: the step.

@@ -267,7 +267,9 @@ def checkpointable(tree: Any) -> Any:
   tensor's logical (unpadded) shape, each process writing only the shards its
   own devices hold: nothing is gathered. Code without wus restores it as a
   whole array; `ShardedStep.state_target` restores it sharded, at any replica
-  count. Other leaves pass through unchanged.
+  count. Other leaves pass through unchanged. (Checkpoints are beyond the
+  paper; the shards saved are §4.1's: replica r's range of the row-major
+  tensor.)
 
   Args:
     tree: any pytree (e.g. `{"params": params, "opt_state": opt_state}` as a
