@@ -157,14 +157,46 @@ class Topology:
     return out
 
 
-# Defaults of `default_topology`: order-of-magnitude figures, not measured.
-# Within a process: an accelerator interconnect (NVLink, TPU ICI class).
-DEFAULT_INTRA_ALPHA = 5e-6        # seconds per ring step
-DEFAULT_INTRA_BANDWIDTH = 50e9    # bytes/s per device per direction
-# Across processes: a 100 Gbit/s data-center network.
-DEFAULT_INTER_ALPHA = 25e-6       # seconds per ring step
-DEFAULT_INTER_BANDWIDTH = 12.5e9  # bytes/s per device per direction
-DEFAULT_MEMORY_BANDWIDTH = 1e12   # bytes/s, HBM class
+@dataclasses.dataclass(frozen=True)
+class Figures:
+  """A kind of device's costs for `default_topology` (bytes, seconds, bytes per second).
+
+  Attributes:
+    intra_alpha, intra_bandwidth: seconds per ring step and bytes per second
+      per device per direction between the devices of one process.
+    inter_alpha, inter_bandwidth: the same across processes.
+    memory_bandwidth: bytes per second one device reads and writes its memory at.
+    shared: the bandwidths are the host's, shared by the devices of one process
+      (XLA:CPU devices are threads on the host's cores and memory), so each
+      device gets 1/k of them with k devices per process.
+    source: where the figures come from, as the Plan's reader needs to know.
+  """
+
+  intra_alpha: float
+  intra_bandwidth: float
+  inter_alpha: float
+  inter_bandwidth: float
+  memory_bandwidth: float
+  shared: bool = False
+  source: str = ""
+
+
+# Accelerators (TPU ICI, GPU NVLink class within a process, a 100 Gbit/s
+# data-center network across processes, HBM): order-of-magnitude figures, not
+# measured here (no accelerator); `topology=` or wus-bench's calibration
+# replaces them.
+ACCELERATOR = Figures(5e-6, 50e9, 25e-6, 12.5e9, 1e12,
+                      source="accelerator-class figures, not measured")
+# XLA:CPU: measured by `wus-bench`'s calibration (harness/tools/bench/calibrate.py)
+# on a 2-core x86_64 host with 8 simulated devices, all busy (2026-11-28, two runs
+# agreeing within 4%): alpha 12.3-12.8 us per ring step inside a program; 2.0 GB/s
+# per device of ring all-reduce and 1.84 GB/s per device of elementwise traffic,
+# i.e. 16 GB/s and 14.7 GB/s for the host. Across processes (gloo over TCP)
+# unmeasured: a loopback-class guess.
+CPU = Figures(12.5e-6, 16e9, 50e-6, 1e9, 14.7e9, shared=True,
+              source="XLA:CPU figures measured on a 2-core host (network.CPU)")
+# By `jax.Device.platform`; any other platform takes ACCELERATOR.
+PLATFORMS = {"cpu": CPU, "gpu": ACCELERATOR, "tpu": ACCELERATOR}
 
 
 def format_seconds(seconds: float) -> str:
@@ -184,25 +216,26 @@ def resolution(topology: Topology) -> float:
   return min((a.alpha for a in topology.axes), default=0.0)
 
 
-def default_topology(num_devices: int, devices_per_process: int | None = None, *,
-                     intra_alpha: float = DEFAULT_INTRA_ALPHA,
-                     intra_bandwidth: float = DEFAULT_INTRA_BANDWIDTH,
-                     inter_alpha: float = DEFAULT_INTER_ALPHA,
-                     inter_bandwidth: float = DEFAULT_INTER_BANDWIDTH,
-                     memory_bandwidth: float = DEFAULT_MEMORY_BANDWIDTH) -> Topology:
-  """A topology from device counts alone, for when the user describes none.
+def default_topology(num_devices: int, devices_per_process: int | None = None,
+                     platform: str | None = None, host_devices: int | None = None) -> Topology:
+  """A topology from device counts and the kind of device, for when the user describes none.
 
   The devices of one process are the fast axis ("process"); the processes
-  the slow one ("host"). The figures are generic defaults (the module's
-  DEFAULT_* constants), to be replaced by the user's or by measurements.
+  the slow one ("host"). The figures are the platform's (`PLATFORMS`): on
+  CPU devices, measured on this project's machines, a bandwidth shared by
+  the devices of a process (so a bucket's copies cost what they cost there:
+  issue 30); elsewhere accelerator-class defaults. Pass `topology=` to a
+  front end to describe the real devices.
 
   Args:
     num_devices: N, all devices.
     devices_per_process: devices of one process; None or N: one process.
-    intra_alpha, intra_bandwidth: seconds per ring step and bytes per second
-      per device within a process.
-    inter_alpha, inter_bandwidth: the same across processes.
-    memory_bandwidth: bytes per second of one device's memory.
+    platform: `jax.Device.platform` ("cpu", "gpu", "tpu"); None or another:
+      the accelerator figures.
+    host_devices: devices of the mesh in one process, all busy in a step
+      (more than `devices_per_process` when a sharding group is a part of
+      them); None: devices_per_process. Only for platforms whose bandwidth
+      is the host's.
 
   Returns:
     A topology of one or two axes, fast to slow.
@@ -213,10 +246,12 @@ def default_topology(num_devices: int, devices_per_process: int | None = None, *
   local = devices_per_process or num_devices
   if num_devices < 1 or num_devices % local:
     raise ValueError(f"{local} devices per process do not divide {num_devices} devices")
-  axes = [Axis("process", local, intra_alpha, intra_bandwidth)]
+  f = PLATFORMS.get(platform, ACCELERATOR)
+  share = (host_devices or local) if f.shared else 1
+  axes = [Axis("process", local, f.intra_alpha, f.intra_bandwidth / share)]
   if num_devices > local:
-    axes.append(Axis("host", num_devices // local, inter_alpha, inter_bandwidth))
-  return Topology(tuple(axes), memory_bandwidth)
+    axes.append(Axis("host", num_devices // local, f.inter_alpha, f.inter_bandwidth / share))
+  return Topology(tuple(axes), f.memory_bandwidth / share)
 
 
 # --- Ring collectives (Thakur et al. 2005, the paper's ref [22]) ------------------

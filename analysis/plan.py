@@ -309,12 +309,15 @@ class Plan:
     return lines + [f"  {x}" for x in (self.groups, self.buckets, self.owned) if x]
 
   def _predicted(self, c: ClusterPlan) -> str:
-    """The cluster's predicted times, or "" where the model does not resolve them."""
+    """The cluster's predicted times, or "" where the model resolves neither; one below
+    the resolution is said as "< resolution"."""
     if not c.replicated_seconds or max(c.sharded_seconds, c.replicated_seconds) < self.resolution:
       return ""
-    return (f"predicted {network.format_seconds(c.sharded_seconds)} "
+    seconds = lambda t: (network.format_seconds(t) if t >= self.resolution  # noqa: E731
+                         else f"< {network.format_seconds(self.resolution)}")
+    return (f"predicted {seconds(c.sharded_seconds)} "
             f"{'owned' if c.owner is not None else 'sharded'}, "
-            f"{network.format_seconds(c.replicated_seconds)} replicated")
+            f"{seconds(c.replicated_seconds)} replicated")
 
   def __str__(self) -> str:
     lines = self._totals()

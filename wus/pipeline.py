@@ -282,7 +282,9 @@ def _topology_for(topology: network.Topology | None, mesh: Mesh, axes: tuple,
   group = mesh.devices[tuple(slice(None) if a in axes else 0 for a in mesh.axis_names)]
   first = group.flat[0].process_index
   local = sum(d.process_index == first for d in group.flat)
-  return network.default_topology(num_shards, local if num_shards % local == 0 else None)
+  host = sum(d.process_index == first for d in mesh.devices.flat)
+  return network.default_topology(num_shards, local if num_shards % local == 0 else None,
+                                  platform=group.flat[0].platform, host_devices=host)
 
 def _replica_axes(axis_name, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
   """The data-parallel axes, in mesh order."""

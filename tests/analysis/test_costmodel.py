@@ -235,6 +235,30 @@ def test_default_topology_has_the_process_as_fast_axis():
     net.default_topology(8, 3)
 
 
+def test_cpu_devices_share_the_hosts_bandwidths():
+  """XLA:CPU devices are threads of one host: 8 of them get 1/8 of its memory and ring
+  bandwidth each, and one of 8 busy devices in a group of 2 as little (issue 30)."""
+  one, eight = net.default_topology(1, platform="cpu"), net.default_topology(8, platform="cpu")
+  assert eight.memory_bandwidth == pytest.approx(one.memory_bandwidth / 8)
+  assert eight.axes[0].bandwidth == pytest.approx(one.axes[0].bandwidth / 8)
+  pair = net.default_topology(2, platform="cpu", host_devices=8)
+  assert pair.memory_bandwidth == pytest.approx(eight.memory_bandwidth)
+  assert net.default_topology(8, platform="tpu") == net.default_topology(8)
+  assert net.default_topology(8, platform="gpu", host_devices=2) == net.default_topology(8)
+
+
+def test_batching_on_cpu_devices_keeps_large_tensors_apart():
+  """Where a copy costs about what a ring step of the same bytes costs (CPU devices),
+  copying a 1 MiB tensor into a bucket costs more than the latency it saves; on
+  accelerator-class figures (memory 20x faster than the links) batching it pays."""
+  w = cm.Workload(gradients=((2 ** 18, 4),) * 8 + ((64, 4),) * 8)
+  w = dataclasses.replace(w, gathered=w.gradients)
+  _, alone = cm.choose_batching(w, net.default_topology(8, platform="cpu"), 8)
+  assert alone is not None and alone <= 2 ** 20
+  _, alone = cm.choose_batching(w, net.default_topology(8), 8)
+  assert alone is None or alone > 2 ** 20
+
+
 # --- The update ----------------------------------------------------------------------
 
 

@@ -131,9 +131,9 @@ def test_memory_objective_keeps_the_momentum_sharded_at_the_cost_of_a_gather():
 
 
 def test_time_objective_keeps_it_replicated_where_predicted_slower():
-  """Default topology: links 50 GB/s, memory 1 TB/s: the second gather costs
-  more than the 7/8 of the update it saves."""
-  plan, got = _byol("time")
+  """Accelerator-class devices (`network.ACCELERATOR`): links 50 GB/s, memory 1 TB/s:
+  the second gather costs more than the 7/8 of the update it saves."""
+  plan, got = _byol("time", topology=network.default_topology(N, platform="tpu"))
   assert not sharded_leaves(got[1]) and not any(c.sharded for c in plan.clusters)
   assert all(c.sharded_seconds > c.replicated_seconds for c in plan.clusters)
   assert all("predicted slower sharded" in c.reason for c in plan.clusters)

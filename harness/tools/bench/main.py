@@ -13,8 +13,11 @@ devices, with the state donated:
   handwritten_flat  the same with one flat buffer (`zero.flat_step`): every
                gradient concatenated, one reduce-scatter, one all-gather, the
                weights sliced out of it.
-  wus          `wus.shard_map(step)`, told this machine's topology (measured
-               at the start of the run, `calibrate.measure`) for its cost model.
+  wus          `wus.shard_map(step)` with its defaults, as a user runs it (the
+               cost model's figures for the platform, `network.default_topology`;
+               `--topology=measured` tells it this machine's, `calibrate.measure`).
+               Its batching of collectives is also run alone beside two others
+               (`choices`), each predicted and measured.
   wus_undonated  the same without donating the state.
   wus_gG       `wus.shard_map(step, shard_group_size=G)`: partial sharding within
                groups of G devices (§5.2), in the partial-sharding regime.
@@ -92,10 +95,10 @@ def _define_flags() -> None:
                       "synthetic data.")
   flags.DEFINE_string("small_tensors_model", "transformer_mixed", "Model of the "
                       "many-small-tensors regime (as --model).")
-  flags.DEFINE_enum("topology", "measured", ["measured", "default"], "What the wus variants' "
-                    "cost model is told about the devices: this machine, measured before the "
-                    "regimes run (calibrate.measure), or wus's default (accelerator-class "
-                    "figures).")
+  flags.DEFINE_enum("topology", "default", ["default", "measured"], "What the wus variants' "
+                    "cost model is told about the devices: nothing (default: what a user "
+                    "gets, `network.default_topology` for the platform), or this machine, "
+                    "measured before the regimes run (calibrate.measure).")
   flags.DEFINE_integer("update_bound_batch", 1, "Examples per replica per update, "
                        "weight-update-bound regime.", lower_bound=1)
   flags.DEFINE_integer("compute_bound_batch", 32, "Examples per replica per update, "

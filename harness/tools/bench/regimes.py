@@ -11,11 +11,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wus.analysis import network
+from wus.analysis import cost, network
 from wus.harness.data import batches, datasets
 from wus.harness.models import tasks
 from wus.harness.tools import report
-from wus.harness.tools.bench import limit, timing
+from wus.harness.tools.bench import choices, limit, timing
 from wus.harness.tools.bench.variants import Regime, variant_steps
 from wus.harness.training import config as config_lib, optim, steps
 
@@ -87,7 +87,7 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     parts = {"rest_seconds": lambda r: rest(state.params, state.model_state, data[2 + r]),
              "collectives_seconds": lambda r: pieces.collectives(),
              "update_seconds": lambda r: pieces.update()}
-  states = {}
+  states, batchings = {}, {}
   for name, (step, fresh) in variants.items():
     start = time.perf_counter()
     lowered = step.lower(*fresh, data[0])
@@ -111,6 +111,8 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
       plan = step.plan(*fresh, data[0])
       out[name].update(bucket_bytes=plan.bucket_bytes, alone_bytes=plan.alone_bytes,
                        buckets=plan.buckets)
+      if name == "wus" and regime.parts:
+        batchings = _batchings(plan, mesh, topology)
     if hasattr(step, "timings"):  # wus.shard_map (wus.jit has no timings).
       timings = step.timings(*fresh, data[0])
       out[name].update(analysis_seconds=timings["analysis"], rewrite_seconds=timings["rewrite"])
@@ -127,13 +129,23 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
 
   calls = {k: lambda r, c=c: jax.block_until_ready(c(r)) for k, c in parts.items()}
   calls.update({name: update(name) for name in variants})
+  for name, b in batchings.items():
+    run, args = b["program"]
+    jax.block_until_ready(run(*args))  # Compile.
+    calls[f"batching:{name}"] = lambda r, run=run, args=args: jax.block_until_ready(run(*args))
+  faults = {}
   seconds = timing.interleaved(
       calls, rounds, seed=seed,
-      progress=progress and (lambda name: name in variants and progress()))
+      progress=progress and (lambda name: name in variants and progress()), faults=faults)
   for key in parts:
     out[key] = seconds[key]
+  if batchings:
+    out["choices"] = {name: {"collectives": b["collectives"], "predicted": b["predicted"],
+                             "seconds": seconds[f"batching:{name}"]}
+                      for name, b in batchings.items()}
   for name in variants:
     out[name]["step_seconds"] = [t / regime.steps_per_call for t in seconds[name]]
+    out[name]["page_faults"] = statistics.median(faults[name]) / regime.steps_per_call
   for name in variants:
     seconds = out[name]["step_seconds"]
     out[name].update(median=statistics.median(seconds), min=min(seconds), max=max(seconds))
@@ -143,6 +155,22 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
   if "wus_jit" in variants:
     out["wus_jit"]["max_jit_param_difference"] = _max_difference(states["wus_jit"].params,
                                                                  states["jit"].params)
+  return out
+
+
+def _batchings(plan, mesh: Mesh, topology: network.Topology | None) -> dict:
+  """The Plan's batching and the two extremes (`choices`), each with its program, its
+  collectives each way and its prediction for the topology the step was planned with."""
+  workload = cost.step_workload(plan.clusters)
+  if workload is None:
+    return {}
+  n = plan.num_shards
+  topology = topology or network.default_topology(n, platform=mesh.devices.flat[0].platform)
+  out = {}
+  for name, (bucket, alone) in choices.choices(plan.bucket_bytes, plan.alone_bytes).items():
+    out[name] = {"program": choices.program(workload, mesh, steps.AXIS_NAME, bucket, alone),
+                 "collectives": choices.collective_counts(workload, n, bucket, alone),
+                 "predicted": choices.predicted_seconds(workload, topology, n, bucket, alone)}
   return out
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from wus.analysis import costmodel, network
 from wus.harness.tools import paper_model, report
-from wus.harness.tools.bench import limit
+from wus.harness.tools.bench import choices, limit
 from wus.harness.tools.bench.variants import (ALTERNATIVES, JIT_ALTERNATIVES, VARIANTS,
                                               group_size)
 
@@ -200,6 +200,21 @@ def _copy_free_targets(r: dict) -> list[tuple[str, bool | None, str]]:
   return rows
 
 
+def choices_markdown(r: dict) -> str:
+  """The Plan's batching beside the two extremes, each predicted and measured (`choices`)."""
+  if "choices" not in r:
+    return ""
+  rows = choices.rows(r)
+  best = min(rows, key=lambda row: row[3])[0]
+  picked = min(rows, key=lambda row: row[2])[0]
+  return "\n\n".join([
+      "Batching of wus's reduce-scatters and all-gathers, each alone as a program of those "
+      "collectives (`choices`): the cost model's prediction for the topology wus planned with "
+      f"beside the measured median. Predicted fastest: {picked}; measured fastest: {best}.",
+      report.table(["batching", "collectives each way", "predicted ms", "measured ms",
+                    "measured / predicted"], rows)])
+
+
 def limit_markdown(r: dict) -> str:
   """The regime's limit (its parts timed alone) beside wus, and wus's data movement."""
   bound = limit_of(r)
@@ -235,7 +250,7 @@ def markdown(results: list[dict]) -> str:
     for v in names:
       m = r[v]
       rows.append([v, 1e3 * m["median"], f"{1e3 * m['min']:.2f}-{1e3 * m['max']:.2f}",
-                   m["median"] / r["replicated"]["median"],
+                   m.get("page_faults", "-"), m["median"] / r["replicated"]["median"],
                    m["median"] / r[best]["median"] if v == "wus" else "-",
                    m["memory"]["total"] / MIB, m["opt_state_per_device"] / MIB,
                    m["wire_bytes"] / MIB, m["compile_seconds"], m["max_param_difference"]])
@@ -243,12 +258,14 @@ def markdown(results: list[dict]) -> str:
               f"{r['batch_size']} examples per replica per update"
               + (f", {r['steps_per_call']} updates per call" if r["steps_per_call"] > 1 else "")
               + f"; {len(r['replicated']['step_seconds'])} timed calls per variant",
-              report.table(["variant", "median ms/update", "min-max ms", "/ replicated",
+              report.table(["variant", "median ms/update", "min-max ms",
+                            "minor page faults/call (median)", "/ replicated",
                             f"/ best alternative ({best})", "memory MiB/device",
                             "opt state MiB/device", "collective wire MiB/update",
                             "XLA compile s",
                             "max |Δ params| vs replicated"], rows)]
-    parts += [text for text in (limit_markdown(r), jit_markdown(r)) if text]
+    parts += [text for text in (limit_markdown(r), choices_markdown(r), jit_markdown(r))
+              if text]
     parts += [f"{v} analysis {r[v]['analysis_seconds']:.3f} s + rewrite "
               f"{r[v]['rewrite_seconds']:.3f} s, beside XLA's compile of the {v} step "
               f"{r[v]['compile_seconds']:.2f} s." for v in names if "analysis_seconds" in r[v]]
