@@ -16,11 +16,14 @@ TREE = ROOT / "build" / "docs_src"
 SUBPACKAGES = ("analysis", "transforms", "collectives", "harness")
 
 
-def on_config(config):
+def on_startup(command, dirty):
+  """Lays out the tree before any plugin reads its config: mkdocstrings resolves its
+  `paths` in its own on_config, which runs before a hook's (a fresh checkout, with no
+  build/ yet, failed to resolve `wus.Plan` when this ran in on_config)."""
+  del command, dirty
   package = TREE / "wus"
   shutil.rmtree(TREE, ignore_errors=True)
   ignore = shutil.ignore_patterns("__pycache__")
   shutil.copytree(ROOT / "wus", package, ignore=ignore)
   for name in SUBPACKAGES:
     shutil.copytree(ROOT / name, package / name, ignore=ignore)
-  return config
