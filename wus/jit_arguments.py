@@ -90,7 +90,12 @@ def mesh_of(leaves: list, declared: list) -> Mesh | None:
 
 
 def batch_axes(leaves: list, declared: list, mesh: Mesh | None) -> tuple:
-  """The mesh axes some argument is split over (the batch axes), in mesh order."""
+  """The mesh axes some argument is split over (the batch axes), in mesh order.
+
+  An axis of size 1 splits nothing (DESIGN.md §1): Flax's `("data", "model")` meshes
+  of shape (N, 1), with weights annotated for the unused axis, are the N-device
+  data-parallel mesh.
+  """
   if mesh is None:
     return ()
   used = set()
@@ -99,7 +104,7 @@ def batch_axes(leaves: list, declared: list, mesh: Mesh | None) -> tuple:
     if not is_sharded(x) and isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
       for e in sharding.spec:
         used.update(() if e is None else e if isinstance(e, tuple) else (e,))
-  return tuple(a for a in mesh.axis_names if a in used)
+  return tuple(a for a in mesh.axis_names if a in used and mesh.shape[a] > 1)
 
 
 def abstract(x, mesh: Mesh | None):

@@ -1,0 +1,196 @@
+"""`wus.jit`, `wus.filter_jit` and `wus.nnx_jit` on steps as Flax, Equinox and optax publish
+them (issue 28): meshes with size-1 axes their weights are annotated for, replicating
+sharding constraints inside the step, JAX refs, and state that the published evaluation
+code reads outside the step. Each runs beside the unmodified step from the same inputs:
+bit for bit under the suite's flags, the optimizer state at most 1.05 x V/N per device
+plus the shards' padding.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import wus
+from helpers import assert_trees_equal
+from wus.sharded import is_sharded
+
+
+def _auto_mesh(shape, names):
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _batches(mesh, n, batch=48, features=12, batch_axes="data"):
+  rng = np.random.default_rng(0)
+  data = NamedSharding(mesh, P(batch_axes))
+  return [{"x": jax.device_put(rng.normal(size=(batch, features)).astype(np.float32), data),
+           "y": jax.device_put(rng.integers(0, 10, size=(batch,)).astype(np.int32), data)}
+          for _ in range(n)]
+
+
+def assert_state_sharded(state, n):
+  """Optimizer state per device <= 1.05 x V/N + the shards' padding; every float tensor of
+  more than n elements sharded."""
+  leaves = [x for x in jax.tree.leaves(state, is_leaf=is_sharded) if hasattr(x, "dtype")]
+  big = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating) and x.size > n]
+  assert big and all(is_sharded(x) for x in big), [type(x).__name__ for x in big]
+  whole = sum(x.nbytes for x in leaves)
+  per_device = sum(x.nbytes_per_device if is_sharded(x) else x.nbytes for x in leaves)
+  padding = sum(x.nbytes_per_device - x.nbytes / n for x in big)
+  assert per_device <= 1.05 * whole / n + padding, (per_device, whole, padding)
+
+
+class LogicalMLP(nn.Module):
+  """Flax's logical axis annotations (the "Scale up Flax modules" guide), shrunk."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(32, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+    x = nn.LayerNorm()(nn.relu(x))
+    return nn.Dense(10, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("mlp", "embed")))(x)
+
+
+def _linen_step(model, tx):
+  def train_step(params, opt_state, batch):
+    def loss_fn(p):
+      logits = model.apply(p, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return train_step
+
+
+def _run_both(step, ws, args, batches):
+  ref = out = args
+  for b in batches:
+    *ref, ref_aux = jax.jit(step)(*ref, b)
+    *out, out_aux = ws(*out, b)
+    assert_trees_equal(ref_aux, out_aux)
+  assert_trees_equal(ref, wus.unshard(out))
+  return ref, out
+
+
+def test_linen_logical_axis_rules_on_a_mesh_with_size_1_axes():
+  """A ("data", "fsdp", "tensor") mesh of shape (8, 1, 1) with the weights placed by logical
+  axis rules for the unused axes: served as the 8-device data-parallel mesh, with the
+  Plan of the 1-D mesh."""
+  mesh = _auto_mesh((8, 1, 1), ("data", "fsdp", "tensor"))
+  rules = (("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor"))
+  model, tx = LogicalMLP(), optax.adam(1e-2)
+  with nn.logical_axis_rules(rules):
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 12)))
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+  params = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), jnp.ones((1, 12)))
+  assert params["params"]["Dense_0"]["kernel"].value.sharding.spec == P("fsdp", "tensor")
+  step, ws = _linen_step(model, tx), wus.jit(_linen_step(model, tx))
+  batches = _batches(mesh, 3)
+  _, out = _run_both(step, ws, (params, tx.init(params)), batches)
+  assert_state_sharded(out[1], 8)
+  flat = _auto_mesh((8,), ("data",))
+  whole = jax.device_put(jax.tree.map(np.asarray, params), NamedSharding(flat, P()))
+  flat_batch = jax.device_put(jax.tree.map(np.asarray, batches[0]), NamedSharding(flat, P("data")))
+  assert str(ws.plan(params, tx.init(params), batches[0])) == str(
+      wus.jit(step).plan(whole, tx.init(whole), flat_batch))
+
+
+class NnxMLP(nnx.Module):
+  """NNX layers with `out_sharding` metadata for a ("data", "model") mesh (the NNX
+  "Scale up" guide's annotations, shrunk)."""
+
+  def __init__(self, *, rngs):
+    self.l1 = nnx.Linear(12, 32, rngs=rngs, kernel_metadata={"out_sharding": (None, "model")},
+                         bias_metadata={"out_sharding": ("model",)})
+    self.ln = nnx.LayerNorm(32, rngs=rngs)
+    self.l2 = nnx.Linear(32, 10, rngs=rngs, kernel_metadata={"out_sharding": ("model", None)})
+
+  def __call__(self, x):
+    return self.l2(self.ln(nnx.relu(self.l1(x))))
+
+
+def _nnx_step(model, optimizer, batch):
+  def loss_fn(model):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+def test_nnx_out_sharding_metadata_on_an_8_by_1_mesh():
+  mesh = _auto_mesh((8, 1), ("data", "model"))
+
+  def make():
+    with jax.set_mesh(mesh):
+      model = NnxMLP(rngs=nnx.Rngs(0))
+      return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+  ref, out = make(), make()
+  assert out[0].l1.kernel[...].sharding.spec == P(None, "model")
+  ref_step, ws = nnx.jit(_nnx_step), wus.nnx_jit(_nnx_step)
+  with jax.set_mesh(mesh):
+    for b in _batches(mesh, 3, batch=16):
+      assert ref_step(*ref, b) == ws(*out, b)
+  assert_trees_equal(nnx.state(ref), wus.unshard(nnx.state(out)))
+  assert_state_sharded(nnx.state(out[1], nnx.optimizer.OptState), 8)
+  assert "split over mesh axes itself" not in str(ws.plan(*out, b))
+
+
+# --- State the published evaluation code reads outside the step. ----------------------
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(10)(nn.LayerNorm()(nn.relu(nn.Dense(32)(x))))
+
+
+def _loss_accuracy(model, params, batch):
+  logits = model.apply(params, batch["x"])
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return loss, (logits.argmax(-1) == batch["y"]).mean()
+
+
+def test_optax_lookahead_slow_weights_evaluated_as_its_notebook_does():
+  """optax's lookahead notebook: `loss_accuracy(params.slow, ...)` under jax.jit, on the
+  slow weights wus keeps sharded (only the update reads them)."""
+  mesh = _auto_mesh((8,), ("data",))
+  model = MLP()
+  tx = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
+  params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 12))),
+                          NamedSharding(mesh, P()))
+  params = optax.LookaheadParams.init_synced(params)
+
+  def train_step(params, opt_state, batch):
+    grads = jax.grad(lambda p: _loss_accuracy(model, p, batch)[0])(params.fast)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, None
+  batches = _batches(mesh, 3)
+  ref, out = _run_both(train_step, wus.jit(train_step), (params, tx.init(params)), batches)
+  assert any(is_sharded(x) for x in jax.tree.leaves(out[0].slow, is_leaf=is_sharded))
+  assert_state_sharded(out[1], 8)
+  evaluate = jax.jit(lambda p, b: _loss_accuracy(model, p, b))
+  assert_trees_equal(evaluate(ref[0].slow, batches[0]), evaluate(out[0].slow, batches[0]))
+
+
+def test_schedule_free_eval_params_as_optax_documents_them():
+  """`optax.contrib.schedule_free_eval_params(opt_state, params)` on the step's outputs,
+  then the user's jitted evaluation."""
+  mesh = _auto_mesh((8,), ("data",))
+  model = MLP()
+  tx = optax.contrib.schedule_free_adamw(1e-2, warmup_steps=2)
+  params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 12))),
+                          NamedSharding(mesh, P()))
+  step = _linen_step(model, tx)
+  batches = _batches(mesh, 3)
+  ref, out = _run_both(step, wus.jit(step), (params, tx.init(params)), batches)
+  assert_state_sharded(out[1], 8)
+  ref_eval = optax.contrib.schedule_free_eval_params(ref[1], ref[0])
+  out_eval = optax.contrib.schedule_free_eval_params(out[1], out[0])
+  assert_trees_equal(ref_eval, out_eval)
+  evaluate = jax.jit(lambda p, b: _loss_accuracy(model, p, b))
+  assert_trees_equal(evaluate(ref_eval, batches[0]), evaluate(out_eval, batches[0]))
