@@ -10,8 +10,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wus.analysis import compat
+from wus.analysis import compat, global_view
 from wus.sharded import is_sharded
+from wus.transforms import global_view as global_view_program
 from wus.transforms import inline
 
 
@@ -130,10 +131,14 @@ def larger(x, sharding, axes: tuple):
 
 
 def flat_jaxpr(closed, mesh: Mesh):
-  """The traced jaxpr with its calls inlined and dead code dropped."""
+  """The traced jaxpr with its calls inlined, the placements of its inputs dropped
+  (`global_view.without_input_placements`) and dead code dropped."""
   avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
                                 sharding=sharding_of(a, mesh)) for a in closed.in_avals]
   flat = jax.make_jaxpr(inline.inlined(closed))(*avals)
+  sizes = dict(mesh.shape)
+  if any(global_view.is_placement(e, sizes) for e in flat.jaxpr.eqns):
+    flat = jax.make_jaxpr(global_view_program.without_input_placements(flat, sizes))(*avals)
   return compat.ClosedJaxpr(compat.dce(flat.jaxpr), flat.consts)
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -194,3 +195,73 @@ def test_schedule_free_eval_params_as_optax_documents_them():
   assert_trees_equal(ref_eval, out_eval)
   evaluate = jax.jit(lambda p, b: _loss_accuracy(model, p, b))
   assert_trees_equal(evaluate(ref_eval, batches[0]), evaluate(out_eval, batches[0]))
+
+
+# --- Sharding constraints inside the step. ------------------------------------------------
+
+
+def test_equinox_data_parallel_example_with_filter_shard():
+  """Equinox's data-parallel example (examples/parallelism), shrunk: `eqx.filter_shard` of
+  the model and optimizer state to `replicated` at the start and end of the step. The
+  optimizer state is sharded anyway; the weights come back whole, as asked."""
+  eqx = pytest.importorskip("equinox")
+  mesh = _auto_mesh((8,), ("batch",))
+  sharding = NamedSharding(mesh, P("batch"))
+  replicated = NamedSharding(mesh, P())
+  model = eqx.nn.MLP(in_size=12, out_size=10, width_size=32, depth=2, key=jax.random.key(0))
+  optim = optax.adam(1e-2)
+
+  def compute_loss(model, x, y):
+    pred_y = jax.vmap(model)(x)
+    return jnp.mean((y - pred_y) ** 2)
+
+  def train_step(model, opt_state, x, y):
+    model, opt_state = eqx.filter_shard((model, opt_state), replicated)
+    x, y = eqx.filter_shard((x, y), sharding)
+    grads = eqx.filter_grad(compute_loss)(model, x, y)
+    updates, opt_state = optim.update(grads, opt_state)
+    model = eqx.apply_updates(model, updates)
+    model, opt_state = eqx.filter_shard((model, opt_state), replicated)
+    return model, opt_state
+
+  rng = np.random.default_rng(0)
+  data = [eqx.filter_shard((rng.normal(size=(16, 12)).astype(np.float32),
+                            rng.normal(size=(16, 10)).astype(np.float32)), sharding)
+          for _ in range(3)]
+  ref = out = (model, optim.init(eqx.filter(model, eqx.is_array)))
+  ref_step = eqx.filter_jit(train_step)
+  ws = wus.filter_jit(train_step)
+  for x, y in data:
+    ref, out = ref_step(*ref, x, y), ws(*out, x, y)
+  assert_trees_equal(eqx.filter(ref, eqx.is_array), eqx.filter(wus.unshard(out), eqx.is_array))
+  assert_state_sharded(out[1], 8)
+  weights = jax.tree.leaves(eqx.filter(out[0], eqx.is_array))
+  assert all(w.sharding.is_fully_replicated for w in weights)
+
+
+@pytest.mark.parametrize("constraint", [
+    pytest.param(lambda mesh: P(), id="P()"),
+    pytest.param(lambda mesh: NamedSharding(mesh, P()), id="NamedSharding(mesh, P())"),
+    pytest.param(lambda mesh: NamedSharding(mesh, P(None, "model")), id="size-1 axis"),
+])
+def test_with_sharding_constraint_replicating_weights_and_state(constraint):
+  """`jax.lax.with_sharding_constraint` on the new params and optimizer state, replicating
+  them (or naming only a size-1 axis) on an (8, 1) mesh: no split, sharded all the same."""
+  mesh = _auto_mesh((8, 1), ("data", "model"))
+  model, tx = MLP(), optax.adam(1e-2)
+  inner = _linen_step(model, tx)
+
+  def train_step(params, opt_state, batch):
+    params, opt_state, loss = inner(params, opt_state, batch)
+    spec = constraint(mesh)
+
+    def place(x):  # The size-1 axis on matrices' columns.
+      return jax.lax.with_sharding_constraint(x, spec if x.ndim == 2 else P())
+    return jax.tree.map(place, params), jax.tree.map(place, opt_state), loss
+
+  params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 12))),
+                          NamedSharding(mesh, P()))
+  with jax.set_mesh(mesh):
+    _, out = _run_both(train_step, wus.jit(train_step), (params, optax.adam(1e-2).init(params)),
+                       _batches(mesh, 3))
+  assert_state_sharded(out[1], 8)
