@@ -205,6 +205,12 @@ class JitStep:
     if mesh is None or not axes:
       return unchanged("no argument is split over a mesh axis (the batch), so there is no "
                        "data parallelism to shard the update over")
+    refs = _refs(traced.jaxpr, paths)
+    if refs:
+      return unchanged(f"the step reads or writes JAX refs it does not create ({refs[0]}): "
+                       "wus.jit shards updates of values the step takes and returns, so the "
+                       "step runs as jax.jit runs it; pass the values (ref[...]) and return "
+                       "the new ones to shard the update")
     split_state = [paths[i] for i in self._state(args, dyn, traced.out_info).pairs.values()
                    if jit_arguments.batch_axes([leaves[i]], [declared[i]], mesh)]
     if split_state:
@@ -304,6 +310,13 @@ class JitStep:
                   donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
     return _Compiled(sub.plan, run, sharded_leaves, sharded_outputs, tuple(paths),
                      traced.out_tree, sub.mesh, tuple(sub.plan.axes), in_shardings)
+
+
+def _refs(closed, paths: list[str]) -> list[str]:
+  """The arguments (and closed-over values) of the traced step that are JAX refs."""
+  out = [name for name, a in zip(paths, closed.in_avals, strict=True) if compat.is_ref_type(a)]
+  return out + [f"a ref the step closes over, {v.aval.str_short()}"
+                for v in closed.jaxpr.constvars if compat.is_ref_type(v.aval)]
 
 
 def _produced_by(jaxpr, v) -> str:

@@ -25,6 +25,7 @@ from wus.analysis.compat.handles import (add_any_p, all_gather_invariant_p, all_
                                          CALL_JAXPR_PARAM, closed_call_p, ClosedJaxpr, cond_p,
                                          custom_jvp_call_p, custom_vjp_call_p, device_put_p,
                                          DropVar, geqp3_p, geqrf_p, iota_2x32_shape_p, is_literal,
+                                         is_ref_type,
                                          is_zero_literal, Jaxpr, JaxprEqn, jit_p,
                                          layout_constraint_p, Literal, mulhi_p, pbroadcast_p,
                                          philox2x32_p, philox4x32_p, platform_index_p, pmax_p,

@@ -265,3 +265,64 @@ def test_with_sharding_constraint_replicating_weights_and_state(constraint):
     _, out = _run_both(train_step, wus.jit(train_step), (params, optax.adam(1e-2).init(params)),
                        _batches(mesh, 3))
   assert_state_sharded(out[1], 8)
+
+
+# --- JAX refs. ---------------------------------------------------------------------------
+
+
+def _ref_loss(params, x, y):
+  return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
+
+
+def _ref_data(mesh, n=3):
+  rng = np.random.default_rng(0)
+  data = NamedSharding(mesh, P("data"))
+  return [{"x": jax.device_put(rng.normal(size=(16, 12)).astype(np.float32), data),
+           "y": jax.device_put(rng.normal(size=(16, 32)).astype(np.float32), data)}
+          for _ in range(n)]
+
+
+def test_a_step_accumulating_its_loss_in_a_ref_is_sharded():
+  """A ref the step makes (`jax.new_ref`, `ref[...] +=`, as the JAX refs guide writes
+  accumulators): the update reads and writes ordinary values, so it is sharded."""
+  mesh = _auto_mesh((8,), ("data",))
+  tx = optax.adam(1e-2)
+
+  def train_step(params, opt_state, batch):
+    total = jax.new_ref(jnp.zeros(()))
+    for half in (slice(0, 8), slice(8, 16)):
+      total[...] += _ref_loss(params, batch["x"][half], batch["y"][half])
+    grads = jax.grad(_ref_loss)(params, batch["x"], batch["y"])
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, total[...] / 2
+
+  params = jax.device_put({"w": 0.1 * jnp.ones((12, 32)), "b": jnp.zeros((32,))},
+                          NamedSharding(mesh, P()))
+  _, out = _run_both(train_step, wus.jit(train_step), (params, tx.init(params)),
+                     _ref_data(mesh))
+  assert_state_sharded(out[1], 8)
+
+
+def test_a_step_writing_weights_into_refs_runs_as_jax_jit_with_the_reason():
+  """Weights passed as refs and written in place (`ref[...] = new`): the step runs as
+  jax.jit runs it, never an error, and the Plan names the ref."""
+  mesh = _auto_mesh((8,), ("data",))
+  tx = optax.adam(1e-2)
+
+  def train_step(refs, opt_state, batch):
+    params = jax.tree.map(lambda r: r[...], refs)
+    grads = jax.grad(_ref_loss)(params, batch["x"], batch["y"])
+    updates, opt_state = tx.update(grads, opt_state, params)
+    jax.tree.map(lambda r, w: r.__setitem__(..., w), refs, optax.apply_updates(params, updates))
+    return opt_state
+
+  params = jax.device_put({"w": 0.1 * jnp.ones((12, 32)), "b": jnp.zeros((32,))},
+                          NamedSharding(mesh, P()))
+  ref_refs, refs = jax.tree.map(jax.new_ref, params), jax.tree.map(jax.new_ref, params)
+  ref_state = state = tx.init(params)
+  ws = wus.jit(train_step)
+  for b in _ref_data(mesh):
+    ref_state, state = jax.jit(train_step)(ref_refs, ref_state, b), ws(refs, state, b)
+  assert_trees_equal((jax.tree.map(lambda r: r[...], ref_refs), ref_state),
+                     (jax.tree.map(lambda r: r[...], refs), state))
+  assert "JAX refs it does not create (refs['b'])" in str(ws.plan(refs, state, b))
