@@ -36,9 +36,19 @@ def leaf_key(x) -> tuple:
     return (x.shape, x.dtype, False, split_axes(x.spec))
   if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
     sharding = getattr(x, "sharding", None)
-    split = split_axes(sharding.spec) if isinstance(sharding, NamedSharding) else None
+    split = (split_axes(_without_size_1(sharding.spec, sharding.mesh))
+             if isinstance(sharding, NamedSharding) else None)
     return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)), split)
   return (type(x), ())
+
+
+def _without_size_1(spec: P, mesh) -> P:
+  """`spec` without the mesh axes of size 1 (they split nothing: a weight placed over an
+  (8, 1) mesh's "model" axis is whole, and keys as such)."""
+  def keep(e):
+    names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if mesh.shape.get(n, 2) > 1)
+    return None if e is None or not names else names[0] if len(names) == 1 else names
+  return P(*[keep(e) for e in spec])
 
 
 def split_axes(spec: P) -> tuple | None:

@@ -6,6 +6,8 @@ bit for bit under the suite's flags, the optimizer state at most 1.05 x V/N per 
 plus the shards' padding.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -89,10 +91,21 @@ def test_linen_logical_axis_rules_on_a_mesh_with_size_1_axes():
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
   params = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), jnp.ones((1, 12)))
   assert params["params"]["Dense_0"]["kernel"].value.sharding.spec == P("fsdp", "tensor")
-  step, ws = _linen_step(model, tx), wus.jit(_linen_step(model, tx))
+  step, traces = _linen_step(model, tx), []
+
+  @functools.wraps(step)
+  def counted(*args):
+    traces.append(1)
+    return step(*args)
+  ws = wus.jit(counted)
   batches = _batches(mesh, 3)
   _, out = _run_both(step, ws, (params, tx.init(params)), batches)
   assert_state_sharded(out[1], 8)
+  again = wus.jit(counted)
+  new = again(params, tx.init(params), batches[0])
+  first = len(traces)
+  again(*new[:2], batches[1])  # Weights now placed P(), not P("fsdp", "tensor"): one program.
+  assert len(traces) == first, "recompiled for a placement over size-1 axes"
   flat = _auto_mesh((8,), ("data",))
   whole = jax.device_put(jax.tree.map(np.asarray, params), NamedSharding(flat, P()))
   flat_batch = jax.device_put(jax.tree.map(np.asarray, batches[0]), NamedSharding(flat, P("data")))
@@ -138,7 +151,11 @@ def test_nnx_out_sharding_metadata_on_an_8_by_1_mesh():
       assert ref_step(*ref, b) == ws(*out, b)
   assert_trees_equal(nnx.state(ref), wus.unshard(nnx.state(out)))
   assert_state_sharded(nnx.state(out[1], nnx.optimizer.OptState), 8)
-  assert "split over mesh axes itself" not in str(ws.plan(*out, b))
+  plan = ws.plan(*out, b)
+  text = str(plan) + plan.details()
+  assert "split over mesh axes itself" not in text
+  assert "model['l1']['kernel'].value" in text and "optimizer['opt_state']" in text, text
+  assert "states[" not in text and "site-packages" not in text and __file__ in text
 
 
 # --- State the published evaluation code reads outside the step. ----------------------
@@ -237,6 +254,12 @@ def test_equinox_data_parallel_example_with_filter_shard():
   assert_state_sharded(out[1], 8)
   weights = jax.tree.leaves(eqx.filter(out[0], eqx.is_array))
   assert all(w.sharding.is_fully_replicated for w in weights)
+  # The Plan names the step's parameters and the user's lines (issue 28 item 5).
+  plan = ws.plan(*out, x, y)
+  text = str(plan) + plan.details()
+  assert "model.layers[0].weight" in text and "opt_state[0].mu.layers[0].weight" in text, text
+  assert "site-packages" not in text and "sharding_constraint" not in text, text
+  assert __file__ in text
 
 
 @pytest.mark.parametrize("constraint", [
