@@ -349,3 +349,28 @@ def test_a_step_writing_weights_into_refs_runs_as_jax_jit_with_the_reason():
   assert_trees_equal((jax.tree.map(lambda r: r[...], ref_refs), ref_state),
                      (jax.tree.map(lambda r: r[...], refs), state))
   assert "JAX refs it does not create (refs['b'])" in str(ws.plan(refs, state, b))
+
+
+def test_a_constraint_splitting_state_over_the_batch_is_honoured():
+  """ZeRO-1 written by hand (the new optimizer state constrained to P("data") where it
+  divides): GSPMD keeps the user's layout, the step never raises, and once the state
+  comes back split the Plan says the step runs as jax.jit runs it, and why."""
+  mesh = _auto_mesh((8,), ("data",))
+  model, tx = MLP(), optax.adam(1e-2)
+  inner = _linen_step(model, tx)
+
+  def train_step(params, opt_state, batch):
+    params, opt_state, loss = inner(params, opt_state, batch)
+    opt_state = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(
+        mesh, P("data") if x.ndim and x.shape[0] % 8 == 0 else P())), opt_state)
+    return params, opt_state, loss
+
+  params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 12))),
+                          NamedSharding(mesh, P()))
+  ws = wus.jit(train_step)
+  batches = _batches(mesh, 3)
+  _, out = _run_both(train_step, ws, (params, tx.init(params)), batches)
+  kernel = out[1][0].mu["params"]["Dense_0"]["kernel"]  # [32, 10]: split as the user asked.
+  assert kernel.sharding.spec == P("data")
+  assert "state is split over mesh axes itself" in str(
+      ws.plan(*out[:2], batches[0]))
