@@ -217,12 +217,14 @@ def test_schedule_free_eval_params_as_optax_documents_them():
 # --- Sharding constraints inside the step. ------------------------------------------------
 
 
-def test_equinox_data_parallel_example_with_filter_shard():
+@pytest.mark.parametrize("shape", [(8,), (8, 1)])
+def test_equinox_data_parallel_example_with_filter_shard(shape):
   """Equinox's data-parallel example (examples/parallelism), shrunk: `eqx.filter_shard` of
   the model and optimizer state to `replicated` at the start and end of the step. The
-  optimizer state is sharded anyway; the weights come back whole, as asked."""
+  optimizer state is sharded anyway; the weights come back whole, as asked. On a
+  ("batch", "model") mesh of shape (8, 1) the same."""
   eqx = pytest.importorskip("equinox")
-  mesh = _auto_mesh((8,), ("batch",))
+  mesh = _auto_mesh(shape, ("batch", "model")[:len(shape)])
   sharding = NamedSharding(mesh, P("batch"))
   replicated = NamedSharding(mesh, P())
   model = eqx.nn.MLP(in_size=12, out_size=10, width_size=32, depth=2, key=jax.random.key(0))
