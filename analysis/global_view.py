@@ -18,7 +18,14 @@ module finds, in the step's global jaxpr (calls inlined),
   the sum, which an all-reduce completes: where GSPMD puts its all-reduce;
 * the update region (`find_region`): the sums whose results only the update
   reads, and the equations that read no split value and whose results no
-  other equation needs (the forward and backward pass never read them).
+  other equation needs (the forward and backward pass never read them);
+* placements (`is_placement`): sharding constraints that lay a value out
+  whole over every mesh axis of size > 1 (`eqx.filter_shard(x, replicated)`,
+  `with_sharding_constraint(x, P())`, a spec naming only size-1 axes). They
+  change no value; inside the region the update reads and writes whole values
+  anyway, so the region runs them as the identity: the all-gathered weights
+  are whole, as asked, and the optimizer state takes wus's sharded layout
+  instead (issue 28 item 2).
 
 `wus.jit` runs the region as a shard_map over the batch axes, each sum on its
 rows followed by a `psum`; the pipeline of `wus.shard_map` then finds its
@@ -198,6 +205,7 @@ class Region:
       changes its rounding), so the sum's result passes an
       `optimization_barrier`, as the partitioner's all-reduce stops the
       fold in the unmodified step.
+    placements: placements (`is_placement`) among `eqns`: run as the identity.
   """
 
   eqns: tuple[int, ...]
@@ -206,6 +214,14 @@ class Region:
   in_specs: tuple[P, ...]
   outvars: tuple[Var, ...]
   moved: frozenset[int] = frozenset()
+  placements: frozenset[int] = frozenset()
+
+
+def is_placement(eqn: JaxprEqn, axis_sizes: Mapping[str, int]) -> bool:
+  """Whether `eqn` is a sharding constraint that lays its value out whole over every mesh
+  axis of size > 1 (it changes no value, only where it lies)."""
+  axes = compat.placement_axes(eqn)
+  return axes is not None and all(axis_sizes.get(a, 1) == 1 for a in axes)
 
 
 def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int]) -> Region | str:
@@ -213,7 +229,8 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int]) -> 
 
   An equation joins the region if it is a gradient sum (`sum_rules`, its
   split dims divisible by their axes' sizes) or reads and writes only whole
-  values with no effect, no collective and no shard_map inside; then every
+  values with no effect, no collective and no shard_map inside (a placement
+  among them runs as the identity: `Region.placements`); then every
   equation whose results an equation outside the region reads leaves it
   (outside, the forward and backward pass run as GSPMD partitions them, before
   the region).
@@ -256,7 +273,7 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int]) -> 
         and rule(eqn, ins, is_zero) and all(divisible(v) for v in eqn.invars)):
       kind.append("sum")
     elif (outs_whole and all(s is None for s in ins) and not compat.side_effects(eqn)
-          and not compat.has_manual_code(eqn)):
+          and not compat.has_manual_code(eqn) and not _splits_over_mesh(eqn, axis_sizes)):
       kind.append("update")
     else:
       kind.append(None)
@@ -298,8 +315,17 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int]) -> 
   invars = tuple(dict.fromkeys(
       v for i in inside for v in jaxpr.eqns[i].invars
       if not compat.is_literal(v) and v not in made))
+  placements = frozenset(i for i in inside if is_placement(jaxpr.eqns[i], axis_sizes))
   return Region(tuple(inside), sums & set(inside), invars,
-                tuple(spec_of(split(v)) for v in invars), outvars, frozenset(moved) & set(inside))
+                tuple(spec_of(split(v)) for v in invars), outvars, frozenset(moved) & set(inside),
+                placements)
+
+
+def _splits_over_mesh(eqn: JaxprEqn, axis_sizes: Mapping[str, int]) -> bool:
+  """A sharding constraint that is no placement: it splits its value over a mesh axis (a
+  ZeRO written by hand), which a shard_map over the batch axes cannot honour, so it runs
+  where GSPMD partitions the step, with what computes its operand."""
+  return compat.is_sharding_constraint(eqn) and not is_placement(eqn, axis_sizes)
 
 
 def _moves_elements(eqn: JaxprEqn) -> bool:

@@ -581,6 +581,14 @@ class Case:
   # "shard_map": the per-replica step under jax.shard_map / wus.shard_map; "auto" or
   # "explicit": the global-view step under jax.jit / wus.jit, on a mesh with axes of that type.
   front: str = "shard_map"
+  # Global-view fronts only (issue 28): size-1 mesh axes beside "data" (Flax's ("data",
+  # "model") meshes of shape (N, 1)), the matrices placed over "model"; a sharding
+  # constraint replicating params and optimizer state at the "start" or "end" of the step
+  # (Equinox's filter_shard), or "none"; and evaluation code reading the optimizer state
+  # under the user's own jax.jit after the last step.
+  size1_axes: int = 0
+  constraint: str = "none"
+  evaluate: bool = False
 
   @property
   def bf16(self) -> bool:
@@ -593,7 +601,9 @@ class Case:
                        f"{'+' if l.flag else ''}" for l in self.layers)
     return (f"Case(N={self.n}, front={self.front}, check_vma={self.check_vma}, "
             f"steps={self.steps}, extra={self.extra}, "
-            f"layers=[{shapes}], tx={self.tx.code})")
+            + (f"size1_axes={self.size1_axes}, constraint={self.constraint}, "
+               f"evaluate={self.evaluate}, " if self.front != "shard_map" else "")
+            + f"layers=[{shapes}], tx={self.tx.code})")
 
   def script(self) -> str:
     """A standalone program that builds this case and compares wus with the unmodified step."""
@@ -644,6 +654,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 
 N, CHECK_VMA, STEPS, BF16 = {self.n}, {self.check_vma}, {self.steps}, {self.bf16}
+EXTRA_AXES, CONSTRAINT, EVALUATE = {self.size1_axes}, {self.constraint!r}, {self.evaluate}
+# Matrices placed over the size-1 "model" axis: on Auto axes only (on Explicit axes the types
+# would carry it, and JAX asks the step for output shardings).
+OVER_MODEL = EXTRA_AXES > 0 and {self.front == "auto"}  # (EXTRA_AXES > 0: Auto only, `cases`)
 
 
 {helpers}
@@ -673,12 +687,41 @@ def step(params, opt_state, {extra_arg}batch):
 {new_extra}  return params, opt_state, {ret_extra}lax.pmean(loss_value, "data")
 
 
+def place(tree):
+  """A sharding constraint that replicates each leaf (matrices over the size-1 "model"
+  axis when the mesh has one), as eqx.filter_shard(tree, replicated) does."""
+  def one(x):
+    spec = P(None, "model") if OVER_MODEL and jnp.ndim(x) >= 2 else P()
+    return lax.with_sharding_constraint(x, spec) if hasattr(x, "dtype") else x
+  return jax.tree.map(one, tree)
+
+
 def global_step(params, opt_state, {extra_arg}batch):
   # The same program on global arrays, as a jax.jit step: the mean loss over the whole batch.
-{global_dropout}  loss_value, grads = jax.value_and_grad(loss)(params, batch)
+{global_dropout}  if CONSTRAINT == "start":
+    params, opt_state = place((params, opt_state))
+  loss_value, grads = jax.value_and_grad(loss)(params, batch)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
+  if CONSTRAINT == "end":
+    params, opt_state = place((params, opt_state))
 {new_extra}  return params, opt_state, {ret_extra}loss_value
+
+
+@jax.jit
+def evaluate(params, opt_state):
+  """Evaluation code reading the optimizer state (lookahead's slow weights, schedule-free's
+  z) under the user's own jax.jit: an elementwise function of its float leaves."""
+  floats = [x for x in jax.tree.leaves(opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+  return [jnp.tanh(x.astype(jnp.float32)) * 2 for x in floats], jax.tree.map(jnp.sin, params)
+
+
+def make_mesh(front):
+  """The mesh: "data" of N devices, then EXTRA_AXES axes of size 1."""
+  names = ("data", "model", "fsdp")[:1 + EXTRA_AXES]
+  types = (None if front != "auto" else (jax.sharding.AxisType.Auto,) * len(names))
+  return jax.make_mesh((N,) + (1,) * EXTRA_AXES, names, devices=jax.devices()[:N],
+                       axis_types=types)
 
 
 IN_SPECS = (P(), P(), {spec_extra}P("data"))
@@ -688,6 +731,9 @@ OUT_SPECS = (P(), P(), {spec_extra}P())
 def make_inputs(mesh):
   """The first step's arguments (batch excluded) and one batch per step."""
   params = make_params()
+  if OVER_MODEL:  # Weights annotated for the unused axis, as Flax's guides place them.
+    params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(
+        mesh, P(None, "model") if x.ndim >= 2 else P())), params)
   args = (params, tx.init(params){extra_value})
   data = NamedSharding(mesh, P("data"))
   rngs = [np.random.default_rng({self.seed} + 1000 * i) for i in range(STEPS)]
@@ -700,8 +746,7 @@ def make_inputs(mesh):
 
 if __name__ == "__main__":
   FRONT = {self.front!r}
-  mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N], axis_types=(
-      jax.sharding.AxisType.Auto if FRONT == "auto" else jax.sharding.AxisType.Explicit,))
+  mesh = make_mesh(FRONT)
   jax.set_mesh(mesh).__enter__()
   args, batches = make_inputs(mesh)
   kw = dict(mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=CHECK_VMA)
@@ -714,6 +759,9 @@ if __name__ == "__main__":
   print("unmodified step ran")
   got = run(ws, args, batches)
   msgs, _ = compare(want, got, reduces=reorders_sums(tx, args[0]), bf16=BF16)
+  if EVALUATE:
+    msgs += compare(evaluate(*want[:2]), evaluate(*got[:2]),
+                    reduces=reorders_sums(tx, args[0]), bf16=BF16)[0]
   print("\\n".join(msgs) or "wus matches the unmodified step")
   print(ws.plan(*args, batches[0]))
   raise SystemExit(1 if msgs else 0)
@@ -733,10 +781,18 @@ if __name__ == "__main__":
 def cases(draw) -> Case:
   ls = draw(layers())
   tx = draw(top_transforms(_top_level_keys(ls)))
-  return Case(n=draw(st.sampled_from(REPLICAS)), check_vma=draw(st.booleans()),
+  case = Case(n=draw(st.sampled_from(REPLICAS)), check_vma=draw(st.booleans()),
               steps=draw(st.sampled_from((2, 3))), layers=ls, tx=tx, extra=draw(st.booleans()),
               seed=draw(st.integers(0, 999)),
               front=draw(st.sampled_from(("shard_map", "shard_map", "auto", "explicit"))))
+  if case.front == "shard_map":
+    return case
+  # Size-1 axes on Auto meshes: on Explicit ones JAX itself rejects most of these steps
+  # (it asks for out_sharding= on gathers and convolutions over a multi-axis mesh).
+  extra = (0, 0, 1, 2) if case.front == "auto" else (0,)
+  return dataclasses.replace(case, size1_axes=draw(st.sampled_from(extra)),
+                             constraint=draw(st.sampled_from(("none", "start", "end"))),
+                             evaluate=draw(st.booleans()))
 
 
 # --- The Plan: what stayed replicated. ----------------------------------------

@@ -43,7 +43,8 @@ def run(flat, region: global_view.Region, sub, *ops):
 def region_fn(jaxpr, region: global_view.Region, axes: tuple) -> Callable[..., tuple]:
   """The region as one replica's program, to trace inside a shard_map over `axes`: each
   gradient sum on this replica's rows, then all-reduced (`psum`), which the rewrite
-  turns into a reduce-scatter; the update's equations as they are."""
+  turns into a reduce-scatter; the update's equations as they are, but placements
+  (`Region.placements`), which pass their operand on."""
   def fn(*ins):
     env = dict(zip(region.invars, ins, strict=True))
 
@@ -51,6 +52,9 @@ def region_fn(jaxpr, region: global_view.Region, axes: tuple) -> Callable[..., t
       return compat.retyped(v.val) if compat.is_literal(v) else env[v]
     for i in region.eqns:
       eqn = jaxpr.eqns[i]
+      if i in region.placements:  # Whole already: wus's layout replaces the constraint's.
+        env.update(zip(eqn.outvars, [read(v) for v in eqn.invars], strict=True))
+        continue
       outs = inline.eval_eqn(eqn, [read(v) for v in eqn.invars], rename={})
       if i in region.moved or i in region.sums:
         with compat.source_of(compat.in_current_mesh(eqn)):
@@ -59,3 +63,37 @@ def region_fn(jaxpr, region: global_view.Region, axes: tuple) -> Callable[..., t
       env.update(zip(eqn.outvars, outs, strict=True))
     return tuple(read(v) for v in region.outvars)
   return fn
+
+
+def without_input_placements(closed, axis_sizes) -> Callable[..., list]:
+  """`closed` (a flat global jaxpr) as a function to trace again, in which each placement
+  (`global_view.is_placement`) of a step input, or of a constant, is its operand: the
+  input is placed whole already (the step takes it so), and the update then reads the
+  step's argument itself, whose next value it computes (`eqx.filter_shard((model,
+  opt_state), replicated)` at the start of Equinox's data-parallel step)."""
+  jaxpr = closed.jaxpr
+  sources = set(jaxpr.invars) | set(jaxpr.constvars)
+
+  def fn(*args):
+    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(v):
+      return v.val if compat.is_literal(v) else env[v]
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      if (global_view.is_placement(eqn, axis_sizes) and len(ins) == 1
+          and (compat.is_literal(eqn.invars[0]) or eqn.invars[0] in sources)
+          and _same_type(eqn.invars[0].aval, eqn.outvars[0].aval)):
+        env[eqn.outvars[0]] = ins[0]
+        sources.add(eqn.outvars[0])
+      else:
+        env.update(zip(eqn.outvars, compat.bind(eqn, *ins), strict=True))
+    return [read(v) for v in jaxpr.outvars]
+  return fn
+
+
+def _same_type(a, b) -> bool:
+  """Same shape, dtype, weak type and layout in the type (a mesh with Explicit axes)."""
+  return ((a.shape, a.dtype, a.weak_type, compat.sharding_spec(a))
+          == (b.shape, b.dtype, b.weak_type, compat.sharding_spec(b)))

@@ -10,6 +10,7 @@ import numpy as np
 
 from wus.analysis.plan import Plan
 from wus.jit import JitStep, jit
+from wus.matching import parameter_names, renamed_paths
 from wus.sharded import is_sharded
 
 
@@ -63,6 +64,8 @@ def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **option
       if num_args not in steps:
         donated = tuple(range(1, num_args + 1)) if donate == "all" else None
         steps[num_args] = jit(inner, static_argnums=0, donate_argnums=donated, **options)
+        names = dict(enumerate(parameter_names(f)))
+        steps[num_args].rename_paths = lambda args, paths: renamed_paths(paths, "args", names)
       return steps[num_args]
 
     @functools.wraps(f)

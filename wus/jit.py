@@ -130,6 +130,9 @@ class JitStep:
     # Static argument positions and names, each inferred from the other as jax.jit does.
     self._static, self._static_names = jit_arguments.static_args(fun, jit_kwargs)
     self._cache: dict = {}
+    # (args, paths) -> the paths named as the user's function names its parameters, for
+    # the adapters whose `fun` wraps the user's (`filter_jit`, `nnx_jit`); None: as they are.
+    self.rename_paths: Callable[[tuple, list[str]], list[str]] | None = None
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args, **kwargs):
@@ -229,6 +232,8 @@ class JitStep:
   def _build(self, args: tuple, kwargs: dict, dyn: tuple, leaves: list) -> _Compiled:
     paths = argument_paths(self._fun, (*dyn[0], dyn[1]), keywords=True,
                            positions=self._dynamic_positions(args))
+    if self.rename_paths is not None:
+      paths = self.rename_paths(args, paths)
     declared = jit_arguments.declared(self._jit_kwargs.get("in_shardings"), dyn[0], leaves)
     mesh = jit_arguments.mesh_of(leaves, declared)
     declared = [jit_arguments.named(s, mesh) for s in declared]
@@ -244,6 +249,12 @@ class JitStep:
     if mesh is None or not axes:
       return unchanged("no argument is split over a mesh axis (the batch), so there is no "
                        "data parallelism to shard the update over")
+    refs = _refs(traced.jaxpr, paths)
+    if refs:
+      return unchanged(f"the step reads or writes JAX refs it does not create ({refs[0]}): "
+                       "wus.jit shards updates of values the step takes and returns, so the "
+                       "step runs as jax.jit runs it; pass the values (ref[...]) and return "
+                       "the new ones to shard the update")
     split_state = [paths[i] for i in self._state(args, dyn, traced.out_info).pairs.values()
                    if jit_arguments.batch_axes([leaves[i]], [declared[i]], mesh)]
     if split_state:
@@ -306,8 +317,7 @@ class JitStep:
           and not any(w is iv for w in jaxpr.outvars if not compat.is_literal(w))):
         pairs[region_out[ov]] = region_in[iv]
         how[region_in[iv]] = match.how[i]
-    in_names = [paths[in_pos[v]] if v in in_pos else _produced_by(jaxpr, v)
-                for v in region.invars]
+    in_names = [_name_of(jaxpr, v, in_pos, paths) for v in region.invars]
     out_paths = ["output" + jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     out_names = [next(out_paths[k] for k, w in enumerate(jaxpr.outvars) if w is v)
@@ -345,10 +355,26 @@ class JitStep:
                      traced.out_tree, sub.mesh, tuple(sub.plan.axes), in_shardings)
 
 
-def _produced_by(jaxpr, v) -> str:
-  """A name for a value of the forward or backward pass the region reads, or for a
-  constant the step closes over (optax.contrib.mechanize's, say)."""
-  eqn = next((e for e in jaxpr.eqns if v in e.outvars), None)
+def _refs(closed, paths: list[str]) -> list[str]:
+  """The arguments (and closed-over values) of the traced step that are JAX refs."""
+  out = [name for name, a in zip(paths, closed.in_avals, strict=True) if compat.is_ref_type(a)]
+  return out + [f"a ref the step closes over, {v.aval.str_short()}"
+                for v in closed.jaxpr.constvars if compat.is_ref_type(v.aval)]
+
+
+def _name_of(jaxpr, v, in_pos: dict, paths: list[str]) -> str:
+  """A name for a value the region reads: the step's argument path for an argument, also
+  through sharding constraints (`x` of `eqx.filter_shard((x, y), sharding)`); else where
+  the forward or backward pass computes it, or a constant the step closes over
+  (optax.contrib.mechanize's, say)."""
+  eqn = None
+  while v not in in_pos:
+    eqn = next((e for e in jaxpr.eqns if v in e.outvars), None)
+    if eqn is None or not compat.is_sharding_constraint(eqn) or compat.is_literal(eqn.invars[0]):
+      break
+    v = eqn.invars[0]
+  if v in in_pos:
+    return paths[in_pos[v]]
   if eqn is None:
     return f"<constant {v.aval.str_short()}>"
   return f"<{eqn.primitive} at {compat.source_line(eqn)}>"

@@ -10,8 +10,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wus.analysis import compat
+from wus.analysis import compat, global_view
 from wus.sharded import is_sharded
+from wus.transforms import global_view as global_view_program
 from wus.transforms import inline
 
 
@@ -35,9 +36,19 @@ def leaf_key(x) -> tuple:
     return (x.shape, x.dtype, False, split_axes(x.spec))
   if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
     sharding = getattr(x, "sharding", None)
-    split = split_axes(sharding.spec) if isinstance(sharding, NamedSharding) else None
+    split = (split_axes(_without_size_1(sharding.spec, sharding.mesh))
+             if isinstance(sharding, NamedSharding) else None)
     return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)), split)
   return (type(x), ())
+
+
+def _without_size_1(spec: P, mesh) -> P:
+  """`spec` without the mesh axes of size 1 (they split nothing: a weight placed over an
+  (8, 1) mesh's "model" axis is whole, and keys as such)."""
+  def keep(e):
+    names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if mesh.shape.get(n, 2) > 1)
+    return None if e is None or not names else names[0] if len(names) == 1 else names
+  return P(*[keep(e) for e in spec])
 
 
 def split_axes(spec: P) -> tuple | None:
@@ -90,7 +101,12 @@ def mesh_of(leaves: list, declared: list) -> Mesh | None:
 
 
 def batch_axes(leaves: list, declared: list, mesh: Mesh | None) -> tuple:
-  """The mesh axes some argument is split over (the batch axes), in mesh order."""
+  """The mesh axes some argument is split over (the batch axes), in mesh order.
+
+  An axis of size 1 splits nothing (DESIGN.md §1): Flax's `("data", "model")` meshes
+  of shape (N, 1), with weights annotated for the unused axis, are the N-device
+  data-parallel mesh.
+  """
   if mesh is None:
     return ()
   used = set()
@@ -99,7 +115,7 @@ def batch_axes(leaves: list, declared: list, mesh: Mesh | None) -> tuple:
     if not is_sharded(x) and isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
       for e in sharding.spec:
         used.update(() if e is None else e if isinstance(e, tuple) else (e,))
-  return tuple(a for a in mesh.axis_names if a in used)
+  return tuple(a for a in mesh.axis_names if a in used and mesh.shape[a] > 1)
 
 
 def abstract(x, mesh: Mesh | None):
@@ -125,10 +141,14 @@ def larger(x, sharding, axes: tuple):
 
 
 def flat_jaxpr(closed, mesh: Mesh):
-  """The traced jaxpr with its calls inlined and dead code dropped."""
+  """The traced jaxpr with its calls inlined, the placements of its inputs dropped
+  (`global_view.without_input_placements`) and dead code dropped."""
   avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
                                 sharding=sharding_of(a, mesh)) for a in closed.in_avals]
   flat = jax.make_jaxpr(inline.inlined(closed))(*avals)
+  sizes = dict(mesh.shape)
+  if any(global_view.is_placement(e, sizes) for e in flat.jaxpr.eqns):
+    flat = jax.make_jaxpr(global_view_program.without_input_placements(flat, sizes))(*avals)
   return compat.ClosedJaxpr(compat.dce(flat.jaxpr), flat.consts)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +50,29 @@ def argument_paths(f: Callable, args: tuple, keywords: bool = False,
     name = (named[i] if i < len(named) else f"{rest}[{i - len(named)}]" if rest else f"[{i}]")
     out += [name + jax.tree_util.keystr(p) for p, _ in flat]
   return out
+
+
+def renamed_paths(paths: list[str], prefix: str, names: dict[int, str]) -> list[str]:
+  """`paths` with each leading `prefix[k]` replaced by `names[k]` (where given): an
+  adapter's own parameter (`args[1]` of `filter_jit`'s wrapper) as the user's
+  (`opt_state`)."""
+  pattern = re.compile(re.escape(prefix) + r"\[(\d+)\]")
+
+  def one(path: str) -> str:
+    m = pattern.match(path)
+    if m is None or int(m.group(1)) not in names:
+      return path
+    return names[int(m.group(1))] + path[m.end():]
+  return [one(p) for p in paths]
+
+
+def parameter_names(f: Callable) -> list[str]:
+  """`f`'s positional parameter names (none if its signature cannot be read)."""
+  try:
+    params = inspect.signature(f).parameters.values()
+  except (TypeError, ValueError):
+    return []
+  return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from flax import nnx
 
 from wus.jit import jit
+from wus.matching import parameter_names, renamed_paths
 
 
 def nnx_jit(fun: Callable | None = None, /, **jit_kwargs) -> Callable:
@@ -54,6 +55,7 @@ def nnx_jit(fun: Callable | None = None, /, **jit_kwargs) -> Callable:
       return [nnx.state(args[k]) for k in positions], out
 
     step = jit(pure, static_argnums=0, **_shifted(jit_kwargs))
+    step.rename_paths = functools.partial(_user_paths, parameter_names(f))
 
     def split(args: tuple) -> tuple:
       """(static, states, the other arguments, the graph objects)."""
@@ -77,6 +79,20 @@ def nnx_jit(fun: Callable | None = None, /, **jit_kwargs) -> Callable:
     wrapped.plan = plan
     return wrapped
   return make if fun is None else make(fun)
+
+
+def _user_paths(names: list[str], args: tuple, paths: list[str]) -> list[str]:
+  """`pure`'s paths (`states[0]['l1']['kernel'].value`, `rest[0]['x']`,
+  `kwargs['batch']`) under the user's parameter names (`model['l1']['kernel'].value`)."""
+  (_, positions), states, rest, _ = args
+  others = [k for k in range(len(states) + len(rest)) if k not in positions]
+
+  def name(k: int) -> str:
+    return names[k] if k < len(names) else f"[{k}]"
+  paths = renamed_paths(paths, "states", {j: name(k) for j, k in enumerate(positions)})
+  paths = renamed_paths(paths, "rest", {j: name(k) for j, k in enumerate(others)})
+  return [p[len("kwargs['"):].replace("']", "", 1) if p.startswith("kwargs['") else p
+          for p in paths]
 
 
 def _is_graph(x) -> bool:

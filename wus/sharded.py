@@ -14,9 +14,6 @@ import numpy as np
 from wus.transforms.layout import ShardedLayout
 
 
-_UNSHARD = ("Call wus.unshard(tree) for whole arrays (it gathers a whole tree in one program), "
-            "or save wus.checkpointable(tree) with Orbax to keep it sharded.")
-
 
 class WholeShape:
   """`ndim`, `size` and `nbytes` of a value that stands for a whole array of
@@ -49,21 +46,30 @@ class ShardedArray(WholeShape):
   It stands where the user's pytree had a whole array, and answers what an array
   answers about itself: `shape`, `dtype`, `ndim`, `size` and `nbytes` are the
   whole (logical, unpadded) tensor's, as the step's program sees it; `sharding`
-  and `nbytes_per_device` describe the shards. Its values are not an array's:
-  used as one (arithmetic, NumPy, `jnp`, a plain jitted function, an optax call,
-  pickling) it raises a TypeError saying to call `wus.unshard` (whole arrays) or
-  `wus.checkpointable` (to save it). `wus.unshard` gives the whole array back,
-  laid out as the step's out_spec laid it out (`spec`).
+  and `nbytes_per_device` describe the shards.
+
+  Used as an array, it is its whole value, gathered on demand (issue 28: state
+  the user reads outside the step, such as optax.lookahead's slow weights or
+  schedule-free's `z`): `jnp` functions (`__jax_array__`), NumPy
+  (`__array__`), arithmetic, indexing and the user's own `jax.jit`, `jax.grad`,
+  `jax.shard_map` or optax calls all see the whole tensor, of `shape` and
+  `dtype`, laid out as the step's out_spec laid it out (`spec`); inside a
+  traced function the gather is part of that program (an all-gather over
+  `axes`). Each use gathers anew: for many uses, or to keep whole arrays,
+  call `wus.unshard(tree)` once (one program for a whole tree). Pickling
+  raises a TypeError saying to call `wus.unshard` or `wus.checkpointable`.
 
   It is a pytree node with one child, `data`, so that it crosses `jax.jit`
-  (`jax.jit(wus.shard_map(...))`); a function mapped over a pytree therefore
-  sees the padded shards (`jax.tree.map(f, tree)`), unless it is mapped with
-  `is_leaf=wus.is_sharded`. A mapped function that changes the shards' shape
-  (`x[0]`, `flax.jax_utils.unreplicate`) raises; one that returns no array
+  (`jax.jit(wus.shard_map(...))`) as its shards; a function mapped over a
+  pytree outside any transformation therefore sees the padded shards
+  (`jax.tree.map(f, tree)`), unless it is mapped with `is_leaf=wus.is_sharded`.
+  A mapped function that changes the shards' shape (`x[0]`,
+  `flax.jax_utils.unreplicate`) raises; one that returns no array
   (`lambda x: x.shape`) leaves a ShardedArray holding its result, which prints.
-  Inside a JAX transformation (`jax.jit`, `jax.grad`, `jax.shard_map`, ...),
-  sharded state that JAX hands to the traced function may go to a wus step only:
-  any other use raises.
+  Inside a JAX transformation of a function that is not a wus step, the
+  ShardedArray that JAX rebuilt around the shards flattens to its whole value
+  (gathered), so pytree code there (`jax.tree.map`, an inner `jax.jit` or
+  `shard_map`) sees whole tensors too.
 
   Attributes:
     data: global array, shape `format.padded_shape`, dtype of the tensor,
@@ -116,15 +122,28 @@ class ShardedArray(WholeShape):
 
   def tree_flatten(self):
     if self._traced_by_jax:
-      raise TypeError(
-          f"{self!r} is optimizer state wus keeps sharded between steps, passed into a JAX "
-          "transformation (jax.jit, jax.grad, jax.shard_map, lax.scan, ...) of a function that "
-          "is not a wus step; only a wus step reads it there. " + _UNSHARD)
-    return (self.data,), (self.layout, self._dtype)
+      # Inside the user's own transformation: pytree code there sees the whole tensor.
+      return (self.whole(),), (self.layout, self._dtype, True)
+    return (self.data,), (self.layout, self._dtype, False)
+
+  def whole(self) -> jax.Array:
+    """The whole tensor (shape `shape`, dtype `dtype`, laid out by `spec`), gathered.
+
+    Outside a transformation, a new `jax.Array` (what `wus.unshard` gives);
+    inside one (`data` a tracer), the gather is part of the traced program.
+
+    Raises:
+      ValueError: the shards were donated to an earlier call.
+    """
+    from wus.transforms import programs  # noqa: PLC0415 -- programs imports this module's users
+    check_alive(self, repr(self), "a use of sharded state as an array")
+    return programs.unshard_program((self.layout,))(self.data)[0]
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     data, fmt = children[0], aux[0].format
+    if aux[2]:
+      return data  # Flattened whole inside a transformation: it stays the whole tensor.
     if (isinstance(data, (jax.Array, np.ndarray, np.generic))
         and tuple(np.shape(data)) != fmt.padded_shape):
       # A per-leaf function reached the shards (flax.jax_utils.unreplicate,
@@ -137,7 +156,7 @@ class ShardedArray(WholeShape):
           "or a checkpoint), or save wus.checkpointable(tree) with Orbax to keep it sharded. "
           "To map over ShardedArrays as leaves, pass is_leaf=wus.is_sharded.")
     out = object.__new__(cls)
-    out.data, (out.layout, out._dtype) = data, aux
+    out.data, (out.layout, out._dtype, _) = data, aux
     out._traced_by_jax = isinstance(data, jax.core.Tracer)
     _remember(out)
     return out
@@ -151,12 +170,6 @@ class ShardedArray(WholeShape):
       return f"ShardedArray({self.dtype}[{shape}], {where}; mapped: {self.data!r})"
     return f"ShardedArray({self.dtype}[{shape}], {where})"
 
-  def _needs_whole(self, *args, **kwargs):
-    raise TypeError(
-        f"{self!r} is a shard of a tensor that wus keeps sharded between steps (optimizer "
-        "state); it cannot be used as an array. Pass it back to the wus step that returned "
-        "it. " + _UNSHARD)
-
   def __reduce__(self):
     raise TypeError(f"{self!r} cannot be pickled: its shards live on devices. Pickle "
                     "wus.unshard(tree) (whole arrays), or save wus.checkpointable(tree) with "
@@ -168,14 +181,32 @@ class ShardedArray(WholeShape):
   def __deepcopy__(self, memo):  # The shards are immutable jax.Arrays: shared, as jax.Array does.
     return self
 
-  # Used as an array (jax.numpy, NumPy, arithmetic, indexing): say what to do.
-  __jax_array__ = __array__ = __getitem__ = __iter__ = __len__ = _needs_whole
-  __bool__ = __float__ = __int__ = __index__ = _needs_whole
-  __neg__ = __pos__ = __abs__ = __invert__ = _needs_whole
-  __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _needs_whole
-  __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _needs_whole
-  __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _needs_whole
-  __lt__ = __le__ = __gt__ = __ge__ = _needs_whole
+  def __jax_array__(self):
+    return self.whole()
+
+  def __array__(self, dtype=None, copy=None):
+    out = np.asarray(self.whole())
+    return out if dtype is None else out.astype(dtype)
+
+
+def _on_whole(name: str):
+  """The array method `name`, applied to the whole tensor (gathered on demand)."""
+  def method(self, *args, **kwargs):
+    return getattr(self.whole(), name)(*args, **kwargs)
+  method.__name__ = name
+  return method
+
+
+# Used as an array (arithmetic, indexing, iteration, conversion): the whole tensor.
+for _name in ("__getitem__", "__iter__", "__len__", "__bool__", "__float__", "__int__",
+              "__index__", "__neg__", "__pos__", "__abs__", "__invert__", "__add__", "__radd__",
+              "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+              "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__rpow__",
+              "__matmul__", "__rmatmul__", "__lt__", "__le__", "__gt__", "__ge__", "astype",
+              "reshape", "sum", "mean", "T"):
+  setattr(ShardedArray, _name, _on_whole(_name) if _name != "T" else
+          property(lambda self: self.whole().T))
+del _name
 
 
 # The live ShardedArrays, by the id of their shards: a saver that was handed a tree's leaves

@@ -25,6 +25,7 @@ from wus.analysis.compat.handles import (add_any_p, all_gather_invariant_p, all_
                                          CALL_JAXPR_PARAM, closed_call_p, ClosedJaxpr, cond_p,
                                          custom_jvp_call_p, custom_vjp_call_p, device_put_p,
                                          DropVar, geqp3_p, geqrf_p, iota_2x32_shape_p, is_literal,
+                                         is_ref_type,
                                          is_zero_literal, Jaxpr, JaxprEqn, jit_p,
                                          layout_constraint_p, Literal, mulhi_p, pbroadcast_p,
                                          philox2x32_p, philox4x32_p, platform_index_p, pmax_p,
@@ -39,9 +40,9 @@ from wus.analysis.compat.handles import (add_any_p, all_gather_invariant_p, all_
 from wus.analysis.compat.control_flow import (Atom, Cond, cond, loop, Loop)
 from wus.analysis.compat.source import (has_user_frame, source_line)
 from wus.analysis.compat.axes import (collective_axes, explicit_axes, has_axis_index_groups,
-                                      has_result_layout, match_varying, names_axes, renamed_axes,
-                                      sharding_spec, to_varying, varying_axes,
-                                      without_result_layout)
+                                      has_result_layout, is_sharding_constraint, match_varying,
+                                      names_axes, placement_axes, renamed_axes, sharding_spec,
+                                      to_varying, varying_axes, without_result_layout)
 from wus.analysis.compat.tracing import (attributed, bind, dce, in_current_mesh, is_staging_tracer,
                                          rebind, rebind_call, retyped, source_of, static_args)
 from wus.analysis.compat.shard_map import (body_without_dead_code, has_manual_code, INFER,

@@ -8,7 +8,7 @@ from typing import Any
 from jax._src import mesh as _mesh_lib
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from wus.analysis.compat.handles import Jaxpr, JaxprEqn, is_literal, sub_jaxprs
+from wus.analysis.compat.handles import Jaxpr, JaxprEqn, is_literal, reshard_p, sub_jaxprs
 from wus.analysis.compat.source import source_line
 
 def without_result_layout(eqn: JaxprEqn) -> dict[str, Any]:
@@ -173,3 +173,25 @@ def explicit_axes(mesh: Any) -> frozenset:
   from jax.sharding import AxisType
   return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                    if t == AxisType.Explicit)
+
+
+def is_sharding_constraint(eqn: JaxprEqn) -> bool:
+  """Whether `eqn` only lays its value out (`with_sharding_constraint`, `reshard`)."""
+  from jax import lax
+  return eqn.primitive in (lax.sharding_constraint_p, reshard_p)
+
+
+def placement_axes(eqn: JaxprEqn) -> frozenset | None:
+  """The mesh axes a sharding constraint (`with_sharding_constraint`, `reshard`,
+  `eqx.filter_shard` inside jit) lays its value out over; None for other equations or
+  a constraint wus cannot read (not a NamedSharding or PartitionSpec)."""
+  if not is_sharding_constraint(eqn):
+    return None
+  sharding = eqn.params.get("sharding", eqn.params.get("dst_sharding"))
+  spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+  if not isinstance(spec, P):
+    return None
+  names = set(getattr(spec, "unreduced", ()) or ()) | set(getattr(spec, "reduced", ()) or ())
+  for entry in spec:
+    names.update(() if entry is None else entry if isinstance(entry, tuple) else (entry,))
+  return frozenset(names)

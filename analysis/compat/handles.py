@@ -120,6 +120,12 @@ def is_literal(atom: Any) -> bool:
   return isinstance(atom, Literal)
 
 
+def is_ref_type(aval: Any) -> bool:
+  """Whether `aval` is the type of a JAX ref (`jax.new_ref`; Flax NNX's ref Variables)."""
+  from jax._src.state.types import AbstractRef  # noqa: PLC0415
+  return isinstance(aval, AbstractRef)
+
+
 def is_zero_literal(atom: Any) -> bool:
   """Whether a literal is zero (every element)."""
   return is_literal(atom) and not _np.any(_np.asarray(atom.val))

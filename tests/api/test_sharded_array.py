@@ -1,19 +1,21 @@
-"""`wus.ShardedArray` answers what an array answers about itself, and every place it
-reaches plain JAX code says to call `wus.unshard` (issue 23 item 3): a new user's
-`print(jax.tree.map(lambda x: x.shape, opt_state))`, `.sharding`, sizes without
-padding, pickling, their own jitted step, an optax call, donated state."""
+"""`wus.ShardedArray` answers what an array answers about itself (issue 23 item 3): a new
+user's `print(jax.tree.map(lambda x: x.shape, opt_state))`, `.sharding`, sizes without
+padding; pickling says to call `wus.unshard`. Used as an array (their own jitted step, an
+optax call, jnp, NumPy), it is its whole tensor, gathered on demand (issue 28 item 4):
+the same results as with `wus.unshard`'s whole state."""
 
 import copy
 import pickle
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import wus
-from helpers import dense_inputs, dense_step, mesh, sharded_leaves
+from helpers import assert_trees_equal, dense_inputs, dense_step, mesh, sharded_leaves
 
 TX = optax.adam(1e-2)
 SPECS = dict(in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
@@ -67,14 +69,12 @@ def test_pickle_says_what_to_call_and_copies_work(trained):
   pickle.loads(pickle.dumps(wus.unshard(sharded)))  # What the message says works.
 
 
-def test_a_plain_jitted_shard_map_step_says_to_unshard(trained):
-  """The user's own `jax.jit(jax.shard_map(step))` given sharded state: a wus message,
-  not JAX's in_specs mismatch."""
+def test_a_plain_jitted_shard_map_step_reads_the_whole_tensors(trained):
+  """The user's own `jax.jit(jax.shard_map(step))` given sharded state computes what it
+  computes on the whole state: the shards are gathered inside that program."""
   params, sharded, whole, x = trained
   plain = jax.jit(jax.shard_map(dense_step(TX), mesh=mesh(), **SPECS))
-  with pytest.raises(TypeError, match=r"not a wus step.*wus\.unshard\(tree\)"):
-    plain(params, sharded, x)
-  plain(params, whole, x)  # What the message says works.
+  assert_trees_equal(plain(params, sharded, x), plain(params, whole, x))
 
 
 @pytest.mark.parametrize("call", [
@@ -83,13 +83,25 @@ def test_a_plain_jitted_shard_map_step_says_to_unshard(trained):
     pytest.param(lambda g, s, p: jax.jit(optax.tree_utils.tree_norm)(s[0].mu), id="jit(norm)"),
     pytest.param(lambda g, s, p: jax.jit(lambda s: jax.tree.map(lambda x: 2 * x, s))(s),
                  id="jit(tree.map)"),
+    pytest.param(lambda g, s, p: jax.tree.map(lambda w, m: w + np.asarray(m), p, s[0].mu),
+                 id="numpy"),
+    pytest.param(lambda g, s, p: jax.tree.map(lambda w, m: jnp.dot(w.T, m), p, s[0].mu),
+                 id="jnp.dot"),
 ])
-def test_optax_outside_wus_says_to_unshard(trained, call):
+def test_optax_and_jax_outside_wus_see_the_whole_tensors(trained, call):
   params, sharded, whole, _ = trained
   grads = jax.tree.map(np.zeros_like, params)
-  with pytest.raises(TypeError, match=r"wus\.unshard\(tree\)"):
-    call(grads, sharded, params)
-  call(grads, whole, params)
+  assert_trees_equal(call(grads, sharded, params), call(grads, whole, params))
+
+
+def test_use_as_an_array_of_donated_state_says_it_is_gone(trained):
+  params, _, _, x = trained
+  step = wus.shard_map(dense_step(TX), mesh=mesh(), **SPECS)
+  _, opt_state = step(params, TX.init(params), x)
+  mu = opt_state[0].mu["w"]
+  mu.data.delete()  # As donate_argnums does.
+  with pytest.raises(ValueError, match="donated"):
+    mu + 1
 
 
 def test_orbax_save_of_raw_sharded_state_fails_at_save_time(trained, tmp_path):

@@ -140,7 +140,7 @@ def _reason(text: str) -> str:
 def test_wus_matches_unmodified_step(case):
   note(f"Standalone reproduction (repro.py):\n{case.script()}")
   ns = case.build()  # A fuzzer bug (bad source) errors here; it is not a rejection.
-  m = mesh(case.n, case.front)
+  m = mesh(case.n, case.front) if case.front == "shard_map" else ns["make_mesh"](case.front)
   kw = dict(mesh=m, in_specs=ns["IN_SPECS"], out_specs=ns["OUT_SPECS"], check_vma=case.check_vma)
   if case.front == "shard_map":
     unmodified, make_wus = jax.jit(jax.shard_map(ns["step"], **kw)), lambda: wus.shard_map(
@@ -170,6 +170,10 @@ def _check(case, ns, m, unmodified, make_wus):
     step = make_wus()
     got = ns["run"](step, args, batches)
     msgs, worst = ns["compare"](want, got, reduces=reduces, bf16=case.bf16)
+    if case.evaluate:  # The user's own jitted evaluation reads the state wus returned.
+      more, worse = ns["compare"](ns["evaluate"](*want[:2]), ns["evaluate"](*got[:2]),
+                                  reduces=reduces, bf16=case.bf16)
+      msgs, worst = msgs + more, max(worst, worse)
     plan = step.plan(*args, batches[0])
     kept, problems = fuzz_cases.replicated(plan, case.n)
     assert str(plan).startswith("wus plan")  # The Plan prints.
