@@ -410,7 +410,8 @@ def _run(jaxpr: ClosedJaxpr, jaxpr_plan: JaxprPlan, plan: Plan, args) -> list[An
   # The weights the step returns whole are all-gathered together, after
   # `jaxpr_plan.gather_after`; the outputs computed whole that are tied to them
   # read one of the gathered values, which follows those values too and is
-  # the same on every replica, as they are.
+  # the same on every replica, as they are (one that varies over no axis the
+  # output does not: a weight split over a model axis cannot tie a count).
   gathered = list(dict.fromkeys(
       v for k, v in enumerate(inner.outvars) if k not in jaxpr_plan.sharded_out
       and not compat.is_literal(v) and env.held[v].whole is None
@@ -421,8 +422,14 @@ def _run(jaxpr: ClosedJaxpr, jaxpr_plan: JaxprPlan, plan: Plan, args) -> list[An
   outs = [env.shard(v) if k in jaxpr_plan.sharded_out else env.whole(v)
           for k, v in enumerate(inner.outvars)]
   tied = sorted(jaxpr_plan.tied_outputs) if gathered and after else []
-  if tied:
-    for k, x in zip(tied, collectives.after([outs[k] for k in tied], [env.whole(gathered[0])]),
-                    strict=True):
+  wholes = [env.whole(v) for v in gathered]
+  by_token: dict[int, list[int]] = {}
+  for k in tied:
+    vma = compat.varying_axes(jax.typeof(outs[k]))
+    t = next((t for t, x in enumerate(wholes) if compat.varying_axes(jax.typeof(x)) <= vma), None)
+    if t is not None:
+      by_token.setdefault(t, []).append(k)
+  for t, ks in by_token.items():
+    for k, x in zip(ks, collectives.after([outs[k] for k in ks], [wholes[t]]), strict=True):
       outs[k] = x
   return outs

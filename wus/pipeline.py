@@ -178,17 +178,11 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   if group_size is None:
     axes = _replica_axes(options.axis_name, mesh, manual, flat,
                          [flat.invars[i] for i in pairs.values()])
-  # State split over other mesh axes too (tensor parallelism) stays whole
-  # between steps: sharded state is laid out over the replica axes only. Its
-  # update still runs on shards of this device's block.
-  replica = set(axes) | ({home.outer} if home is not None else set())
-  split_state = {}
-  for o, i in list(pairs.items()):
-    if other := (runtime.spec_axes(in_specs[i]) | runtime.spec_axes(out_specs[o])) - replica:
-      split_state[i] = (f"state split over {sorted(other)} by its in_spec or out_spec: kept "
-                        f"whole between steps (sharded state is laid out over {list(axes)} "
-                        "only)")
-      del pairs[o]
+  # State split over other mesh axes too (tensor parallelism): each block is sharded
+  # over the replica axes (ShardedLayout.split_axes), if it comes back as it came in.
+  split_state = _split_differently(pairs, in_specs, out_specs, out_names)
+  for i in split_state:
+    del pairs[next(o for o, k in pairs.items() if k == i)]
 
   # 3. Analyse and plan.
   arg_of_leaf = [a for a, arg in enumerate(args)
@@ -235,6 +229,19 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   out_replicated = tuple(facts.is_redundant(v, same) for v in flat.outvars)
   return Compiled(plan, step, sources, sharded_leaves, sharded_outputs, tuple(names),
                   tuple(out_specs), out_replicated, out_tree, mesh, user_mesh, timings)
+
+
+def _split_differently(pairs: dict, in_specs: Sequence, out_specs: Sequence,
+                       out_names: Sequence[str]) -> dict:
+  """State whose in_spec and out_spec split it differently (by input position, with the
+  reason for the Plan): kept whole between steps, since its shards would lie one way
+  when read and another when returned."""
+  out = {}
+  for o, i in pairs.items():
+    if runtime.normal(in_specs[i]) != runtime.normal(out_specs[o]):
+      out[i] = (f"its in_spec {in_specs[i]} and the out_spec {out_specs[o]} of its next value "
+                f"{out_names[o]} split it differently: kept whole between steps")
+  return out
 
 
 def _groups(mesh: Mesh, axes: tuple,

@@ -1,9 +1,21 @@
-"""Tensor parallel x data parallel (the shard_map tutorial's Megatron style): on
-a ("data", "model") mesh, weights split over "model" and gradients pmean-ed over
-"data". The state stays whole between steps, with the reason in the Plan
-(sharded state is laid out over the replica axes only), instead of failing in
-the program that shards it (a user-program sweep found the crash); the step
-equals the unmodified one."""
+"""Tensor parallelism x data parallelism under `wus.shard_map` (issue 29 item 1, DESIGN.md §1).
+
+On a ("data", "model") mesh a weight its in_spec splits over "model" has one
+block per model rank, which every data replica repeats the update of: wus
+reduce-scatters its gradient over "data" (within each model rank's data
+group), updates 1/N_data of the block and all-gathers the new block over
+"data" only. Its optimizer state comes back split over data x model. Steps
+compared with the unmodified `jax.shard_map` step on the same inputs over
+several steps, bit for bit (Adam, the suite's flags).
+
+The weights' blocks have one shape within a step here: the unmodified step
+then shares the bias corrections' broadcasts between tensors as the sharded
+one does (see test_equal_shards_of_different_shapes_round_as_the_unmodified_step).
+"""
+
+import math
+import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -14,42 +26,204 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, collective_lines, replica_groups, sharded_leaves
 
 TX = optax.adam(1e-2)
-PSPEC = {"w1": P(None, "model"), "w2": P("model", None)}
-OSPEC = (optax.ScaleByAdamState(count=P(), mu=PSPEC, nu=PSPEC), optax.EmptyState())
 
 
-def train_step(params, opt_state, x, y):
+def two_axis_mesh(n_data: int, n_model: int):
+  return jax.make_mesh((n_data, n_model), ("data", "model"),
+                       devices=jax.devices()[:n_data * n_model])
+
+
+def put(mesh, tree, specs):
+  return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def opt_specs(pspec):
+  return (optax.ScaleByAdamState(count=P(), mu=pspec, nu=pspec), optax.EmptyState())
+
+
+def run(mesh, step, pspec, params, batches, *, batch_spec=P("data"), wus_kw=None, **kw):
+  """Both steps on the same inputs: (unmodified results, wus results, the wus step, the
+  last batch)."""
+  kw = dict(mesh=mesh, in_specs=(pspec, opt_specs(pspec), batch_spec),
+            out_specs=(pspec, opt_specs(pspec), P()), **kw)
+  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw, **(wus_kw or {}))
+  a = b = (put(mesh, params, pspec), put(mesh, TX.init(params), opt_specs(pspec)))
+  for batch in batches:
+    batch = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, batch_spec)), batch)
+    a, b = ref(*a, batch)[:2], ws(*b, batch)[:2]
+  return a, b, ws, batch
+
+
+# --- The JAX shard_map tutorial's Megatron-style MLP ("Tensor parallelism"), trained. ----
+# Copied from the tutorial (feature axis "feats" named "model" here), with a data axis
+# beside it and the training step around its loss.
+
+
+def predict_tp(params, inputs):
+  for W, b in params:
+    outputs = gemm_tp(inputs, W, b)
+    inputs = jax.nn.relu(outputs)
+  return outputs
+
+
+def gemm_tp(inputs, W, b):
+  block_result = jnp.dot(inputs, W)
+  return jax.lax.psum_scatter(block_result, "model", scatter_dimension=1, tiled=True) + b
+
+
+def loss_tp(params, batch):
+  inputs, targets = batch
+  predictions = predict_tp(params, inputs)
+  sq_err = jax.lax.psum(jnp.sum((predictions - targets) ** 2, axis=-1), "model")
+  return jnp.mean(sq_err)
+
+
+def megatron_step(params, opt_state, batch):
+  loss, grads = jax.value_and_grad(loss_tp)(params, batch)
+  grads = lax.pmean(grads, "data")
+  updates, opt_state = TX.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "data")
+
+
+MEGATRON_SPEC = [(P("model", None), P("model"))] * 3  # Rows of W and b split over features.
+
+
+def megatron_inputs(n_data, steps=3, width=16):
+  r = np.random.RandomState(0)
+  params = [(jnp.asarray(r.randn(width, width) / np.sqrt(width), jnp.float32),
+             jnp.asarray(0.1 * r.randn(width), jnp.float32)) for _ in range(3)]
+  batches = [tuple(jnp.asarray(r.randn(4 * n_data, width), jnp.float32) for _ in range(2))
+             for _ in range(steps)]
+  return params, batches
+
+
+@pytest.mark.parametrize("n_data", [4, 3])
+def test_megatron_mlp_state_split_over_data_x_model_and_bit_for_bit(n_data):
+  mesh = two_axis_mesh(n_data, 2)
+  params, batches = megatron_inputs(n_data)
+  a, b, _, _ = run(mesh, megatron_step, MEGATRON_SPEC, params, batches,
+                   batch_spec=P("data", "model"))
+  assert_trees_equal(a, wus.unshard(b))
+  sharded = sharded_leaves(b[1])
+  assert len(sharded) == 12  # mu and nu of the three W and b.
+  whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(wus.unshard(b[1])))
+  per_device = sum(x.nbytes_per_device for x in sharded)
+  padding = sum(x.format.padding * x.dtype.itemsize * math.prod(x.format.shard_shape[1:])
+                for x in sharded)
+  assert per_device <= whole / (n_data * 2) + padding, (per_device, whole)
+  for x in sharded:
+    assert x.data.sharding.spec == P(("model", "data")), x
+    assert x.format.num_shards == n_data
+
+
+def test_megatron_mlp_gradients_reduce_scattered_over_the_data_groups_only():
+  """The compiled step: the split weights' gradients are reduce-scattered and the new
+  blocks all-gathered within each model rank's data group; no all-reduce over "data"
+  of anything but the loss is left, and the collectives over "model" are the
+  unmodified step's (the tutorial's own psum_scatter and psum, and their transposes)."""
+  mesh = two_axis_mesh(4, 2)
+  params, batches = megatron_inputs(4, steps=1)
+  a, b, ws, batch = run(mesh, megatron_step, MEGATRON_SPEC, params, batches,
+                        batch_spec=P("data", "model"))
+  hlo = ws.lower(*b, batch).compile().as_text()
+  kw = dict(mesh=mesh, in_specs=(MEGATRON_SPEC, opt_specs(MEGATRON_SPEC), P("data", "model")),
+            out_specs=(MEGATRON_SPEC, opt_specs(MEGATRON_SPEC), P()))
+  ref_hlo = jax.jit(jax.shard_map(megatron_step, **kw)).lower(*a, batch).compile().as_text()
+  data_groups = sorted(tuple(int(d.id) for d in mesh.devices[:, m]) for m in range(2))
+  model_groups = sorted(tuple(int(d.id) for d in mesh.devices[r]) for r in range(4))
+
+  def over(text, kind, groups):
+    return [ln for ln in collective_lines(text, kind) if sorted(replica_groups(ln)) == groups]
+  for kind in ("reduce-scatter", "all-gather", "all-reduce"):
+    assert len(over(hlo, kind, model_groups)) == len(over(ref_hlo, kind, model_groups)), kind
+    assert (len(over(hlo, kind, model_groups)) + len(over(hlo, kind, data_groups))
+            == len(collective_lines(hlo, kind))), kind
+  assert over(hlo, "reduce-scatter", data_groups) and over(hlo, "all-gather", data_groups)
+  for line in over(hlo, "all-reduce", data_groups):  # The loss's pmean only.
+    assert re.findall(r"\b[a-z]+\d*\[[\d,]*\]", line.split(" all-reduce")[0]) == ["f32[]"], line
+
+
+# --- A step with a GELU MLP, column- then row-parallel (w1 P(None, "model"), w2 P("model", None)).
+
+
+def gelu_step(params, opt_state, batch, tp=True):
+  x, y = batch
+
   def loss_fn(p):
-    return jnp.mean((lax.psum(jax.nn.gelu(x @ p["w1"]) @ p["w2"], "model") - y) ** 2)
+    h = jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+    return jnp.mean(((lax.psum(h, "model") if tp else h) - y) ** 2)
   loss, grads = jax.value_and_grad(loss_fn)(params)
   grads = lax.pmean(grads, "data")
   updates, opt_state = TX.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "data")
 
 
-@pytest.mark.parametrize("check_vma", [False, True])
-def test_tensor_parallel_state_stays_whole_and_the_step_matches(check_vma):
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
+GELU_SPEC = {"w1": P(None, "model"), "w2": P("model", None)}
+
+
+def gelu_inputs(n_data, steps=3, hidden=32):
   r = np.random.RandomState(0)
-  params = {"w1": jnp.asarray(0.1 * r.randn(16, 64), jnp.float32),
-            "w2": jnp.asarray(0.1 * r.randn(64, 16), jnp.float32)}
+  params = {"w1": jnp.asarray(0.1 * r.randn(16, hidden), jnp.float32),
+            "w2": jnp.asarray(0.1 * r.randn(hidden, 16), jnp.float32)}
+  batches = [tuple(jnp.asarray(r.randn(4 * n_data, 16), jnp.float32) for _ in range(2))
+             for _ in range(steps)]
+  return params, batches
 
-  def put(tree, specs):
-    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs,
-                        is_leaf=lambda x: isinstance(x, P))
 
-  kw = dict(mesh=mesh, in_specs=(PSPEC, OSPEC, P("data"), P("data")),
-            out_specs=(PSPEC, OSPEC, P()), check_vma=check_vma)
-  ref, ws = jax.jit(jax.shard_map(train_step, **kw)), wus.shard_map(train_step, **kw)
-  a = b = (put(params, PSPEC), put(TX.init(params), OSPEC))
-  for _ in range(3):
-    x, y = (jax.device_put(r.randn(32, 16).astype(np.float32), NamedSharding(mesh, P("data")))
-            for _ in range(2))
-    a, b = ref(*a, x, y)[:2], ws(*b, x, y)[:2]
-  assert_trees_equal(a, b)
-  plan = ws.plan(*b, x, y)
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_column_then_row_parallel_state_sharded_and_the_step_matches(check_vma):
+  mesh = two_axis_mesh(4, 2)
+  params, batches = gelu_inputs(4)
+  a, b, ws, batch = run(mesh, gelu_step, GELU_SPEC, params, batches, check_vma=check_vma)
+  assert_trees_equal(a, wus.unshard(b))
+  plan = ws.plan(*b, batch)
   mu = [i for i in plan.inputs if ".mu[" in i.name]
-  assert mu and all(not i.sharded and "split over ['model']" in i.reason for i in mu), str(plan)
+  assert mu and all(i.sharded for i in mu), str(plan)
+  assert all(c.sharded for c in plan.clusters), str(plan)
+  # Whole state passed again (e.g. restored by plain jax.shard_map code) is re-sharded.
+  again = ws(*wus.unshard(b), batch)[:2]
+  assert_trees_equal(jax.jit(jax.shard_map(
+      gelu_step, mesh=mesh, in_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P("data")),
+      out_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P()), check_vma=check_vma))(*a, batch)[:2],
+      wus.unshard(again))
+
+
+def test_a_model_axis_of_size_one_splits_nothing():
+  """(8, 1) with weights P(None, "model") plans, keeps and computes as the 1-D mesh."""
+  params, batches = gelu_inputs(8, hidden=64)
+  flat = jax.make_mesh((8,), ("data",))
+  a1, b1, ws1, batch1 = run(flat, partial(gelu_step, tp=False), {"w1": P(), "w2": P()}, params,
+                            batches)
+  a2, b2, ws2, batch2 = run(two_axis_mesh(8, 1), gelu_step, GELU_SPEC, params, batches)
+  assert str(ws1.plan(*b1, batch1)) == str(ws2.plan(*b2, batch2))
+  for x, y in zip(sharded_leaves(b1), sharded_leaves(b2), strict=True):
+    assert (x.format, x.nbytes_per_device) == (y.format, y.nbytes_per_device)
+  assert_trees_equal(wus.unshard(b1), wus.unshard(b2))
+  assert_trees_equal(a1, a2)
+
+
+def test_checkpoint_on_4x2_restores_on_2x2_through_state_target_and_whole(tmp_path):
+  """Item 7: state saved with wus.checkpointable on (4 data x 2 model) restores on
+  (2 x 2) through the step's state_target, and as whole arrays without wus."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  params, batches = gelu_inputs(4, steps=2)
+  _, b, _, _ = run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(tmp_path / "ckpt", wus.checkpointable(b))
+  ckptr.wait_until_finished()
+  whole = wus.unshard(b)
+  plain = ckptr.restore(tmp_path / "ckpt")  # Without a target: lists and dicts of arrays.
+  assert_trees_equal(jax.tree.leaves(whole), jax.tree.leaves(plain))
+  small = two_axis_mesh(2, 2)
+  _, _, ws, batch = run(small, gelu_step, GELU_SPEC, params, gelu_inputs(2, steps=1)[1])
+  target = ws.state_target(*put(small, whole, (GELU_SPEC, opt_specs(GELU_SPEC))), batch)[:2]
+  restored = ckptr.restore(tmp_path / "ckpt", target)
+  assert_trees_equal(whole, restored)
+  kw = dict(mesh=small, in_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P("data")),
+            out_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P()))
+  ref = jax.jit(jax.shard_map(gelu_step, **kw))(*restored, batch)[:2]
+  assert_trees_equal(ref, wus.unshard(ws(*restored, batch)[:2]))
