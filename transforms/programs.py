@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus import collectives
-from wus.analysis import costmodel, owned
+from wus.analysis import compat, costmodel, owned
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
@@ -212,7 +212,9 @@ def _gather_all(shards: Sequence, fmts: Sequence, axes: tuple) -> list:
   """Per replica: the whole values of shards, batched (§5.2); owned state by bank."""
   flat = [ShardFormat.flat(f.padded_shape, f.num_shards) if owned.is_owned(f) else f
           for f in fmts]
-  out = collectives.batched.all_gather(list(shards), flat, axes, costmodel.DEFAULT_BUCKET_BYTES)
+  out = collectives.batched.all_gather(
+      list(shards), flat, axes, costmodel.DEFAULT_BUCKET_BYTES,
+      keys=[compat.varying_axes(jax.typeof(x)) for x in shards])
   for bank, ks in banks(fmts).items():
     for k, whole in zip(ks, owned_rows.bank_wholes([out[k] for k in ks], bank.slots,
                                                    bank.widths, bank.shapes), strict=True):
