@@ -31,7 +31,7 @@ from wus.matching import Signature, StateMatch, argument_paths, aval, match_stat
 from wus.options import Options
 from wus.sharded import is_sharded
 from wus.transforms import gc_pause, groups, inline, programs
-from wus.transforms.layout import ShardedLayout
+from wus.transforms.layout import ShardedLayout, split_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +199,7 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   plan = make_plan(flat, facts, axes=axes, num_shards=num_shards,
                    in_names=in_names, out_names=out_names, state_pairs=pairs,
                    state_whole=split_state, matched=matched,
+                   split=_split(in_specs, axes, mesh, home),
                    min_size=options.min_shard_size, split_reason=step.split_reason,
                    objective=options.objective, shard_weights=options.shard_weights,
                    topology=_topology_for(options.topology, mesh, axes, num_shards))
@@ -229,6 +230,17 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   out_replicated = tuple(facts.is_redundant(v, same) for v in flat.outvars)
   return Compiled(plan, step, sources, sharded_leaves, sharded_outputs, tuple(names),
                   tuple(out_specs), out_replicated, out_tree, mesh, user_mesh, timings)
+
+
+def _split(in_specs: Sequence, axes: tuple, mesh: Mesh, home) -> dict:
+  """Operand position -> the axes of size > 1 (and their sizes) its in_spec splits it
+  over besides the replica axes (tensor parallelism), for the Plan."""
+  out = {}
+  for k, spec in enumerate(in_specs):
+    names = [a for a in split_axes(spec, axes, mesh, home) if mesh.shape[a] > 1]
+    if names:
+      out[k] = tuple((a, mesh.shape[a]) for a in names)
+  return out
 
 
 def _split_differently(pairs: dict, in_specs: Sequence, out_specs: Sequence,

@@ -306,3 +306,24 @@ def test_equal_shards_of_different_shapes_round_as_the_unmodified_step():
   a, b, _, _ = run(mesh, partial(gelu_step, tp=False), {"w1": P(), "w2": P()}, params,
                    batches)
   assert_trees_equal(a, wus.unshard(b))
+
+
+def test_the_plan_says_how_each_tensor_is_split_and_what_a_device_holds():
+  """Item 4: each input's line names the axes its spec splits it over, those wus shards
+  it over and the bytes per device; the totals give the state per device as a fraction
+  of a whole copy and of the model-parallel layout; the clusters are sharded (not kept
+  whole with the reason of a memory-objective cluster whose state stays whole)."""
+  params, batches = gelu_inputs(4, steps=1)  # w1 [16,32], w2 [32,16]; blocks [16,16].
+  _, b, ws, batch = run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
+  plan = ws.plan(*b, batch)
+  lines = {ln.split()[0]: ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
+           if ln.startswith("    ")}
+  for name in ("opt_state[0].mu['w1']", "opt_state[0].nu['w2']"):
+    assert lines[name].endswith("[split over ['model'] by its spec, sharded over ['data'] by "
+                                "wus: 256 B per device of 2 KiB]"), lines[name]
+  assert lines["params['w1']"].endswith("[split over ['model'] by its spec]")
+  assert lines["opt_state[0].count"].endswith("(by position)")  # Replicated: no layout.
+  whole, shard = plan.state_bytes
+  assert (whole, shard) == (4 * 512 * 4, 4 * 512 * 4 // 8)
+  assert "(predicted; 0.125 of a whole copy, 0.25 of what the specs alone leave" in str(plan)
+  assert all(c.sharded and "more than the" not in c.reason for c in plan.clusters), str(plan)
