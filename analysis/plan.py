@@ -111,6 +111,8 @@ class InputPlan:
       the replica axes, with their sizes (tensor parallelism's model axis:
       `shape` is one rank's block, and there are `blocks` of them); () on a
       1-D mesh.
+    fsdp: the replica axes of size > 1 the user's spec splits it over itself
+      (FSDP: each replica updates its own part, nothing is repeated there).
   """
 
   name: str
@@ -122,6 +124,7 @@ class InputPlan:
   itemsize: int = 4
   matched: str = ""
   split: tuple[tuple[str, int], ...] = ()
+  fsdp: tuple[str, ...] = ()
 
   @property
   def blocks(self) -> int:
@@ -314,6 +317,9 @@ class Plan:
     i = self.inputs[k]
     split = f"split over {[a for a, _ in i.split]} by its spec" if i.split else ""
     fmt = self.state_inputs.get(k) if i.sharded else None
+    if fmt is None and i.fsdp and i.state:
+      return (f" [{', '.join(filter(None, [split, f'FSDP over {list(i.fsdp)}']))}: already "
+              f"split by its spec, nothing repeated there: {_bytes(i.nbytes)} per device]")
     if fmt is None:
       return f" [{split}]" if split else ""
     wus = f"sharded over {list(self.axes)} by wus"

@@ -200,6 +200,7 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
                    in_names=in_names, out_names=out_names, state_pairs=pairs,
                    state_whole=split_state, matched=matched,
                    split=_split(in_specs, axes, mesh, home),
+                   fsdp=_fsdp(in_specs, sources, replicated, axes, mesh),
                    min_size=options.min_shard_size, split_reason=step.split_reason,
                    objective=options.objective, shard_weights=options.shard_weights,
                    topology=_topology_for(options.topology, mesh, axes, num_shards))
@@ -240,6 +241,18 @@ def _split(in_specs: Sequence, axes: tuple, mesh: Mesh, home) -> dict:
     names = [a for a in split_axes(spec, axes, mesh, home) if mesh.shape[a] > 1]
     if names:
       out[k] = tuple((a, mesh.shape[a]) for a in names)
+  return out
+
+
+def _fsdp(in_specs: Sequence, sources: tuple, replicated: frozenset, axes: tuple,
+          mesh: Mesh) -> dict:
+  """Operand position -> the replica axes of size > 1 its in_spec splits it over itself
+  (FSDP), for the Plan; not `wus.pmap`'s equal per-device copies (`replicated`)."""
+  out = {}
+  for k, (spec, src) in enumerate(zip(in_specs, sources, strict=True)):
+    fsdp = tuple(a for a in axes if a in runtime.spec_axes(spec) and mesh.shape[a] > 1)
+    if fsdp and not (src[0] == "arg" and src[1] in replicated):
+      out[k] = fsdp
   return out
 
 
