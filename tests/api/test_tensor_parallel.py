@@ -15,6 +15,7 @@ one does (see test_equal_shards_of_different_shapes_round_as_the_unmodified_step
 
 import math
 import re
+import sys
 from functools import partial
 
 import jax
@@ -414,3 +415,50 @@ def test_hsdp_state_one_over_replica_times_fsdp_and_bit_for_bit():
     assert x.nbytes_per_device * 8 == x.size * x.dtype.itemsize, x
     assert x.data.sharding.spec == P(("fsdp", "replica")), x
   assert ws.plan(*b, batch).axes == ("replica",)
+
+
+# --- Item 5 and item 6: reductions and matrix-wise updates under tensor parallelism. ------
+
+REDUCING = [
+    ("clip_adam", lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2))),
+    ("lamb", lambda: optax.lamb(1e-2)),
+]
+
+
+def _state_specs(tx, params, pspec):
+  """The optimizer state's specs: a leaf shaped like a weight is split as the weight."""
+  by_shape = {v.shape: pspec[k] for k, v in params.items()}
+  return jax.tree.map(lambda x: by_shape.get(getattr(x, "shape", None), P()), tx.init(params))
+
+
+def _run_tx(monkeypatch, tx):
+  params, batches = gelu_inputs(4)
+  monkeypatch.setattr(sys.modules[__name__], "TX", tx)
+  monkeypatch.setattr(sys.modules[__name__], "opt_specs",
+                      lambda pspec: _state_specs(tx, params, pspec))
+  return run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
+
+
+@pytest.mark.parametrize("name,make_tx", REDUCING, ids=[n for n, _ in REDUCING])
+def test_norms_of_model_split_blocks_combine_as_the_unmodified_step(monkeypatch, name, make_tx):
+  """Global-norm clipping and LAMB's trust ratios on blocks split over "model": the
+  sharded step sums each block's squares over its data shards (masked local sums and an
+  all-reduce over "data"), as the unmodified step sums the block; up to summation order."""
+  a, b, ws, batch = _run_tx(monkeypatch, make_tx())
+  assert_trees_equal(a, wus.unshard(b), rtol=2e-6, atol=1e-7)
+  assert len(sharded_leaves(b)) == 4
+  assert all(c.sharded for c in ws.plan(*b, batch).clusters)
+
+
+def test_muon_on_model_split_blocks_runs_as_written_with_the_reason(monkeypatch):
+  """Item 6, decided: a matrix split over "model" cannot be orthogonalized from its
+  data shard, and owning a block per data replica is not implemented: the update runs
+  as the step wrote it (on each model rank's block, on every data replica), bit for
+  bit, and the Plan says why. Never an error."""
+  a, b, ws, batch = _run_tx(monkeypatch, optax.contrib.muon(1e-2))
+  assert_trees_equal(a, wus.unshard(b))
+  plan = ws.plan(*b, batch)
+  kernels = [c for c in plan.clusters if any(t.shape in ((16, 16),) for t in c.tensors)]
+  assert kernels and all(not c.sharded and c.owner is None for c in kernels)
+  for c in kernels:
+    assert "is one block of a tensor split over ['model'] (tensor parallelism)" in c.reason
