@@ -462,3 +462,49 @@ def test_muon_on_model_split_blocks_runs_as_written_with_the_reason(monkeypatch)
   assert kernels and all(not c.sharded and c.owner is None for c in kernels)
   for c in kernels:
     assert "is one block of a tensor split over ['model'] (tensor parallelism)" in c.reason
+
+
+def test_flax_nnx_model_annotated_with_partitioning_under_shard_map():
+  """A Flax NNX model whose kernels carry `nnx.with_partitioning` over "model" (the specs
+  from `nnx.get_partition_spec`), run as a pure function of its State under shard_map;
+  LayerNorm replicated. Bit for bit; the model-split state sharded over data x model."""
+  from flax import nnx  # noqa: PLC0415
+
+  class MLP(nnx.Module):
+    def __init__(self, din, dhid, *, rngs, tp=True):
+      init = nnx.initializers.lecun_normal()
+      self.norm = nnx.LayerNorm(din, rngs=rngs)
+      self.up = nnx.Linear(din, dhid, kernel_init=nnx.with_partitioning(init, (None, "model")),
+                           bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(),
+                                                           ("model",)), rngs=rngs)
+      self.down = nnx.Linear(dhid, din, use_bias=False,
+                             kernel_init=nnx.with_partitioning(init, ("model", None)), rngs=rngs)
+      self.tp = tp
+
+    def __call__(self, x):
+      h = self.down(nnx.gelu(self.up(self.norm(x))))
+      return x + (lax.psum(h, "model") if self.tp else h)
+
+  mesh = two_axis_mesh(4, 2)
+  with jax.set_mesh(mesh):
+    graphdef, state = nnx.split(MLP(16, 32, rngs=nnx.Rngs(0)))
+  spec = jax.tree.map(lambda s: P() if s is None else s, nnx.get_partition_spec(state),
+                      is_leaf=lambda x: x is None or isinstance(x, P))
+
+  def step(params, opt_state, batch):
+    x, y = batch
+
+    def loss_fn(p):
+      return jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    grads = lax.pmean(grads, "data")
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "data")
+
+  r = np.random.RandomState(1)
+  batches = [tuple(jnp.asarray(r.randn(16, 16), jnp.float32) for _ in range(2))
+             for _ in range(3)]
+  a, b, _, _ = run(mesh, step, spec, jax.tree.map(np.asarray, state), batches)
+  assert_trees_equal(a, wus.unshard(b))
+  split = [x for x in sharded_leaves(b[1]) if x.layout.split_axes == ("model",)]
+  assert len(sharded_leaves(b[1])) == 10 and len(split) == 6  # up.kernel, up.bias, down.kernel.
