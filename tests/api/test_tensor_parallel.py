@@ -15,7 +15,6 @@ one does (see test_equal_shards_of_different_shapes_round_as_the_unmodified_step
 
 import math
 import re
-import sys
 from functools import partial
 
 import jax
@@ -24,82 +23,12 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, collective_lines, replica_groups, sharded_leaves
-
-TX = optax.adam(1e-2)
-
-
-def two_axis_mesh(n_data: int, n_model: int):
-  return jax.make_mesh((n_data, n_model), ("data", "model"),
-                       devices=jax.devices()[:n_data * n_model])
-
-
-def put(mesh, tree, specs):
-  return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs,
-                      is_leaf=lambda x: isinstance(x, P))
-
-
-def opt_specs(pspec):
-  return (optax.ScaleByAdamState(count=P(), mu=pspec, nu=pspec), optax.EmptyState())
-
-
-def run(mesh, step, pspec, params, batches, *, batch_spec=P("data"), wus_kw=None, **kw):
-  """Both steps on the same inputs: (unmodified results, wus results, the wus step, the
-  last batch)."""
-  kw = dict(mesh=mesh, in_specs=(pspec, opt_specs(pspec), batch_spec),
-            out_specs=(pspec, opt_specs(pspec), P()), **kw)
-  ref, ws = jax.jit(jax.shard_map(step, **kw)), wus.shard_map(step, **kw, **(wus_kw or {}))
-  a = b = (put(mesh, params, pspec), put(mesh, TX.init(params), opt_specs(pspec)))
-  for batch in batches:
-    batch = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, batch_spec)), batch)
-    a, b = ref(*a, batch)[:2], ws(*b, batch)[:2]
-  return a, b, ws, batch
-
-
-# --- The JAX shard_map tutorial's Megatron-style MLP ("Tensor parallelism"), trained. ----
-# Copied from the tutorial (feature axis "feats" named "model" here), with a data axis
-# beside it and the training step around its loss.
-
-
-def predict_tp(params, inputs):
-  for W, b in params:
-    outputs = gemm_tp(inputs, W, b)
-    inputs = jax.nn.relu(outputs)
-  return outputs
-
-
-def gemm_tp(inputs, W, b):
-  block_result = jnp.dot(inputs, W)
-  return jax.lax.psum_scatter(block_result, "model", scatter_dimension=1, tiled=True) + b
-
-
-def loss_tp(params, batch):
-  inputs, targets = batch
-  predictions = predict_tp(params, inputs)
-  sq_err = jax.lax.psum(jnp.sum((predictions - targets) ** 2, axis=-1), "model")
-  return jnp.mean(sq_err)
-
-
-def megatron_step(params, opt_state, batch):
-  loss, grads = jax.value_and_grad(loss_tp)(params, batch)
-  grads = lax.pmean(grads, "data")
-  updates, opt_state = TX.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "data")
-
-
-MEGATRON_SPEC = [(P("model", None), P("model"))] * 3  # Rows of W and b split over features.
-
-
-def megatron_inputs(n_data, steps=3, width=16):
-  r = np.random.RandomState(0)
-  params = [(jnp.asarray(r.randn(width, width) / np.sqrt(width), jnp.float32),
-             jnp.asarray(0.1 * r.randn(width), jnp.float32)) for _ in range(3)]
-  batches = [tuple(jnp.asarray(r.randn(4 * n_data, width), jnp.float32) for _ in range(2))
-             for _ in range(steps)]
-  return params, batches
+from tensor_parallel import (GELU_SPEC, MEGATRON_SPEC, TX, gelu_inputs, gelu_step,
+                             megatron_inputs, megatron_step, opt_specs, put, run, two_axis_mesh)
 
 
 @pytest.mark.parametrize("n_data", [4, 3])
@@ -146,33 +75,6 @@ def test_megatron_mlp_gradients_reduce_scattered_over_the_data_groups_only():
   assert over(hlo, "reduce-scatter", data_groups) and over(hlo, "all-gather", data_groups)
   for line in over(hlo, "all-reduce", data_groups):  # The loss's pmean only.
     assert re.findall(r"\b[a-z]+\d*\[[\d,]*\]", line.split(" all-reduce")[0]) == ["f32[]"], line
-
-
-# --- A step with a GELU MLP, column- then row-parallel (w1 P(None, "model"), w2 P("model", None)).
-
-
-def gelu_step(params, opt_state, batch, tp=True):
-  x, y = batch
-
-  def loss_fn(p):
-    h = jax.nn.gelu(x @ p["w1"]) @ p["w2"]
-    return jnp.mean(((lax.psum(h, "model") if tp else h) - y) ** 2)
-  loss, grads = jax.value_and_grad(loss_fn)(params)
-  grads = lax.pmean(grads, "data")
-  updates, opt_state = TX.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "data")
-
-
-GELU_SPEC = {"w1": P(None, "model"), "w2": P("model", None)}
-
-
-def gelu_inputs(n_data, steps=3, hidden=32):
-  r = np.random.RandomState(0)
-  params = {"w1": jnp.asarray(0.1 * r.randn(16, hidden), jnp.float32),
-            "w2": jnp.asarray(0.1 * r.randn(hidden, 16), jnp.float32)}
-  batches = [tuple(jnp.asarray(r.randn(4 * n_data, 16), jnp.float32) for _ in range(2))
-             for _ in range(steps)]
-  return params, batches
 
 
 @pytest.mark.parametrize("check_vma", [False, True])
@@ -328,140 +230,6 @@ def test_the_plan_says_how_each_tensor_is_split_and_what_a_device_holds():
   assert (whole, shard) == (4 * 512 * 4, 4 * 512 * 4 // 8)
   assert "(predicted; 0.125 of a whole copy, 0.25 of what the specs alone leave" in str(plan)
   assert all(c.sharded and "more than the" not in c.reason for c in plan.clusters), str(plan)
-
-
-# --- FSDP + TP (the tutorial's "FSDP + TP" section) and HSDP (issue 29 item 3). -----------
-
-
-def predict_fsdp_tp(params_frag, inputs):
-  for W_frag, b_frag in params_frag:
-    W = jax.lax.all_gather(W_frag, "data", tiled=True)
-    b = jax.lax.all_gather(b_frag, "data", tiled=True)
-    block_result = jnp.dot(inputs, W)
-    outputs = jax.lax.psum_scatter(block_result, "model", scatter_dimension=1, tiled=True) + b
-    inputs = jax.nn.relu(outputs)
-  return outputs
-
-
-def loss_fsdp_tp(local_params, local_batch):
-  inputs, targets = local_batch
-  layers, out_scale = local_params
-  predictions = predict_fsdp_tp(layers, inputs) * out_scale
-  sq_err = jax.lax.psum(jnp.sum((predictions - targets) ** 2, axis=-1), "model")
-  return jax.lax.pmean(jnp.mean(sq_err), "data")
-
-
-def fsdp_tp_step(params, opt_state, batch):
-  loss, grads = jax.value_and_grad(loss_fsdp_tp)(params, batch)
-  updates, opt_state = TX.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, loss
-
-
-def test_fsdp_plus_tp_weights_say_fsdp_and_the_rest_of_the_step_is_served():
-  """The tutorial's FSDP + TP layers (split over model x data: nothing repeated over
-  "data", their gradients arrive reduce-scattered) beside an output scale split over
-  "model" only, whose gradient AD all-reduces over "data": the Plan says FSDP for the
-  former, and the latter's update is sharded over "data". (N_data = 3 has no such
-  step: jax.shard_map needs the layers' rows divisible by data x model.)"""
-  n_data = 4
-  layers, batches = megatron_inputs(n_data)
-  width = layers[0][0].shape[0]
-  params = (layers, jnp.linspace(0.5, 1.5, width, dtype=jnp.float32))
-  fsdp = P(("model", "data"))
-  spec = ([(fsdp, fsdp)] * 3, P("model"))
-  a, b, ws, batch = run(two_axis_mesh(n_data, 2), fsdp_tp_step, spec, params, batches,
-                        batch_spec=P("data", "model"))
-  assert_trees_equal(a, wus.unshard(b))
-  plan = ws.plan(*b, batch)
-  lines = {ln.split()[0]: ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
-           if ln.startswith("    ")}
-  for name in ("params[0][0][0]", "opt_state[0].mu[0][0][0]"):
-    assert "FSDP over ['data']: already split by its spec" in lines[name], lines[name]
-  assert "FSDP" not in lines["batch[0]"]
-  scale = [x for x in sharded_leaves(b[1]) if x.shape == (width,)]
-  assert len(scale) == 2 and all(x.layout.split_axes == ("model",) for x in scale)
-  assert sum(c.sharded for c in plan.clusters) == 1, str(plan)
-
-
-def test_hsdp_state_one_over_replica_times_fsdp_and_bit_for_bit():
-  """HSDP on ("replica", "fsdp") = (2, 4): weights split over "fsdp" (all-gathered in the
-  forward pass) and replicated over "replica"; the update of each fsdp part is sharded
-  over "replica" (ZeRO-1 outside, FSDP inside): 1/8 of the state per device."""
-  def predict(params_frag, inputs):
-    for W_frag, b_frag in params_frag:
-      W = jax.lax.all_gather(W_frag, "fsdp", tiled=True)
-      b = jax.lax.all_gather(b_frag, "fsdp", tiled=True)
-      inputs = jax.nn.relu(jnp.dot(inputs, W) + b)
-    return inputs
-
-  def step(params, opt_state, batch):
-    def loss(p):
-      inputs, targets = batch
-      return jnp.mean(jnp.sum((predict(p, inputs) - targets) ** 2, axis=-1))
-    value, grads = jax.value_and_grad(loss)(params)
-    grads = jax.tree.map(lambda g: g / lax.axis_size("fsdp"), lax.pmean(grads, "replica"))
-    updates, opt_state = TX.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state,
-            lax.pmean(value, ("replica", "fsdp")))
-
-  mesh = jax.make_mesh((2, 4), ("replica", "fsdp"))
-  params, batches = megatron_inputs(8)
-  a, b, ws, batch = run(mesh, step, [(P("fsdp"), P("fsdp"))] * 3, params, batches,
-                        batch_spec=P(("replica", "fsdp")))
-  assert_trees_equal(a, wus.unshard(b))
-  sharded = sharded_leaves(b[1])
-  assert len(sharded) == 12
-  for x in sharded:
-    assert x.nbytes_per_device * 8 == x.size * x.dtype.itemsize, x
-    assert x.data.sharding.spec == P(("fsdp", "replica")), x
-  assert ws.plan(*b, batch).axes == ("replica",)
-
-
-# --- Item 5 and item 6: reductions and matrix-wise updates under tensor parallelism. ------
-
-REDUCING = [
-    ("clip_adam", lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2))),
-    ("lamb", lambda: optax.lamb(1e-2)),
-]
-
-
-def _state_specs(tx, params, pspec):
-  """The optimizer state's specs: a leaf shaped like a weight is split as the weight."""
-  by_shape = {v.shape: pspec[k] for k, v in params.items()}
-  return jax.tree.map(lambda x: by_shape.get(getattr(x, "shape", None), P()), tx.init(params))
-
-
-def _run_tx(monkeypatch, tx):
-  params, batches = gelu_inputs(4)
-  monkeypatch.setattr(sys.modules[__name__], "TX", tx)
-  monkeypatch.setattr(sys.modules[__name__], "opt_specs",
-                      lambda pspec: _state_specs(tx, params, pspec))
-  return run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
-
-
-@pytest.mark.parametrize("name,make_tx", REDUCING, ids=[n for n, _ in REDUCING])
-def test_norms_of_model_split_blocks_combine_as_the_unmodified_step(monkeypatch, name, make_tx):
-  """Global-norm clipping and LAMB's trust ratios on blocks split over "model": the
-  sharded step sums each block's squares over its data shards (masked local sums and an
-  all-reduce over "data"), as the unmodified step sums the block; up to summation order."""
-  a, b, ws, batch = _run_tx(monkeypatch, make_tx())
-  assert_trees_equal(a, wus.unshard(b), rtol=2e-6, atol=1e-7)
-  assert len(sharded_leaves(b)) == 4
-  assert all(c.sharded for c in ws.plan(*b, batch).clusters)
-
-
-def test_muon_on_model_split_blocks_runs_as_written_with_the_reason(monkeypatch):
-  """Item 6, decided: a matrix split over "model" cannot be orthogonalized from its
-  data shard, and owning a block per data replica is not implemented: the update runs
-  as the step wrote it (on each model rank's block, on every data replica), bit for
-  bit, and the Plan says why. Never an error."""
-  a, b, ws, batch = _run_tx(monkeypatch, optax.contrib.muon(1e-2))
-  assert_trees_equal(a, wus.unshard(b))
-  plan = ws.plan(*b, batch)
-  kernels = [c for c in plan.clusters if any(t.shape in ((16, 16),) for t in c.tensors)]
-  assert kernels and all(not c.sharded and c.owner is None for c in kernels)
-  for c in kernels:
-    assert "is one block of a tensor split over ['model'] (tensor parallelism)" in c.reason
 
 
 def test_flax_nnx_model_annotated_with_partitioning_under_shard_map():
