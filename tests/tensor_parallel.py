@@ -3,6 +3,8 @@
 steps users write for it (the JAX shard_map tutorial's Megatron MLP; a GELU MLP
 column- then row-parallel)."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,17 @@ def put(mesh, tree, specs):
 
 def opt_specs(pspec):
   return (optax.ScaleByAdamState(count=P(), mu=pspec, nu=pspec), optax.EmptyState())
+
+
+def use_tx(monkeypatch, tx, params) -> None:
+  """Runs the steps here with optimizer `tx` (for `params`, a dict of weights): its
+  state's specs split a leaf shaped like a weight as the weight."""
+  monkeypatch.setattr(sys.modules[__name__], "TX", tx)
+
+  def specs(pspec):
+    by_shape = {v.shape: pspec[k] for k, v in params.items()}
+    return jax.tree.map(lambda x: by_shape.get(getattr(x, "shape", None), P()), tx.init(params))
+  monkeypatch.setattr(sys.modules[__name__], "opt_specs", specs)
 
 
 def run(mesh, step, pspec, params, batches, *, batch_spec=P("data"), wus_kw=None, **kw):

@@ -187,8 +187,11 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   # 3. Analyse and plan.
   arg_of_leaf = [a for a, arg in enumerate(args)
                  for _ in jax.tree.leaves(arg, is_leaf=is_sharded)]
+  # An axis of size 1 splits nothing: a value its spec splits over one is the same on
+  # its one replica (a (8, 1) mesh plans as the 1-D mesh).
+  single = frozenset(a for a in manual if mesh.shape[a] == 1)
   in_rep = [frozenset(manual) if s[0] == "arg" and s[1] in replicated
-            else manual - runtime.spec_axes(spec)
+            else manual - (runtime.spec_axes(spec) - single)
             for spec, s in zip(in_specs, sources, strict=True)]
   facts = redundancy.analyze(flat, in_rep, manual)
   names = argument_paths(step.f, args, step.signature.keywords)

@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 import wus
 from helpers import assert_trees_equal, collective_lines, replica_groups, sharded_leaves
 from tensor_parallel import (GELU_SPEC, MEGATRON_SPEC, TX, gelu_inputs, gelu_step,
-                             megatron_inputs, megatron_step, opt_specs, put, run, two_axis_mesh)
+                             megatron_inputs, megatron_step, opt_specs, put, run, two_axis_mesh,
+                             use_tx)
 
 
 @pytest.mark.parametrize("n_data", [4, 3])
@@ -95,9 +96,13 @@ def test_column_then_row_parallel_state_sharded_and_the_step_matches(check_vma):
       wus.unshard(again))
 
 
-def test_a_model_axis_of_size_one_splits_nothing():
-  """(8, 1) with weights P(None, "model") plans, keeps and computes as the 1-D mesh."""
+@pytest.mark.parametrize("name,tx", [("adam", optax.adam(1e-2)),
+                                     ("muon", optax.contrib.muon(1e-2))], ids=["adam", "muon"])
+def test_a_model_axis_of_size_one_splits_nothing(monkeypatch, name, tx):
+  """(8, 1) with weights P(None, "model") plans, keeps and computes as the 1-D mesh (Muon:
+  the same reasons, not the tensor-parallel one)."""
   params, batches = gelu_inputs(8, hidden=64)
+  use_tx(monkeypatch, tx, params)
   flat = jax.make_mesh((8,), ("data",))
   a1, b1, ws1, batch1 = run(flat, partial(gelu_step, tp=False), {"w1": P(), "w2": P()}, params,
                             batches)

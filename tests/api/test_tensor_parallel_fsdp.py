@@ -10,11 +10,10 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-import tensor_parallel
 import wus
 from helpers import assert_trees_equal, sharded_leaves
 from tensor_parallel import (GELU_SPEC, TX, gelu_inputs, gelu_step, megatron_inputs, run,
-                             two_axis_mesh)
+                             two_axis_mesh, use_tx)
 
 # --- FSDP + TP (the tutorial's "FSDP + TP" section) and HSDP (issue 29 item 3). -----------
 
@@ -111,17 +110,9 @@ REDUCING = [
 ]
 
 
-def _state_specs(tx, params, pspec):
-  """The optimizer state's specs: a leaf shaped like a weight is split as the weight."""
-  by_shape = {v.shape: pspec[k] for k, v in params.items()}
-  return jax.tree.map(lambda x: by_shape.get(getattr(x, "shape", None), P()), tx.init(params))
-
-
 def _run_tx(monkeypatch, tx):
   params, batches = gelu_inputs(4)
-  monkeypatch.setattr(tensor_parallel, "TX", tx)
-  monkeypatch.setattr(tensor_parallel, "opt_specs",
-                      lambda pspec: _state_specs(tx, params, pspec))
+  use_tx(monkeypatch, tx, params)
   return run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
 
 
