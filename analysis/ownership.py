@@ -202,6 +202,14 @@ def _runs_on_owner(eqn, ctx) -> bool:
       _runs_on_owner(e, ctx) for sub in compat.sub_jaxprs(eqn) for e in sub.eqns)
 
 
+def _split_over(eqn, ctx) -> list[str]:
+  """The manual axes besides the sharding axes over which the operands of a gradient
+  all-reduce differ (a weight its spec splits over a model axis), sorted."""
+  other = ctx.facts.all_axes - ctx.axes
+  return sorted({a for v in eqn.invars if not compat.is_literal(v)
+                 for a in other - ctx.facts.of(v)})
+
+
 def _check(graph: Graph, u: _Unit, ctx, state_pairs: Mapping[int, int]) -> str | None:
   """Why `u` cannot be owned, or None; fills its seeds, state pairs, exits and weights."""
   jaxpr = graph.jaxpr
@@ -216,6 +224,11 @@ def _check(graph: Graph, u: _Unit, ctx, state_pairs: Mapping[int, int]) -> str |
                 f"axes {sorted(ctx.axes)}")
       seeds.append(i)
       operands.update(v for v in eqn.invars if not compat.is_literal(v))
+      if split := _split_over(eqn, ctx):
+        return (f"its gradient at {source_line(eqn)} is one block of a tensor split over "
+                f"{split} (tensor parallelism): the update of the block stays as the step "
+                "wrote it, on every replica (owning blocks that differ across those axes is "
+                "not implemented)")
     elif not _runs_on_owner(eqn, ctx):
       return f"{eqn.primitive} at {source_line(eqn)} cannot run on one replica alone"
   # In equation order (not a set's), so that the reason printed is the same every run.

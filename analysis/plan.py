@@ -107,6 +107,12 @@ class InputPlan:
     matched: the output the step's state matching took for its next value and
       the rule that found it (position, name, structure), or why it found
       none although outputs share its tree structure; "" otherwise.
+    split: the mesh axes of size > 1 the user's spec splits it over besides
+      the replica axes, with their sizes (tensor parallelism's model axis:
+      `shape` is one rank's block, and there are `blocks` of them); () on a
+      1-D mesh.
+    fsdp: the replica axes of size > 1 the user's spec splits it over itself
+      (FSDP: each replica updates its own part, nothing is repeated there).
   """
 
   name: str
@@ -117,6 +123,13 @@ class InputPlan:
   state: bool = False
   itemsize: int = 4
   matched: str = ""
+  split: tuple[tuple[str, int], ...] = ()
+  fsdp: tuple[str, ...] = ()
+
+  @property
+  def blocks(self) -> int:
+    """Blocks the user's spec splits the whole tensor into (1: none)."""
+    return int(np.prod([n for _, n in self.split]))
 
   @property
   def reason(self) -> str:
@@ -282,10 +295,36 @@ class Plan:
 
   @property
   def state_bytes(self) -> tuple[int, int]:
-    """(whole bytes, per-replica bytes) of the inputs kept sharded between steps."""
-    whole = sum(self.inputs[k].nbytes for k in self.state_inputs)
+    """(whole bytes, per-device bytes) of the inputs kept sharded between steps; whole
+    over every block of a tensor the user's spec splits over other axes too."""
+    whole = sum(self.inputs[k].nbytes * self.inputs[k].blocks for k in self.state_inputs)
     shard = sum(f.shard_size * self.inputs[k].itemsize for k, f in self.state_inputs.items())
     return whole, shard
+
+  def _split_state(self) -> str:
+    """The sharded state per device as a fraction of the layout of the user's specs
+    alone (state split over a model axis), or "" when no spec splits any."""
+    whole, shard = self.state_bytes
+    alone = sum(self.inputs[k].nbytes for k in self.state_inputs)
+    if whole == alone or not shard:
+      return ""
+    return (f"; {shard / whole:.3g} of a whole copy, {shard / alone:.3g} of what the "
+            "specs alone leave on a device")
+
+  def _layout(self, k: int) -> str:
+    """Where an input lies, for its line: the axes the user's spec splits it over, those
+    wus shards it over and what each device holds of it ("" for a whole replicated one)."""
+    i = self.inputs[k]
+    split = f"split over {[a for a, _ in i.split]} by its spec" if i.split else ""
+    fmt = self.state_inputs.get(k) if i.sharded else None
+    if fmt is None and i.fsdp and i.state:
+      return (f" [{', '.join(filter(None, [split, f'FSDP over {list(i.fsdp)}']))}: already "
+              f"split by its spec, nothing repeated there: {_bytes(i.nbytes)} per device]")
+    if fmt is None:
+      return f" [{split}]" if split else ""
+    wus = f"sharded over {list(self.axes)} by wus"
+    return (f" [{', '.join(filter(None, [split, wus]))}: "
+            f"{_bytes(fmt.shard_size * i.itemsize)} per device of {_bytes(i.nbytes * i.blocks)}]")
 
   @property
   def whole_state_bytes(self) -> int:
@@ -301,8 +340,8 @@ class Plan:
              f"{self.axes} (N={self.num_shards}), {self.objective} objective",
              *([f"  the step runs unchanged: {self.unchanged}"] if self.unchanged else []),
              f"  state kept sharded between steps: {_bytes(whole)} whole -> {_bytes(shard)} per "
-             f"device (predicted); state kept whole: {_bytes(self.whole_state_bytes)} (weights, "
-             "tiny tensors)",
+             f"device (predicted{self._split_state()}); state kept whole: "
+             f"{_bytes(self.whole_state_bytes)} (weights, tiny tensors)",
              f"  weight update: {_bytes(self.sharded_bytes)} of tensors updated on shards, "
              + (f"{_bytes(self.owned_bytes)} owned, " if self.owned is not None else "")
              + f"{_bytes(self.replicated_bytes)} in replicated clusters"]
@@ -345,10 +384,10 @@ class Plan:
         fmt = str(t.format) if t.format is not None else "whole"
         lines.append(f"    {t.role:9s} {t.name:40s} {t.dtype:9s} {fmt}")
     lines.append("inputs:")
-    for i in self.inputs:
+    for k, i in enumerate(self.inputs):
       layout = "sharded" if i.sharded else "whole"
       lines.append(f"    {i.name:40s} {str(list(i.shape)):16s} {i.dtype:9s} {layout}: {i.reason}"
-                   + (f"; {i.matched}" if i.matched else ""))
+                   + (f"; {i.matched}" if i.matched else "") + self._layout(k))
     whole, shard = self.state_bytes
     lines.append(f"totals: weight update {self.sharded_bytes} B on shards, "
                  + (f"{self.owned_bytes} B owned, " if self.owned is not None else "")

@@ -27,7 +27,9 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               split_reason: str = "its in_spec splits it", objective: str = "memory",
               topology: network.Topology | None = None, shard_weights: bool = False,
               state_whole: Mapping[int, str] | None = None,
-              matched: Mapping[int, str] | None = None, roots: Sequence[int] = ()) -> Plan:
+              matched: Mapping[int, str] | None = None, roots: Sequence[int] = (),
+              split: Mapping[int, tuple] | None = None,
+              fsdp: Mapping[int, tuple] | None = None) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -56,6 +58,10 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
       an update reads whole, to be sliced locally (`clusters.find_roots`): a
       front end's gradients that arrive all-reduced. The planner finds the
       roots of the updates of state that no all-reduce reaches itself.
+    split: input position -> the mesh axes of size > 1 the user's spec splits it
+      over besides `axes`, with their sizes (tensor parallelism), for the Plan.
+    fsdp: input position -> the axes of `axes` its spec splits it over (FSDP), for
+      the Plan.
 
   Returns:
     The frozen Plan.
@@ -74,7 +80,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     if not sharded and k in (state_whole or {}):
       why = reasons.Reason(state_whole[k], (why.verdict, *why.notes))
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, why,
-                            k in state, v.aval.dtype.itemsize, (matched or {}).get(k, "")))
+                            k in state, v.aval.dtype.itemsize, (matched or {}).get(k, ""),
+                            tuple((split or {}).get(k, ())), tuple((fsdp or {}).get(k, ()))))
   limit, alone, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology,
                                             objective)
   # In a step with clusters grown from roots, the copy-free order of donated weights

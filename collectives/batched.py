@@ -60,7 +60,7 @@ def all_reduce(values: Sequence[jnp.ndarray], op: str, axis_name) -> list[jnp.nd
 
 
 def all_reduce_bucketed(values: Sequence[jnp.ndarray], axis_name,
-                        bucket_bytes: int) -> list[jnp.ndarray]:
+                        bucket_bytes: int, keys: Sequence | None = None) -> list[jnp.ndarray]:
   """Per replica: psum of many tensors in few collectives (§5.2, Fig. 10).
 
   Tensors of one dtype share an all-reduce, in buckets of at most
@@ -71,6 +71,7 @@ def all_reduce_bucketed(values: Sequence[jnp.ndarray], axis_name,
     values: tensors, any shapes and dtypes.
     axis_name: the mesh axes to sum over.
     bucket_bytes: bytes per bucket (`buckets`).
+    keys: see `reduce_scatter`.
 
   Returns:
     The sums, shapes and dtypes as given.
@@ -78,7 +79,7 @@ def all_reduce_bucketed(values: Sequence[jnp.ndarray], axis_name,
   def one(vs, _):
     return [lax.psum(vs[0], axis_name)] if len(vs) == 1 else all_reduce(vs, "sum", axis_name)
   return _bucketed(one, values, [None] * len(values), bucket_bytes,
-                   elements=[v.size for v in values])
+                   elements=[v.size for v in values], keys=keys)
 
 
 def buckets(sizes: Sequence[int], limit: int, alone_bytes: int | None = None,
@@ -119,7 +120,8 @@ def buckets(sizes: Sequence[int], limit: int, alone_bytes: int | None = None,
 
 
 def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
-                   bucket_bytes: int, alone_bytes: int | None = None) -> list[jnp.ndarray]:
+                   bucket_bytes: int, alone_bytes: int | None = None,
+                   keys: Sequence | None = None) -> list[jnp.ndarray]:
   """Per replica: `formatted.reduce_scatter` of many tensors in few collectives.
 
   Tensors of one dtype share a collective, in buckets of `bucket_bytes`
@@ -137,6 +139,11 @@ def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
     axis_name: the replica axes.
     bucket_bytes: bytes of whole tensors per bucket (`buckets`).
     alone_bytes: see `buckets`.
+    keys: a hashable per tensor, or None: tensors of different keys never
+      share a bucket. The callers pass the mesh axes each value varies over
+      (`check_vma`): a bucket's result varies over all its tensors' axes, so a
+      replicated LayerNorm scale batched with a weight split over a model axis
+      would come back typed as varying over it.
 
   Returns:
     One shard per tensor: shape `fmt.shard_shape`, dtype of its value.
@@ -148,11 +155,12 @@ def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
     mine = formatted.scatter_rows(jnp.concatenate(rows, axis=1), axis_name)[0]
     return [jnp.reshape(part, f.shard_shape) for part, f in zip(
         _cut(mine, [math.prod(f.shard_shape) for f in fmts]), fmts)]
-  return _bucketed(one, values, fmts, bucket_bytes, alone_bytes)
+  return _bucketed(one, values, fmts, bucket_bytes, alone_bytes, keys=keys)
 
 
 def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
-               bucket_bytes: int, alone_bytes: int | None = None) -> list[jnp.ndarray]:
+               bucket_bytes: int, alone_bytes: int | None = None,
+               keys: Sequence | None = None) -> list[jnp.ndarray]:
   """Per replica: `formatted.all_gather` of many shards in few collectives.
 
   Shards of one dtype share a collective, in buckets of `bucket_bytes` (of
@@ -165,6 +173,7 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
     axis_name: the replica axes.
     bucket_bytes: bytes of whole tensors per bucket (`buckets`).
     alone_bytes: see `buckets`.
+    keys: see `reduce_scatter`.
 
   Returns:
     The whole tensors: shapes `fmt.shape`, dtypes of the shards, identical on
@@ -177,7 +186,7 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
     every = formatted.gather(flat, axis_name, tiled=False)  # [N, total]: replica r's in row r.
     return [formatted.unpad(jnp.reshape(part, f.padded_shape), f) for part, f in
             zip(_cut(every, [math.prod(f.shard_shape) for f in fmts], axis=1), fmts)]
-  return _bucketed(one, shards, fmts, bucket_bytes, alone_bytes)
+  return _bucketed(one, shards, fmts, bucket_bytes, alone_bytes, keys=keys)
 
 
 def dtype_buckets(dtypes: Sequence, sizes: Sequence[int], limit: int,
@@ -207,15 +216,16 @@ def pads(fmts: Sequence) -> list[bool]:
 
 
 def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence, limit: int,
-              alone_bytes: int | None = None,
-              elements: Sequence[int] | None = None) -> list[jnp.ndarray]:
-  """`collective(values, fmts)` per bucket of one dtype; results in the order given.
+              alone_bytes: int | None = None, elements: Sequence[int] | None = None,
+              keys: Sequence | None = None) -> list[jnp.ndarray]:
+  """`collective(values, fmts)` per bucket of one dtype and key; results in the order given.
 
   Buckets are sized by the whole tensors (`fmt.shape`), or by `elements`."""
   sizes = [(math.prod(fmts[k].shape) if elements is None else elements[k]) * x.dtype.itemsize
            for k, x in enumerate(values)]
   out: list = [None] * len(values)
-  for group in dtype_buckets([x.dtype for x in values], sizes, limit, alone_bytes, pads(fmts)):
+  kinds = [x.dtype if keys is None else (x.dtype, keys[k]) for k, x in enumerate(values)]
+  for group in dtype_buckets(kinds, sizes, limit, alone_bytes, pads(fmts)):
     for k, y in zip(group, collective([values[k] for k in group], [fmts[k] for k in group]),
                     strict=True):
       out[k] = y

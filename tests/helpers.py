@@ -222,6 +222,27 @@ def collective_arrays(lines, kind: str) -> list[str]:
           for a in re.findall(r"\b[a-z]+\d*\[[\d,]*\]", shape)]
 
 
+def replica_groups(line: str) -> list[tuple[int, ...]]:
+  """The replica groups of an HLO collective: explicit, or XLA's iota form
+  `[a,b]<=[dims]T(perm)` (the iota over dims, transposed, read as a rows of b)."""
+  explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+  if explicit:
+    return [tuple(int(d) for d in grp.split(",")) for grp in re.findall(r"\{([\d,]+)\}",
+                                                                          explicit[1])]
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+  dims = [int(d) for d in iota[3].split(",")]
+  ids = np.arange(np.prod(dims)).reshape(dims)
+  if iota[4]:
+    ids = ids.transpose([int(p) for p in iota[4].split(",")])
+  return [tuple(int(d) for d in row) for row in ids.reshape(int(iota[1]), int(iota[2]))]
+
+
+def collective_lines(hlo: str, kind: str) -> list[str]:
+  """HLO instruction lines of one collective kind (async pairs counted at -start)."""
+  return [line for line in hlo.splitlines()
+          if re.match(r"\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) " + kind + r"(?:-start)?\(", line)]
+
+
 # --- A training loop inside the step (§4.2, Fig. 4). -------------------------------
 
 LOOP_STEPS = 3  # Steps per call of `make_train`.

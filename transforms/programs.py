@@ -17,13 +17,13 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus import collectives
-from wus.analysis import costmodel, owned
+from wus.analysis import compat, costmodel, owned
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
 from wus.collectives import owned as owned_rows
 from wus.transforms import gc_pause, groups
-from wus.transforms.layout import ShardedLayout, shard_spec
+from wus.transforms.layout import ShardedLayout, padded_spec, shard_spec  # noqa: F401 -- wus.jit
 from wus.transforms.rewrite import rewrite
 
 
@@ -52,13 +52,15 @@ def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequen
 
   Returns:
     A jitted function of one global array per `jaxpr` input; state inputs
-    (`plan.state_inputs`) are padded arrays of shape `format.padded_shape`
-    laid out with `shard_spec(plan.axes)`. It returns one global array per
-    output, state outputs in the same padded layout.
+    (`plan.state_inputs`) are the global arrays of their padded shards
+    (`ShardedLayout.padded_shape`: each block's `format.padded_shape` for a
+    tensor its spec splits over other axes too) laid out by `padded_spec`. It
+    returns one global array per output, state outputs in the same padded layout.
   """
-  spec = shard_spec(plan.axes)
-  ins = tuple(spec if k in plan.state_inputs else s for k, s in enumerate(in_specs))
-  outs = tuple(spec if k in plan.state_outputs else s for k, s in enumerate(out_specs))
+  def padded(spec: P) -> P:
+    return padded_spec(spec, plan.axes, mesh, home)
+  ins = tuple(padded(s) if k in plan.state_inputs else s for k, s in enumerate(in_specs))
+  outs = tuple(padded(s) if k in plan.state_outputs else s for k, s in enumerate(out_specs))
   body = rewrite(jaxpr, plan)
 
   def timed_body(*args):
@@ -102,19 +104,18 @@ def shard_program(layouts: tuple[ShardedLayout, ...]) -> Callable[..., list[jax.
 
   Returns:
     A function of one array per layout returning, per tensor, a global array
-    of shape `format.padded_shape` laid out by its `data_sharding`.
+    of shape `padded_shape` laid out by its `data_sharding`.
   """
   fmts, specs, mesh, axes, home = _common(layouts)
+  padded = [x.data_sharding.spec for x in layouts]
 
   def body(*xs):
     return _shard_all(xs, fmts, axes)
   if home is None:
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
-                                 out_specs=[shard_spec(axes)] * len(fmts)))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=padded))
   # A mesh derived for sharding groups: whole values may come on the user's mesh,
   # and `wus.pmap`'s stacked copies, split over the groups too, are equal copies.
-  split = jax.shard_map(body, mesh=mesh, in_specs=specs,
-                        out_specs=[shard_spec(axes)] * len(fmts), check_vma=False)
+  split = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=padded, check_vma=False)
 
   def placed(*xs):
     with groups.on(mesh):
@@ -137,15 +138,16 @@ def unshard_program(layouts: tuple[ShardedLayout, ...]) -> Callable[..., list[ja
       P(): one replicated array).
 
   Returns:
-    A function of one global array per layout (shape `format.padded_shape`)
+    A function of one global array per layout (shape `padded_shape`)
     returning the whole arrays (each device's value of shape `format.shape`),
-    on the user's mesh.
+    on the user's mesh. A tensor split over other axes too (`split_axes`) is
+    gathered over `axes` only: each device gets its block, laid out by `spec`.
   """
   fmts, specs, mesh, axes, home = _common(layouts)
 
   def body(*shards):
     return _gather_all(shards, fmts, axes)
-  gather = jax.shard_map(body, mesh=mesh, in_specs=(shard_spec(axes),) * len(fmts),
+  gather = jax.shard_map(body, mesh=mesh, in_specs=tuple(x.data_sharding.spec for x in layouts),
                          out_specs=list(specs))
   if home is None:
     return jax.jit(gather)
@@ -210,7 +212,9 @@ def _gather_all(shards: Sequence, fmts: Sequence, axes: tuple) -> list:
   """Per replica: the whole values of shards, batched (§5.2); owned state by bank."""
   flat = [ShardFormat.flat(f.padded_shape, f.num_shards) if owned.is_owned(f) else f
           for f in fmts]
-  out = collectives.batched.all_gather(list(shards), flat, axes, costmodel.DEFAULT_BUCKET_BYTES)
+  out = collectives.batched.all_gather(
+      list(shards), flat, axes, costmodel.DEFAULT_BUCKET_BYTES,
+      keys=[compat.varying_axes(jax.typeof(x)) for x in shards])
   for bank, ks in banks(fmts).items():
     for k, whole in zip(ks, owned_rows.bank_wholes([out[k] for k in ks], bank.slots,
                                                    bank.widths, bank.shapes), strict=True):

@@ -123,10 +123,10 @@ class _Env:
     (Fig. 10)."""
     vs, self.summands = self.summands, []
     dtypes, rows, row_fmts = self.owned.to_scatter() if self.owned is not None else ([], [], [])
-    outs = collectives.batched.reduce_scatter([self.held[v].summand for v in vs] + rows,
-                                              [self.fmt(v) for v in vs] + row_fmts,
+    values = [self.held[v].summand for v in vs] + rows
+    outs = collectives.batched.reduce_scatter(values, [self.fmt(v) for v in vs] + row_fmts,
                                               self.plan.axes, self.plan.bucket_bytes,
-                                              self.plan.alone_bytes)
+                                              self.plan.alone_bytes, keys=_vma(values))
     if dtypes:  # Rows of owned gradients, in the same batched reduce-scatters.
       self.owned.scattered(dtypes, outs[len(vs):])
     groups: dict = {}
@@ -135,8 +135,9 @@ class _Env:
       if self.held[v].across:
         groups.setdefault(self.held[v].across, []).append(v)
     for across, us in groups.items():
-      summed = collectives.batched.all_reduce_bucketed([self.held[u].shard for u in us], across,
-                                                       self.plan.bucket_bytes)
+      shards = [self.held[u].shard for u in us]
+      summed = collectives.batched.all_reduce_bucketed(shards, across, self.plan.bucket_bytes,
+                                                       keys=_vma(shards))
       for u, x in zip(us, summed, strict=True):
         self.held[u].shard = x
 
@@ -154,7 +155,7 @@ class _Env:
       shards = collectives.after(shards, self.tokens(after))
     outs = collectives.batched.all_gather(shards, [self.fmt(v) for v in mine] + row_fmts,
                                           self.plan.axes, self.plan.bucket_bytes,
-                                          self.plan.alone_bytes)
+                                          self.plan.alone_bytes, keys=_vma(shards))
     wholes = dict(zip(mine, outs, strict=False))
     if dtypes:
       wholes.update(self.owned.gathered(dtypes, outs[len(mine):]))
@@ -173,6 +174,13 @@ class _Env:
     if self.plan.formats.get(v) == fmt:
       return self.shard(v)
     return collectives.shard(self.whole(v), fmt, self.plan.axes)
+
+
+def _vma(values) -> list[frozenset]:
+  """The mesh axes each value varies over (JAX's types under check_vma): the batched
+  collectives' bucket keys (a weight split over a model axis never shares a bucket
+  with a replicated one)."""
+  return [compat.varying_axes(jax.typeof(x)) for x in values]
 
 
 ShardRule = Callable[[JaxprEqn, _Env], list[Any]]
@@ -410,7 +418,8 @@ def _run(jaxpr: ClosedJaxpr, jaxpr_plan: JaxprPlan, plan: Plan, args) -> list[An
   # The weights the step returns whole are all-gathered together, after
   # `jaxpr_plan.gather_after`; the outputs computed whole that are tied to them
   # read one of the gathered values, which follows those values too and is
-  # the same on every replica, as they are.
+  # the same on every replica, as they are (one that varies over no axis the
+  # output does not: a weight split over a model axis cannot tie a count).
   gathered = list(dict.fromkeys(
       v for k, v in enumerate(inner.outvars) if k not in jaxpr_plan.sharded_out
       and not compat.is_literal(v) and env.held[v].whole is None
@@ -421,8 +430,14 @@ def _run(jaxpr: ClosedJaxpr, jaxpr_plan: JaxprPlan, plan: Plan, args) -> list[An
   outs = [env.shard(v) if k in jaxpr_plan.sharded_out else env.whole(v)
           for k, v in enumerate(inner.outvars)]
   tied = sorted(jaxpr_plan.tied_outputs) if gathered and after else []
-  if tied:
-    for k, x in zip(tied, collectives.after([outs[k] for k in tied], [env.whole(gathered[0])]),
-                    strict=True):
+  wholes = [env.whole(v) for v in gathered]
+  by_token: dict[int, list[int]] = {}
+  for k in tied:
+    vma = compat.varying_axes(jax.typeof(outs[k]))
+    t = next((t for t, x in enumerate(wholes) if compat.varying_axes(jax.typeof(x)) <= vma), None)
+    if t is not None:
+      by_token.setdefault(t, []).append(k)
+  for t, ks in by_token.items():
+    for k, x in zip(ks, collectives.after([outs[k] for k in ks], [wholes[t]]), strict=True):
       outs[k] = x
   return outs

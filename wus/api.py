@@ -300,7 +300,7 @@ class ShardedStep:
     for src in compiled.sources:
       if src[0] == "arg" and src[1] in compiled.sharded_leaves:
         layout = compiled.sharded_leaves[src[1]]
-        ops.append(jax.ShapeDtypeStruct(layout.format.padded_shape, leaves[src[1]].dtype,
+        ops.append(jax.ShapeDtypeStruct(layout.padded_shape, leaves[src[1]].dtype,
                                         sharding=layout.data_sharding))
       else:
         ops.append(src[1] if src[0] == "const" else leaves[src[1]])

@@ -31,7 +31,7 @@ from wus.matching import Signature, StateMatch, argument_paths, aval, match_stat
 from wus.options import Options
 from wus.sharded import is_sharded
 from wus.transforms import gc_pause, groups, inline, programs
-from wus.transforms.layout import ShardedLayout
+from wus.transforms.layout import ShardedLayout, split_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,23 +178,20 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   if group_size is None:
     axes = _replica_axes(options.axis_name, mesh, manual, flat,
                          [flat.invars[i] for i in pairs.values()])
-  # State split over other mesh axes too (tensor parallelism) stays whole
-  # between steps: sharded state is laid out over the replica axes only. Its
-  # update still runs on shards of this device's block.
-  replica = set(axes) | ({home.outer} if home is not None else set())
-  split_state = {}
-  for o, i in list(pairs.items()):
-    if other := (runtime.spec_axes(in_specs[i]) | runtime.spec_axes(out_specs[o])) - replica:
-      split_state[i] = (f"state split over {sorted(other)} by its in_spec or out_spec: kept "
-                        f"whole between steps (sharded state is laid out over {list(axes)} "
-                        "only)")
-      del pairs[o]
+  # State split over other mesh axes too (tensor parallelism): each block is sharded
+  # over the replica axes (ShardedLayout.split_axes), if it comes back as it came in.
+  split_state = _split_differently(pairs, in_specs, out_specs, out_names)
+  for i in split_state:
+    del pairs[next(o for o, k in pairs.items() if k == i)]
 
   # 3. Analyse and plan.
   arg_of_leaf = [a for a, arg in enumerate(args)
                  for _ in jax.tree.leaves(arg, is_leaf=is_sharded)]
+  # An axis of size 1 splits nothing: a value its spec splits over one is the same on
+  # its one replica (a (8, 1) mesh plans as the 1-D mesh).
+  single = frozenset(a for a in manual if mesh.shape[a] == 1)
   in_rep = [frozenset(manual) if s[0] == "arg" and s[1] in replicated
-            else manual - runtime.spec_axes(spec)
+            else manual - (runtime.spec_axes(spec) - single)
             for spec, s in zip(in_specs, sources, strict=True)]
   facts = redundancy.analyze(flat, in_rep, manual)
   names = argument_paths(step.f, args, step.signature.keywords)
@@ -205,6 +202,8 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   plan = make_plan(flat, facts, axes=axes, num_shards=num_shards,
                    in_names=in_names, out_names=out_names, state_pairs=pairs,
                    state_whole=split_state, matched=matched,
+                   split=_split(in_specs, axes, mesh, home),
+                   fsdp=_fsdp(in_specs, sources, replicated, axes, mesh),
                    min_size=options.min_shard_size, split_reason=step.split_reason,
                    objective=options.objective, shard_weights=options.shard_weights,
                    topology=_topology_for(options.topology, mesh, axes, num_shards))
@@ -235,6 +234,42 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   out_replicated = tuple(facts.is_redundant(v, same) for v in flat.outvars)
   return Compiled(plan, step, sources, sharded_leaves, sharded_outputs, tuple(names),
                   tuple(out_specs), out_replicated, out_tree, mesh, user_mesh, timings)
+
+
+def _split(in_specs: Sequence, axes: tuple, mesh: Mesh, home) -> dict:
+  """Operand position -> the axes of size > 1 (and their sizes) its in_spec splits it
+  over besides the replica axes (tensor parallelism), for the Plan."""
+  out = {}
+  for k, spec in enumerate(in_specs):
+    names = [a for a in split_axes(spec, axes, mesh, home) if mesh.shape[a] > 1]
+    if names:
+      out[k] = tuple((a, mesh.shape[a]) for a in names)
+  return out
+
+
+def _fsdp(in_specs: Sequence, sources: tuple, replicated: frozenset, axes: tuple,
+          mesh: Mesh) -> dict:
+  """Operand position -> the replica axes of size > 1 its in_spec splits it over itself
+  (FSDP), for the Plan; not `wus.pmap`'s equal per-device copies (`replicated`)."""
+  out = {}
+  for k, (spec, src) in enumerate(zip(in_specs, sources, strict=True)):
+    fsdp = tuple(a for a in axes if a in runtime.spec_axes(spec) and mesh.shape[a] > 1)
+    if fsdp and not (src[0] == "arg" and src[1] in replicated):
+      out[k] = fsdp
+  return out
+
+
+def _split_differently(pairs: dict, in_specs: Sequence, out_specs: Sequence,
+                       out_names: Sequence[str]) -> dict:
+  """State whose in_spec and out_spec split it differently (by input position, with the
+  reason for the Plan): kept whole between steps, since its shards would lie one way
+  when read and another when returned."""
+  out = {}
+  for o, i in pairs.items():
+    if runtime.normal(in_specs[i]) != runtime.normal(out_specs[o]):
+      out[i] = (f"its in_spec {in_specs[i]} and the out_spec {out_specs[o]} of its next value "
+                f"{out_names[o]} split it differently: kept whole between steps")
+  return out
 
 
 def _groups(mesh: Mesh, axes: tuple,

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from wus.errors import StateMismatchError
 from wus.sharded import ShardedArray, check_alive, is_sharded
 from wus.transforms import programs
-from wus.transforms.layout import ShardedLayout
+from wus.transforms.layout import ShardedLayout, spec_axes  # noqa: F401 -- re-exported
 
 
 def operands(leaves: list, compiled) -> list:
@@ -153,16 +153,6 @@ def leaf_signature(x) -> tuple:
   if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
     return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)))
   return (type(x), ())
-
-
-def spec_axes(spec: P) -> frozenset:
-  """The mesh axes a PartitionSpec splits over."""
-  out = set()
-  for entry in spec:
-    if entry is None:
-      continue
-    out.update(entry if isinstance(entry, tuple) else (entry,))
-  return frozenset(out)
 
 
 def normal(spec: P) -> tuple:

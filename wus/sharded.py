@@ -72,8 +72,10 @@ class ShardedArray(WholeShape):
   `shard_map`) sees whole tensors too.
 
   Attributes:
-    data: global array, shape `format.padded_shape`, dtype of the tensor,
-      leading dim split over `axes` (each device holds `format.shard_shape`).
+    data: global array, shape `layout.padded_shape` (`format.padded_shape`, or
+      one per block for a tensor its spec splits over other axes too), dtype of
+      the tensor, leading dim split over the layout's `split_axes` and `axes`
+      (each device holds `format.shard_shape`).
     layout: where it lies (`ShardedLayout`): `format`, how one replica's whole
       value (shape `format.shape`) maps to `data` (§4.1); `axes`, the mesh
       axes it is sharded over; `spec`, the PartitionSpec of the whole value in
@@ -115,9 +117,10 @@ class ShardedArray(WholeShape):
 
   @property
   def sharding(self) -> jax.sharding.NamedSharding:
-    """How the padded shards (`data`, shape `format.padded_shape`) lie on the mesh: the
-    leading dim split over `axes`. Not a sharding of `shape`: one replica's shard is a
-    range of the row-major tensor, in general not a box of it."""
+    """How the padded shards (`data`, shape `layout.padded_shape`) lie on the mesh: the
+    leading dim split over the layout's `split_axes`, then `axes`. Not a sharding of
+    `shape`: one replica's shard is a range of the row-major tensor, in general not a box
+    of it."""
     return self.layout.data_sharding
 
   def tree_flatten(self):
@@ -141,16 +144,16 @@ class ShardedArray(WholeShape):
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    data, fmt = children[0], aux[0].format
+    data, fmt, padded = children[0], aux[0].format, aux[0].padded_shape
     if aux[2]:
       return data  # Flattened whole inside a transformation: it stays the whole tensor.
     if (isinstance(data, (jax.Array, np.ndarray, np.generic))
-        and tuple(np.shape(data)) != fmt.padded_shape):
+        and tuple(np.shape(data)) != padded):
       # A per-leaf function reached the shards (flax.jax_utils.unreplicate,
       # `tree_map(lambda x: x[0], state)`): its result would be no tensor.
       raise TypeError(
           f"a function mapped over a pytree turned the shards of a wus.ShardedArray (global "
-          f"shape {fmt.padded_shape}, the padded shards of a {list(fmt.shape)} tensor that wus "
+          f"shape {padded}, the padded shards of a {list(fmt.shape)} tensor that wus "
           f"keeps sharded between steps) into shape {tuple(np.shape(data))}. Call "
           "wus.unshard(tree) first for whole arrays (e.g. before flax.jax_utils.unreplicate "
           "or a checkpoint), or save wus.checkpointable(tree) with Orbax to keep it sharded. "
@@ -165,6 +168,8 @@ class ShardedArray(WholeShape):
     shape = ",".join(map(str, self.shape))
     where = (f"{self.format.num_shards} shards of {list(self.format.shard_shape)} over "
              f"{self.axes}")
+    if self.layout.num_blocks > 1:
+      where += f" per block of {list(self.format.shape)} over {self.layout.split_axes}"
     if not isinstance(self.data, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
       # What a function mapped over the tree returned for the shards (`lambda x: x.shape`).
       return f"ShardedArray({self.dtype}[{shape}], {where}; mapped: {self.data!r})"
@@ -298,7 +303,10 @@ def checkpointable(tree: Any) -> Any:
   tensor's logical (unpadded) shape, each process writing only the shards its
   own devices hold: nothing is gathered. Code without wus restores it as a
   whole array; `ShardedStep.state_target` restores it sharded, at any replica
-  count. Other leaves pass through unchanged. (Checkpoints are beyond the
+  count. State a tensor-parallel step keeps split over data x model (its spec
+  splits it over a model axis too) is saved whole instead, laid out by its spec
+  (gathered over the replica axes first): `state_target` restores it whole on any
+  mesh and the step shards it at its first call. Other leaves pass through unchanged. (Checkpoints are beyond the
   paper; the shards saved are §4.1's: replica r's range of the row-major
   tensor.)
 
@@ -307,7 +315,8 @@ def checkpointable(tree: Any) -> Any:
       wus step returned them).
 
   Returns:
-    The same structure with every ShardedArray replaced by a LogicalView.
+    The same structure with every ShardedArray replaced by a LogicalView (or,
+    split over other axes too, its whole array).
 
   Raises:
     TypeError: a ShardedArray holds a tracer (inside `jax.jit`).

@@ -1,9 +1,21 @@
-"""Tensor parallel x data parallel (the shard_map tutorial's Megatron style): on
-a ("data", "model") mesh, weights split over "model" and gradients pmean-ed over
-"data". The state stays whole between steps, with the reason in the Plan
-(sharded state is laid out over the replica axes only), instead of failing in
-the program that shards it (a user-program sweep found the crash); the step
-equals the unmodified one."""
+"""Tensor parallelism x data parallelism under `wus.shard_map` (issue 29 item 1, DESIGN.md §1).
+
+On a ("data", "model") mesh a weight its in_spec splits over "model" has one
+block per model rank, which every data replica repeats the update of: wus
+reduce-scatters its gradient over "data" (within each model rank's data
+group), updates 1/N_data of the block and all-gathers the new block over
+"data" only. Its optimizer state comes back split over data x model. Steps
+compared with the unmodified `jax.shard_map` step on the same inputs over
+several steps, bit for bit (Adam, the suite's flags).
+
+The weights' blocks have one shape within a step here: the unmodified step
+then shares the bias corrections' broadcasts between tensors as the sharded
+one does (see test_equal_shards_of_different_shapes_round_as_the_unmodified_step).
+"""
+
+import math
+import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -11,45 +23,261 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, collective_lines, replica_groups, sharded_leaves
+from tensor_parallel import (GELU_SPEC, MEGATRON_SPEC, TX, gelu_inputs, gelu_step,
+                             megatron_inputs, megatron_step, opt_specs, put, run, two_axis_mesh,
+                             use_tx)
 
-TX = optax.adam(1e-2)
-PSPEC = {"w1": P(None, "model"), "w2": P("model", None)}
-OSPEC = (optax.ScaleByAdamState(count=P(), mu=PSPEC, nu=PSPEC), optax.EmptyState())
+
+@pytest.mark.parametrize("n_data", [4, 3])
+def test_megatron_mlp_state_split_over_data_x_model_and_bit_for_bit(n_data):
+  mesh = two_axis_mesh(n_data, 2)
+  params, batches = megatron_inputs(n_data)
+  a, b, _, _ = run(mesh, megatron_step, MEGATRON_SPEC, params, batches,
+                   batch_spec=P("data", "model"))
+  assert_trees_equal(a, wus.unshard(b))
+  sharded = sharded_leaves(b[1])
+  assert len(sharded) == 12  # mu and nu of the three W and b.
+  whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(wus.unshard(b[1])))
+  per_device = sum(x.nbytes_per_device for x in sharded)
+  padding = sum(x.format.padding * x.dtype.itemsize * math.prod(x.format.shard_shape[1:])
+                for x in sharded)
+  assert per_device <= whole / (n_data * 2) + padding, (per_device, whole)
+  for x in sharded:
+    assert x.data.sharding.spec == P(("model", "data")), x
+    assert x.format.num_shards == n_data
 
 
-def train_step(params, opt_state, x, y):
-  def loss_fn(p):
-    return jnp.mean((lax.psum(jax.nn.gelu(x @ p["w1"]) @ p["w2"], "model") - y) ** 2)
-  loss, grads = jax.value_and_grad(loss_fn)(params)
-  grads = lax.pmean(grads, "data")
-  updates, opt_state = TX.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "data")
+def test_megatron_mlp_gradients_reduce_scattered_over_the_data_groups_only():
+  """The compiled step: the split weights' gradients are reduce-scattered and the new
+  blocks all-gathered within each model rank's data group; no all-reduce over "data"
+  of anything but the loss is left, and the collectives over "model" are the
+  unmodified step's (the tutorial's own psum_scatter and psum, and their transposes)."""
+  mesh = two_axis_mesh(4, 2)
+  params, batches = megatron_inputs(4, steps=1)
+  a, b, ws, batch = run(mesh, megatron_step, MEGATRON_SPEC, params, batches,
+                        batch_spec=P("data", "model"))
+  hlo = ws.lower(*b, batch).compile().as_text()
+  kw = dict(mesh=mesh, in_specs=(MEGATRON_SPEC, opt_specs(MEGATRON_SPEC), P("data", "model")),
+            out_specs=(MEGATRON_SPEC, opt_specs(MEGATRON_SPEC), P()))
+  ref_hlo = jax.jit(jax.shard_map(megatron_step, **kw)).lower(*a, batch).compile().as_text()
+  data_groups = sorted(tuple(int(d.id) for d in mesh.devices[:, m]) for m in range(2))
+  model_groups = sorted(tuple(int(d.id) for d in mesh.devices[r]) for r in range(4))
+
+  def over(text, kind, groups):
+    return [ln for ln in collective_lines(text, kind) if sorted(replica_groups(ln)) == groups]
+  for kind in ("reduce-scatter", "all-gather", "all-reduce"):
+    assert len(over(hlo, kind, model_groups)) == len(over(ref_hlo, kind, model_groups)), kind
+    assert (len(over(hlo, kind, model_groups)) + len(over(hlo, kind, data_groups))
+            == len(collective_lines(hlo, kind))), kind
+  assert over(hlo, "reduce-scatter", data_groups) and over(hlo, "all-gather", data_groups)
+  for line in over(hlo, "all-reduce", data_groups):  # The loss's pmean only.
+    assert re.findall(r"\b[a-z]+\d*\[[\d,]*\]", line.split(" all-reduce")[0]) == ["f32[]"], line
 
 
 @pytest.mark.parametrize("check_vma", [False, True])
-def test_tensor_parallel_state_stays_whole_and_the_step_matches(check_vma):
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
-  r = np.random.RandomState(0)
-  params = {"w1": jnp.asarray(0.1 * r.randn(16, 64), jnp.float32),
-            "w2": jnp.asarray(0.1 * r.randn(64, 16), jnp.float32)}
-
-  def put(tree, specs):
-    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs,
-                        is_leaf=lambda x: isinstance(x, P))
-
-  kw = dict(mesh=mesh, in_specs=(PSPEC, OSPEC, P("data"), P("data")),
-            out_specs=(PSPEC, OSPEC, P()), check_vma=check_vma)
-  ref, ws = jax.jit(jax.shard_map(train_step, **kw)), wus.shard_map(train_step, **kw)
-  a = b = (put(params, PSPEC), put(TX.init(params), OSPEC))
-  for _ in range(3):
-    x, y = (jax.device_put(r.randn(32, 16).astype(np.float32), NamedSharding(mesh, P("data")))
-            for _ in range(2))
-    a, b = ref(*a, x, y)[:2], ws(*b, x, y)[:2]
-  assert_trees_equal(a, b)
-  plan = ws.plan(*b, x, y)
+def test_column_then_row_parallel_state_sharded_and_the_step_matches(check_vma):
+  mesh = two_axis_mesh(4, 2)
+  params, batches = gelu_inputs(4)
+  a, b, ws, batch = run(mesh, gelu_step, GELU_SPEC, params, batches, check_vma=check_vma)
+  assert_trees_equal(a, wus.unshard(b))
+  plan = ws.plan(*b, batch)
   mu = [i for i in plan.inputs if ".mu[" in i.name]
-  assert mu and all(not i.sharded and "split over ['model']" in i.reason for i in mu), str(plan)
+  assert mu and all(i.sharded for i in mu), str(plan)
+  assert all(c.sharded for c in plan.clusters), str(plan)
+  # Whole state passed again (e.g. restored by plain jax.shard_map code) is re-sharded.
+  again = ws(*wus.unshard(b), batch)[:2]
+  assert_trees_equal(jax.jit(jax.shard_map(
+      gelu_step, mesh=mesh, in_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P("data")),
+      out_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P()), check_vma=check_vma))(*a, batch)[:2],
+      wus.unshard(again))
+
+
+@pytest.mark.parametrize("name,tx", [("adam", optax.adam(1e-2)),
+                                     ("muon", optax.contrib.muon(1e-2))], ids=["adam", "muon"])
+def test_a_model_axis_of_size_one_splits_nothing(monkeypatch, name, tx):
+  """(8, 1) with weights P(None, "model") plans, keeps and computes as the 1-D mesh (Muon:
+  the same reasons, not the tensor-parallel one)."""
+  params, batches = gelu_inputs(8, hidden=64)
+  use_tx(monkeypatch, tx, params)
+  flat = jax.make_mesh((8,), ("data",))
+  a1, b1, ws1, batch1 = run(flat, partial(gelu_step, tp=False), {"w1": P(), "w2": P()}, params,
+                            batches)
+  a2, b2, ws2, batch2 = run(two_axis_mesh(8, 1), gelu_step, GELU_SPEC, params, batches)
+  assert str(ws1.plan(*b1, batch1)) == str(ws2.plan(*b2, batch2))
+  for x, y in zip(sharded_leaves(b1), sharded_leaves(b2), strict=True):
+    assert (x.format, x.nbytes_per_device) == (y.format, y.nbytes_per_device)
+  assert_trees_equal(wus.unshard(b1), wus.unshard(b2))
+  assert_trees_equal(a1, a2)
+
+
+def test_checkpoint_on_4x2_restores_on_2x2_through_state_target_and_whole(tmp_path):
+  """Item 7: state saved with wus.checkpointable on (4 data x 2 model) restores on
+  (2 x 2) through the step's state_target, and as whole arrays without wus."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  params, batches = gelu_inputs(4, steps=2)
+  _, b, _, _ = run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(tmp_path / "ckpt", wus.checkpointable(b))
+  ckptr.wait_until_finished()
+  whole = wus.unshard(b)
+  plain = ckptr.restore(tmp_path / "ckpt")  # Without a target: lists and dicts of arrays.
+  assert_trees_equal(jax.tree.leaves(whole), jax.tree.leaves(plain))
+  small = two_axis_mesh(2, 2)
+  _, _, ws, batch = run(small, gelu_step, GELU_SPEC, params, gelu_inputs(2, steps=1)[1])
+  target = ws.state_target(*put(small, whole, (GELU_SPEC, opt_specs(GELU_SPEC))), batch)[:2]
+  restored = ckptr.restore(tmp_path / "ckpt", target)
+  assert_trees_equal(whole, restored)
+  kw = dict(mesh=small, in_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P("data")),
+            out_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P()))
+  ref = jax.jit(jax.shard_map(gelu_step, **kw))(*restored, batch)[:2]
+  assert_trees_equal(ref, wus.unshard(ws(*restored, batch)[:2]))
+
+
+def test_partial_groups_of_a_model_rank_data_group():
+  """shard_group_size=2 on (4 data x 2 model): each block sharded within groups of 2 data
+  replicas, the gradient shards all-reduced across the groups; the unmodified step sums
+  the gradients in another order (one all-reduce over 4), so they agree to rounding."""
+  params, batches = gelu_inputs(4)
+  a, b, ws, batch = run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches,
+                        wus_kw=dict(shard_group_size=2))
+  assert_trees_equal(a, wus.unshard(b), rtol=1e-5, atol=1e-7)
+  sharded = sharded_leaves(b)
+  assert len(sharded) == 4
+  for x in sharded:  # 1/(G x model) of the tensor per device.
+    assert x.nbytes_per_device * 2 * 2 == x.size * x.dtype.itemsize, x
+  assert ws.plan(*b, batch).group_size == 2
+
+
+# --- A Flax linen model under shard_map, its MLP split over "model" (Megatron). -----------
+
+
+def test_flax_linen_megatron_block_with_layernorm_and_biases():
+  """A linen block as users write it for shard_map: LayerNorm (replicated), a
+  column-parallel Dense with its bias split over "model", a row-parallel Dense whose
+  partial sums are psum-ed over "model", then a replicated bias; Adam; default check_vma."""
+  import flax.linen as nn  # noqa: PLC0415
+
+  class Block(nn.Module):
+    hidden: int  # Per model rank.
+    tp: bool = True  # False: the whole block, to initialize the params outside shard_map.
+
+    @nn.compact
+    def __call__(self, x):
+      h = nn.LayerNorm()(x)
+      h = nn.gelu(nn.Dense(self.hidden)(h))
+      out = nn.Dense(x.shape[-1], use_bias=False)(h)
+      out = lax.psum(out, "model") if self.tp else out
+      return x + out + self.param("out_bias", nn.initializers.zeros, (x.shape[-1],))
+
+  n_model, hidden, width = 2, 32, 16
+  local = Block(hidden // n_model)
+  params = Block(hidden, tp=False).init(jax.random.key(0), jnp.ones((1, width)))["params"]
+  spec = {"LayerNorm_0": {"scale": P(), "bias": P()},
+          "Dense_0": {"kernel": P(None, "model"), "bias": P("model")},
+          "Dense_1": {"kernel": P("model", None)}, "out_bias": P()}
+
+  def step(params, opt_state, batch):
+    x, y = batch
+
+    def loss_fn(p):
+      return jnp.mean((local.apply({"params": p}, x) - y) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    grads = lax.pmean(grads, "data")
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "data")
+
+  r = np.random.RandomState(1)
+  batches = [tuple(jnp.asarray(r.randn(16, width), jnp.float32) for _ in range(2))
+             for _ in range(3)]
+  a, b, ws, batch = run(two_axis_mesh(4, 2), step, spec, params, batches)
+  assert_trees_equal(a, wus.unshard(b))
+  plan = ws.plan(*b, batch)
+  names = {i.name for i in plan.inputs if i.sharded}
+  for path in ("['Dense_0']['kernel']", "['Dense_1']['kernel']", "['Dense_0']['bias']"):
+    assert f"opt_state[0].mu{path}" in names, str(plan.details())
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known, not tensor-parallel: on a 1-D mesh too, Adam on two tensors whose shards have "
+    "one shape but whose whole shapes differ ([16,64] and [64,16] over 8) rounds a few "
+    "ulps off the unmodified step. The sharded step broadcasts each bias correction to "
+    "the one shard shape, XLA's CSE merges the broadcasts, and its algebraic simplifier "
+    "then rewrites one tensor's division by it into a multiplication by its reciprocal "
+    "(x / b -> x * (1 / b)); the unmodified step has two broadcast shapes and divides"))
+def test_equal_shards_of_different_shapes_round_as_the_unmodified_step():
+  mesh = jax.make_mesh((8,), ("data",))
+  params, batches = gelu_inputs(8, hidden=64)
+  a, b, _, _ = run(mesh, partial(gelu_step, tp=False), {"w1": P(), "w2": P()}, params,
+                   batches)
+  assert_trees_equal(a, wus.unshard(b))
+
+
+def test_the_plan_says_how_each_tensor_is_split_and_what_a_device_holds():
+  """Item 4: each input's line names the axes its spec splits it over, those wus shards
+  it over and the bytes per device; the totals give the state per device as a fraction
+  of a whole copy and of the model-parallel layout; the clusters are sharded (not kept
+  whole with the reason of a memory-objective cluster whose state stays whole)."""
+  params, batches = gelu_inputs(4, steps=1)  # w1 [16,32], w2 [32,16]; blocks [16,16].
+  _, b, ws, batch = run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
+  plan = ws.plan(*b, batch)
+  lines = {ln.split()[0]: ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
+           if ln.startswith("    ")}
+  for name in ("opt_state[0].mu['w1']", "opt_state[0].nu['w2']"):
+    assert lines[name].endswith("[split over ['model'] by its spec, sharded over ['data'] by "
+                                "wus: 256 B per device of 2 KiB]"), lines[name]
+  assert lines["params['w1']"].endswith("[split over ['model'] by its spec]")
+  assert lines["opt_state[0].count"].endswith("(by position)")  # Replicated: no layout.
+  whole, shard = plan.state_bytes
+  assert (whole, shard) == (4 * 512 * 4, 4 * 512 * 4 // 8)
+  assert "(predicted; 0.125 of a whole copy, 0.25 of what the specs alone leave" in str(plan)
+  assert all(c.sharded and "more than the" not in c.reason for c in plan.clusters), str(plan)
+
+
+def test_flax_nnx_model_annotated_with_partitioning_under_shard_map():
+  """A Flax NNX model whose kernels carry `nnx.with_partitioning` over "model" (the specs
+  from `nnx.get_partition_spec`), run as a pure function of its State under shard_map;
+  LayerNorm replicated. Bit for bit; the model-split state sharded over data x model."""
+  from flax import nnx  # noqa: PLC0415
+
+  class MLP(nnx.Module):
+    def __init__(self, din, dhid, *, rngs, tp=True):
+      init = nnx.initializers.lecun_normal()
+      self.norm = nnx.LayerNorm(din, rngs=rngs)
+      self.up = nnx.Linear(din, dhid, kernel_init=nnx.with_partitioning(init, (None, "model")),
+                           bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(),
+                                                           ("model",)), rngs=rngs)
+      self.down = nnx.Linear(dhid, din, use_bias=False,
+                             kernel_init=nnx.with_partitioning(init, ("model", None)), rngs=rngs)
+      self.tp = tp
+
+    def __call__(self, x):
+      h = self.down(nnx.gelu(self.up(self.norm(x))))
+      return x + (lax.psum(h, "model") if self.tp else h)
+
+  mesh = two_axis_mesh(4, 2)
+  with jax.set_mesh(mesh):
+    graphdef, state = nnx.split(MLP(16, 32, rngs=nnx.Rngs(0)))
+  spec = jax.tree.map(lambda s: P() if s is None else s, nnx.get_partition_spec(state),
+                      is_leaf=lambda x: x is None or isinstance(x, P))
+
+  def step(params, opt_state, batch):
+    x, y = batch
+
+    def loss_fn(p):
+      return jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    grads = lax.pmean(grads, "data")
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "data")
+
+  r = np.random.RandomState(1)
+  batches = [tuple(jnp.asarray(r.randn(16, 16), jnp.float32) for _ in range(2))
+             for _ in range(3)]
+  a, b, _, _ = run(mesh, step, spec, jax.tree.map(np.asarray, state), batches)
+  assert_trees_equal(a, wus.unshard(b))
+  split = [x for x in sharded_leaves(b[1]) if x.layout.split_axes == ("model",)]
+  assert len(sharded_leaves(b[1])) == 10 and len(split) == 6  # up.kernel, up.bias, down.kernel.

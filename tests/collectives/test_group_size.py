@@ -21,9 +21,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import (PMAP_TX, SPECS, assert_trees_equal, dense_inputs, dense_step, inputs,
-                     make_params, make_step, mesh, pmap_params, pmap_step, pmap_xs, run,
-                     sharded_leaves, stack)
+from helpers import (PMAP_TX, SPECS, assert_trees_equal, collective_lines, dense_inputs,
+                     dense_step, inputs, make_params, make_step, mesh, pmap_params, pmap_step,
+                     pmap_xs, replica_groups, run, sharded_leaves, stack)
 
 CASES = [(8, 2), (8, 4), (6, 3)]  # (N, G)
 CASE_IDS = [f"N{n}G{g}" for n, g in CASES]
@@ -153,27 +153,6 @@ def test_pmap_with_a_group_size():
 # --- Structure: the compiled step's collectives and memory. ------------------------------
 
 
-def _groups(line: str) -> list[tuple[int, ...]]:
-  """The replica groups of an HLO collective: explicit, or XLA's iota form
-  `[a,b]<=[dims]T(perm)` (the iota over dims, transposed, read as a rows of b)."""
-  explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
-  if explicit:
-    return [tuple(int(d) for d in grp.split(",")) for grp in re.findall(r"\{([\d,]+)\}",
-                                                                          explicit[1])]
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-  dims = [int(d) for d in iota[3].split(",")]
-  ids = np.arange(np.prod(dims)).reshape(dims)
-  if iota[4]:
-    ids = ids.transpose([int(p) for p in iota[4].split(",")])
-  return [tuple(int(d) for d in row) for row in ids.reshape(int(iota[1]), int(iota[2]))]
-
-
-def _collectives(hlo: str, kind: str) -> list[str]:
-  """HLO instruction lines of one collective kind (async pairs counted at -start)."""
-  return [line for line in hlo.splitlines()
-          if re.match(r"\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) " + kind + r"(?:-start)?\(", line)]
-
-
 @pytest.mark.parametrize("n,g", SLOW_CASES)
 def test_collectives_run_in_groups_of_g_and_across_them_batched(n, g):
   m, tx = mesh(n), optax.adam(1e-2)
@@ -185,11 +164,11 @@ def test_collectives_run_in_groups_of_g_and_across_them_batched(n, g):
   ids = [d.id for d in m.devices.flat]
   within = sorted(tuple(ids[k:k + g]) for k in range(0, n, g))  # Consecutive devices.
   across = sorted(tuple(ids[k::g]) for k in range(g))
-  scatters, gathers = _collectives(hlo, "reduce-scatter"), _collectives(hlo, "all-gather")
+  scatters, gathers = collective_lines(hlo, "reduce-scatter"), collective_lines(hlo, "all-gather")
   assert scatters and gathers
   for line in scatters + gathers:
-    assert sorted(_groups(line)) == within, line
-  reduces = [sorted(_groups(line)) for line in _collectives(hlo, "all-reduce")]
+    assert sorted(replica_groups(line)) == within, line
+  reduces = [sorted(replica_groups(line)) for line in collective_lines(hlo, "all-reduce")]
   # Batched: 7 sharded gradients (SMALL and the bfloat16 leaf), one all-reduce across.
   assert plan.across_groups == 1
   assert reduces.count(across) == plan.across_groups

@@ -64,9 +64,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 from wus.checkpoint.boxes import boxes, chunk_shape
 from wus.checkpoint.handler import ArrayHandler, register
 from wus.checkpoint.views import LogicalView, ShardedLayout, StackedLayout
+from wus import runtime
 from wus.sharded import check_alive, is_sharded
 from wus.transforms import programs
 
@@ -83,12 +85,21 @@ def checkpointable(tree: Any) -> Any:
   banks = programs.banks([x.format if is_sharded(x) else None for x in leaves])
   members = {b: [leaves[k] for k in ks] for b, ks in banks.items()}  # Raises if one is missing.
 
+  # State whose spec splits it over other axes too (tensor parallelism): saved whole, as
+  # the step's spec lays it out (gathered over the replica axes, one program), so that
+  # any mesh restores it (`restore_target`).
+  split = [x for x in leaves if is_sharded(x) and x.layout.num_blocks > 1
+           and not isinstance(x.data, jax.core.Tracer)]
+  wholes = {id(x): w for x, w in zip(split, runtime.unshard(split), strict=True)}
+
   def view(path, x):
     check_alive(x, jax.tree_util.keystr(path), "wus.checkpointable")
     if not is_sharded(x):
       return x
     if isinstance(x.data, jax.core.Tracer):
       raise TypeError(f"{x!r} holds a tracer: checkpoints are saved outside jax.jit")
+    if id(x) in wholes:
+      return wholes[id(x)]
     return LogicalView(x.layout, x.dtype, x, members.get(getattr(x.format, "bank", None)))
 
   return jax.tree_util.tree_map_with_path(view, tree, is_leaf=is_sharded)
@@ -112,6 +123,7 @@ def stacked_target(target: jax.ShapeDtypeStruct, axis: int) -> LogicalView:
   return LogicalView(StackedLayout(shape, axis, target.sharding), target.dtype)
 
 
+<<<<<<< HEAD
 def restore_target(layout: ShardedLayout, dtype) -> LogicalView:
   """The restore target of one tensor a step keeps sharded in `layout`.
 
@@ -128,5 +140,15 @@ def restore_target(layout: ShardedLayout, dtype) -> LogicalView:
     reading only the elements its devices hold, from a checkpoint saved at
     any replica count (or of a whole array).
   """
+=======
+def restore_target(layout: ShardedLayout, dtype) -> LogicalView | jax.ShapeDtypeStruct:
+  """The restore target of one tensor a step keeps sharded in `layout` (see
+  `ShardedStep.state_target`). A tensor its spec splits over other axes too (tensor
+  parallelism, `ShardedLayout.split_axes`) is saved whole (`checkpointable`) and
+  restored whole, laid out by the spec: the step shards it at its first call."""
+>>>>>>> h29sm
   register()
+  if layout.num_blocks > 1:
+    return jax.ShapeDtypeStruct(layout.shape, dtype,
+                                sharding=NamedSharding(layout.user_mesh, layout.user_spec))
   return LogicalView(layout, dtype)
