@@ -123,11 +123,13 @@ def stacked_target(target: jax.ShapeDtypeStruct, axis: int) -> LogicalView:
   return LogicalView(StackedLayout(shape, axis, target.sharding), target.dtype)
 
 
-<<<<<<< HEAD
-def restore_target(layout: ShardedLayout, dtype) -> LogicalView:
+def restore_target(layout: ShardedLayout, dtype) -> LogicalView | jax.ShapeDtypeStruct:
   """The restore target of one tensor a step keeps sharded in `layout`.
 
-  `ShardedStep.state_target` makes one for each tensor a step keeps sharded.
+  `ShardedStep.state_target` makes one for each tensor a step keeps sharded. A
+  tensor its spec splits over other axes too (tensor parallelism,
+  `ShardedLayout.split_axes`) is saved whole (`checkpointable`) and restored
+  whole, laid out by the spec: the step shards it at its first call.
 
   Args:
     layout: the step's layout of the tensor: its format (§4.1: logical shape,
@@ -138,15 +140,10 @@ def restore_target(layout: ShardedLayout, dtype) -> LogicalView:
     A `LogicalView` without data, of the logical shape `layout.format.shape`:
     Orbax restores it as a `wus.ShardedArray` in `layout`, each process
     reading only the elements its devices hold, from a checkpoint saved at
-    any replica count (or of a whole array).
+    any replica count (or of a whole array). For a tensor split over other
+    axes too, a `jax.ShapeDtypeStruct` of the whole tensor with the spec's
+    `NamedSharding`.
   """
-=======
-def restore_target(layout: ShardedLayout, dtype) -> LogicalView | jax.ShapeDtypeStruct:
-  """The restore target of one tensor a step keeps sharded in `layout` (see
-  `ShardedStep.state_target`). A tensor its spec splits over other axes too (tensor
-  parallelism, `ShardedLayout.split_axes`) is saved whole (`checkpointable`) and
-  restored whole, laid out by the spec: the step shards it at its first call."""
->>>>>>> h29sm
   register()
   if layout.num_blocks > 1:
     return jax.ShapeDtypeStruct(layout.shape, dtype,
