@@ -163,7 +163,9 @@ def rows(jaxpr: Jaxpr, units: list, stacks, num_shards: int, rewritten: frozense
   pairs = {jaxpr.outvars[o]: jaxpr.invars[i] for u in units for o, i in u.pairs.items()}
   described = []
   for members in stacks:
-    shapes = ", ".join(jaxpr.eqns[i].outvars[0].aval.str_short() for i in members[0].seeds)
+    # dtype[shape] without JAX's varying-axes type (a size-1 mesh axis splits nothing).
+    shapes = ", ".join(f"{a.dtype.name}[{','.join(map(str, a.shape))}]" for a in
+                       (jaxpr.eqns[i].outvars[0].aval for i in members[0].seeds))
     k = len(members) // num_shards
     described.append(f"{len(members)} x {shapes}: {k} per replica"
                      + (f" + {len(members) - k * num_shards} balanced" if len(members) % num_shards

