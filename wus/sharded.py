@@ -306,9 +306,9 @@ def checkpointable(tree: Any) -> Any:
   count. State a tensor-parallel step keeps split over data x model (its spec
   splits it over a model axis too) is saved whole instead, laid out by its spec
   (gathered over the replica axes first): `state_target` restores it whole on any
-  mesh and the step shards it at its first call. Other leaves pass through unchanged. (Checkpoints are beyond the
-  paper; the shards saved are §4.1's: replica r's range of the row-major
-  tensor.)
+  mesh and the step shards it at its first call. Other leaves pass through
+  unchanged. (Checkpoints are beyond the paper; the shards saved are §4.1's:
+  replica r's range of the row-major tensor.)
 
   Args:
     tree: any pytree (e.g. `{"params": params, "opt_state": opt_state}` as a
