@@ -187,8 +187,10 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
   else:  # As the step reads it: in wus mode, optimizer state sharded for this N.
     first_batch = batches.train_batch(dataset.train, seed=config.seed, step=start,
                                       batch_size=global_batch, sharding=batch_sharding)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(init), placed)  # as placed (split over "model")
     state = checkpointer.restore(start, checkpoint.restore_target(
-        train_step, jax.eval_shape(init), first_batch, placed))
+        train_step, abstract, first_batch, placed))
     if log_enabled:
       print(f"{config.mode}: resumed from step {start} of {checkpointer.directory}", flush=True)
   eval_batch = replicas * max(config.batch_size, MIN_EVAL_BATCH_PER_DEVICE)

@@ -77,7 +77,15 @@ def tp_runs():
                                         steps=3, batch_size=1, seq_len=16, eval_examples=16,
                                         model_parallel=2) for mode in steps.MODES]
   built = train.build(configs[0])
-  return {c.mode: train.fit(c, built) for c in configs}
+  results = {c: train.fit(c, built) for c in configs}
+  return {c.mode: Run(c, r.state, r.summary) for c, r in results.items()}
+
+
+@dataclasses.dataclass
+class Run:
+  config: config.RunConfig
+  state: object
+  summary: dict
 
 
 def _split(tree, over_model: bool):
@@ -125,3 +133,18 @@ def test_wus_train_model_parallel_keeps_an_eighth_of_all_the_state(tp_runs):
   _, _, padding = _sharded_bytes(_split(ws.state.opt_state, True)
                                  + _split(ws.state.opt_state, False))
   assert ws.summary["state_bytes_per_device"]["opt_state"] <= whole / 8 + padding + 64
+
+
+@pytest.mark.parametrize("mode", steps.MODES)
+def test_a_model_parallel_run_resumes_as_an_uninterrupted_one(tp_runs, tmp_path, mode):
+  """Checkpointed after 2 updates and resumed to 3 on 4 x 2: the third loss and the final
+  weights are the uninterrupted run's (the state restored split over "model", and in wus
+  mode sharded over data x model)."""
+  run = dataclasses.replace(tp_runs[mode].config, output_dir=tmp_path, steps=2)
+  built = train.build(run)
+  train.fit(run, built)
+  resumed = train.fit(dataclasses.replace(run, steps=3), built)
+  assert resumed.summary["start_step"] == 2
+  assert resumed.summary["losses"] == tp_runs[mode].summary["losses"][2:]
+  jax.tree.map(np.testing.assert_array_equal, wus.unshard(resumed.state.params),
+               wus.unshard(tp_runs[mode].state.params))
