@@ -148,20 +148,24 @@ class LanguageModel(Task):
 class TensorParallelLM(LanguageModel):
   """`LanguageModel` with Megatron-style tensor parallelism over `transformer_tp.MODEL_AXIS`.
 
-  Same weights, initialization and losses; `loss` and `eval_sums` run per
-  device of a ("data", "model") mesh on the blocks `param_specs` gives
-  (`transformer_tp`), and their results are the same on every model rank.
+  Same weights, initialization and losses. With `manual` (a shard_map step),
+  `loss` and `eval_sums` run per device of a ("data", "model") mesh on the
+  blocks `param_specs` gives (`transformer_tp`), and their results are the
+  same on every model rank; without (a `jax.jit` step on global arrays), they
+  are `LanguageModel`'s and only `param_specs` says where the weights lie.
   """
 
   def __init__(self, name: str, config: transformer.TransformerConfig, seq_len: int,
-               model_parallel: int):
+               model_parallel: int, manual: bool = True):
     super().__init__(name, config, seq_len)
-    self.model_parallel = model_parallel
+    self.model_parallel, self.manual = model_parallel, manual
 
   def identity(self):
     return {**super().identity(), "model_parallel": self.model_parallel}
 
   def _losses(self, params, tokens):
+    if not self.manual:
+      return super()._losses(params, tokens)
     logits = transformer_tp.forward(self.module.config, params, tokens[:, :-1])
     targets = tokens[:, 1:]
     return (optax.softmax_cross_entropy_with_integer_labels(logits, targets),
@@ -172,7 +176,7 @@ class TensorParallelLM(LanguageModel):
 
 
 def make(name: str, *, num_classes: int, seq_len: int, axis_name: str,
-         model_parallel: int = 1) -> Task:
+         model_parallel: int = 1, manual: bool = True) -> Task:
   """The task for model `name` (a key of MODELS).
 
   Args:
@@ -182,6 +186,8 @@ def make(name: str, *, num_classes: int, seq_len: int, axis_name: str,
     axis_name: the data-parallel mesh axis batch norm averages over.
     model_parallel: above 1, a Transformer split Megatron-style over that many
       devices of the mesh axis "model" (`TensorParallelLM`).
+    manual: with model_parallel > 1: the losses for a shard_map step (True) or
+      for a `jax.jit` step on global arrays (False).
 
   Raises:
     ValueError: model_parallel > 1 for a model that is not a Transformer, or
@@ -193,7 +199,7 @@ def make(name: str, *, num_classes: int, seq_len: int, axis_name: str,
            else transformer_tp.check_divisible(config, model_parallel))
     if why:
       raise ValueError(f"{name} cannot be split over {model_parallel} devices: {why}")
-    return TensorParallelLM(name, config, seq_len, model_parallel)
+    return TensorParallelLM(name, config, seq_len, model_parallel, manual)
   if kind == IMAGES:
     return ImageClassifier(name, config, num_classes, axis_name)
   return LanguageModel(name, config, seq_len)

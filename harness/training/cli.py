@@ -106,7 +106,8 @@ flags.DEFINE_integer("model_parallel", 1, "Devices a Transformer is split over, 
                      "(heads and MLP hidden units over a mesh axis 'model', a psum after the "
                      "row-parallel matmuls): the mesh is (data: devices / model_parallel) x "
                      "(model: model_parallel), and --batch_size counts examples per data "
-                     "replica. 1: data parallelism only. Needs --step=shard_map.", lower_bound=1)
+                     "replica. 1: data parallelism only. With --step=jit, the weights are placed "
+                     "so and GSPMD partitions the step on global arrays.", lower_bound=1)
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 when running "
                     "several processes (default: $JAX_COORDINATOR_ADDRESS).")
 flags.DEFINE_integer("num_processes", None, "Number of processes (default: "
@@ -143,7 +144,7 @@ def configs_from_flags() -> list[config_lib.RunConfig]:
   if num_processes > 1 and not address:
     raise errors.InputError("--num_processes > 1 needs --coordinator_address (host:port of "
                             "process 0)")
-  _check_model_parallel(FLAGS.model_parallel, FLAGS.step, FLAGS.num_devices * num_processes)
+  _check_model_parallel(FLAGS.model_parallel, FLAGS.num_devices * num_processes)
   output_dir = _output_dir(FLAGS.output_dir)
   configs = [config_lib.RunConfig.for_model(
       FLAGS.model, mode=mode, step=FLAGS.step, data=FLAGS.data, optimizer=FLAGS.optimizer,
@@ -163,15 +164,10 @@ def configs_from_flags() -> list[config_lib.RunConfig]:
   return configs
 
 
-def _check_model_parallel(model_parallel: int, step: str, devices: int) -> None:
+def _check_model_parallel(model_parallel: int, devices: int) -> None:
   """Raises errors.InputError if --model_parallel cannot be used with these flags."""
   if model_parallel == 1:
     return
-  if step != "shard_map":
-    raise errors.InputError(
-        f"--model_parallel={model_parallel} needs --step=shard_map: wus.jit does not shard "
-        "the update of weights split over a 'model' axis yet (issue 29 item 2); it would run "
-        "the step as jax.jit does")
   if devices % model_parallel:
     raise errors.InputError(f"--model_parallel={model_parallel} does not divide the "
                             f"{devices} devices")

@@ -179,7 +179,8 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
                         is_leaf=lambda x: isinstance(x, P))  # whole, or split over "model"
   train_step = steps.map_train_step(config.mode, steps.make_train_step(task, tx, config.step),
                                     mesh, step=config.step,
-                                    specs=specs if config.model_parallel > 1 else None)
+                                    specs=specs if config.model_parallel > 1 and
+                                    config.step == "shard_map" else None)
   start = checkpointer.latest_step() if checkpointer else None
   if start is None:
     start, state = 0, jax.jit(init, out_shardings=placed,
@@ -194,7 +195,8 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
     if log_enabled:
       print(f"{config.mode}: resumed from step {start} of {checkpointer.directory}", flush=True)
   eval_batch = replicas * max(config.batch_size, MIN_EVAL_BATCH_PER_DEVICE)
-  eval_step = functools.partial(evaluate, steps.make_eval_step(task, mesh, specs.params),
+  eval_step = functools.partial(evaluate, steps.make_eval_step(
+      task, mesh, specs.params if config.step == "shard_map" else P()),
                                 split=dataset.held_out, batch_size=eval_batch,
                                 max_examples=config.eval_examples, sharding=batch_sharding)
   learning_rate = jax.jit(schedule)  # the rate update i uses, for the log
@@ -226,4 +228,8 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
              "losses": losses,
              "eval": held_out or eval_step(state),  # evaluated now if nothing was left to train
              **measure(train_step, state, batch, seconds)}
+  if config.model_parallel > 1 and config.mode == "wus" and batch is not None:
+    # What wus did with the weights split over "model", as its Plan says (wus.jit on a
+    # 2-D mesh: the step runs unchanged, and why).
+    summary["plan"] = str(train_step.plan(*state, batch)).splitlines()[:2]
   return Result(state, summary)

@@ -51,7 +51,7 @@ def build(config: RunConfig):
   try:
     task = tasks.make(config.model, num_classes=dataset.num_classes, seq_len=config.seq_len,
                       axis_name=steps.AXIS_NAME if config.step == "shard_map" else None,
-                      model_parallel=config.model_parallel)
+                      model_parallel=config.model_parallel, manual=config.step == "shard_map")
   except ValueError as e:
     raise errors.InputError(f"--model_parallel={config.model_parallel}: {e}") from None
   tx, schedule = optim.make(config.optimizer, **config.optimizer_hyperparameters())
@@ -307,6 +307,8 @@ def format_results(results: dict[str, dict]) -> str:
     parts.append(time_note(results[modes[0]], results[modes[1]]))
   if both and (note := temp_note(results[modes[0]], results[modes[1]])):
     parts.append(note)
+  parts += [f"{m}'s Plan:\n" + "\n".join(results[m]["plan"]) for m in modes
+            if results[m].get("plan")]
   if all("collectives" in results[m] for m in modes):
     fields = [(m, f) for m in modes for f in ("count", "bytes", "wire_bytes")]
     parts += ["Collectives in the compiled step (from its optimized HLO; bytes per device: "

@@ -98,9 +98,6 @@ def main_error(*args) -> str:
     (["--data=/no/such/file.npz", "--model=resnet_small"],
      "wus-train: error: --data=/no/such/file.npz: no such file or directory"),
     (["positional"], "wus-train: error: unexpected arguments ['positional']"),
-    (["--model_parallel=2", "--step=jit"], "wus-train: error: --model_parallel=2 needs "
-     "--step=shard_map: wus.jit does not shard the update of weights split over a 'model' "
-     "axis yet"),
     (["--model_parallel=3"], "wus-train: error: --model_parallel=3 does not divide the 8 "
      "devices"),
     (["--model_parallel=2", "--model=mlp_small"], "wus-train: error: --model_parallel=2: "
