@@ -25,6 +25,12 @@ Batch-norm statistics (`model_state`) are returned as the model computes them
 weight) or with `wus.shard_map` (`wus`: the weight update is sharded,
 optimizer state stays sharded between steps). Nothing else differs between
 the two modes.
+
+With a tensor-parallel task (`tasks.TensorParallelLM`, `wus-train
+--model_parallel`), the mesh has a second axis MODEL_AXIS and the same step
+runs on each device's blocks of the weights (`state_specs`); the task's loss
+has the psums over MODEL_AXIS inside, so the gradients still come from
+`jax.value_and_grad` alone.
 """
 
 from typing import Any, NamedTuple

@@ -15,6 +15,7 @@ Examples:
   wus-train                                      # Transformer LM on stdlib bytes
   wus-train --model=resnet_small --modes=wus     # ResNet + LARS on the digits
   wus-train --model=resnet_small --modes=wus --output_dir=/tmp/run   # resumable
+  wus-train --model_parallel=2     # Megatron-style TP on a 4 x 2 (data x model) mesh
   # Two processes of 4 devices (the other one with --process_id=1):
   wus-train --modes=wus --num_devices=4 --num_processes=2 --process_id=0 \
       --coordinator_address=127.0.0.1:12355
