@@ -166,3 +166,24 @@ def test_the_jit_step_runs_unchanged_under_wus_jit_and_says_so():
   assert per_device[0] == per_device[1] > results["wus"]["opt_state_bytes"] / 2
   text = train.format_results(results)
   assert "the step runs unchanged" in text and "runs as jax.jit runs it" in text
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="wus.ShardedStep.state_target traces "
+                   "the step with the abstract state as given: a ShapeDtypeStruct without a "
+                   "sharding fails shard_map's check of in_specs P('model') on an Explicit mesh "
+                   "('does not match the specs of the input: P(None,)'); the harness passes the "
+                   "state placed (loop.train)")
+def test_state_target_takes_the_whole_abstract_state_of_a_model_split_step(tp_runs):
+  run = tp_runs["wus"]
+  built = train.build(run.config)
+  _, task, tx, _ = built
+  mesh = steps.make_mesh("shard_map", 2)
+  abstract = jax.eval_shape(lambda: wus.unshard(run.state))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
+  step = steps.map_train_step("wus", steps.make_train_step(task, tx), mesh,
+                              specs=steps.state_specs(task, tx, abstract))
+  batch = {"tokens": jax.ShapeDtypeStruct((4, 17), np.int32,
+                                          sharding=NamedSharding(mesh, P("data")))}
+  target = step.state_target(*abstract, batch)[:3]
+  leaves = jax.tree.leaves(target, is_leaf=lambda x: not isinstance(x, (tuple, dict, list)))
+  assert len(leaves) == len(jax.tree.leaves(abstract))
