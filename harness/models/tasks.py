@@ -24,8 +24,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
-from wus.harness.models import mlp, resnet, transformer
+from wus.harness.models import mlp, resnet, transformer, transformer_tp
 
 IMAGES, TEXT = "images", "text"
 # Model name -> (kind of data, config). The transformers are byte-level LMs.
@@ -79,6 +80,10 @@ class Task(abc.ABC):
   def identity(self) -> dict:
     """What a checkpoint must match to be restored into this task (JSON-ready)."""
     return {"model": self.name, "config": dataclasses.asdict(self.module.config)}
+
+  def param_specs(self, params) -> Any:
+    """PartitionSpec of each weight over the mesh: whole (P()) on every device."""
+    return jax.tree.map(lambda _: P(), params)
 
 
 class ImageClassifier(Task):
@@ -140,7 +145,38 @@ class LanguageModel(Task):
             "count": jnp.sum(w * jnp.ones_like(losses))}
 
 
-def make(name: str, *, num_classes: int, seq_len: int, axis_name: str) -> Task:
+class TensorParallelLM(LanguageModel):
+  """`LanguageModel` with Megatron-style tensor parallelism over `transformer_tp.MODEL_AXIS`.
+
+  Same weights, initialization and losses. With `manual` (a shard_map step),
+  `loss` and `eval_sums` run per device of a ("data", "model") mesh on the
+  blocks `param_specs` gives (`transformer_tp`), and their results are the
+  same on every model rank; without (a `jax.jit` step on global arrays), they
+  are `LanguageModel`'s and only `param_specs` says where the weights lie.
+  """
+
+  def __init__(self, name: str, config: transformer.TransformerConfig, seq_len: int,
+               model_parallel: int, manual: bool = True):
+    super().__init__(name, config, seq_len)
+    self.model_parallel, self.manual = model_parallel, manual
+
+  def identity(self):
+    return {**super().identity(), "model_parallel": self.model_parallel}
+
+  def _losses(self, params, tokens):
+    if not self.manual:
+      return super()._losses(params, tokens)
+    logits = transformer_tp.forward(self.module.config, params, tokens[:, :-1])
+    targets = tokens[:, 1:]
+    return (optax.softmax_cross_entropy_with_integer_labels(logits, targets),
+            jnp.argmax(logits, -1) == targets)
+
+  def param_specs(self, params):
+    return transformer_tp.param_specs(params)
+
+
+def make(name: str, *, num_classes: int, seq_len: int, axis_name: str,
+         model_parallel: int = 1, manual: bool = True) -> Task:
   """The task for model `name` (a key of MODELS).
 
   Args:
@@ -148,8 +184,22 @@ def make(name: str, *, num_classes: int, seq_len: int, axis_name: str) -> Task:
     num_classes: classes of an image classifier (ignored for text).
     seq_len: tokens a language model reads per example (ignored for images).
     axis_name: the data-parallel mesh axis batch norm averages over.
+    model_parallel: above 1, a Transformer split Megatron-style over that many
+      devices of the mesh axis "model" (`TensorParallelLM`).
+    manual: with model_parallel > 1: the losses for a shard_map step (True) or
+      for a `jax.jit` step on global arrays (False).
+
+  Raises:
+    ValueError: model_parallel > 1 for a model that is not a Transformer, or
+      one whose heads or MLP width it does not divide.
   """
   kind, config = MODELS[name]
+  if model_parallel > 1:
+    why = ("it is not a Transformer" if kind != TEXT
+           else transformer_tp.check_divisible(config, model_parallel))
+    if why:
+      raise ValueError(f"{name} cannot be split over {model_parallel} devices: {why}")
+    return TensorParallelLM(name, config, seq_len, model_parallel, manual)
   if kind == IMAGES:
     return ImageClassifier(name, config, num_classes, axis_name)
   return LanguageModel(name, config, seq_len)

@@ -61,12 +61,16 @@ def restore_target(train_step, abstract_state: Any, batch: Any, sharding: NamedS
       or `jax.jit(jax.shard_map(...))`.
     abstract_state: a `steps.TrainState` of `jax.ShapeDtypeStruct`s (whole).
     batch: the step's batch argument (its shape and sharding are what matter).
-    sharding: where the replicated step keeps its state (replicated on the mesh).
+    sharding: where the replicated step keeps its state: one NamedSharding
+      (replicated on the mesh), or a tree of them shaped like `abstract_state`
+      (weights split over a "model" axis).
   """
   if isinstance(train_step, wus.ShardedStep):
     return type(abstract_state)(*train_step.state_target(*abstract_state, batch)[:-1])
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                      abstract_state)
+  if isinstance(sharding, NamedSharding):
+    sharding = jax.tree.map(lambda _: sharding, abstract_state)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract_state, sharding)
 
 
 def _read_meta(manager: ocp.CheckpointManager, directory: pathlib.Path, step: int) -> dict:

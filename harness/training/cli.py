@@ -100,7 +100,14 @@ flags.DEFINE_string("output_dir", None, "If set: per mode, a folder <output_dir>
                     "and summary.json (of the latest run); and results.json comparing the "
                     "modes, a list with one record per run (a resumed run appends its own).")
 flags.DEFINE_integer("num_devices", 8, "Simulated CPU devices of this process; the mesh has "
-                     "one axis 'data' over the devices of all processes.", lower_bound=1)
+                     "one axis 'data' over the devices of all processes (with --model_parallel, "
+                     "two: 'data' and 'model').", lower_bound=1)
+flags.DEFINE_integer("model_parallel", 1, "Devices a Transformer is split over, Megatron-style "
+                     "(heads and MLP hidden units over a mesh axis 'model', a psum after the "
+                     "row-parallel matmuls): the mesh is (data: devices / model_parallel) x "
+                     "(model: model_parallel), and --batch_size counts examples per data "
+                     "replica. 1: data parallelism only. With --step=jit, the weights are placed "
+                     "so and GSPMD partitions the step on global arrays.", lower_bound=1)
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 when running "
                     "several processes (default: $JAX_COORDINATOR_ADDRESS).")
 flags.DEFINE_integer("num_processes", None, "Number of processes (default: "
@@ -137,6 +144,7 @@ def configs_from_flags() -> list[config_lib.RunConfig]:
   if num_processes > 1 and not address:
     raise errors.InputError("--num_processes > 1 needs --coordinator_address (host:port of "
                             "process 0)")
+  _check_model_parallel(FLAGS.model_parallel, FLAGS.num_devices * num_processes)
   output_dir = _output_dir(FLAGS.output_dir)
   configs = [config_lib.RunConfig.for_model(
       FLAGS.model, mode=mode, step=FLAGS.step, data=FLAGS.data, optimizer=FLAGS.optimizer,
@@ -149,10 +157,20 @@ def configs_from_flags() -> list[config_lib.RunConfig]:
       checkpoint_every=FLAGS.checkpoint_every,
       keep_checkpoints=FLAGS.keep_checkpoints,
       output_dir=output_dir / mode if output_dir else None, num_devices=FLAGS.num_devices,
+      model_parallel=FLAGS.model_parallel,
       coordinator_address=address, num_processes=num_processes, process_id=process_id)
       for mode in steps.MODES if mode in FLAGS.modes]
   _warn_ignored_flags(configs[0])
   return configs
+
+
+def _check_model_parallel(model_parallel: int, devices: int) -> None:
+  """Raises errors.InputError if --model_parallel cannot be used with these flags."""
+  if model_parallel == 1:
+    return
+  if devices % model_parallel:
+    raise errors.InputError(f"--model_parallel={model_parallel} does not divide the "
+                            f"{devices} devices")
 
 
 def _output_dir(flag: str | None) -> pathlib.Path | None:

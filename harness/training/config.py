@@ -80,6 +80,9 @@ class RunConfig:
     keep_checkpoints: how many of the latest checkpoints to keep.
     output_dir: checkpoints, metrics and summary go here; None: none are
       written and nothing is resumed.
+    model_parallel: devices of the mesh axis "model" a Transformer's heads and MLP
+      hidden units are split over (Megatron-style tensor parallelism); 1: none, a
+      1-D mesh. Replicas (the mesh axis "data"): devices / model_parallel.
     num_devices: simulated CPU devices of this process.
     coordinator_address: host:port of process 0, for several processes.
     num_processes: processes in the run.
@@ -109,6 +112,7 @@ class RunConfig:
   checkpoint_every: int = 50
   keep_checkpoints: int = 3
   output_dir: pathlib.Path | None = None
+  model_parallel: int = 1
   num_devices: int = 8
   coordinator_address: str | None = None
   num_processes: int = 1

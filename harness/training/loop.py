@@ -66,10 +66,10 @@ def evaluate(eval_step, state: steps.TrainState, split, *, batch_size: int, max_
 
 
 def logical_bytes(tree) -> int:
-  """Bytes of the whole (unsharded, unpadded) values of a state tree."""
+  """Bytes of the whole (unsharded, unpadded) values of a state tree: of each tensor's
+  global shape, whether wus shards it or the step splits it over a "model" axis."""
   def nbytes(x) -> int:
-    shape = x.format.shape if isinstance(x, wus.ShardedArray) else x.shape
-    return math.prod(shape) * np.dtype(x.dtype).itemsize
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize
   return sum(map(nbytes, jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, wus.ShardedArray))))
 
 
@@ -149,14 +149,16 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
     task: the model.
     dataset: training and held-out data of the task's kind.
     tx, schedule: the optimizer and its learning-rate schedule.
-    mesh: a 1-D mesh over all devices with the axis `steps.AXIS_NAME`.
+    mesh: `steps.make_mesh(config.step, config.model_parallel)`: the axis
+      `steps.AXIS_NAME` over the replicas (all devices, unless the model is
+      split over the axis `steps.MODEL_AXIS` beside it).
     checkpointer: where to resume from and save to; None for neither.
     log_enabled: show progress and write metrics (the first process only).
 
   Returns:
     The final state and a summary: "start_step" and "final_step" (updates
-    done before and after this run), "num_devices" (N, replicas of the
-    mesh), "global_batch" (examples per update),
+    done before and after this run), "num_devices" (devices of the mesh),
+    "replicas" (N, along its data axis), "global_batch" (examples per update),
     "losses" (training loss of each update of this run),
     "step_seconds" (median wall time of an update after the first of this
     run, call to outputs ready), "first_step_seconds" (includes compilation),
@@ -168,25 +170,33 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
     the compiled step). Times are None if fewer than two updates ran; memory
     and collectives are missing if none ran.
   """
-  replicated = NamedSharding(mesh, P())
   batch_sharding = NamedSharding(mesh, P(steps.AXIS_NAME))
-  global_batch = config.batch_size * mesh.size
+  replicas = mesh.shape[steps.AXIS_NAME]
+  global_batch = config.batch_size * replicas
   init = functools.partial(init_state, task, tx, dataset, config.seed)
+  specs = steps.state_specs(task, tx, jax.eval_shape(init))
+  placed = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))  # whole, or split over "model"
   train_step = steps.map_train_step(config.mode, steps.make_train_step(task, tx, config.step),
-                                    mesh, step=config.step)
+                                    mesh, step=config.step,
+                                    specs=specs if config.model_parallel > 1 and
+                                    config.step == "shard_map" else None)
   start = checkpointer.latest_step() if checkpointer else None
   if start is None:
-    start, state = 0, jax.jit(init, out_shardings=replicated,
+    start, state = 0, jax.jit(init, out_shardings=placed,
                               compiler_options=INIT_COMPILER_OPTIONS)()
   else:  # As the step reads it: in wus mode, optimizer state sharded for this N.
     first_batch = batches.train_batch(dataset.train, seed=config.seed, step=start,
                                       batch_size=global_batch, sharding=batch_sharding)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(init), placed)  # as placed (split over "model")
     state = checkpointer.restore(start, checkpoint.restore_target(
-        train_step, jax.eval_shape(init), first_batch, replicated))
+        train_step, abstract, first_batch, placed))
     if log_enabled:
       print(f"{config.mode}: resumed from step {start} of {checkpointer.directory}", flush=True)
-  eval_batch = mesh.size * max(config.batch_size, MIN_EVAL_BATCH_PER_DEVICE)
-  eval_step = functools.partial(evaluate, steps.make_eval_step(task, mesh),
+  eval_batch = replicas * max(config.batch_size, MIN_EVAL_BATCH_PER_DEVICE)
+  eval_step = functools.partial(evaluate, steps.make_eval_step(
+      task, mesh, specs.params if config.step == "shard_map" else P()),
                                 split=dataset.held_out, batch_size=eval_batch,
                                 max_examples=config.eval_examples, sharding=batch_sharding)
   learning_rate = jax.jit(schedule)  # the rate update i uses, for the log
@@ -214,7 +224,12 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
   log.close()
 
   summary = {"start_step": start, "final_step": max(start, config.steps),
-             "num_devices": mesh.size, "global_batch": global_batch, "losses": losses,
+             "num_devices": mesh.size, "replicas": replicas, "global_batch": global_batch,
+             "losses": losses,
              "eval": held_out or eval_step(state),  # evaluated now if nothing was left to train
              **measure(train_step, state, batch, seconds)}
+  if config.model_parallel > 1 and config.mode == "wus" and batch is not None:
+    # What wus did with the weights split over "model", as its Plan says (wus.jit on a
+    # 2-D mesh: the step runs unchanged, and why).
+    summary["plan"] = str(train_step.plan(*state, batch)).splitlines()[:2]
   return Result(state, summary)

@@ -25,6 +25,12 @@ Batch-norm statistics (`model_state`) are returned as the model computes them
 weight) or with `wus.shard_map` (`wus`: the weight update is sharded,
 optimizer state stays sharded between steps). Nothing else differs between
 the two modes.
+
+With a tensor-parallel task (`tasks.TensorParallelLM`, `wus-train
+--model_parallel`), the mesh has a second axis MODEL_AXIS and the same step
+runs on each device's blocks of the weights (`state_specs`); the task's loss
+has the psums over MODEL_AXIS inside, so the gradients still come from
+`jax.value_and_grad` alone.
 """
 
 from typing import Any, NamedTuple
@@ -37,16 +43,23 @@ import wus
 from wus.harness.models import tasks
 
 AXIS_NAME = "data"
+MODEL_AXIS = "model"  # the tensor-parallel axis of a mesh with --model_parallel > 1
 MODES = ("replicated", "wus")
 STEP_STYLES = ("shard_map", "jit")
 
 
-def make_mesh(step: str = "shard_map") -> Mesh:
-  """The 1-D mesh over every device with the axis AXIS_NAME. For "jit" steps its axis is
-  Auto (`jax.sharding.Mesh`'s kind): Flax's `nn.Embed` cannot take a batch split over an
+def make_mesh(step: str = "shard_map", model_parallel: int = 1) -> Mesh:
+  """The 1-D mesh over every device with the axis AXIS_NAME; with `model_parallel` > 1,
+  the 2-D mesh (AXIS_NAME: devices / model_parallel, MODEL_AXIS: model_parallel), the
+  devices of a model group adjacent. For "jit" steps its axes are Auto
+  (`jax.sharding.Mesh`'s kind): Flax's `nn.Embed` cannot take a batch split over an
   Explicit axis (`jax.make_mesh`'s default) without an out_sharding."""
-  types = (AxisType.Auto,) if step == "jit" else None
-  return jax.make_mesh((jax.device_count(),), (AXIS_NAME,), axis_types=types)
+  if model_parallel > 1:
+    shape, names = (jax.device_count() // model_parallel, model_parallel), (AXIS_NAME, MODEL_AXIS)
+  else:
+    shape, names = (jax.device_count(),), (AXIS_NAME,)
+  types = (AxisType.Auto,) * len(shape) if step == "jit" else None
+  return jax.make_mesh(shape, names, axis_types=types)
 
 
 class TrainState(NamedTuple):
@@ -61,6 +74,18 @@ class TrainState(NamedTuple):
   params: Any
   model_state: Any
   opt_state: Any
+
+
+def state_specs(task: tasks.Task, tx: optax.GradientTransformation, state) -> TrainState:
+  """The PartitionSpec of each leaf of `state` (a TrainState, arrays or abstract) over the
+  mesh: the weights as `task.param_specs` splits them, each optimizer-state leaf shaped
+  like a weight as that weight (`optax.tree_map_params`), everything else whole."""
+  params = task.param_specs(state.params)
+  whole = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+  opt = optax.tree_map_params(tx, lambda _, spec: spec, state.opt_state, params,
+                              transform_non_params=lambda _: P(),
+                              is_leaf=lambda x: isinstance(x, P))
+  return TrainState(params, whole(state.model_state), opt)
 
 
 def _loss_fn(task: tasks.Task, compute_dtype):
@@ -156,7 +181,8 @@ def _global_train_step(task: tasks.Task, tx: optax.GradientTransformation):
 
 
 def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = None,
-                   step: str = "shard_map", *, donate: bool = True, topology=None):
+                   step: str = "shard_map", *, donate: bool = True, topology=None,
+                   specs: TrainState | None = None):
   """`train_step` over `mesh`, compiled by `jax.jit(jax.shard_map(...))` or by wus.
 
   Args:
@@ -170,6 +196,8 @@ def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = N
       update it in place).
     topology: wus only: the devices, for its cost model
       (`wus.analysis.network.Topology`); None: its default.
+    specs: "shard_map" only: the state's PartitionSpecs (`state_specs`; a
+      tensor-parallel model's weights split over MODEL_AXIS); None: all whole.
 
   Returns:
     (params, model_state, opt_state, batch) -> (params, model_state, opt_state,
@@ -182,7 +210,8 @@ def map_train_step(mode: str, train_step, mesh: Mesh, group_size: int | None = N
     if mode == "replicated":
       return jax.jit(train_step, donate_argnums=donated)
     return wus.jit(train_step, donate_argnums=donated, topology=topology)
-  specs = {"in_specs": (P(), P(), P(), P(AXIS_NAME)), "out_specs": (P(), P(), P(), P())}
+  state = tuple(specs) if specs is not None else (P(), P(), P())
+  specs = {"in_specs": (*state, P(AXIS_NAME)), "out_specs": (*state, P())}
   if mode == "replicated":
     return jax.jit(jax.shard_map(train_step, mesh=mesh, **specs), donate_argnums=donated)
   return wus.shard_map(train_step, mesh=mesh, donate_argnums=donated,
@@ -229,11 +258,12 @@ def make_gradient_step(task: tasks.Task, mesh: Mesh):
                                out_specs=P(AXIS_NAME)))
 
 
-def make_eval_step(task: tasks.Task, mesh: Mesh):
-  """Compiled (params, model_state, batch) -> {"loss", "correct", "count"} summed over the mesh."""
+def make_eval_step(task: tasks.Task, mesh: Mesh, param_specs=P()):
+  """Compiled (params, model_state, batch) -> {"loss", "correct", "count"} summed over the
+  batch; the params split as `param_specs` says (default: whole)."""
 
   def eval_step(params, model_state, batch):
     return jax.lax.psum(task.eval_sums(params, model_state, batch), AXIS_NAME)
 
-  return jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(P(), P(), P(AXIS_NAME)),
+  return jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(param_specs, P(), P(AXIS_NAME)),
                                out_specs=P()))

@@ -15,6 +15,7 @@ Examples:
   wus-train                                      # Transformer LM on stdlib bytes
   wus-train --model=resnet_small --modes=wus     # ResNet + LARS on the digits
   wus-train --model=resnet_small --modes=wus --output_dir=/tmp/run   # resumable
+  wus-train --model_parallel=2     # Megatron-style TP on a 4 x 2 (data x model) mesh
   # Two processes of 4 devices (the other one with --process_id=1):
   wus-train --modes=wus --num_devices=4 --num_processes=2 --process_id=0 \
       --coordinator_address=127.0.0.1:12355
@@ -42,13 +43,18 @@ def build(config: RunConfig):
   """(dataset, task, optimizer, schedule) of `config`.
 
   Raises:
-    errors.InputError: the data cannot be read.
+    errors.InputError: the data cannot be read, or the model cannot be split
+      `config.model_parallel` ways.
   """
   kind = tasks.MODELS[config.model][0]
   dataset = datasets.load(config.data, kind, seq_len=config.seq_len,
                           image_size=config.image_size, seed=config.seed)
-  task = tasks.make(config.model, num_classes=dataset.num_classes, seq_len=config.seq_len,
-                    axis_name=steps.AXIS_NAME if config.step == "shard_map" else None)
+  try:
+    task = tasks.make(config.model, num_classes=dataset.num_classes, seq_len=config.seq_len,
+                      axis_name=steps.AXIS_NAME if config.step == "shard_map" else None,
+                      model_parallel=config.model_parallel, manual=config.step == "shard_map")
+  except ValueError as e:
+    raise errors.InputError(f"--model_parallel={config.model_parallel}: {e}") from None
   tx, schedule = optim.make(config.optimizer, **config.optimizer_hyperparameters())
   return dataset, task, tx, schedule
 
@@ -110,6 +116,14 @@ def describe(config: RunConfig, dataset, task: tasks.Task, tx, modes: list[str])
            "inverse-square-root decay")
   devices = (f"{jax.device_count()} {jax.devices()[0].platform.upper()} devices in "
              f"{jax.process_count()} process(es), one mesh axis {steps.AXIS_NAME!r}")
+  per = "device"
+  if config.model_parallel > 1:
+    n_data = jax.device_count() // config.model_parallel
+    per = f"data replica ({config.model_parallel} devices)"
+    devices = (f"{jax.device_count()} {jax.devices()[0].platform.upper()} devices in "
+               f"{jax.process_count()} process(es), mesh {steps.AXIS_NAME!r} ({n_data}) x "
+               f"{steps.MODEL_AXIS!r} ({config.model_parallel}): attention heads and MLP "
+               f"hidden units split over {steps.MODEL_AXIS!r} (Megatron-style)")
   saving = (f"checkpoints every {config.checkpoint_every or config.steps} updates and metrics "
             f"under {config.output_dir.parent}/<mode>/ (resumes from the latest)"
             if config.output_dir else "nothing (no --output_dir: no checkpoints, no metrics)")
@@ -117,7 +131,7 @@ def describe(config: RunConfig, dataset, task: tasks.Task, tx, modes: list[str])
       f"wus-train: {config.model}, {count:,} parameters",
       f"  data: {dataset.description}",
       f"  optimizer: {opt}",
-      f"  {config.steps} updates of {config.batch_size} examples per device; {devices}",
+      f"  {config.steps} updates of {config.batch_size} examples per {per}; {devices}",
       f"  modes: {', '.join(modes)}; saving: {saving}"])
 
 
@@ -148,7 +162,7 @@ def fit(config: RunConfig, built=None) -> loop.Result:
       of another model or optimizer, or unreadable.
   """
   dataset, task, tx, schedule = built or build(config)
-  mesh = steps.make_mesh(config.step)
+  mesh = steps.make_mesh(config.step, config.model_parallel)
   checkpointer = open_checkpoints(config, task) if config.output_dir else None
   first = jax.process_index() == 0
   try:
@@ -198,7 +212,9 @@ def fit_modes(configs: list[RunConfig]) -> dict[str, dict]:
     last = fit(config, built)
     summaries[config.mode] = last.summary
   times = [summaries.get(mode, {}).get("step_seconds") for mode in steps.MODES]
-  if all(times) and _on_every_process(times[1] >= times[0]):
+  # Timing the update alone maps it with whole weights: not for a tensor-parallel model.
+  if (all(times) and configs[0].model_parallel == 1
+      and _on_every_process(times[1] >= times[0])):
     mesh = steps.make_mesh(configs[0].step)
     batch = batches.train_batch(dataset.train, seed=configs[0].seed, step=0,
                                 batch_size=last.summary["global_batch"],
@@ -261,6 +277,10 @@ def format_results(results: dict[str, dict]) -> str:
       row("optimizer state, whole (bytes)", lambda r: r["opt_state_bytes"]),
       *(row(f"{k} per device (bytes)", lambda r, k=k: r["state_bytes_per_device"][k])
         for k in results[modes[0]]["state_bytes_per_device"]),
+      *([row("opt_state per device / whole copy", lambda r: r["state_bytes_per_device"][
+          "opt_state"] / r["opt_state_bytes"])]
+        if any(r.get("replicas", r.get("num_devices")) != r.get("num_devices")
+               for r in results.values()) else []),  # tensor parallelism: say the fraction
       *(row(f"compiled step {k} (bytes)", lambda r, k=k: r.get("memory", {}).get(k, "-"))
         for k in ("argument", "output", "alias", "temp", "total")),
   ]
@@ -288,6 +308,8 @@ def format_results(results: dict[str, dict]) -> str:
     parts.append(time_note(results[modes[0]], results[modes[1]]))
   if both and (note := temp_note(results[modes[0]], results[modes[1]])):
     parts.append(note)
+  parts += [f"{m}'s Plan:\n" + "\n".join(results[m]["plan"]) for m in modes
+            if results[m].get("plan")]
   if all("collectives" in results[m] for m in modes):
     fields = [(m, f) for m in modes for f in ("count", "bytes", "wire_bytes")]
     parts += ["Collectives in the compiled step (from its optimized HLO; bytes per device: "

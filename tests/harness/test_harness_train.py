@@ -98,6 +98,10 @@ def main_error(*args) -> str:
     (["--data=/no/such/file.npz", "--model=resnet_small"],
      "wus-train: error: --data=/no/such/file.npz: no such file or directory"),
     (["positional"], "wus-train: error: unexpected arguments ['positional']"),
+    (["--model_parallel=3"], "wus-train: error: --model_parallel=3 does not divide the 8 "
+     "devices"),
+    (["--model_parallel=2", "--model=mlp_small"], "wus-train: error: --model_parallel=2: "
+     "mlp_small cannot be split over 2 devices: it is not a Transformer"),
 ])
 def test_main_reports_bad_input_in_one_line(args, message):
   assert main_error(*args).startswith(message)

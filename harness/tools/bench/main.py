@@ -47,6 +47,11 @@ Regimes:
   muon                 Muon on a Transformer-like model and on an imbalanced one:
                        replicated, a hand-written owner-computes Muon and wus
                        (ownership; `harness/tools/bench/muon.py`, its own models).
+  tensor-parallel      --tp_model split Megatron-style over a "model" axis of
+                       --model_parallel devices, on a (N / M) x M mesh: the TP step
+                       with its state replicated over data, the GSPMD ZeRO-1
+                       MaxText users write, and wus
+                       (`harness/tools/bench/tensor_parallel.py`).
 
 The variants of a regime run interleaved, so that they share the machine's
 noise: a new random order every round, each timed update after an untimed
@@ -66,6 +71,7 @@ from them.
 Example:
   wus-bench                       # all regimes
   wus-bench --regimes=weight-update-bound --regimes=many-small-tensors --rounds=20
+  wus-bench --regimes=tensor-parallel --rounds=2   # checks that it runs
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ from absl import flags
 
 from wus.harness import console, errors
 from wus.harness.models import tasks
-from wus.harness.tools.bench import calibrate, muon
+from wus.harness.tools.bench import calibrate, muon, tensor_parallel
 from wus.harness.tools.bench.regimes import run_regime
 from wus.harness.tools.bench.summary import markdown, predict, prediction_markdown
 from wus.harness.tools.bench.variants import Regime
@@ -107,8 +113,12 @@ def _define_flags() -> None:
                        lower_bound=2)
   regimes = ["weight-update-bound", "many-small-tensors", "compute-bound", "partial-sharding",
              "bf16-loop"]
-  flags.DEFINE_multi_enum("regimes", regimes, regimes + ["muon"], "Regimes to run (muon: "
-                          "only when named).")
+  flags.DEFINE_multi_enum("regimes", regimes, regimes + ["muon", "tensor-parallel"],
+                          "Regimes to run (muon and tensor-parallel: only when named).")
+  flags.DEFINE_string("tp_model", "transformer_wide", "Transformer of the tensor-parallel "
+                      "regime (its heads and MLP width divisible by --model_parallel).")
+  flags.DEFINE_integer("model_parallel", 2, "Devices of the 'model' axis in the "
+                       "tensor-parallel regime (M; the mesh is (N / M) x M).", lower_bound=2)
   flags.DEFINE_integer("rounds", 15, "Timed updates per variant and regime.", lower_bound=1)
   flags.DEFINE_multi_integer("group_sizes", [2, 4], "G of the partial-sharding variants "
                              "(shard_group_size, §5.2) in the partial-sharding regime; each "
@@ -145,6 +155,9 @@ def bench() -> None:
     if model not in tasks.MODELS or model.startswith("resnet"):
       raise errors.InputError(f"--{name}={model}: choose one of "
                               f"{[m for m in tasks.MODELS if not m.startswith('resnet')]}")
+  if "tensor-parallel" in f.regimes and (
+      why := tensor_parallel.unusable(f.tp_model, f.model_parallel, f.num_devices)):
+    raise errors.InputError(f"the tensor-parallel regime: {why}")
   jax.config.update("jax_num_cpu_devices", f.num_devices)
   mesh = jax.make_mesh((f.num_devices,), (steps.AXIS_NAME,))
   regimes = regimes_from_flags()
@@ -170,6 +183,12 @@ def bench() -> None:
   muon_results = muon.run_regime(mesh, f.rounds) if "muon" in f.regimes else []
   if muon_results:
     print("\n" + muon.markdown(muon_results))
+  tp_result = None
+  if "tensor-parallel" in f.regimes:
+    tp_result = tensor_parallel.run(mesh, rounds=f.rounds, model=f.tp_model,
+                                    model_parallel=f.model_parallel,
+                                    topology=topology if f.topology == "measured" else None)
+    print("\n" + tensor_parallel.markdown(tp_result))
   if results:
     print("\n" + prediction_markdown(results, topology, raw))
   for r in results:
@@ -179,7 +198,8 @@ def bench() -> None:
   calibration = {"topology": dataclasses.asdict(topology), "measured": raw}
   if f.output:
     pathlib.Path(f.output).write_text(json.dumps({"regimes": results, "calibration": calibration,
-                                                  "muon": muon_results}, indent=2))
+                                                  "muon": muon_results,
+                                                  "tensor_parallel": tp_result}, indent=2))
     print(f"\nWrote {f.output}")
 
 
