@@ -26,16 +26,18 @@ from wus.analysis.compat.handles import (add_any_p, all_gather_invariant_p, all_
                                          custom_jvp_call_p, custom_vjp_call_p, device_put_p,
                                          DropVar, geqp3_p, geqrf_p, iota_2x32_shape_p, is_literal,
                                          is_zero_literal, Jaxpr, JaxprEqn, jit_p,
-                                         layout_constraint_p, Literal, mulhi_p, pbroadcast_p,
+                                         layout_constraint_p, Literal, log2_p, mulhi_p,
+                                         one_minus_square_p, pbroadcast_p, polynomial_p,
                                          philox2x32_p, philox4x32_p, platform_index_p, pmax_p,
                                          pmin_p, ppermute_p, Primitive, psum_invariant_p, psum_p,
                                          pvary_p, ragged_all_to_all_p, ragged_dot_general_p,
                                          random_bits_p, random_clone_p, random_fold_in_p,
                                          random_gamma_p, random_seed_p, random_split_p,
-                                         random_unwrap_p, random_wrap_p, reduce_scatter_p, remat_p,
-                                         reshard_p, scan_p, shard_map_p, side_effects, stack_p,
-                                         sub_jaxprs, threefry2x32_p, threefry4x32_p, tile_p,
-                                         unstack_p, Var, while_p, zeros_like_p)
+                                         random_unwrap_p, random_wrap_p, reduce_scatter_p,
+                                         relayout_p, remat_p, reshard_p, scan_p, shard_map_p,
+                                         side_effects, stack_p, sub_jaxprs, threefry2x32_p,
+                                         threefry4x32_p, tile_p, unstack_p, Var, while_p,
+                                         zeros_like_p)
 from wus.analysis.compat.control_flow import (Atom, Cond, cond, loop, Loop)
 from wus.analysis.compat.source import (has_user_frame, source_line)
 from wus.analysis.compat.axes import (collective_axes, explicit_axes, has_axis_index_groups,
