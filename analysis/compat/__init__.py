@@ -3,10 +3,12 @@
 Everything else in wus names primitives through the objects exported here and
 reads control-flow equations through the records below, never by string; it
 imports this package (`from wus.analysis import compat`, then `compat.X`), not
-its modules. Written against jax 0.10.2 (the range pinned in pyproject.toml);
-when a later JAX moves a name, only these modules change
-(`tests/test_lint.py` fails for a `jax._src` or `jax.extend` import anywhere
-else).
+its modules. Supports jax 0.10.2 through 0.12 (the range pinned in
+pyproject.toml, both ends tested by .ci/run) by feature detection, never by
+version string: a primitive a release lacks is None here, a moved parameter or
+configuration is looked for where each release keeps it. When a later JAX moves
+a name, only these modules change (`tests/test_lint.py` fails for a `jax._src`
+or `jax.extend` import anywhere else).
 
 Modules, one concern each:
   handles       jaxpr types, primitive objects, an equation's inner jaxprs, literals, effects
