@@ -46,7 +46,10 @@ ELEMENTWISE: frozenset = frozenset({
     lax.igamma_grad_a_p, lax.igammac_p, lax.lgamma_p, lax.log1p_p, lax.log_p, lax.logistic_p,
     lax.polygamma_p, lax.sin_p, lax.sinh_p, lax.tan_p,
     lax.tanh_p, lax.zeta_p,
-})
+    # Later JAX releases (None on jax 0.10): jnp.log2; 1 - x^2 as (1 + x)(1 - x);
+    # Horner's rule on x with broadcast coefficients (jnp.polyval).
+    compat.log2_p, compat.one_minus_square_p, compat.polynomial_p,
+}) - {None}
 # PURE only: bitcast_convert_type changes the shape when the widths differ;
 # regularized_incomplete_beta is elementwise, but JAX 0.10 lowers it with a
 # while loop whose carries break check_vma on varying (sharded) operands.
@@ -77,6 +80,7 @@ PURE: frozenset = frozenset({
     # Values unchanged, only their placement or differentiation.
     lax.stop_gradient_p, lax.optimization_barrier_p, lax.sharding_constraint_p,
     compat.reshard_p, compat.layout_constraint_p, compat.device_put_p, compat.zeros_like_p,
+    compat.relayout_p,
     # The same platform runs every replica.
     compat.platform_index_p,
     # Functional PRNG: the same key gives the same bits everywhere.
@@ -85,10 +89,12 @@ PURE: frozenset = frozenset({
     compat.random_bits_p, compat.random_split_p, compat.random_fold_in_p,
     compat.random_seed_p, compat.random_wrap_p, compat.random_unwrap_p,
     compat.random_gamma_p, compat.random_clone_p,
-})
+}) - {None}
 # Deliberately in neither set, hence varying: rng_uniform (stateful),
 # callbacks (io_callback, pure_callback: the host may answer differently per
-# device), nested shard_map, and any primitive JAX adds later.
+# device), nested shard_map, pbroadcast_dynamic (a broadcast from a replica
+# chosen at run time; JAX lowers it for GPUs only, so no rule of ours could be
+# tested here), and any primitive JAX adds later.
 
 
 @dataclasses.dataclass(frozen=True)

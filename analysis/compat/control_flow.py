@@ -127,11 +127,21 @@ class Loop:
                           lambda c: body([*consts, *c]), init)
 
 
+def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+  """Where a scan's carry starts and ends among its operands: from `num_consts`
+  and `num_carry` (jax 0.10), or the lengths of `ft_in`'s three parts, the
+  flattened (consts, carry, xs) that replaced them in JAX 0.12."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_consts"] + params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(consts) + len(carry)
+
+
 def loop(eqn: JaxprEqn) -> Loop:
   """The parts of a `while` or `scan` equation."""
   p, ops = eqn.params, tuple(eqn.invars)
   if eqn.primitive is scan_p:
-    n, m = p["num_consts"], p["num_consts"] + p["num_carry"]
+    n, m = _scan_counts(p)
     return Loop("scan", p["jaxpr"], None, (), ops[:n], ops[n:m], ops[m:],
                 {k: p[k] for k in ("length", "reverse", "unroll")})
   if eqn.primitive is while_p:

@@ -92,6 +92,13 @@ zeros_like_p = _ad_util.zeros_like_p
 geqrf_p = _linalg.geqrf_p
 geqp3_p = _linalg.geqp3_p
 
+# Primitives of later JAX releases, None where the installed JAX has none (jax
+# 0.10 computes jnp.log2 as log / log(2) and has no relayout or polynomial).
+log2_p = getattr(_lax, "log2_p", None)
+one_minus_square_p = getattr(_lax, "one_minus_square_p", None)
+polynomial_p = getattr(_lax, "polynomial_p", None)
+relayout_p = getattr(_pjit, "relayout_p", None)
+
 
 # Calls whose inner jaxpr is evaluated as is: (primitive, param holding it).
 # After AD the custom_jvp/custom_vjp rules are dead; evaluating call_jaxpr is

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as _np
 from jax._src import api_util as _api_util
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import literals as _literals
@@ -20,6 +21,13 @@ from jax._src.lax import slicing as _slicing
 
 from wus.analysis.compat.handles import (CALL_JAXPR_PARAM, Jaxpr, JaxprEqn, Literal,
                                          side_effects)
+
+# The configuration holding the abstract mesh of the current trace: jax.sharding's
+# module has its own since JAX 0.11; jax 0.10 keeps it with the other configs.
+_ABSTRACT_MESH = getattr(_mesh_lib, "abstract_mesh_context_manager", None)
+if _ABSTRACT_MESH is None:
+  _ABSTRACT_MESH = _config.abstract_mesh_context_manager
+
 
 def rebind_call(eqn: JaxprEqn, fn: Any, args: Sequence[Any]) -> list[Any]:
   """Binds a call-like equation (remat) on `args` with its inner jaxpr
@@ -123,12 +131,17 @@ def source_of(eqn: JaxprEqn):
 
 def in_current_mesh(eqn: JaxprEqn) -> JaxprEqn:
   """`eqn` with the abstract mesh of its context replaced by the current one,
-  to re-bind it inside a shard_map over another mesh (renamed axes)."""
-  ctx = eqn.ctx
-  meta = None if ctx.xla_metadata is None else tuple(sorted(ctx.xla_metadata.items()))
-  return eqn.replace(ctx=_core.JaxprEqnContext._create(
-      ctx.compute_type, ctx.threefry_partitionable, _mesh_lib.get_abstract_mesh(),
-      ctx.remove_size_one_mesh_axis, meta))
+  to re-bind it inside a shard_map over another mesh (renamed axes).
+
+  The context is built as JAX builds one, from the configuration its manager
+  sets, so every other field (their number grows with JAX's version) is the
+  equation's own.
+  """
+  mesh = _mesh_lib.get_abstract_mesh()
+  with eqn.ctx.manager:  # Its exit restores the abstract mesh set below.
+    _ABSTRACT_MESH.set_local(mesh)
+    ctx = _core.JaxprEqnContext()
+  return eqn.replace(ctx=ctx)
 
 
 def retyped(value: Any) -> Any:

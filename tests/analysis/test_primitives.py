@@ -33,7 +33,9 @@ DEFAULTED = {
     "custom_jvp_call_jaxpr": "pre-AD form, gone after tracing",
     "eval_jaxpr": "sub-jaxpr", "stage": "staging internal", "check": "checkify effect",
     "after_all": "token", "create_token": "token", "psend": "point-to-point send",
-    "precv": "point-to-point receive", "preduced": "reduced-axes typing",
+    "precv": "point-to-point receive",
+    "pbroadcast_dynamic": "GPU-only collective (no CPU lowering to test a rule with)",
+    "preduced": "reduced-axes typing",
     "all_gather_reduced": "reduced-axes typing", "inspect_sharding": "host callback",
     "shape_assertion": "export effect", "dim_as_value": "dynamic shapes",
     "dimension_size": "dynamic shapes", "unreachable": "effect",
@@ -131,11 +133,16 @@ def _unary(prim):
       lax.acos_p: lambda g, m: lax.acos(jnp.tanh(g) * 0.5),
       lax.asin_p: lambda g, m: lax.asin(jnp.tanh(g) * 0.5),
       lax.atanh_p: lambda g, m: lax.atanh(jnp.tanh(g) * 0.5),
+      # Newer JAX only (compat's None otherwise). Coefficients: a replicated scalar, the
+      # momentum (sharded with g), a constant; polyval's order is highest degree first.
+      compat.polynomial_p: lambda g, m: (
+          jnp.polyval(jnp.stack([jnp.float32(0.5), 0.25]), g)
+          + compat.polynomial_p.bind(g, jnp.float32(0.5), m, 0.25 * g)),
   }
   if prim in special:
     return special[prim]
   positive = {lax.log_p, lax.log1p_p, lax.sqrt_p, lax.rsqrt_p, lax.lgamma_p, lax.digamma_p,
-              lax.cbrt_p}
+              lax.cbrt_p, compat.log2_p}
   if prim in positive:
     return lambda g, m: getattr(lax, prim.name)(jnp.abs(g) + 1.0)
   return lambda g, m: getattr(lax, prim.name)(g)

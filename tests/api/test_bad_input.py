@@ -97,7 +97,12 @@ def test_state_whose_dtypes_change_after_init_keeps_running():
   for _ in range(3):
     a, b = ref(*a, x), ws(*b, x)
   assert_trees_equal(a[0], b[0])
-  assert_trees_equal(a[1], wus.unshard(b[1]))
+  # numerator_weighted sums over the whole weight: on shards, partial sums and an
+  # all-reduce (§4.1), which may round otherwise than one sum (DESIGN.md §4, invariant 1):
+  # equal on jax 0.10.2, one ulp apart on 0.12.0.1's XLA:CPU under the suite's flags.
+  want, got = a[1], wus.unshard(b[1])
+  assert_trees_equal(want._replace(numerator_weighted=None), got._replace(numerator_weighted=None))
+  assert_trees_equal(want.numerator_weighted, got.numerator_weighted, rtol=1e-6)
 
 
 def test_axis_name_must_be_a_manual_axis():

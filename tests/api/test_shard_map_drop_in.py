@@ -45,6 +45,38 @@ def test_mesh_from_context_and_inferred_in_specs():
   assert sharded_leaves(got[1])
 
 
+def _outcome(step, m, args):
+  """("ran", two steps' results) or ("raised", the error's type and first line)."""
+  try:
+    with jax.set_mesh(m):
+      a = step(*args)
+      return "ran", wus.unshard(step(*a, args[2]))
+  except Exception as e:  # noqa: BLE001  Whatever JAX raises, wus must raise too.
+    return "raised", (type(e), str(e).splitlines()[0])
+
+
+@pytest.mark.parametrize("params_spec,x_spec",
+                         [(P(), P("data")), (P(), P()), (P("data"), P("data"))],
+                         ids=["as_in_specs", "batch_replicated", "params_split"])
+def test_explicit_mesh_arguments_against_in_specs_as_jax_shard_map(params_spec, x_spec):
+  """On an Explicit mesh (jax.make_mesh's default) JAX checks the arguments' shardings
+  against in_specs instead of resharding them (issue 32: JAX >= 0.9.1): wus.shard_map
+  runs where jax.shard_map runs, to the same numbers, and raises what it raises."""
+  m = mesh()
+  params, xs = dense_inputs(m)
+  args = (jax.device_put(params, jax.tree.map(lambda _: NamedSharding(m, params_spec), params)),
+          jax.device_put(TX.init(params), NamedSharding(m, P())),
+          jax.device_put(xs[0], NamedSharding(m, x_spec)))
+  kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  want = _outcome(jax.jit(jax.shard_map(dense_step(TX), **kw)), m, args)
+  got = _outcome(wus.shard_map(dense_step(TX), **kw), m, args)
+  assert got[0] == want[0], (want, got)
+  if want[0] == "raised":
+    assert got[1] == want[1]
+  else:
+    assert_trees_equal(want[1], got[1])
+
+
 def test_without_a_mesh_says_how_to_give_one():
   params, xs = dense_inputs(mesh())
   step = wus.shard_map(dense_step(TX), out_specs=(P(), P()))
