@@ -125,17 +125,23 @@ def test_donated_sharded_state_passed_again_raises():
     ws(params, sharded, extra, b)
 
 
-def test_sharded_state_used_as_an_array_says_to_unshard():
+def test_sharded_state_used_as_an_array_is_its_whole_tensor():
+  """Issue 28: sharded state the user reads outside the step (arithmetic, jnp, indexing,
+  NumPy, a plain optax update) is its whole tensor, gathered on demand, as
+  wus.unshard gives it; it no longer raises."""
   mesh = jax.make_mesh((8,), ("data",))
   tx, params, state, extra = _adam_setup(mesh)
   (b,) = batches(mesh, 1)
   _, sharded, _, _ = wus.shard_map(make_step(tx), mesh=mesh, **SPECS)(params, state, extra, b)
   mu = sharded[0].mu["big"]
-  for use in (lambda: 0.5 * mu, lambda: jnp.sum(mu), lambda: mu[0], lambda: np.asarray(mu)):
-    with pytest.raises(TypeError, match=r"wus\.unshard"):
-      use()
-  with pytest.raises(TypeError, match=r"wus\.unshard"):
-    tx.update(params, sharded, params)  # A plain optax update on sharded state.
+  whole = wus.unshard(sharded)
+  want = whole[0].mu["big"]
+  assert wus.is_sharded(mu) and not wus.is_sharded(want)
+  for use in (lambda x: 0.5 * x, jnp.sum, lambda x: x[0], np.asarray):
+    np.testing.assert_array_equal(np.asarray(use(mu)), np.asarray(use(want)))
+  updates, _ = tx.update(params, sharded, params)  # A plain optax update on sharded state.
+  want_updates, _ = tx.update(params, whole, params)
+  assert_trees_equal(updates, want_updates)
 
 
 def test_unshard_gathers_a_tree_in_one_program():
