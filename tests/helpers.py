@@ -223,12 +223,22 @@ def collective_arrays(lines, kind: str) -> list[str]:
 
 
 def replica_groups(line: str) -> list[tuple[int, ...]]:
-  """The replica groups of an HLO collective: explicit, or XLA's iota form
-  `[a,b]<=[dims]T(perm)` (the iota over dims, transposed, read as a rows of b)."""
+  """The replica groups of an HLO collective: explicit, XLA's iota form
+  `[a,b]<=[dims]T(perm)` (the iota over dims, transposed, read as a rows of b), or
+  XLA 0.12's mesh form `mesh['data'=4,'model'=2] {'model'}` (device ids in mesh order)."""
   explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
   if explicit:
     return [tuple(int(d) for d in grp.split(",")) for grp in re.findall(r"\{([\d,]+)\}",
                                                                           explicit[1])]
+  named = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+  if named:  # XLA 0.12: `mesh['data'=4,'model'=2] {'model'}`, the devices along 'model'.
+    sizes = {a: int(n) for a, n in re.findall(r"'([^']+)'=(\d+)", named[1])}
+    along = re.findall(r"'([^']+)'", named[2])
+    ids = np.arange(np.prod(list(sizes.values()))).reshape(list(sizes.values()))
+    order = [k for k, a in enumerate(sizes) if a not in along] + [list(sizes).index(a)
+                                                                 for a in along]
+    rows = ids.transpose(order).reshape(-1, int(np.prod([sizes[a] for a in along])))
+    return [tuple(int(d) for d in row) for row in rows]
   iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
   dims = [int(d) for d in iota[3].split(",")]
   ids = np.arange(np.prod(dims)).reshape(dims)

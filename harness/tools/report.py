@@ -32,7 +32,11 @@ _ARRAY_RE = re.compile(r"\b(?P<dtype>pred|[a-z]+\d+\w*)\[(?P<dims>[\d,]*)\]")
 # first group's members) or the iota form `replica_groups=[2,4]<=[8]` (2 groups
 # of 4). `replica_groups={}` means one group of every device of the program,
 # whose count the module header gives: `num_partitions=8`, `replica_count=1`.
-_GROUP_RE = re.compile(r"replica_groups=(?:\{\{(?P<members>[\d,]*)\}|\[\d+,(?P<size>\d+)\]<=)")
+# XLA 0.12 also names mesh axes: `replica_groups=mesh['data'=4,'model'=2] {'model'}`
+# (groups of the devices along the axes in braces: 2).
+_GROUP_RE = re.compile(r"replica_groups=(?:\{\{(?P<members>[\d,]*)\}|\[\d+,(?P<size>\d+)\]<="
+                       r"|mesh\[(?P<mesh>[^\]]*)\] \{(?P<axes>[^}]*)\})")
+_AXIS_RE = re.compile(r"'(?P<name>[^']+)'(?:=(?P<size>\d+))?")
 _DEVICES_RE = re.compile(r"\b(?P<key>num_partitions|replica_count)=(?P<n>\d+)")
 
 # Bytes each device sends for one array of a collective's result (`elements` of
@@ -66,6 +70,16 @@ class Collectives(NamedTuple):
   count: int
   bytes: int
   wire_bytes: int
+
+
+def _group_size(g: re.Match | None, everyone: int) -> int:
+  """Devices in each group of a collective's `replica_groups` (`_GROUP_RE`'s match)."""
+  if g is None:
+    return everyone
+  if g["mesh"] is not None:
+    sizes = {a["name"]: int(a["size"]) for a in _AXIS_RE.finditer(g["mesh"])}
+    return math.prod(sizes[a["name"]] for a in _AXIS_RE.finditer(g["axes"]))
+  return int(g["size"]) if g["size"] else len(g["members"].split(","))
 
 
 def _bits(dtype: str) -> int:
@@ -210,8 +224,7 @@ def collectives(hlo_text: str, *, per_run: bool = False,
     m = _COLLECTIVE_RE.match(line)
     if not m or (only is not None and computation not in only):
       continue
-    g = _GROUP_RE.search(line)
-    group = (int(g["size"]) if g["size"] else len(g["members"].split(","))) if g else everyone
+    group = _group_size(_GROUP_RE.search(line), everyone)
     if m["async"] == "-start":
       start_groups[m["name"]] = group
       continue
