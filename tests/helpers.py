@@ -384,3 +384,17 @@ def analysed_body(f, in_specs, shapes, out_specs, *, mesh, check_vma=True):
   flat = compat.dce(compat.shard_map_params(compat.shard_map_eqn(flat_outer))[0])
   manual = frozenset(mesh.axis_names)
   return flat, redundancy.analyze(flat, [manual - spec_axes(s) for s in in_specs], manual)
+
+
+def classifier_step(model, tx):
+  """The Flax examples' classifier step on global arrays: softmax cross-entropy of
+  `model.apply(params, batch["x"])` against `batch["y"]`, an optax update; returns
+  (params, opt_state, {"loss": loss})."""
+  def train_step(params, opt_state, batch):
+    def loss_fn(p):
+      logits = model.apply(p, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+  return train_step

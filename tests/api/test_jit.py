@@ -20,7 +20,7 @@ from flax.training import train_state
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, collective_arrays
+from helpers import assert_trees_equal, classifier_step, collective_arrays
 from wus.sharded import is_sharded
 
 KINDS = ["auto", "explicit"]
@@ -52,17 +52,6 @@ def _batches(mesh, n, batch=48, features=12):
           for _ in range(n)]
 
 
-def _flax_step(model, tx):
-  def train_step(params, opt_state, batch):
-    def loss_fn(p):
-      logits = model.apply(p, batch["x"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
-  return train_step
-
-
 def _init(mesh, model, tx, features=12):
   params = model.init(jax.random.key(0), jnp.ones((1, features)))
   params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -80,7 +69,7 @@ def _jit_and_wus(mesh, tx, steps, batch=48):
   """`MLP`'s Flax step with `tx`, run `steps` times by `jax.jit` and by `wus.jit` from
   the same state, as the user writes it (`_context`): both (params, opt_state, metrics)."""
   model = MLP()
-  step = _flax_step(model, tx)
+  step = classifier_step(model, tx)
   with _context(mesh):
     args = _init(mesh, model, tx)
     batches = _batches(mesh, steps, batch=batch)
@@ -106,7 +95,7 @@ def test_flax_adam_step_bit_for_bit_with_state_sharded(kind, n):
 def test_gradients_reduce_scattered_and_weights_all_gathered(kind):
   mesh = _mesh(kind)
   model, tx = MLP(), optax.adam(1e-2)
-  step = _flax_step(model, tx)
+  step = classifier_step(model, tx)
   with _context(mesh):
     params, opt_state = _init(mesh, model, tx)
     (batch,) = _batches(mesh, 1)
@@ -137,7 +126,7 @@ def test_no_recompilation_across_calls_and_donation_honoured(kind):
   mesh = _mesh(kind)
   model, tx = MLP(), optax.adam(1e-2)
   traces = []
-  inner = _flax_step(model, tx)
+  inner = classifier_step(model, tx)
 
   def step(params, opt_state, batch):
     traces.append(1)
@@ -196,7 +185,7 @@ def test_global_norm_clipping_within_summation_order(kind):
 def test_no_batch_split_runs_unchanged_with_the_reason():
   mesh = _mesh("auto")
   model, tx = MLP(), optax.adam(1e-2)
-  step = _flax_step(model, tx)
+  step = classifier_step(model, tx)
   params, opt_state = _init(mesh, model, tx)
   batch = {"x": jnp.ones((16, 12)), "y": jnp.zeros((16,), jnp.int32)}
   ws = wus.jit(step)
@@ -351,7 +340,7 @@ def test_jit_arguments_mean_what_they_mean_to_jax_jit(form):
   argument, keyword arguments and donate_argnames."""
   mesh = _mesh("auto")
   model, tx = MLP(), optax.adam(1e-2)
-  inner = _flax_step(model, tx)
+  inner = classifier_step(model, tx)
   data, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
   rng = np.random.default_rng(0)
   batches = [{"x": rng.normal(size=(48, 12)).astype(np.float32),
@@ -524,7 +513,7 @@ def test_state_split_over_a_mesh_axis_runs_unchanged_with_the_reason():
   """Tensor parallelism (weights split over "model") is not served yet: nothing changes."""
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
   model, tx = MLP(), optax.adam(1e-2)
-  step = _flax_step(model, tx)
+  step = classifier_step(model, tx)
   params = model.init(jax.random.key(0), jnp.ones((1, 12)))
   params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(
       mesh, P(None, "model") if x.ndim == 2 else P())), params)
@@ -543,7 +532,7 @@ def test_checkpoint_saved_at_8_restored_at_4_with_state_target(tmp_path):
   the same state."""
   import orbax.checkpoint as ocp
   model, tx = MLP(), optax.adam(1e-2)
-  step = _flax_step(model, tx)
+  step = classifier_step(model, tx)
   mesh8, mesh4 = _mesh("auto", 8), _mesh("auto", 4)
   params, opt_state = _init(mesh8, model, tx)
   params, opt_state, _ = _run(wus.jit(step), (params, opt_state), _batches(mesh8, 2))

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, classifier_step
 from wus.sharded import is_sharded
 
 
@@ -58,17 +58,6 @@ class LogicalMLP(nn.Module):
         nn.initializers.lecun_normal(), ("mlp", "embed")))(x)
 
 
-def _linen_step(model, tx):
-  def train_step(params, opt_state, batch):
-    def loss_fn(p):
-      logits = model.apply(p, batch["x"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return train_step
-
-
 def _run_both(step, ws, args, batches):
   ref = out = args
   for b in batches:
@@ -91,7 +80,7 @@ def test_linen_logical_axis_rules_on_a_mesh_with_size_1_axes():
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
   params = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), jnp.ones((1, 12)))
   assert params["params"]["Dense_0"]["kernel"].value.sharding.spec == P("fsdp", "tensor")
-  step, traces = _linen_step(model, tx), []
+  step, traces = classifier_step(model, tx), []
 
   @functools.wraps(step)
   def counted(*args):
@@ -203,7 +192,7 @@ def test_schedule_free_eval_params_as_optax_documents_them():
   tx = optax.contrib.schedule_free_adamw(1e-2, warmup_steps=2)
   params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 12))),
                           NamedSharding(mesh, P()))
-  step = _linen_step(model, tx)
+  step = classifier_step(model, tx)
   batches = _batches(mesh, 3)
   ref, out = _run_both(step, wus.jit(step), (params, tx.init(params)), batches)
   assert_state_sharded(out[1], 8)
@@ -274,7 +263,7 @@ def test_with_sharding_constraint_replicating_weights_and_state(constraint):
   them (or naming only a size-1 axis) on an (8, 1) mesh: no split, sharded all the same."""
   mesh = _auto_mesh((8, 1), ("data", "model"))
   model, tx = MLP(), optax.adam(1e-2)
-  inner = _linen_step(model, tx)
+  inner = classifier_step(model, tx)
 
   def train_step(params, opt_state, batch):
     params, opt_state, loss = inner(params, opt_state, batch)
@@ -359,7 +348,7 @@ def test_a_constraint_splitting_state_over_the_batch_is_honoured():
   comes back split the Plan says the step runs as jax.jit runs it, and why."""
   mesh = _auto_mesh((8,), ("data",))
   model, tx = MLP(), optax.adam(1e-2)
-  inner = _linen_step(model, tx)
+  inner = classifier_step(model, tx)
 
   def train_step(params, opt_state, batch):
     params, opt_state, loss = inner(params, opt_state, batch)
