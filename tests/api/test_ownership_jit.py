@@ -15,8 +15,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, sharded_leaves
-from test_jit import _context, _flax_step, _mesh  # How test_jit writes its steps and meshes.
+from helpers import assert_trees_equal, classifier_step, sharded_leaves
+from test_jit import _context, _mesh  # How test_jit writes its meshes.
 from test_ownership import OPTIMIZERS as ownership_optimizers
 from wus.analysis.owned import OwnedFormat
 
@@ -64,7 +64,7 @@ def test_muon_under_wus_jit_owned_and_bit_for_bit(name, n, kind):
   """The [32,32] kernels are owned (each replica owns some, each kernel one replica's);
   the biases' Adam(W) runs on shards in the same step."""
   mesh, model, tx = _mesh(kind, n), MLP(depth=2 * n), OPTIMIZERS[name]()
-  step = _flax_step(model, tx)
+  step = classifier_step(model, tx)
   ref, _ = _run(jax.jit(step), mesh, model, tx, features=32)
   ws = wus.jit(step)
   got, batch = _run(ws, mesh, model, tx, features=32)
@@ -90,7 +90,7 @@ def test_explicit_mesh_computes_what_jax_jit_computes_on_an_auto_mesh():
   exactly what jax.jit computes on an Auto mesh; elementwise updates with a chain
   of constant scalings show the same (not ownership's: the region's)."""
   n, model, tx = 8, MLP(depth=8), OPTIMIZERS["muon"]()
-  step = _flax_step(model, tx)
+  step = classifier_step(model, tx)
   ref, _ = _run(jax.jit(step), _mesh("auto", n), model, tx, features=12)
   got, _ = _run(wus.jit(step), _mesh("explicit", n), model, tx, features=12)
   assert_trees_equal(ref, wus.unshard(got))
