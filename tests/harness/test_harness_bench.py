@@ -84,7 +84,18 @@ def test_partial_sharding_rows_hold_v_over_g_and_move_no_more_bytes(partial):
     assert m["max_param_difference"] < LEARNING_RATE
   text = summary.markdown([r])
   assert "| wus_g2 " in text and "wus_g4 collective bytes <= replicated" in text
-  assert summary.predict(r, network.default_topology(8)) is None  # No wus (G = N) row.
+  # Issue 30: each G predicted beside measured, and the fastest of each way named.
+  topology = network.default_topology(8)
+  p = summary.predict(r, topology)
+  assert list(p) == ["replicated", "wus_g2", "wus_g4"]
+  assert p["wus_g2"].update == pytest.approx(p["replicated"].update / 2, rel=0.01)
+  assert p["wus_g4"].update == pytest.approx(p["replicated"].update / 4, rel=0.01)
+  line = summary.group_size_choice(r, topology)
+  fastest = min((2, 4), key=lambda g: r[f"wus_g{g}"]["median"])
+  assert f"measured fastest G={fastest};" in line, line
+  text = summary.prediction_markdown([r], topology, {"all_reduce": [(1, 1e-3), (2, 2e-3)],
+                                                     "chain": (9, 3e-3), "memory": (1, 1.0)})
+  assert text.count("| wus_g") == 2 and "Sharding group size: partial-sharding" in text
 
 
 def test_bf16_loop_gathers_weights_in_16_bits(results):
@@ -170,4 +181,4 @@ def test_cost_model_predicts_each_one_update_regime(results):
   text = summary.prediction_markdown(results, topology,
                                    {"all_reduce": [(1, 1e-3), (2, 2e-3)], "chain": (9, 3e-3),
                                     "memory": (1, 1.0)})
-  assert text.count("| wus ") == 2 and "wus/replicated measured" in text
+  assert text.count("| wus ") == 2 and "/replicated measured" in text

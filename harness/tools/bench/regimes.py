@@ -52,9 +52,10 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     wus_jit also "max_jit_param_difference", against jit's);
     wus also "analysis_seconds", "rewrite_seconds", "bucket_bytes",
     "alone_bytes" and "buckets" (the Plan's choice). With one update per call
-    (`Regime.parts`) also "rest_seconds", "collectives_seconds" and
-    "update_seconds": each timed call of the parts alone (`limit.Parts` and
-    `steps.make_gradient_step`), and "tensor_elements" (of every weight).
+    (`Regime.rest`) also "rest_seconds": each timed call of the forward and
+    backward pass alone (`steps.make_gradient_step`); without partial-sharding
+    variants (`Regime.parts`) also "collectives_seconds" and "update_seconds"
+    (`limit.Parts`). "tensor_elements": of every weight.
   """
   model = regime.model or model
   kind = tasks.MODELS[model][0]
@@ -81,12 +82,13 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
   # The parts alone: the forward and backward pass (no all-reduce, no update;
   # the cost model's "rest" of a one-update step), the collectives and the update.
   parts = {}
-  if regime.parts:
+  if regime.rest:
     rest = steps.make_gradient_step(task, mesh)
+    parts["rest_seconds"] = lambda r: rest(state.params, state.model_state, data[2 + r])
+  if regime.parts:
     pieces = limit.Parts(out["tensor_elements"], tx, mesh, steps.AXIS_NAME)
-    parts = {"rest_seconds": lambda r: rest(state.params, state.model_state, data[2 + r]),
-             "collectives_seconds": lambda r: pieces.collectives(),
-             "update_seconds": lambda r: pieces.update()}
+    parts.update(collectives_seconds=lambda r: pieces.collectives(),
+                 update_seconds=lambda r: pieces.update())
   states, batchings = {}, {}
   for name, (step, fresh) in variants.items():
     start = time.perf_counter()

@@ -46,44 +46,69 @@ def limit_of(result: dict) -> dict | None:
 
 
 def predict(result: dict, topology: network.Topology) -> dict | None:
-  """The cost model's step times for a regime's replicated and wus steps (seconds per update).
+  """The cost model's step time of each of a regime's replicated and wus variants
+  (seconds per update).
 
   Fed this machine's measured costs (`calibrate.measure`) and the measured
   median of the forward and backward pass alone as "rest"; nothing is fitted
-  to the step times it is compared with. Adam, sharded N ways (G = N), the
-  collectives batched as the wus step batches them (`Plan.bucket_bytes`,
-  `Plan.alone_bytes`).
+  to the step times it is compared with. Adam, sharded G ways (`wus`: G = N;
+  `wus_gG`: groups of G, §5.2), the collectives batched as each wus step
+  batches them (its Plan's `bucket_bytes` and `alone_bytes`).
 
   Returns:
-    {"replicated": StepPrediction, "wus": StepPrediction}, or None for a
-    regime with several updates per call (no "rest" measured).
+    {variant: StepPrediction} for "replicated" and every wus variant of one
+    sharding group size ("wus", "wus_gG"), or None for a regime with several
+    updates per call (no "rest" measured).
   """
-  if not result.get("rest_seconds") or "wus" not in result:
+  sizes = {v: result["num_devices"] if v == "wus" else group_size(v)
+           for v in result["variants"] if v == "wus" or group_size(v)}
+  if not result.get("rest_seconds") or not sizes:
     return None
   workload = paper_model.workload(result["tensor_elements"], "adam")
   rest = statistics.median(result["rest_seconds"])
-  bucket, alone = result["wus"]["bucket_bytes"], result["wus"].get("alone_bytes")
-  return {"replicated": costmodel.predict_replicated(workload, topology, rest, bucket),
-          "wus": costmodel.predict_sharded(workload, topology, result["num_devices"], rest, bucket,
-                                           alone)}
+  bucket = result[next(iter(sizes))]["bucket_bytes"]
+  out = {"replicated": costmodel.predict_replicated(workload, topology, rest, bucket)}
+  for v, g in sizes.items():
+    out[v] = costmodel.predict_sharded(workload, topology, g, rest, result[v]["bucket_bytes"],
+                                       result[v].get("alone_bytes"))
+  return out
+
+
+def group_size_choice(result: dict, topology: network.Topology) -> str | None:
+  """The sharding group size the cost model predicts fastest beside the one measured
+  fastest, among a regime's partial-sharding variants (issue 30), or None."""
+  p = predict(result, topology)
+  sizes = {v: group_size(v) for v in result["variants"] if group_size(v)}
+  if not p or not sizes:
+    return None
+  workload = paper_model.workload(result["tensor_elements"], "adam")
+  best = costmodel.best_sharded(workload, topology, p["replicated"].rest)
+  fastest = min(sizes, key=lambda v: result[v]["median"])
+  predicted = min(sizes, key=lambda v: p[v].with_copies)
+  return (f"{result['regime']}: of G = {sorted(sizes.values())}, predicted fastest "
+          f"G={sizes[predicted]}, measured fastest G={sizes[fastest]}; "
+          f"shard_group_size='auto' on these costs: G={best.group_size} of "
+          f"{result['num_devices']}")
 
 
 def prediction_markdown(results: list[dict], topology: network.Topology, raw: dict) -> str:
-  """Predicted beside measured, per regime with one update per call."""
+  """Predicted beside measured, per regime with one update per call and per variant."""
   axis = topology.axes[0]
   (d0, t0), (d1, t1) = raw["all_reduce"]
   chain = raw["chain"]
-  rows = []
+  rows, choices_made = [], []
   for r in results:
     p = predict(r, topology)
     if p is None:
       continue
-    for v in ("replicated", "wus"):
-      rows.append([r["regime"], v, 1e3 * r[v]["median"], 1e3 * p[v].with_copies,
-                   1e3 * p[v].rest, 1e3 * (p[v].communication + p[v].copies),
-                   1e3 * p[v].update,
-                   p[v].with_copies / p["replicated"].total if v == "wus" else "-",
-                   r[v]["median"] / r["replicated"]["median"] if v == "wus" else "-"])
+    for v, x in p.items():
+      sharded = v != "replicated"
+      rows.append([r["regime"], v, 1e3 * r[v]["median"], 1e3 * x.with_copies,
+                   1e3 * x.rest, 1e3 * (x.communication + x.copies), 1e3 * x.update,
+                   x.with_copies / p["replicated"].total if sharded else "-",
+                   r[v]["median"] / r["replicated"]["median"] if sharded else "-"])
+    if line := group_size_choice(r, topology):
+      choices_made.append(line)
   return "\n\n".join([
       "### Cost model: predicted beside measured",
       f"This machine, measured before the regimes ran: all-reduce over {axis.size} devices of "
@@ -97,8 +122,9 @@ def prediction_markdown(results: list[dict], topology: network.Topology, raw: di
       "the step times).",
       report.table(["regime", "variant", "measured ms", "predicted ms", "rest ms",
                     "collectives + copies ms (pred.)", "update ms (pred.)",
-                    "wus/replicated predicted",
-                    "wus/replicated measured"], rows)])
+                    "/replicated predicted",
+                    "/replicated measured"], rows),
+      *(["Sharding group size: " + "; ".join(choices_made)] if choices_made else [])])
 
 
 def targets(results: list[dict]) -> list[tuple[str, bool | None, str]]:

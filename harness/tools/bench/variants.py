@@ -51,6 +51,12 @@ class Regime:
   jit: bool = False
 
   @property
+  def rest(self) -> bool:
+    """Whether the forward and backward pass is timed alone (the cost model's "rest", to
+    predict each variant's step): one update per call."""
+    return self.steps_per_call == 1
+
+  @property
   def parts(self) -> bool:
     """Whether the parts of the sharded step are timed alone (`limit`): one update per call."""
     return self.steps_per_call == 1 and not self.group_sizes
