@@ -221,6 +221,9 @@ class Ownership:
     unpinned: replica -> the pins whose first division it owns: that owner
       visits it first (its unit leads the rows) with the pin used once, as
       XLA does in the unmodified step.
+    predicted: (replicated, owned): predicted seconds per step of the owned
+      updates and their collectives, run replicated as the step wrote them and
+      owned (`owners.whole_prediction`), the comparison that chose ownership.
   """
 
   num_shards: int
@@ -236,6 +239,7 @@ class Ownership:
   pins: tuple = ()
   pin_dtype: str = ""
   unpinned: Mapping = dataclasses.field(default_factory=dict)
+  predicted: tuple[float, float] | None = None
 
   @property
   def imbalance(self) -> float:

@@ -147,7 +147,8 @@ def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind
       out.clusters[idx] = dataclasses.replace(cp, why=cp.why.noted(reasons.NotOwned(why)))
     if not owned:
       return out
-  out.ownership = divides.pinned(jaxpr, ownership, rewritten)
+  out.ownership = divides.pinned(
+      jaxpr, dataclasses.replace(ownership, predicted=(rep, own)), rewritten)
   invar_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   for u in owned:
     for i in u.eqns:

@@ -53,3 +53,15 @@ def test_imbalanced_model_is_balanced_beyond_padded_stacks(results):
   share = r["wus"]["update_flops"] / r["replicated"]["update_flops"]
   assert 1 / 8 < share < 0.6
   assert r["wus"]["update_flops"] < r["handwritten"]["update_flops"]
+
+
+def test_ownership_is_printed_predicted_beside_measured(results):
+  """Issue 30: the Plan's ownership choice (owned against replicated, predicted) beside the
+  same comparison measured (each step minus the step without its update, timed in the same
+  rounds); owning was chosen, so it was predicted no slower."""
+  for r in results:
+    rep, own = r["predicted"]
+    assert 0 < own <= rep
+    assert len(r["rest_seconds"]) == ROUNDS and min(r["rest_seconds"]) > 0
+  text = muon_bench.markdown(results)
+  assert text.count("Ownership, predicted beside measured") == 2, text

@@ -215,8 +215,10 @@ def run(model: nn.Module, mesh: Mesh, *, rounds: int, batch_size: int = 1,
     "update_flops" (per device), "wire_bytes" (per step, from the HLO),
     "collectives" (kind -> count), "opt_state_per_device" (bytes),
     "compile_seconds", "max_param_difference" (vs replicated); "opt_state_bytes"
-    (whole), "loads" (wus's predicted seconds of owned updates per replica)
-    and "imbalance".
+    (whole), "loads" (wus's predicted seconds of owned updates per replica),
+    "imbalance", "predicted" (the Plan's [replicated, owned] seconds of the owned
+    updates and their collectives: the ownership choice, `Ownership.predicted`)
+    and "rest_seconds" (each timed call of the step without its update).
   """
   tx = optax.contrib.muon(LEARNING_RATE)
   data = _batches(mesh, rounds, batch_size)
@@ -233,7 +235,8 @@ def run(model: nn.Module, mesh: Mesh, *, rounds: int, batch_size: int = 1,
 
   def grads_only(p, s, batch):  # The step without its update: subtracted from every variant.
     return jax.grad(lambda p: lax.pmean(loss(p, batch), AXIS))(p), s
-  base = _flops(jax.jit(jax.shard_map(grads_only, **kw)).lower(params, whole_state, data[0]))
+  rest = jax.jit(jax.shard_map(grads_only, **kw))
+  base = _flops(rest.lower(params, whole_state, data[0]))
   out: dict = {"model": type(model).__name__, "num_devices": mesh.size, "variants": list(variants),
                "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(whole_state))}
   states = {}
@@ -255,6 +258,7 @@ def run(model: nn.Module, mesh: Mesh, *, rounds: int, batch_size: int = 1,
       out["loads"] = list(plan.owned.loads) if plan.owned else []
       out["imbalance"] = plan.owned.imbalance if plan.owned else None
       out["plan_ownership"] = str(plan.owned)
+      out["predicted"] = list(plan.owned.predicted) if plan.owned else []
     current = (_copy(params), state)
     for batch in data[:2]:  # Warm up: compile, and (wus) convert the state.
       current = jax.block_until_ready(step(*current, batch))
@@ -264,7 +268,11 @@ def run(model: nn.Module, mesh: Mesh, *, rounds: int, batch_size: int = 1,
       states[name] = jax.block_until_ready(steps[name][0](*states[name], data[2 + r]))
     return call
 
-  seconds = timing.interleaved({name: update(name) for name in variants}, rounds)
+  calls = {name: update(name) for name in variants}
+  jax.block_until_ready(rest(params, whole_state, data[0]))
+  calls["rest"] = lambda r: jax.block_until_ready(rest(params, whole_state, data[2 + r]))
+  seconds = timing.interleaved(calls, rounds)
+  out["rest_seconds"] = seconds["rest"]
   for name in variants:
     out[name]["step_seconds"] = seconds[name]
   reference = jax.tree.map(np.asarray, states["replicated"][0])
@@ -324,6 +332,17 @@ def markdown(results: list[dict]) -> str:
       parts.append("wus predicted owned work per replica (us): "
                    + ", ".join(f"{1e6 * x:.3g}" for x in r["loads"])
                    + f"; imbalance {r['imbalance']:.3f} (busiest / mean).")
+    if r.get("predicted"):
+      rest = statistics.median(r["rest_seconds"])
+      rep, own = (1e3 * x for x in r["predicted"])
+      measured = {v: 1e3 * (r[v]["median"] - rest) for v in ("replicated", "wus")}
+      parts.append(
+          f"Ownership, predicted beside measured (issue 30): the Plan predicts the owned "
+          f"updates and their collectives at {own:.3g} ms owned against {rep:.3g} ms "
+          f"replicated ({own / rep:.3f}); measured, the step minus the step without its "
+          f"update ({1e3 * rest:.3g} ms; every update, the vectors' too): "
+          f"{measured['wus']:.3g} ms wus against {measured['replicated']:.3g} ms replicated "
+          f"({measured['wus'] / measured['replicated']:.3f}).")
   first = results[0]
   parts += ["### Targets (Transformer)", report.table(
       ["target", "", "measured"],
