@@ -4,7 +4,10 @@ A case is a complete data-parallel training program written as users write it:
 a random parameter tree, a loss that uses each parameter the way a real layer
 does (a matmul with a broadcast bias, a convolution, a LayerNorm-style scale
 and shift, an embedding lookup, a scalar, an elementwise tensor), a random
-optax chain over the transform catalogue, a replica count N and check_vma.
+optax chain over the transform catalogue, a replica count N and check_vma;
+under shard_map sometimes a second mesh axis "model" of 2 devices (issue 29) with dense
+layers column-parallel over it (Megatron: the kernel's output dim and the bias split by
+the in_specs, the layer's loss term summed over "model"), every other weight whole.
 
 Every case is *generated as Python source*: `Case.script()` is a standalone
 program (runnable with `XLA_FLAGS=--xla_force_host_platform_device_count=8
@@ -203,6 +206,7 @@ class Layer:
   flag: bool              # dense/conv/norm: has a bias/beta; embed: tied.
   seed: int
   mixed: bool = False     # dense/conv/embed with float32 weights: computed in bfloat16.
+  split: bool = False     # dense on a ("data", "model") mesh: column-parallel over "model".
 
   def params(self) -> dict[str, str] | str:
     """Leaf key -> init expression (or one expression for a bare leaf)."""
@@ -232,6 +236,13 @@ class Layer:
       return {"table": leaf(0, d, scale=0.5)}
     raise ValueError(self.kind)
 
+  def specs(self) -> dict[str, str] | str:
+    """Leaf key -> its in_spec as source (as `params`): "P()" but a column-parallel dense's."""
+    whole = jax.tree.map(lambda _: "P()", self.params())
+    if self.split:
+      whole.update(w="P(None, 'model')", **({"b": "P('model')"} if self.flag else {}))
+    return whole
+
   def loss_lines(self, p: str) -> list[str]:
     """Source lines adding this layer's term to `total`; `p` is its accessor."""
     d = self.dims
@@ -243,6 +254,9 @@ class Layer:
     if self.kind == "dense":
       bias = f" + {p}['b']" if self.flag else ""
       w = f"{p}['w']{cast}"
+      if self.split:  # This replica's columns: the mean over all of them sums over "model".
+        return [f"h = x[:, :{d[0]}].astype({w}.dtype) @ {w}{bias}  # [batch, {d[1]} / MODEL]",
+                "total = total + lax.psum(jnp.mean(jnp.tanh(h) ** 2), 'model') / MODEL"]
       return [f"h = x[:, :{d[0]}].astype({w}.dtype) @ {w}{bias}",
               "total = total + jnp.mean(jnp.tanh(h) ** 2)"]
     if self.kind == "conv":
@@ -320,20 +334,22 @@ def _top_level_keys(ls: Sequence[Layer]) -> tuple[str, ...]:
   return tuple(keys)
 
 
-def _params_source(ls: Sequence[Layer]) -> tuple[str, dict[str, str]]:
-  """Source of `make_params()`'s returned tree and each layer's accessor."""
+def _params_source(ls: Sequence[Layer],
+                   leaves=Layer.params) -> tuple[str, dict[str, str]]:
+  """Source of `make_params()`'s returned tree (or, with `leaves=Layer.specs`, of the
+  parameters' in_specs) and each layer's accessor."""
   tree: dict = {}
   access = {}
   for layer in ls:
     if layer.where == "top":
-      tree[layer.name] = layer.params()
+      tree[layer.name] = leaves(layer)
       access[layer.name] = f"params[{layer.name!r}]"
     elif layer.where == "blocks":
       tree.setdefault("blocks", [])
       access[layer.name] = f"params['blocks'][{len(tree['blocks'])}]"
-      tree["blocks"].append(layer.params())
+      tree["blocks"].append(leaves(layer))
     else:
-      tree.setdefault("enc", {})[layer.name] = layer.params()
+      tree.setdefault("enc", {})[layer.name] = leaves(layer)
       access[layer.name] = f"params['enc'][{layer.name!r}]"
   return _render(tree, 1), access
 
@@ -589,6 +605,9 @@ class Case:
   size1_axes: int = 0
   constraint: str = "none"
   evaluate: bool = False
+  # shard_map only (issue 29): devices of a "model" axis beside "data" (the mesh N x 2),
+  # with the layers marked `split` column-parallel over it.
+  model: int = 1
 
   @property
   def bf16(self) -> bool:
@@ -597,10 +616,11 @@ class Case:
 
   def __repr__(self) -> str:
     shapes = ", ".join(f"{l.name}@{l.where}{list(l.dims)}{'/bf16' if l.dtype == 'bfloat16' else ''}"
-                       f"{'/mixed' if l.mixed else ''}"
+                       f"{'/mixed' if l.mixed else ''}{'/split' if l.split else ''}"
                        f"{'+' if l.flag else ''}" for l in self.layers)
     return (f"Case(N={self.n}, front={self.front}, check_vma={self.check_vma}, "
-            f"steps={self.steps}, extra={self.extra}, "
+            + (f"model={self.model}, " if self.model > 1 else "")
+            + f"steps={self.steps}, extra={self.extra}, "
             + (f"size1_axes={self.size1_axes}, constraint={self.constraint}, "
                f"evaluate={self.evaluate}, " if self.front != "shard_map" else "")
             + f"layers=[{shapes}], tx={self.tx.code})")
@@ -608,6 +628,7 @@ class Case:
   def script(self) -> str:
     """A standalone program that builds this case and compares wus with the unmodified step."""
     params_src, access = _params_source(self.layers)
+    specs_src, _ = _params_source(self.layers, Layer.specs)
     loss_lines = []
     for layer in self.layers:
       loss_lines += layer.loss_lines(access[layer.name])
@@ -654,6 +675,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 
 N, CHECK_VMA, STEPS, BF16 = {self.n}, {self.check_vma}, {self.steps}, {self.bf16}
+MODEL = {self.model}  # Devices of the "model" axis (shard_map; 1: no such axis).
 EXTRA_AXES, CONSTRAINT, EVALUATE = {self.size1_axes}, {self.constraint!r}, {self.evaluate}
 # Matrices placed over the size-1 "model" axis: on Auto axes only (on Explicit axes the types
 # would carry it, and JAX asks the step for output shardings).
@@ -665,6 +687,11 @@ OVER_MODEL = EXTRA_AXES > 0 and {self.front == "auto"}  # (EXTRA_AXES > 0: Auto 
 
 def make_params():
   return {params_src}
+
+
+def param_specs():
+  """Each parameter's in_spec: column-parallel dense layers split over "model"."""
+  return {specs_src}
 
 
 def loss(params, batch):
@@ -717,15 +744,34 @@ def evaluate(params, opt_state):
 
 
 def make_mesh(front):
-  """The mesh: "data" of N devices, then EXTRA_AXES axes of size 1."""
+  """The mesh: "data" of N devices, then EXTRA_AXES axes of size 1 (global-view fronts),
+  or N x MODEL ("data", "model") under shard_map with MODEL > 1."""
+  if MODEL > 1:
+    return jax.make_mesh((N, MODEL), ("data", "model"), devices=jax.devices()[:N * MODEL])
   names = ("data", "model", "fsdp")[:1 + EXTRA_AXES]
   types = (None if front != "auto" else (jax.sharding.AxisType.Auto,) * len(names))
   return jax.make_mesh((N,) + (1,) * EXTRA_AXES, names, devices=jax.devices()[:N],
                        axis_types=types)
 
 
-IN_SPECS = (P(), P(), {spec_extra}P("data"))
-OUT_SPECS = (P(), P(), {spec_extra}P())
+def state_specs():
+  """The optimizer state's in_specs, as a user on an Explicit mesh finds them: the
+  shardings `tx.init` gives its outputs from the parameters' (P() for the rest)."""
+  mesh = make_mesh("shard_map")
+  placed = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), jax.eval_shape(make_params),
+      param_specs(), is_leaf=lambda x: isinstance(x, P))
+  with jax.set_mesh(mesh):
+    shapes = jax.eval_shape(tx.init, placed)
+  return jax.tree.map(lambda x: x.sharding.spec if x.sharding is not None else P(), shapes)
+
+
+if MODEL > 1:
+  IN_SPECS = (param_specs(), state_specs(), {spec_extra}P("data"))
+  OUT_SPECS = (param_specs(), state_specs(), {spec_extra}P())
+else:
+  IN_SPECS = (P(), P(), {spec_extra}P("data"))
+  OUT_SPECS = (P(), P(), {spec_extra}P())
 
 
 def make_inputs(mesh):
@@ -735,6 +781,9 @@ def make_inputs(mesh):
     params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(
         mesh, P(None, "model") if x.ndim >= 2 else P())), params)
   args = (params, tx.init(params){extra_value})
+  if MODEL > 1:  # Placed as the in_specs split them (an Explicit mesh reshards nothing).
+    args = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(mesh, spec)),
+                        IN_SPECS[:len(args)], args, is_leaf=lambda x: isinstance(x, P))
   data = NamedSharding(mesh, P("data"))
   rngs = [np.random.default_rng({self.seed} + 1000 * i) for i in range(STEPS)]
   batches = [jax.device_put({{
@@ -786,7 +835,12 @@ def cases(draw) -> Case:
               seed=draw(st.integers(0, 999)),
               front=draw(st.sampled_from(("shard_map", "shard_map", "auto", "explicit"))))
   if case.front == "shard_map":
-    return case
+    if draw(st.integers(0, 2)) > 0:
+      return case
+    # Tensor parallelism (issue 29): N x 2 devices, some dense layers column-parallel.
+    split = tuple(dataclasses.replace(layer, split=draw(st.booleans()))
+                  if layer.kind == "dense" and layer.dims[1] % 2 == 0 else layer for layer in ls)
+    return dataclasses.replace(case, n=draw(st.sampled_from((2, 3, 4))), model=2, layers=split)
   # Size-1 axes on Auto meshes: on Explicit ones JAX itself rejects most of these steps
   # (it asks for out_sharding= on gathers and convolutions over a multi-axis mesh).
   extra = (0, 0, 1, 2) if case.front == "auto" else (0,)

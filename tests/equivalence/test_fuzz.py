@@ -140,7 +140,8 @@ def _reason(text: str) -> str:
 def test_wus_matches_unmodified_step(case):
   note(f"Standalone reproduction (repro.py):\n{case.script()}")
   ns = case.build()  # A fuzzer bug (bad source) errors here; it is not a rejection.
-  m = mesh(case.n, case.front) if case.front == "shard_map" else ns["make_mesh"](case.front)
+  m = (mesh(case.n, case.front) if case.front == "shard_map" and case.model == 1
+       else ns["make_mesh"](case.front))
   kw = dict(mesh=m, in_specs=ns["IN_SPECS"], out_specs=ns["OUT_SPECS"], check_vma=case.check_vma)
   if case.front == "shard_map":
     unmodified, make_wus = jax.jit(jax.shard_map(ns["step"], **kw)), lambda: wus.shard_map(
