@@ -67,8 +67,8 @@ OPTIMIZERS = {
 
 
 def workload(tensors: Sequence[int], optimizer: Optimizer | str, *, grad_bytes: int = 4,
-             gather_bytes: int = 4, state_bytes: int = 4,
-             copy_bytes: int = 0) -> costmodel.Workload:
+             gather_bytes: int = 4, state_bytes: int = 4, copy_bytes: int = 0,
+             forward_bytes: int | None = None) -> costmodel.Workload:
   """The cost model's workload of `optimizer` updating weight tensors of `tensors` elements.
 
   Args:
@@ -80,6 +80,10 @@ def workload(tensors: Sequence[int], optimizer: Optimizer | str, *, grad_bytes: 
       sharded update (2: bfloat16, when the forward pass reads the weights in
       bfloat16 and they stay sharded across steps, §4.2 Fig. 7).
     state_bytes, copy_bytes: as for `Optimizer.bytes_per_element`.
+    forward_bytes: bytes per element of the weights as the forward pass reads
+      them, if fewer than `state_bytes` (2: bfloat16, §4.2 Fig. 7): each
+      weight is converted, `Workload.cast` (state_bytes read, forward_bytes
+      written). None: read as stored.
 
   Raises:
     KeyError: an optimizer name not in `OPTIMIZERS`.
@@ -89,4 +93,6 @@ def workload(tensors: Sequence[int], optimizer: Optimizer | str, *, grad_bytes: 
   return costmodel.Workload(gradients=tuple((n, grad_bytes) for n in tensors),
                             gathered=tuple((n, gather_bytes) for n in tensors),
                             updated=tuple((n, per_element) for n in tensors),
-                            norms=opt.norms)
+                            norms=opt.norms,
+                            cast=() if forward_bytes is None else tuple(
+                                (n, state_bytes, forward_bytes) for n in tensors))
