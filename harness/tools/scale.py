@@ -260,6 +260,24 @@ def _value(v) -> str:
   return f"{v:g}" if isinstance(v, float) else str(v)
 
 
+def headline(out: dict) -> str:
+  """One line: the 1024-chip Transformer's predicted and published change, and the TPU v3
+  figures the prediction uses."""
+  r = next(r for r in out["rows"] if r["model"] == "transformer" and r["cores"] == 2048)
+  hw = out["hardware"]
+  return (f"1024-chip Transformer, PREDICTED {r['replicated']['step_ms']:.2f} -> "
+          f"{r['sharded']['step_ms']:.2f} ms ({_pct(-r['predicted_reduction'])}, G="
+          f"{r['sharded']['group_size']}) against the published 46.5 -> 25.6 ms "
+          f"({_pct(-r['published_reduction'])}): relative error {_pct(r['relative_error'])}. "
+          f"TPU v3 figures: HBM {_value(hw['hbm_bytes_per_second_per_core']['value'])} per "
+          f"core (900 GBps per chip), ICI "
+          f"{hw['ici_port_bytes_per_second_per_direction']['value'] / 1e9:.0f} GB/s per port "
+          "per direction (340 TB/s all-reduce bandwidth per pod), 2 cores per chip, a 32 x 32 "
+          f"torus, 8 x 128 tiles; assumed: alpha {hw['alpha_seconds']['value'] * 1e6:g} us, "
+          f"core-to-core {_value(hw['core_to_core_bytes_per_second']['value'])}; bfloat16 copy "
+          f"{hw['bfloat16_copy_bytes_per_weight']['value']}.")
+
+
 def markdown(out: dict) -> str:
   """`results` as text: predictions beside the paper, the 2048-replica plan, hardware,
   assumptions, sensitivity, sources."""
@@ -297,6 +315,7 @@ def markdown(out: dict) -> str:
   sens_rows = [[s["variant"], *(f"{_pct(-c['predicted_reduction'])} (G={c['group_size']})"
                                 for c in s["cases"])] for s in sens]
   parts = [
+      headline(out),
       "PREDICTED by the alpha-beta cost model (wus.analysis.costmodel), beside the paper's "
       "published results (Xu et al. 2020, §6.1, Fig. 11). Times in ms per step: the rest "
       "of the step (derived, see below), the predicted replicated step = rest + all-reduce "

@@ -150,5 +150,7 @@ def hardware(settings: Settings = Settings()) -> dict:
       "bfloat16_copy_bytes_per_weight": {
           "value": f"{settings.cast[0]} read + {settings.cast[1]} written, replicated",
           "source": "paper §4.2, Fig. 7 (float32 weights read in bfloat16)"},
+      "core_to_core_bytes_per_second": {"value": settings.core_bandwidth,
+                                        "source": "ASSUMED (see assumptions)"},
       "alpha_seconds": {"value": settings.alpha, "source": "ASSUMED (see assumptions)"},
   }

@@ -94,6 +94,11 @@ def test_writes_rows_beside_the_paper_with_citations(run):
   assert big["replicated"]["step_ms"] == pytest.approx(46.5)
   assert big["relative_error_sharded_ms"] == pytest.approx(
       big["sharded"]["step_ms"] / 25.6 - 1)
+  # The first line: that prediction, its error and the TPU v3 figures it uses.
+  first = out.splitlines()[0]
+  assert first.startswith("1024-chip Transformer, PREDICTED 46.50 -> ")
+  assert f"relative error {100 * big['relative_error']:+.1f}%" in first
+  assert "HBM 450 GB/s per core" in first and "ICI 83 GB/s per port" in first
   for r in (r for r in data["rows"] if r["cores"] == 2048):
     assert set(r["sharded"]["collectives"]) == {"reduce-scatter", "all-reduce", "all-gather"}
   for key in ("paper", "cloud-tpu-v3", "cloud-tpu-v5e", "perf-guide", "thakur2005", "resnet50",
