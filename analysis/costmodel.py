@@ -20,12 +20,8 @@ The pieces (section numbers are those of Xu et al. 2020, arXiv:2004.13336):
 * The weight update is memory bound (§2.2): its time is the bytes it reads
   and writes (`Workload.updated`) divided by the device's memory bandwidth;
   sharded in groups of G it touches 1/G of every tensor.
-* The forward pass's narrow copy of the weights (§4.2, Fig. 7,
-  `Workload.cast`): replicated, the step converts each whole new weight
-  (float32 read, bfloat16 written) on every replica; sharded, the update
-  writes its shard in bfloat16 beside the float32 one and the all-gather
-  sends that, so only 1/G of the narrow bytes is written and nothing is read
-  again ("dramatically reduces the amount of memory access").
+* The forward pass's bfloat16 copy of the weights (§4.2, Fig. 7):
+  `cast_seconds`.
 * A tiled memory layout pads shards (§4.1, §5.2): with `tile_elements` > 1, a
   tensor of n elements is ceil(n / tile) tiles, a shard ceil(tiles / G) tiles.
   Combined all-reduces need not respect shard boundaries (§5.2), so the
@@ -75,10 +71,9 @@ class Workload:
       twice; the memory bound of §2.2).
     norms: per-gradient scalars the update all-reduces when it runs on
       shards (LARS: |w|, |g|; LAMB: |w|, |u|; batched, §4.1 Fig. 6).
-    cast: the new weights the forward pass reads in a narrower dtype, as
-      (elements, bytes per element read, bytes per element written): (n, 4, 2)
-      for float32 weights read as bfloat16 (§4.2, Fig. 7). `cast_seconds`
-      prices them; empty when the forward pass reads the weights as stored.
+    cast: the new weights the forward pass reads in a narrower dtype: (elements,
+      bytes read, bytes written) per element, (n, 4, 2) for float32 read as
+      bfloat16 (§4.2, Fig. 7; `cast_seconds`). Empty: read as stored.
   """
 
   gradients: tuple[Tensor, ...]
@@ -133,18 +128,14 @@ def update_seconds(workload: Workload, topology: Topology, group_size: int = 1) 
 def cast_seconds(workload: Workload, topology: Topology, group_size: int = 1) -> float:
   """Seconds of making the forward pass's narrow copy of the new weights (§4.2, Fig. 7).
 
-  Replicated (G = 1, Fig. 7 left): every replica converts each whole weight,
-  reading it wide and writing it narrow (a pass of its own: the weight is
-  read by the forward and the backward pass). Sharded (Fig. 7 right): the
-  update writes its shard narrow while it holds the wide value, so 1/G of
-  the written bytes only; the all-gather sends the narrow shards
-  (`Workload.gathered`) and no replica reads the wide weight whole.
+  G = 1 (Fig. 7 left): every replica reads each whole weight wide and writes it
+  narrow. Sharded (right): the update writes 1/G of it narrow, holding the wide
+  value already; the all-gather sends the narrow shards (`Workload.gathered`).
   """
   tile = topology.tile_elements
-  if group_size == 1:
-    moved = sum(padded_elements(n, tile) * (r + w) for n, r, w in workload.cast)
-  else:
-    moved = sum(shard_elements(n, group_size, tile) * w for n, _, w in workload.cast)
+  moved = (sum(padded_elements(n, tile) * (r + w) for n, r, w in workload.cast)
+           if group_size == 1 else
+           sum(shard_elements(n, group_size, tile) * w for n, _, w in workload.cast))
   return moved / topology.memory_bandwidth
 
 
