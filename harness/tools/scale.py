@@ -24,9 +24,8 @@ one term the model cannot know:
     bfloat16 copy of that run, per example, times the examples per core of
     Table 1.
 
-The hardware is `tpu_v3`'s; the models and optimizers `paper_model`'s. With
---model_parallel=M the Transformer is also priced on a (cores / M) data x M
-model mesh (`scale_tp`): optimizer state per device and the step-time change.
+Hardware: `tpu_v3`; models and optimizers: `paper_model`; --model_parallel=M:
+`scale_tp` (the Transformer on a data x M model mesh: state per device, change).
 
 Example:
   wus-scale
@@ -60,7 +59,6 @@ CITATIONS = {
 }
 Settings = tpu_v3.Settings
 ASSUMPTIONS = tpu_v3.ASSUMPTIONS
-POD_SIDE = tpu_v3.POD_SIDE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +99,11 @@ class Case:
 CASES = (
     Case("resnet50", "lars", 32, 4096, (4, 4), False, None, None,
          "small impact for models with small weights (no figure in the text)"),
-    Case("resnet50", "lars", 2048, 32768, (POD_SIDE, POD_SIDE), True, 0.06, None,
+    Case("resnet50", "lars", 2048, 32768, (tpu_v3.POD_SIDE,) * 2, True, 0.06, None,
          "'it is giving a 6% speedup'"),
     Case("transformer", "adam", 32, 512, (4, 4), False, 0.09, None,
          "'improvements in the range of 9%'"),
-    Case("transformer", "adam", 2048, 2048, (POD_SIDE, POD_SIDE), True, (46.5 - 25.6) / 46.5,
+    Case("transformer", "adam", 2048, 2048, (tpu_v3.POD_SIDE,) * 2, True, (46.5 - 25.6) / 46.5,
          (46.5, 25.6), "'the step time reduces from 46.5ms to 25.6ms'"),
 )
 
@@ -278,6 +276,20 @@ def headline(out: dict) -> str:
           f"{hw['bfloat16_copy_bytes_per_weight']['value']}.")
 
 
+def _plan_rows(rows: list[dict]) -> list[list]:
+  """The 2048-replica rows' collectives and times, replicated and sharded."""
+  plan = []
+  for r in (r for r in rows if r["cores"] == 2048):
+    for mode in ("replicated", "sharded"):
+      p = r[mode]
+      c = p["collectives"]
+      plan.append([r["model"], mode, p["group_size"], p["bucket_bytes"] / MIB,
+                   c["reduce-scatter"], c["all-reduce"], c["all-gather"],
+                   p["reduce_scatter_ms"], p["all_reduce_ms"] + p["norm_all_reduce_ms"],
+                   p["all_gather_ms"], p["update_ms"], p["wire_bytes"] / MIB])
+  return plan
+
+
 def markdown(out: dict) -> str:
   """`results` as text: predictions beside the paper, the 2048-replica plan, hardware,
   assumptions, sensitivity, sources."""
@@ -303,15 +315,7 @@ def markdown(out: dict) -> str:
                  f"{sh['step_ms']:.2f} = {sharded_comm:.2f} + {sh['update_ms']:.3f}"
                  f" + {sh['cast_ms']:.3f}",
                  sh["group_size"], _pct(-r["predicted_reduction"]), published, error])
-  plan = []
-  for r in (r for r in rows if r["cores"] == 2048):
-    for mode in ("replicated", "sharded"):
-      p = r[mode]
-      c = p["collectives"]
-      plan.append([r["model"], mode, p["group_size"], p["bucket_bytes"] / MIB,
-                   c["reduce-scatter"], c["all-reduce"], c["all-gather"],
-                   p["reduce_scatter_ms"], p["all_reduce_ms"] + p["norm_all_reduce_ms"],
-                   p["all_gather_ms"], p["update_ms"], p["wire_bytes"] / MIB])
+  plan = _plan_rows(rows)
   sens_rows = [[s["variant"], *(f"{_pct(-c['predicted_reduction'])} (G={c['group_size']})"
                                 for c in s["cases"])] for s in sens]
   parts = [
