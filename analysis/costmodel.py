@@ -20,6 +20,8 @@ The pieces (section numbers are those of Xu et al. 2020, arXiv:2004.13336):
 * The weight update is memory bound (§2.2): its time is the bytes it reads
   and writes (`Workload.updated`) divided by the device's memory bandwidth;
   sharded in groups of G it touches 1/G of every tensor.
+* The forward pass's bfloat16 copy of the weights (§4.2, Fig. 7):
+  `cast_seconds`.
 * A tiled memory layout pads shards (§4.1, §5.2): with `tile_elements` > 1, a
   tensor of n elements is ceil(n / tile) tiles, a shard ceil(tiles / G) tiles.
   Combined all-reduces need not respect shard boundaries (§5.2), so the
@@ -69,16 +71,21 @@ class Workload:
       twice; the memory bound of §2.2).
     norms: per-gradient scalars the update all-reduces when it runs on
       shards (LARS: |w|, |g|; LAMB: |w|, |u|; batched, §4.1 Fig. 6).
+    cast: the new weights the forward pass reads in a narrower dtype: (elements,
+      bytes read, bytes written) per element, (n, 4, 2) for float32 read as
+      bfloat16 (§4.2, Fig. 7; `cast_seconds`). Empty: read as stored.
   """
 
   gradients: tuple[Tensor, ...]
   gathered: tuple[Tensor, ...] = ()
   updated: tuple[Tensor, ...] = ()
   norms: int = 0
+  cast: tuple[tuple[int, int, int], ...] = ()
 
   def __post_init__(self):
     for name in ("gradients", "gathered", "updated"):
       object.__setattr__(self, name, tuple((int(n), int(b)) for n, b in getattr(self, name)))
+    object.__setattr__(self, "cast", tuple((int(n), int(r), int(w)) for n, r, w in self.cast))
 
   @property
   def num_elements(self) -> int:
@@ -118,6 +125,20 @@ def update_seconds(workload: Workload, topology: Topology, group_size: int = 1) 
   return moved / topology.memory_bandwidth
 
 
+def cast_seconds(workload: Workload, topology: Topology, group_size: int = 1) -> float:
+  """Seconds of making the forward pass's narrow copy of the new weights (§4.2, Fig. 7).
+
+  G = 1 (Fig. 7 left): every replica reads each whole weight wide and writes it
+  narrow. Sharded (right): the update writes 1/G of it narrow, holding the wide
+  value already; the all-gather sends the narrow shards (`Workload.gathered`).
+  """
+  tile = topology.tile_elements
+  moved = (sum(padded_elements(n, tile) * (r + w) for n, r, w in workload.cast)
+           if group_size == 1 else
+           sum(shard_elements(n, group_size, tile) * w for n, _, w in workload.cast))
+  return moved / topology.memory_bandwidth
+
+
 # --- Step predictions ----------------------------------------------------------
 
 
@@ -150,6 +171,8 @@ class StepPrediction:
       copies (`choose_batching`); `with_copies` adds them.
     alone_bytes: the `alone_bytes` of the batched collectives (None: the
       bucket limit).
+    cast: seconds of the forward pass's narrow copy of the weights
+      (`cast_seconds`; 0 without `Workload.cast`).
   """
 
   group_size: int
@@ -164,6 +187,7 @@ class StepPrediction:
   wire_bytes: float
   copies: float = 0.0
   alone_bytes: float | None = None
+  cast: float = 0.0
 
   @property
   def communication(self) -> float:
@@ -172,8 +196,8 @@ class StepPrediction:
 
   @property
   def total(self) -> float:
-    """Predicted seconds per step: rest + collectives + update (nothing overlaps)."""
-    return self.rest + self.communication + self.update
+    """Predicted seconds per step: rest + collectives + update + cast (nothing overlaps)."""
+    return self.rest + self.communication + self.update + self.cast
 
   @property
   def with_copies(self) -> float:
@@ -200,7 +224,8 @@ def predict_replicated(workload: Workload, topology: Topology, rest: float = 0.0
   """Predicted step without weight-update sharding.
 
   rest + all-reduce of the gradients over every axis (`network.batched`, multi-phase)
-  + the whole update on every replica (§2.2, Fig. 2).
+  + the whole update on every replica (§2.2, Fig. 2) + the narrow copy of the
+  whole weights (`cast_seconds`).
 
   Args:
     workload: gradients, gathered tensors, the update's traffic.
@@ -215,7 +240,8 @@ def predict_replicated(workload: Workload, topology: Topology, rest: float = 0.0
       group_size=1, bucket_bytes=bucket_bytes, rest=rest, reduce_scatter=0.0,
       all_reduce=seconds, norm_all_reduce=0.0, update=update_seconds(workload, topology),
       all_gather=0.0, collectives={"reduce-scatter": 0, "all-reduce": count, "all-gather": 0},
-      wire_bytes=wire_bytes(sum(sizes), topology.axes, "all-reduce"))
+      wire_bytes=wire_bytes(sum(sizes), topology.axes, "all-reduce"),
+      cast=cast_seconds(workload, topology))
 
 
 def predict_sharded(workload: Workload, topology: Topology, group_size: int,
@@ -231,7 +257,8 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
   + the update on 1/G of every tensor
   + all-reduce of the partial norms within the group (LARS, LAMB; one
     batched collective)
-  + all-gather of `workload.gathered` (the new weights) within the group.
+  + all-gather of `workload.gathered` (the new weights) within the group
+  + the narrow copy of the shards (`cast_seconds`).
   The optimizer state stays sharded between steps: it is never gathered.
   Beside them, `copies`: what batching copies (`copied`, at the memory
   bandwidth).
@@ -280,7 +307,8 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
                   + wire_bytes(sum(reduced), outer, "all-reduce")
                   + wire_bytes(norms, inner, "all-reduce")
                   + wire_bytes(sum(gather), inner, "all-gather")),
-      copies=network.copy_seconds(copies, topology), alone_bytes=alone_bytes)
+      copies=network.copy_seconds(copies, topology), alone_bytes=alone_bytes,
+      cast=cast_seconds(workload, topology, g))
 
 
 def cluster_seconds(workload: Workload, topology: Topology) -> tuple[float, float]:

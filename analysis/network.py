@@ -144,6 +144,34 @@ class Topology:
                          f"{a.name!r} of size {a.size} unevenly")
     return (tuple(a for a in inner if a.size > 1), tuple(a for a in outer if a.size > 1))
 
+  def strided(self, stride: int, size: int) -> Topology:
+    """The devices of one group of `size` devices `stride` apart: 0, stride, 2 stride, ...
+
+    The data groups of a data x model mesh whose model axis is the faster
+    (stride = the model size M; DESIGN.md §1, issue 29): each model shard's
+    gradients are reduce-scattered, and its new weights all-gathered, over
+    such a group, all M groups at once. Their rings are the axes across
+    groups of M consecutive devices (`split(stride)`'s outer axes: an axis cut
+    inside keeps alpha x k and bandwidth / k, its links shared by the k rings
+    beside it), of which the group takes the fastest `size` devices
+    (`split(size)`'s inner axes). On a TPU torus with the model axis over
+    the cores and one ring dimension, the data group is the other ring
+    dimension. stride = 1 is a group of consecutive devices.
+
+    Args:
+      stride: devices between neighbours of the group (the product of the
+        sizes of the mesh axes faster than the group's).
+      size: devices in the group.
+
+    Returns:
+      The group's topology (the same memory and tile).
+
+    Raises:
+      ValueError: the stride or the size cuts an axis unevenly (`split`).
+    """
+    across = dataclasses.replace(self, axes=self.split(stride)[1])
+    return dataclasses.replace(self, axes=across.split(size)[0])
+
   def group_sizes(self) -> list[int]:
     """Every G for which `split(G)` holds, increasing: the candidates of `choose_group_size`."""
     out = []

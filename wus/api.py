@@ -79,7 +79,9 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
       slower than replicated. The Plan prints the prediction either way.
     topology: the devices the update is sharded over, for the cost model: a
       `wus.analysis.network.Topology` of N devices (mesh axes fast to slow,
-      latency, bandwidth, memory bandwidth). Default:
+      latency, bandwidth, memory bandwidth), or of every device of a mesh with
+      other axes (tensor parallelism), in the mesh's order: the cost model then
+      prices each model rank's data group (`Topology.strided`). Default:
       `network.default_topology` with one process's devices as the fast axis.
     shard_weights: also keep sharded between calls the weights the forward
       pass reads only in a narrower float (mixed precision): the step returns

@@ -302,17 +302,26 @@ def _groups(mesh: Mesh, axes: tuple,
 def _topology_for(topology: network.Topology | None, mesh: Mesh, axes: tuple,
                   num_shards: int) -> network.Topology:
   """The cost model's devices: the user's topology (of a sharding group's devices
-  when it describes all of the axis), or one from the mesh's processes."""
+  when it describes all of the axis; of one data group, `Topology.strided`, when it
+  describes every device of the mesh, listed in the mesh's order), or one from the
+  mesh's processes."""
   t = topology
   if t is not None:
     if t.num_devices == num_shards:
       return t
-    try:  # Sharding groups: the axes of one group of consecutive devices.
+    names = list(mesh.axis_names)
+    first, last = min(map(names.index, axes)), max(map(names.index, axes))
+    between = [a for a in names[first:last + 1] if a not in axes and mesh.shape[a] > 1]
+    stride = math.prod(mesh.shape[a] for a in names[last + 1:])
+    try:  # Sharding groups, or the data groups of a data x model mesh.
+      if t.num_devices == mesh.size and not between:
+        return t.strided(stride, num_shards)
       return dataclasses.replace(t, axes=t.split(num_shards)[0])
     except ValueError:
       raise ValueError(f"topology= describes {t.num_devices} devices, but the update is "
                        f"sharded over {num_shards} ({list(axes)}); describe those (or all "
-                       "the devices of the axis, for shard_group_size)") from None
+                       "the devices of the axis, for shard_group_size, or of the mesh, in "
+                       "the mesh's order)") from None
   # The devices of one sharding group (the other axes at 0), fast axis last.
   group = mesh.devices[tuple(slice(None) if a in axes else 0 for a in mesh.axis_names)]
   first = group.flat[0].process_index

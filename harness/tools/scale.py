@@ -15,16 +15,22 @@ what no source gives is an assumption, named as one, and varied in a
 sensitivity table. The rest of the step (forward, backward, input) is the
 one term the model cannot know:
   * Transformer, 1024 chips: the paper's published baseline, 46.5 ms, minus
-    the model's own all-reduce and update of that baseline;
+    the model's own all-reduce, update and bfloat16 copy of the weights
+    (§4.2, Fig. 7 left) of that baseline;
   * Transformer, 16 chips: that rest per example per core, times the 16
     examples per core of Table 1 (the paper gives no baseline there);
   * ResNet-50: the Flax ImageNet example's published TPU v3-8 wall time per
-    step (128 examples per core), minus the model's all-reduce and update of
-    that run, per example, times the examples per core of Table 1.
+    step (128 examples per core), minus the model's all-reduce, update and
+    bfloat16 copy of that run, per example, times the examples per core of
+    Table 1.
+
+Hardware: `tpu_v3`; models and optimizers: `paper_model`; --model_parallel=M:
+`scale_tp` (the Transformer on a data x M model mesh: state per device, change).
 
 Example:
   wus-scale
   wus-scale --alpha_us=0.5 --output=/tmp/scale.json
+  wus-scale --model_parallel=2
 """
 
 from __future__ import annotations
@@ -37,165 +43,22 @@ from absl import flags
 
 from wus.analysis import costmodel, network
 from wus.harness import console, errors
-from wus.harness.tools import paper_model, report
+from wus.harness.tools import paper_model, report, scale_tp, tpu_v3
 
 MS = 1e3
 MIB = 2 ** 20
 
-# --- Sources ---------------------------------------------------------------------
-
+# The sources cited in the output: the hardware's, the models', and the runs'.
 CITATIONS = {
-    "paper": "Xu, Lee, Chen, Choi, Hechtman, Wang, 'Automatic Cross-Replica Sharding of "
-             "Weight Update in Data-Parallel Training', arXiv:2004.13336 (2020): Table 1 "
-             "(models, optimizers, batch sizes, core counts), §6 (16 and 1024 TPU v3 chips "
-             "in a 2D mesh, 2 cores per chip, one replica per core), §6.1 and Fig. 11 "
-             "(results), §4.2 and Fig. 7 (weights all-gathered in bfloat16), §5 "
-             "(multi-phase, partial sharding, batching).",
-    "cloud-tpu-v3": "Google Cloud, 'TPU v3', cloud.google.com/tpu/docs/v3: two TensorCores "
-                    "per chip; HBM2 32 GiB, 900 GBps per chip; TPU Pod of 1024 chips; "
-                    "interconnect topology 2D torus; bisection bandwidth per Pod 6.4 TB/s.",
-    "cloud-tpu-v5e": "Google Cloud, 'TPU v5e', cloud.google.com/tpu/docs/v5e: 4 ICI ports "
-                     "and 400 GBps bidirectional ICI bandwidth per chip, 2D torus of 16 x 16 "
-                     "chips, bisection bandwidth 1.6 TB/s per Pod (= 32 links x 50 GB/s one "
-                     "way): the convention used to read v3's bisection figure.",
-    "perf-guide": "Google Cloud, 'Cloud TPU performance guide', "
-                  "cloud.google.com/tpu/docs/performance-guide (the paper's ref [7]): XLA "
-                  "pads tensors into 8 x 128 tiles.",
-    "thakur2005": "Thakur, Rabenseifner, Gropp, 'Optimization of Collective Communication "
-                  "Operations in MPICH', IJHPCA 19(1) 2005 (the paper's ref [22]): ring "
-                  "reduce-scatter, all-gather, all-reduce.",
-    "resnet50": "torchvision, resnet50 (pytorch.org/vision/stable/models/generated/"
-                "torchvision.models.resnet50.html): num_params 25,557,032 (ResNet v1.5, "
-                "the MLPerf variant; 161 tensors, rebuilt here from He et al. 2016 Table 1).",
-    "mlperf-transformer": "MLPerf training reference (github.com/mlcommons/training), "
-                          "translation/tensorflow/transformer/model: model_params.py "
-                          "TransformerBigParams (hidden 1024, filter 4096, 16 heads, 6 "
-                          "layers, vocab_size 33945); attention_layer.py (q, k, v, output "
-                          "without bias); ffn_layer.py (with bias); transformer.py (layer "
-                          "norm scale and bias, input embedding shared with the softmax).",
-    "vaswani2017": "Vaswani et al., 'Attention Is All You Need', NIPS 2017, Table 3: "
-                   "Transformer (big) 213 x 10^6 parameters (with a 37,000-token vocabulary).",
+    **tpu_v3.CITATIONS,
+    **paper_model.CITATIONS,
     "flax-imagenet": "Flax ImageNet example, github.com/google/flax examples/imagenet: "
                      "README.md (ResNet-50 on TPU v3-8: 125,100 steps, 4.4 h wall time) and "
                      "configs/tpu.py (batch_size 1024, 100 epochs, half_precision, SGD "
                      "momentum 0.9).",
 }
-
-# --- Hardware (TPU v3) -----------------------------------------------------------
-
-CORES_PER_CHIP = 2                     # cloud-tpu-v3
-HBM_PER_CHIP = 900e9                   # bytes/s, cloud-tpu-v3
-POD_SIDE = 32                          # 1024 chips in a 2D torus: 32 x 32, cloud-tpu-v3
-BISECTION_PER_POD = 6.4e12             # bytes/s, cloud-tpu-v3
-# Halving a 32 x 32 torus cuts 32 rows, each twice (its wraparound link too);
-# bisection bandwidth counts one direction (cloud-tpu-v5e: 1.6 TB/s over 32 links
-# = 50 GB/s, its 400 GBps bidirectional per chip over 4 ports and 2 directions).
-LINK_BANDWIDTH = BISECTION_PER_POD / (2 * POD_SIDE)   # bytes/s per link per direction
-TILE_ELEMENTS = 8 * 128                # perf-guide
-ALPHA = 1e-6                           # seconds per ring step: ASSUMED, see ASSUMPTIONS
-
-ASSUMPTIONS = [
-    "alpha, the latency of one ring step, is 1 us on every axis: no published TPU v3 "
-    "figure was found (secondary sources say sub-microsecond between neighbouring chips); "
-    "the sensitivity table varies it 10x each way.",
-    "The two TensorCores of a chip exchange data at one core's HBM bandwidth (450 GB/s): "
-    "the on-chip path is not published. Varied in the sensitivity table (at one ICI link "
-    "instead).",
-    "Rings along a torus axis use both directions of both links of a chip (two "
-    "counter-rotating rings), shared by its 2 cores: 2 x 100 / 2 = 100 GB/s per core. The "
-    "16-chip slice is a 4 x 4 mesh without wraparound (the paper, §6: '2D mesh'): a ring "
-    "uses each link one way, 100 / 2 = 50 GB/s per core.",
-    "Gradients are reduced in float32 and the weights and optimizer state are float32; "
-    "with sharding the weights are all-gathered in bfloat16 (§4.2, Fig. 7), and the update "
-    "writes the bfloat16 copy the forward pass reads (2 bytes per weight, with or without "
-    "sharding).",
-    "Nothing overlaps: step = rest + collectives + update.",
-    "The rest of the step scales linearly with the examples per core. This ignores that "
-    "few examples per core run less efficiently (it underestimates the rest when scaling "
-    "down, as for ResNet-50 at 16 per core, and overestimates it when scaling up, as for "
-    "the Transformer at 16 per core).",
-    "ResNet-50's rest comes from another implementation (Flax, SGD momentum, bfloat16) than "
-    "MLPerf's, and its wall time includes evaluation and compilation: an upper bound on its "
-    "rest per example. The README's TPU v3-32 row is not used: its pod command sets a batch "
-    "of 32 x 256 = 8192, while its 125,100 steps imply 1024 (100 epochs).",
-]
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-  """The model's inputs that are assumptions; the defaults are the main prediction.
-
-  Attributes:
-    alpha: seconds per ring step, every axis.
-    core_bandwidth: bytes/s per core between the two cores of a chip.
-    gather_bytes: bytes per element of the all-gathered weights.
-    tile_elements: elements per tile of the memory layout (1: no padding).
-    group_size: G; 0: `costmodel.choose_group_size` picks it.
-  """
-
-  alpha: float = ALPHA
-  core_bandwidth: float = HBM_PER_CHIP / CORES_PER_CHIP
-  gather_bytes: int = 2
-  tile_elements: int = TILE_ELEMENTS
-  group_size: int = 0
-
-
-def tpu_v3_topology(chips_x: int, chips_y: int, *, torus: bool,
-                    settings: Settings = Settings()) -> network.Topology:
-  """TPU v3 cores as a costmodel topology: axes core (2), x, y; fast to slow.
-
-  Args:
-    chips_x, chips_y: the 2D array of chips.
-    torus: whether the axes wrap around (the full pod) or not (a mesh slice).
-    settings: alpha, the core-to-core bandwidth, the tile.
-  """
-  per_chip = LINK_BANDWIDTH * (2 if torus else 1)  # one ring step's send rate per chip
-  per_core = per_chip / CORES_PER_CHIP
-  return network.Topology(
-      (network.Axis("core", CORES_PER_CHIP, settings.alpha, settings.core_bandwidth),
-       network.Axis("x", chips_x, settings.alpha, per_core),
-       network.Axis("y", chips_y, settings.alpha, per_core)),
-      memory_bandwidth=HBM_PER_CHIP / CORES_PER_CHIP, tile_elements=settings.tile_elements)
-
-
-# --- Models ------------------------------------------------------------------------
-
-
-def resnet50_tensors() -> tuple[int, ...]:
-  """Elements of ResNet-50's 161 weight tensors (v1.5; no conv biases; BN scale and bias).
-
-  25,557,032 in all (torchvision's num_params).
-  """
-  out = [7 * 7 * 3 * 64, 64, 64]
-  cin = 64
-  for width, blocks in zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True):
-    for b in range(blocks):
-      out += [cin * width, width, width, 9 * width * width, width, width,
-              width * 4 * width, 4 * width, 4 * width]
-      if b == 0:  # projection shortcut
-        out += [cin * 4 * width, 4 * width, 4 * width]
-      cin = 4 * width
-  return tuple(out + [2048 * 1000, 1000])
-
-
-def transformer_big_tensors(vocab: int = 33945, hidden: int = 1024, filter_size: int = 4096,
-                            layers: int = 6) -> tuple[int, ...]:
-  """Elements of the MLPerf reference Transformer big's 185 weight tensors.
-
-  Shared input/output embedding; attention projections without bias; the
-  feed-forward network with biases; a layer norm (scale, bias) before each
-  sublayer and after each stack. 211,047,424 in all with MLPerf's 33,945-token
-  vocabulary (Vaswani et al. report 213 M with 37,000 tokens).
-  """
-  norm = [hidden, hidden]
-  attention = [hidden * hidden] * 4
-  ffn = [hidden * filter_size, filter_size, filter_size * hidden, hidden]
-  encoder = (norm + attention + norm + ffn) * layers + norm
-  decoder = (norm + attention + norm + attention + norm + ffn) * layers + norm
-  return tuple([vocab * hidden] + encoder + decoder)
-
-
-MODELS = {"resnet50": resnet50_tensors, "transformer": transformer_big_tensors}
+Settings = tpu_v3.Settings
+ASSUMPTIONS = tpu_v3.ASSUMPTIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,11 +99,11 @@ class Case:
 CASES = (
     Case("resnet50", "lars", 32, 4096, (4, 4), False, None, None,
          "small impact for models with small weights (no figure in the text)"),
-    Case("resnet50", "lars", 2048, 32768, (POD_SIDE, POD_SIDE), True, 0.06, None,
+    Case("resnet50", "lars", 2048, 32768, (tpu_v3.POD_SIDE,) * 2, True, 0.06, None,
          "'it is giving a 6% speedup'"),
     Case("transformer", "adam", 32, 512, (4, 4), False, 0.09, None,
          "'improvements in the range of 9%'"),
-    Case("transformer", "adam", 2048, 2048, (POD_SIDE, POD_SIDE), True, (46.5 - 25.6) / 46.5,
+    Case("transformer", "adam", 2048, 2048, (tpu_v3.POD_SIDE,) * 2, True, (46.5 - 25.6) / 46.5,
          (46.5, 25.6), "'the step time reduces from 46.5ms to 25.6ms'"),
 )
 
@@ -251,10 +114,20 @@ TRANSFORMER_BASELINE_MS = 46.5                     # paper, §6.1
 TRANSFORMER_BASELINE_CASE = CASES[3]               # the setting of that baseline
 
 
-def workload(model: str, optimizer: str, settings: Settings) -> costmodel.Workload:
-  """The model's tensors and optimizer, float32 state, bfloat16 copy and gather."""
-  return paper_model.workload(MODELS[model](), optimizer, grad_bytes=4,
-                              gather_bytes=settings.gather_bytes, state_bytes=4, copy_bytes=2)
+def workload(model: str, optimizer: str, settings: Settings,
+             model_parallel: int = 1) -> costmodel.Workload:
+  """The model's tensors (one model rank's blocks) and optimizer: float32 gradients and
+  state, the weights read in bfloat16 by the forward pass (§4.2, Fig. 7) and gathered in
+  `settings.gather_bytes`."""
+  tensors = paper_model.MODELS[model](**({"model_parallel": model_parallel}
+                                          if model_parallel > 1 else {}))
+  return _workload(tensors, optimizer, settings)
+
+
+def _workload(tensors, optimizer: str, settings: Settings) -> costmodel.Workload:
+  w = paper_model.workload(tensors, optimizer, grad_bytes=4,
+                           gather_bytes=settings.gather_bytes, state_bytes=4)
+  return dataclasses.replace(w, cast=tuple((n, *settings.cast) for n in tensors))
 
 
 def _replicated(w: costmodel.Workload, topology: network.Topology,
@@ -272,21 +145,22 @@ def rest_per_example(model: str, settings: Settings) -> tuple[float, str]:
   """
   if model == "transformer":
     case = TRANSFORMER_BASELINE_CASE
-    topology = tpu_v3_topology(*case.chips, torus=case.torus, settings=settings)
+    topology = tpu_v3.topology(*case.chips, torus=case.torus, settings=settings)
     own = _replicated(workload(model, case.optimizer, settings), topology)
-    rest = _positive(TRANSFORMER_BASELINE_MS / MS - own.communication - own.update, model)
+    rest = _positive(TRANSFORMER_BASELINE_MS / MS - own.total, model)
     return rest / case.per_core, (
         f"paper's baseline {TRANSFORMER_BASELINE_MS} ms at 1 example/core minus the "
-        f"predicted all-reduce ({own.communication * MS:.2f} ms) and update "
-        f"({own.update * MS:.2f} ms)")
-  # The Flax run: SGD momentum, float32 weights cast in the forward pass (no copy).
-  flax = paper_model.workload(resnet50_tensors(), "momentum")
-  own = _replicated(flax, tpu_v3_topology(2, 2, torus=False, settings=settings))
-  rest = _positive(FLAX_V3_8_SECONDS_PER_STEP - own.communication - own.update, model)
+        f"predicted all-reduce ({own.communication * MS:.2f} ms), update "
+        f"({own.update * MS:.2f} ms) and bfloat16 copy ({own.cast * MS:.2f} ms)")
+  # The Flax run: SGD momentum, float32 weights read in bfloat16 (half_precision).
+  flax = _workload(paper_model.resnet50_tensors(), "momentum", settings)
+  own = _replicated(flax, tpu_v3.topology(2, 2, torus=False, settings=settings))
+  rest = _positive(FLAX_V3_8_SECONDS_PER_STEP - own.total, model)
   return rest / FLAX_V3_8_PER_CORE, (
       f"Flax ResNet-50 on v3-8: {FLAX_V3_8_SECONDS_PER_STEP * MS:.1f} ms/step at "
       f"{FLAX_V3_8_PER_CORE} examples/core minus the predicted all-reduce "
-      f"({own.communication * MS:.2f} ms) and momentum update ({own.update * MS:.2f} ms)")
+      f"({own.communication * MS:.2f} ms), momentum update ({own.update * MS:.2f} ms) and "
+      f"bfloat16 copy ({own.cast * MS:.2f} ms)")
 
 
 def _positive(rest: float, model: str) -> float:
@@ -301,7 +175,8 @@ def _prediction_dict(p: costmodel.StepPrediction) -> dict:
           "step_ms": p.total * MS, "rest_ms": p.rest * MS,
           "reduce_scatter_ms": p.reduce_scatter * MS, "all_reduce_ms": p.all_reduce * MS,
           "norm_all_reduce_ms": p.norm_all_reduce * MS, "update_ms": p.update * MS,
-          "all_gather_ms": p.all_gather * MS, "collectives": dict(p.collectives),
+          "all_gather_ms": p.all_gather * MS, "cast_ms": p.cast * MS,
+          "collectives": dict(p.collectives),
           "wire_bytes": p.wire_bytes}
 
 
@@ -317,7 +192,7 @@ def predict_case(case: Case, settings: Settings = Settings()) -> dict:
     step time against 25.6 ms).
   """
   w = workload(case.model, case.optimizer, settings)
-  topology = tpu_v3_topology(*case.chips, torus=case.torus, settings=settings)
+  topology = tpu_v3.topology(*case.chips, torus=case.torus, settings=settings)
   per_example, source = rest_per_example(case.model, settings)
   rest = per_example * case.per_core
   replicated = _replicated(w, topology, rest)
@@ -346,7 +221,11 @@ SENSITIVITY = (
     ("as above", {}),
     ("alpha / 10", {"alpha": lambda s: s.alpha / 10}),
     ("alpha x 10", {"alpha": lambda s: s.alpha * 10}),
-    ("core-to-core at one ICI link (100 GB/s)", {"core_bandwidth": lambda s: LINK_BANDWIDTH}),
+    ("core-to-core at one ICI link", {"core_bandwidth": lambda s: s.link_bandwidth}),
+    ("ICI port from the bisection figure (100 GB/s)",
+     {"link_bandwidth": lambda s: tpu_v3.BISECTION_LINK_BANDWIDTH}),
+    ("bfloat16 convert fused into the matmuls (+4 B read)", {"cast": lambda s: (2, 2)}),
+    ("no bfloat16 copy priced (the model before Fig. 7's)", {"cast": lambda s: (0, 0)}),
     ("all-gather in float32 (no Fig. 7)", {"gather_bytes": lambda s: 4}),
     ("no tile padding", {"tile_elements": lambda s: 1}),
     ("full sharding, G = N", {"group_size": None}),
@@ -369,24 +248,6 @@ def sensitivity(settings: Settings = Settings()) -> list[dict]:
   return rows
 
 
-def hardware(settings: Settings = Settings()) -> dict:
-  """The TPU v3 figures used, with their sources."""
-  return {
-      "cores_per_chip": {"value": CORES_PER_CHIP, "source": "cloud-tpu-v3"},
-      "hbm_bytes_per_second_per_core": {
-          "value": HBM_PER_CHIP / CORES_PER_CHIP,
-          "source": "cloud-tpu-v3: 900 GBps per chip / 2 cores"},
-      "ici_link_bytes_per_second_per_direction": {
-          "value": LINK_BANDWIDTH,
-          "source": "cloud-tpu-v3: bisection 6.4 TB/s / (32 rows x 2 links cut in a 32 x 32 "
-                    "torus); convention from cloud-tpu-v5e"},
-      "topology": {"value": "2D torus of 32 x 32 chips (1024 chips); 16 chips: 4 x 4 mesh",
-                   "source": "cloud-tpu-v3; paper §6"},
-      "tile_elements": {"value": TILE_ELEMENTS, "source": "perf-guide: 8 x 128 tiles"},
-      "alpha_seconds": {"value": settings.alpha, "source": "ASSUMED (see assumptions)"},
-  }
-
-
 def _pct(x: float | None) -> str:
   return "-" if x is None else f"{100 * x:+.1f}%"
 
@@ -395,6 +256,38 @@ def _value(v) -> str:
   if isinstance(v, float) and v >= 1e6:
     return f"{v / 1e9:g} GB/s"
   return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def headline(out: dict) -> str:
+  """One line: the 1024-chip Transformer's predicted and published change, and the TPU v3
+  figures the prediction uses."""
+  r = next(r for r in out["rows"] if r["model"] == "transformer" and r["cores"] == 2048)
+  hw = out["hardware"]
+  return (f"1024-chip Transformer, PREDICTED {r['replicated']['step_ms']:.2f} -> "
+          f"{r['sharded']['step_ms']:.2f} ms ({_pct(-r['predicted_reduction'])}, G="
+          f"{r['sharded']['group_size']}) against the published 46.5 -> 25.6 ms "
+          f"({_pct(-r['published_reduction'])}): relative error {_pct(r['relative_error'])}. "
+          f"TPU v3 figures: HBM {_value(hw['hbm_bytes_per_second_per_core']['value'])} per "
+          f"core (900 GBps per chip), ICI "
+          f"{hw['ici_port_bytes_per_second_per_direction']['value'] / 1e9:.0f} GB/s per port "
+          "per direction (340 TB/s all-reduce bandwidth per pod), 2 cores per chip, a 32 x 32 "
+          f"torus, 8 x 128 tiles; assumed: alpha {hw['alpha_seconds']['value'] * 1e6:g} us, "
+          f"core-to-core {_value(hw['core_to_core_bytes_per_second']['value'])}; bfloat16 copy "
+          f"{hw['bfloat16_copy_bytes_per_weight']['value']}.")
+
+
+def _plan_rows(rows: list[dict]) -> list[list]:
+  """The 2048-replica rows' collectives and times, replicated and sharded."""
+  plan = []
+  for r in (r for r in rows if r["cores"] == 2048):
+    for mode in ("replicated", "sharded"):
+      p = r[mode]
+      c = p["collectives"]
+      plan.append([r["model"], mode, p["group_size"], p["bucket_bytes"] / MIB,
+                   c["reduce-scatter"], c["all-reduce"], c["all-gather"],
+                   p["reduce_scatter_ms"], p["all_reduce_ms"] + p["norm_all_reduce_ms"],
+                   p["all_gather_ms"], p["update_ms"], p["wire_bytes"] / MIB])
+  return plan
 
 
 def markdown(out: dict) -> str:
@@ -414,34 +307,33 @@ def markdown(out: dict) -> str:
     error = _pct(r["relative_error"])
     if "relative_error_sharded_ms" in r:
       error += f"; sharded ms {_pct(r['relative_error_sharded_ms'])}"
-    sharded_comm = sh["step_ms"] - sh["rest_ms"] - sh["update_ms"]
+    sharded_comm = sh["step_ms"] - sh["rest_ms"] - sh["update_ms"] - sh["cast_ms"]
     main.append([r["model"], r["optimizer"], f"{r['cores']} ({r['cores'] // 2})",
                  r["per_core"], f"{r['params'] / 1e6:.1f}", f"{rep['rest_ms']:.2f}",
-                 f"{rep['step_ms']:.2f} = {rep['all_reduce_ms']:.2f} + {rep['update_ms']:.2f}",
-                 f"{sh['step_ms']:.2f} = {sharded_comm:.2f} + {sh['update_ms']:.3f}",
+                 f"{rep['step_ms']:.2f} = {rep['all_reduce_ms']:.2f} + {rep['update_ms']:.2f}"
+                 f" + {rep['cast_ms']:.2f}",
+                 f"{sh['step_ms']:.2f} = {sharded_comm:.2f} + {sh['update_ms']:.3f}"
+                 f" + {sh['cast_ms']:.3f}",
                  sh["group_size"], _pct(-r["predicted_reduction"]), published, error])
-  plan = []
-  for r in (r for r in rows if r["cores"] == 2048):
-    for mode in ("replicated", "sharded"):
-      p = r[mode]
-      c = p["collectives"]
-      plan.append([r["model"], mode, p["group_size"], p["bucket_bytes"] / MIB,
-                   c["reduce-scatter"], c["all-reduce"], c["all-gather"],
-                   p["reduce_scatter_ms"], p["all_reduce_ms"] + p["norm_all_reduce_ms"],
-                   p["all_gather_ms"], p["update_ms"], p["wire_bytes"] / MIB])
+  plan = _plan_rows(rows)
   sens_rows = [[s["variant"], *(f"{_pct(-c['predicted_reduction'])} (G={c['group_size']})"
                                 for c in s["cases"])] for s in sens]
   parts = [
+      headline(out),
       "PREDICTED by the alpha-beta cost model (wus.analysis.costmodel), beside the paper's "
       "published results (Xu et al. 2020, §6.1, Fig. 11). Times in ms per step: the rest "
       "of the step (derived, see below), the predicted replicated step = rest + all-reduce "
-      "+ update, the predicted sharded step = rest + collectives + update; G the sharding "
+      "+ update + the bfloat16 copy of the weights (Fig. 7 left: every replica converts "
+      "them whole), the predicted sharded step = rest + collectives + update + the "
+      "bfloat16 copy (Fig. 7 right: the update writes its shard in bfloat16); G the sharding "
       "group size the model chose; change = sharded / replicated - 1; relative error = "
       "predicted change / published change - 1. No parameter is fitted to the published "
       "results.",
       report.table(["model", "optimizer", "cores (chips)", "examples/core", "params M",
-                    "rest ms", "replicated ms = AR + update", "sharded ms = comm + update",
+                    "rest ms", "replicated ms = AR + update + bf16",
+                    "sharded ms = comm + update + bf16",
                     "G", "predicted change", "published (§6.1)", "relative error"], main),
+      *([scale_tp.markdown(out["model_parallel"])] if out.get("model_parallel") else []),
       "Other statements of the paper, beside the PREDICTED figure:\n" + "\n".join(
           f"  {c['section']} '{c['claim']}': predicted {c['predicted']}" for c in out["checks"]),
       "Rest of the step:\n" + "\n".join(f"  {r['model']}, {r['cores']} cores: "
@@ -472,7 +364,9 @@ def checks(settings: Settings = Settings()) -> list[dict]:
   out.append({"claim": "Transformer on 1024 chips spends more than 40% of the step in the "
                        "weight update", "section": "§2.2",
               "predicted": f"{rep['update_ms'] / rep['step_ms']:.1%} of the replicated step "
-                           f"({rep['update_ms']:.2f} of {rep['step_ms']:.2f} ms)"})
+                           f"({rep['update_ms']:.2f} of {rep['step_ms']:.2f} ms; "
+                           f"{(rep['update_ms'] + rep['cast_ms']) / rep['step_ms']:.1%} with "
+                           "the bfloat16 copy of the new weights)"})
   for case in (c for c in CASES if c.cores == 2048):
     by_g = {g: predict_case(case, dataclasses.replace(settings, group_size=g))["sharded"]
             for g in (64, case.cores)}
@@ -483,22 +377,43 @@ def checks(settings: Settings = Settings()) -> list[dict]:
   return out
 
 
-def results(settings: Settings = Settings()) -> dict:
-  """Everything `wus-scale` prints, JSON-ready."""
-  return {"label": "predictions of wus.analysis.costmodel, not measurements",
-          "rows": [predict_case(c, settings) for c in CASES],
-          "checks": checks(settings),
-          "sensitivity": sensitivity(settings), "hardware": hardware(settings),
-          "assumptions": ASSUMPTIONS, "citations": CITATIONS}
+def model_parallel_rows(model_parallel: int, settings: Settings = Settings()) -> list[dict]:
+  """The Transformer cases on a (cores / M) data x M model mesh (`scale_tp.predict`)."""
+  rows = []
+  for case in (c for c in CASES if c.model == "transformer"):
+    per_example, _ = rest_per_example(case.model, settings)
+    rows.append(scale_tp.predict(case, model_parallel, per_example * case.per_core,
+                                 workload(case.model, case.optimizer, settings, model_parallel),
+                                 settings))
+  return rows
+
+
+def results(settings: Settings = Settings(), model_parallel: int = 1) -> dict:
+  """Everything `wus-scale` prints, JSON-ready; with `model_parallel` > 1 also
+  "model_parallel", the data x model predictions."""
+  out = {"label": "predictions of wus.analysis.costmodel, not measurements",
+         "rows": [predict_case(c, settings) for c in CASES],
+         "checks": checks(settings),
+         "sensitivity": sensitivity(settings), "hardware": tpu_v3.hardware(settings),
+         "assumptions": ASSUMPTIONS, "citations": CITATIONS}
+  if model_parallel > 1:
+    out["model_parallel"] = model_parallel_rows(model_parallel, settings)
+  return out
 
 
 def _define_flags() -> None:
   if "alpha_us" in flags.FLAGS:  # already defined (tests call main in-process)
     return
-  flags.DEFINE_float("alpha_us", ALPHA * 1e6, "Latency of one ring step, microseconds "
+  flags.DEFINE_float("alpha_us", tpu_v3.ALPHA * 1e6, "Latency of one ring step, microseconds "
                      "(an assumption: no published TPU v3 figure).", lower_bound=0)
   flags.DEFINE_integer("group_size", 0, "Sharding group size G; 0: the cost model chooses.",
                        lower_bound=0)
+  if "model_parallel" not in flags.FLAGS:
+    flags.DEFINE_integer("model_parallel", 1, "M > 1: also predict the Transformer on a "
+                         "(cores / M) data x M model mesh, split Megatron-style over M "
+                         "consecutive cores: optimizer state per device and the step-time "
+                         "change of wus against TP with state replicated over data.",
+                         lower_bound=1)
   if "output" not in flags.FLAGS:
     flags.DEFINE_string("output", None, "If set, a JSON file for the predictions, the "
                         "published results, the sources and the assumptions.")
@@ -508,14 +423,19 @@ def predict_all() -> None:
   """`wus-scale` on the parsed flags: the predictions printed (and written, --output).
 
   Raises:
-    errors.InputError: a --group_size that does not divide every case's cores.
+    errors.InputError: a --group_size that does not divide every case's cores (or
+      their data axes, with --model_parallel); a --model_parallel that does not
+      split the Transformer or the cores.
   """
   f = flags.FLAGS
   settings = Settings(alpha=f.alpha_us * 1e-6, group_size=f.group_size)
-  if settings.group_size and any(c.cores % settings.group_size for c in CASES):
+  m = f.model_parallel
+  if settings.group_size and any(c.cores // m % settings.group_size for c in CASES):
     raise errors.InputError(f"--group_size={settings.group_size} must divide "
-                            f"{sorted({c.cores for c in CASES})}")
-  out = results(settings)
+                            f"{sorted({c.cores // m for c in CASES})}")
+  if m > 1 and (why := scale_tp.check(CASES, m)):
+    raise errors.InputError(why)
+  out = results(settings, m)
   print(markdown(out))
   if f.output:
     pathlib.Path(f.output).write_text(json.dumps(out, indent=2))
