@@ -758,12 +758,11 @@ def state_specs():
   """The optimizer state's in_specs, as a user on an Explicit mesh finds them: the
   shardings `tx.init` gives its outputs from the parameters' (P() for the rest)."""
   mesh = make_mesh("shard_map")
-  placed = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), jax.eval_shape(make_params),
-      param_specs(), is_leaf=lambda x: isinstance(x, P))
+  placed = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(mesh, spec)),
+                        param_specs(), make_params(), is_leaf=lambda x: isinstance(x, P))
   with jax.set_mesh(mesh):
-    shapes = jax.eval_shape(tx.init, placed)
-  return jax.tree.map(lambda x: x.sharding.spec if x.sharding is not None else P(), shapes)
+    state = tx.init(placed)
+  return jax.tree.map(lambda x: getattr(getattr(x, "sharding", None), "spec", P()), state)
 
 
 if MODEL > 1:
