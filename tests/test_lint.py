@@ -105,3 +105,14 @@ def test_no_import_cycle_in_the_library():
 
   cycles = sorted(m for m in graph if m in reaches(m))
   assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_core_tests_read_hlo_without_the_harness():
+  """The tests of the library read compiled programs with tests/hlo.py (through helpers), not
+  `wus.harness`, whose package imports the harness's own dependencies (issue 31 item 7)."""
+  tests = ROOT / "tests"
+  core = [p for d in ("api", "equivalence", "analysis", "collectives", "transforms")
+          for p in sorted((tests / d).glob("*.py"))] + [tests / "helpers.py", tests / "hlo.py"]
+  found = {p.relative_to(ROOT).as_posix(): line for p in core for line, module in _imports(p)
+           if module == "wus.harness" or module.startswith("wus.harness.")}
+  assert not found, f"core tests importing the harness: {found}"
