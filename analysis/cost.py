@@ -159,25 +159,9 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   Raises:
     ValueError: an unknown objective, or a topology of other than N devices.
   """
-  if objective not in OBJECTIVES:
-    raise ValueError(f"objective={objective!r}: use one of {OBJECTIVES}")
-  topology = topology or network.default_topology(num_shards)
-  if topology.num_devices != num_shards:
-    raise ValueError(f"the topology has {topology.num_devices} devices; the update is sharded "
-                     f"over {num_shards}")
+  topology = _topology(objective, topology, num_shards)
   eqns = jaxpr.eqns
-  gathered = [v for v in cluster.sharded if v not in layout.partial and (
-      v in cluster.outside_readers or v in layout.whole_reads
-      or any(p not in state_outputs for p in cluster.returned.get(v, ())))]
-  inputs = set(jaxpr.invars)
-  # The cluster's facts as the cost model sees them: its gradients, what it
-  # gathers, and the inputs it reads and outputs it writes (non-fusible).
-  workload = costmodel.Workload(
-      gradients=tuple(tensor(eqns[i].outvars[0]) for i in cluster.seeds),
-      gathered=(*map(tensor, gathered), *map(tensor, _branch_gathers(cluster, rare)),
-                *extra_gather),
-      updated=(*(tensor(v) for v in cluster.reads if v in inputs),
-               *(tensor(v) for v, p in cluster.returned.items() for _ in p)))
+  gathered, workload = _workload(cluster, layout, jaxpr, state_outputs, rare, extra_gather)
   all_reduce, all_gather, io = (sum(n * b for n, b in ts) for ts in (
       workload.gradients, workload.gathered, workload.updated))
   saved = io - io // num_shards
@@ -223,6 +207,34 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
         all_gather, all_reduce, _first_whole_reader(cluster, jaxpr, facts, axes)))
   reductions = sum(k in REDUCING for k in cluster.kinds.values())
   return slower() or verdict(True, reasons.OnShards(reductions, len(gathered)))
+
+
+def _topology(objective: str, topology: network.Topology | None,
+              num_shards: int) -> network.Topology:
+  """`decide`'s topology (the default one of N devices for None), its arguments checked."""
+  if objective not in OBJECTIVES:
+    raise ValueError(f"objective={objective!r}: use one of {OBJECTIVES}")
+  topology = topology or network.default_topology(num_shards)
+  if topology.num_devices != num_shards:
+    raise ValueError(f"the topology has {topology.num_devices} devices; the update is sharded "
+                     f"over {num_shards}")
+  return topology
+
+
+def _workload(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, state_outputs: set[int],
+              rare, extra_gather) -> tuple[list[Var], costmodel.Workload]:
+  """(the sharded values it all-gathers, the cluster as the cost model sees it): its
+  gradients, what it gathers, and the inputs it reads and outputs it writes (non-fusible)."""
+  gathered = [v for v in cluster.sharded if v not in layout.partial and (
+      v in cluster.outside_readers or v in layout.whole_reads
+      or any(p not in state_outputs for p in cluster.returned.get(v, ())))]
+  inputs = set(jaxpr.invars)
+  return gathered, costmodel.Workload(
+      gradients=tuple(tensor(jaxpr.eqns[i].outvars[0]) for i in cluster.seeds),
+      gathered=(*map(tensor, gathered), *map(tensor, _branch_gathers(cluster, rare)),
+                *extra_gather),
+      updated=(*(tensor(v) for v in cluster.reads if v in inputs),
+               *(tensor(v) for v, p in cluster.returned.items() for _ in p)))
 
 
 def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, str]:

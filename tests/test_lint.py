@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -116,3 +118,58 @@ def test_core_tests_read_hlo_without_the_harness():
   found = {p.relative_to(ROOT).as_posix(): line for p in core for line, module in _imports(p)
            if module == "wus.harness" or module.startswith("wus.harness.")}
   assert not found, f"core tests importing the harness: {found}"
+
+
+MAX_FUNCTION_LINES = 60
+# Functions over the limit that other work of issue 31 splits (the front ends and the
+# planner: items 1-3; wus.jit on 2-D meshes): strict xfails, so that each fails here once
+# it is split, to be taken off this list.
+SPLIT_ELSEWHERE = ("analysis/planner.py:_plan", "wus/pipeline.py:_build",
+                   "analysis/global_view.py:find_region")
+
+
+def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+  """Lines of code of a function, nested functions included: no blank or comment line, no
+  docstring."""
+  doc = set()
+  first = node.body[0]
+  if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+      first.value.value, str):
+    doc = set(range(first.lineno, first.end_lineno + 1))
+  return sum(1 for k in range(node.lineno, node.end_lineno + 1)
+             if k not in doc and lines[k - 1].strip()
+             and not lines[k - 1].strip().startswith("#"))
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+  """"folder/module.py:function" -> lines of code, for the library's functions over `limit`."""
+  out = {}
+  for folder in LIBRARY:
+    for path in sorted((ROOT / folder).rglob("*.py")):
+      text = path.read_text()
+      lines = text.splitlines()
+      for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+          n = _code_lines(node, lines)
+          if n > limit:
+            out[f"{path.relative_to(ROOT).as_posix()}:{node.name}"] = n
+  return out
+
+
+def test_no_function_over_60_lines_of_code():
+  """STYLE/common standards: functions under ~60 lines of code (issue 31), each step of a
+  longer one a named function of its own."""
+  assert long_functions(10)  # The count sees functions.
+  found = {f: n for f, n in long_functions().items() if f not in SPLIT_ELSEWHERE}
+  assert not found, f"functions over {MAX_FUNCTION_LINES} lines of code: {found}"
+
+
+@pytest.mark.xfail(strict=True, reason="split by issue 31's front-end and planner work")
+@pytest.mark.parametrize("name", SPLIT_ELSEWHERE)
+def test_functions_split_elsewhere(name):
+  assert name not in long_functions()
+
+
+if __name__ == "__main__":  # `python tests/test_lint.py`: the functions over the limit.
+  for name, n in sorted(long_functions().items(), key=lambda item: -item[1]):
+    print(f"{n:4d}  {name}")
