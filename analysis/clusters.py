@@ -104,138 +104,21 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
     `inputs_sharded`, exactly one, possibly empty).
   """
   graph = graph or Graph(jaxpr, num_shards, min_size)
-  ctx = Context(facts, frozenset(axes))
-  eqns = jaxpr.eqns
-  big = graph.big
-
-  kind_cache: dict[int, Kind | None] = {}
-
-  def kind(i: int) -> Kind | None:
-    """The shard kind of equation i, if it is redundant, shardable and big.
-
-    Big as its Kind says (`Kind.big_values`): a big output, or for a reduction
-    a big operand, or for a conditional any big value.
-    """
-    if i not in kind_cache:
-      eqn = eqns[i]
-      k = (shard_kind(eqn, ctx)
-           if all(facts.is_redundant(v, ctx.axes) for v in eqn.outvars) else None)
-      kind_cache[i] = k if k is not None and any(map(big, k.big_values(eqn))) else None
-    return kind_cache[i]
-
-  seeds = [i for i in range(len(eqns)) if kind(i) is Kind.REDUCE_SCATTER]
-  # Cluster.seeds are all-reduces; readers of held shards and of roots only
-  # seed the growth.
-  all_reduces = set(seeds)
-  seeds += [r for v in held_sharded for r in graph.readers(v)
-            if kind(r) is not None and r not in seeds]
-  if inputs_sharded:
-    seeds += [r for v in jaxpr.invars if big(v) for r in graph.readers(v)
-              if kind(r) is not None and r not in seeds]
-
-  parent: dict[int, int] = {}  # Union-find over cluster equations.
-
-  def find(i: int) -> int:
-    while parent[i] != i:
-      parent[i] = parent[parent[i]]
-      i = parent[i]
-    return i
-
-  def union(a: int, b: int) -> None:
-    parent[find(a)] = find(b)
-
-  def add(new: int, to: int) -> bool:
-    if new in parent:
-      union(new, to)
-      return False
-    parent[new] = new
-    union(new, to)
-    return True
-
-  for i in seeds:
-    parent[i] = i
-  if inputs_sharded and seeds:
-    for i in seeds:
-      union(i, seeds[0])
-  def grow(todo: list[int], reductions: bool = True) -> None:
-    # Each equation is grown from once. A producer that fails the backward test
-    # passes it when the last of its readers joins, and is found from that one.
-    # Without `reductions`, growth does not go backward into a reduction (the
-    # bias gradient a root is computed from: it stays whole, as the original).
-    while todo:
-      i = todo.pop()
-      eqn = eqns[i]
-      # Forward: readers of this equation's big outputs.
-      for v in filter(big, eqn.outvars):
-        for r in graph.readers(v):
-          if kind(r) is not None and add(r, i):
-            todo.append(r)
-      # Backward: producers of big operands that only cluster equations read.
-      for v in filter(big, eqn.invars):
-        p = graph.producer.get(v)
-        if (p is not None and kind(p) is not None and v not in graph.outputs
-            and (reductions or kind(p) not in REDUCING)
-            and graph.only_read_by(v, parent) and add(p, i)):
-          todo.append(p)
-
-  def join_reductions() -> None:
-    # Reductions of big tensors that the update reads only through small values
-    # (LARS and LAMB's ‖w‖, §4.1): growth through big tensors misses them, so
-    # every replica would reduce the whole weight. Each joins the first cluster
-    # its result reaches, and grows backward from there (`w * w` on the shard).
-    if parent:
-      for i in range(len(eqns)):
-        if i not in parent and kind(i) in REDUCING:
-          member = _reached_member(i, graph, parent, facts, ctx.axes)
-          if member is not None:
-            add(i, member)
-            grow([i])
-
-  grow(list(seeds))
-  join_reductions()
+  growth = _Growth(graph, facts, Context(facts, frozenset(axes)))
+  seeds, all_reduces = _seeds(growth, held_sharded, inputs_sharded)
+  growth.grow(list(seeds))
+  growth.join_reductions()
   found_roots: frozenset = frozenset()
   if (roots or state) and not inputs_sharded:
-    before = set(parent)
-    found_roots = frozenset(roots) | find_roots(graph, facts, axes, state, before, kind)
-    grown = [r for v in found_roots for r in graph.readers(v)
-             if kind(r) is not None and r not in parent]
-    for r in grown:
-      add(r, r)
-    # The update grows back to where its roots enter: through what only it
-    # reads, short of reductions (a gradient's) and of `join_reductions`,
-    # which would put the backward pass's sums on shards.
-    grow(grown, reductions=False)
-    # An update that reads a value computed whole from a cluster's result (the
-    # scatter-add that builds an embedding table's gradient from the
-    # all-reduced rows) joins that cluster: its all-reduce runs whole
-    # (`_kept_whole`), the update after it on shards.
-    for i in set(parent) - before:
-      for v in filter(big, eqns[i].invars):
-        p = graph.producer.get(v)
-        if p is not None and p not in parent:
-          for u in filter(big, eqns[p].invars):
-            if graph.producer.get(u) in before:
-              union(i, graph.producer[u])
-
+    found_roots = growth.grow_from_roots(roots, state)
   # Outside a conditional's branch (whose whole reads are gathered inside it),
   # equations whose big results a repeated equation without a shard rule
   # reads whole (a matmul with the gradient, the pad of a BatchNorm
   # cotangent) run whole, as in the original step, with the cluster
   # equations they read; the rest of the cluster slices their results
   # locally. Only what can run on shards is sharded (§3.2).
-  kept_whole = {} if inputs_sharded else _kept_whole(parent, graph, facts, ctx.axes)
-  members: dict[int, list[int]] = collections.defaultdict(list)
-  whole: dict[int, dict[int, int]] = collections.defaultdict(dict)
-  for i in sorted(parent):
-    if i in kept_whole:
-      whole[find(i)][i] = kept_whole[i]
-    else:
-      members[find(i)].append(i)
-  for root in whole:
-    members.setdefault(root, [])
-  if inputs_sharded and not members:
-    members[-1] = []
-
+  kept_whole = {} if inputs_sharded else _kept_whole(growth.parent, graph, facts, growth.axes)
+  members, whole = growth.groups(kept_whole, inputs_sharded)
   memo = {} if memo is None else memo
 
   def branch(inner: Jaxpr) -> Cluster:
@@ -245,13 +128,157 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
     return memo[inner]
 
   def branches(i: int) -> tuple[Cluster, ...]:
-    return tuple(branch(b.jaxpr) for b in compat.cond(eqns[i]).branches)
+    return tuple(branch(b.jaxpr) for b in compat.cond(jaxpr.eqns[i]).branches)
 
-  inputs = [v for v in jaxpr.invars if big(v)] if inputs_sharded else []
-  clusters = [_make_cluster(sorted(m), graph, kind, all_reduces, branches, inputs,
+  inputs = [v for v in jaxpr.invars if graph.big(v)] if inputs_sharded else []
+  clusters = [_make_cluster(sorted(m), graph, growth.kind, all_reduces, branches, inputs,
                             whole.get(root, {}), found_roots)
               for root, m in members.items()]
   return sorted(clusters, key=lambda c: min(c.eqns + tuple(c.kept_whole), default=-1))
+
+
+def _seeds(growth: _Growth, held_sharded, inputs_sharded: bool) -> tuple[list[int], set[int]]:
+  """(where growth starts, the gradient all-reduces among them): the all-reduces; the
+  readers of held shards; in a conditional's branch, of its big inputs, all one cluster."""
+  graph, kind = growth.graph, growth.kind
+  seeds = [i for i in range(len(graph.jaxpr.eqns)) if kind(i) is Kind.REDUCE_SCATTER]
+  # Cluster.seeds are all-reduces; readers of held shards and of roots only
+  # seed the growth.
+  all_reduces = set(seeds)
+  seeds += [r for v in held_sharded for r in graph.readers(v)
+            if kind(r) is not None and r not in seeds]
+  if inputs_sharded:
+    seeds += [r for v in graph.jaxpr.invars if graph.big(v) for r in graph.readers(v)
+              if kind(r) is not None and r not in seeds]
+  for i in seeds:
+    growth.parent[i] = i
+  if inputs_sharded and seeds:
+    for i in seeds:
+      growth.union(i, seeds[0])
+  return seeds, all_reduces
+
+
+class _Growth:
+  """The clusters of one jaxpr as they grow: a union-find over their equations (`parent`)
+  and each equation's shard kind, computed once."""
+
+  def __init__(self, graph: Graph, facts: Redundancy, ctx: Context):
+    self.graph, self.facts, self.ctx, self.axes = graph, facts, ctx, ctx.axes
+    self.parent: dict[int, int] = {}
+    self._kinds: dict[int, Kind | None] = {}
+
+  def kind(self, i: int) -> Kind | None:
+    """The shard kind of equation i, if it is redundant, shardable and big.
+
+    Big as its Kind says (`Kind.big_values`): a big output, or for a reduction
+    a big operand, or for a conditional any big value.
+    """
+    if i not in self._kinds:
+      eqn = self.graph.jaxpr.eqns[i]
+      k = (shard_kind(eqn, self.ctx)
+           if all(self.facts.is_redundant(v, self.axes) for v in eqn.outvars) else None)
+      self._kinds[i] = k if k is not None and any(map(self.graph.big, k.big_values(eqn))) else None
+    return self._kinds[i]
+
+  def find(self, i: int) -> int:
+    parent = self.parent
+    while parent[i] != i:
+      parent[i] = parent[parent[i]]
+      i = parent[i]
+    return i
+
+  def union(self, a: int, b: int) -> None:
+    self.parent[self.find(a)] = self.find(b)
+
+  def add(self, new: int, to: int) -> bool:
+    """Puts `new` in the cluster of `to`; whether it is new to the clusters."""
+    if new in self.parent:
+      self.union(new, to)
+      return False
+    self.parent[new] = new
+    self.union(new, to)
+    return True
+
+  def grow(self, todo: list[int], reductions: bool = True) -> None:
+    """Grows the clusters from `todo`: forward to the readers of big outputs, backward to
+    the producers of big operands only cluster equations read.
+
+    Each equation is grown from once. A producer that fails the backward test
+    passes it when the last of its readers joins, and is found from that one.
+    Without `reductions`, growth does not go backward into a reduction (the
+    bias gradient a root is computed from: it stays whole, as the original).
+    """
+    graph, kind, big = self.graph, self.kind, self.graph.big
+    while todo:
+      i = todo.pop()
+      eqn = graph.jaxpr.eqns[i]
+      for v in filter(big, eqn.outvars):
+        for r in graph.readers(v):
+          if kind(r) is not None and self.add(r, i):
+            todo.append(r)
+      for v in filter(big, eqn.invars):
+        p = graph.producer.get(v)
+        if (p is not None and kind(p) is not None and v not in graph.outputs
+            and (reductions or kind(p) not in REDUCING)
+            and graph.only_read_by(v, self.parent) and self.add(p, i)):
+          todo.append(p)
+
+  def join_reductions(self) -> None:
+    """Reductions of big tensors that the update reads only through small values
+    (LARS and LAMB's ‖w‖, §4.1): growth through big tensors misses them, so
+    every replica would reduce the whole weight. Each joins the first cluster
+    its result reaches, and grows backward from there (`w * w` on the shard)."""
+    if self.parent:
+      for i in range(len(self.graph.jaxpr.eqns)):
+        if i not in self.parent and self.kind(i) in REDUCING:
+          member = _reached_member(i, self.graph, self.parent, self.facts, self.axes)
+          if member is not None:
+            self.add(i, member)
+            self.grow([i])
+
+  def grow_from_roots(self, roots, state) -> frozenset:
+    """Grows the updates no all-reduce reaches from their roots (`find_roots`, and the
+    given `roots`); returns the roots."""
+    graph, kind, eqns = self.graph, self.kind, self.graph.jaxpr.eqns
+    before = set(self.parent)
+    found_roots = frozenset(roots) | find_roots(graph, self.facts, self.axes, state, before,
+                                                kind)
+    grown = [r for v in found_roots for r in graph.readers(v)
+             if kind(r) is not None and r not in self.parent]
+    for r in grown:
+      self.add(r, r)
+    # The update grows back to where its roots enter: through what only it
+    # reads, short of reductions (a gradient's) and of `join_reductions`,
+    # which would put the backward pass's sums on shards.
+    self.grow(grown, reductions=False)
+    # An update that reads a value computed whole from a cluster's result (the
+    # scatter-add that builds an embedding table's gradient from the
+    # all-reduced rows) joins that cluster: its all-reduce runs whole
+    # (`_kept_whole`), the update after it on shards.
+    for i in set(self.parent) - before:
+      for v in filter(graph.big, eqns[i].invars):
+        p = graph.producer.get(v)
+        if p is not None and p not in self.parent:
+          for u in filter(graph.big, eqns[p].invars):
+            if graph.producer.get(u) in before:
+              self.union(i, graph.producer[u])
+    return found_roots
+
+  def groups(self, kept_whole: dict[int, int], inputs_sharded: bool):
+    """(cluster root -> its equations that run on shards, root -> its equations kept
+    whole and their readers), in equation order."""
+    members: dict[int, list[int]] = collections.defaultdict(list)
+    whole: dict[int, dict[int, int]] = collections.defaultdict(dict)
+    for i in sorted(self.parent):
+      if i in kept_whole:
+        whole[self.find(i)][i] = kept_whole[i]
+      else:
+        members[self.find(i)].append(i)
+    for root in whole:
+      members.setdefault(root, [])
+    if inputs_sharded and not members:
+      members[-1] = []
+    return members, whole
 
 
 def _kept_whole(members, graph: Graph, facts: Redundancy, axes: frozenset) -> dict[int, int]:

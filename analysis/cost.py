@@ -38,7 +38,7 @@ import dataclasses
 import math
 
 from wus.analysis import compat
-from wus.analysis import costmodel, network
+from wus.analysis import costmodel, network, reasons
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.layouts import Layout
@@ -58,7 +58,8 @@ class Decision:
 
   Attributes:
     shard: whether the cluster runs on shards.
-    reason: why, in words a user can act on.
+    why: why, as a value (`reasons.Reason`: one of the cost model's verdicts,
+      `reasons.OnShards`...; or what stopped the layout); `reason` is its text.
     all_reduce_bytes: whole bytes of the gradient all-reduces it replaces.
     all_gather_bytes: whole bytes it must all-gather per step if sharded.
     saved_bytes: predicted bytes of program inputs and outputs each replica
@@ -71,7 +72,7 @@ class Decision:
   """
 
   shard: bool
-  reason: str
+  why: reasons.Reason
   all_reduce_bytes: int
   all_gather_bytes: int
   saved_bytes: int
@@ -80,12 +81,13 @@ class Decision:
   workload: costmodel.Workload | None = dataclasses.field(default=None, compare=False,
                                                           repr=False)
 
+  @property
+  def reason(self) -> str:
+    """Why, in the Plan's words (`reasons.render`)."""
+    return reasons.render(self.why)
+
 
 OBJECTIVES = ("memory", "time")
-
-
-def _microseconds(seconds: float) -> str:
-  return network.format_seconds(seconds)
 
 
 def tensor(v: Var) -> costmodel.Tensor:
@@ -157,85 +159,82 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   Raises:
     ValueError: an unknown objective, or a topology of other than N devices.
   """
-  if objective not in OBJECTIVES:
-    raise ValueError(f"objective={objective!r}: use one of {OBJECTIVES}")
-  topology = topology or network.default_topology(num_shards)
-  if topology.num_devices != num_shards:
-    raise ValueError(f"the topology has {topology.num_devices} devices; the update is sharded "
-                     f"over {num_shards}")
+  topology = _topology(objective, topology, num_shards)
   eqns = jaxpr.eqns
-  gathered = [v for v in cluster.sharded if v not in layout.partial and (
-      v in cluster.outside_readers or v in layout.whole_reads
-      or any(p not in state_outputs for p in cluster.returned.get(v, ())))]
-  inputs = set(jaxpr.invars)
-  # The cluster's facts as the cost model sees them: its gradients, what it
-  # gathers, and the inputs it reads and outputs it writes (non-fusible).
-  workload = costmodel.Workload(
-      gradients=tuple(tensor(eqns[i].outvars[0]) for i in cluster.seeds),
-      gathered=(*map(tensor, gathered), *map(tensor, _branch_gathers(cluster, rare)),
-                *extra_gather),
-      updated=(*(tensor(v) for v in cluster.reads if v in inputs),
-               *(tensor(v) for v, p in cluster.returned.items() for _ in p)))
+  gathered, workload = _workload(cluster, layout, jaxpr, state_outputs, rare, extra_gather)
   all_reduce, all_gather, io = (sum(n * b for n, b in ts) for ts in (
       workload.gradients, workload.gathered, workload.updated))
   saved = io - io // num_shards
   replicated_s, sharded_s = costmodel.cluster_seconds(workload, topology)
 
-  def verdict(shard: bool, reason: str) -> Decision:
-    return Decision(shard, reason, all_reduce, all_gather, saved, replicated_s, sharded_s,
-                    workload)
+  def verdict(shard: bool, why) -> Decision:
+    return Decision(shard, reasons.Reason(why), all_reduce, all_gather, saved, replicated_s,
+                    sharded_s, workload)
 
   def slower() -> Decision | None:
     """The time objective's veto, if the prediction says sharding is slower."""
     if objective == "time" and sharded_s > replicated_s:
-      return verdict(False, f"predicted slower sharded ({_microseconds(sharded_s)} of "
-                            f"collectives and update against {_microseconds(replicated_s)} "
-                            "replicated; objective='time'; objective='memory' shards it)")
+      return verdict(False, reasons.SlowerSharded(sharded_s, replicated_s))
     return None
 
   for v, readers in cluster.outside_readers.items():
     for r in readers:
       eqn = eqns[r]
       if facts.repeats(eqn, axes):
-        return verdict(False, f"{eqn.primitive} at {compat.source_line(eqn)} reads a "
-                              "sharded value whole and has no shard rule")
+        return verdict(False, reasons.WholeReader(f"{eqn.primitive} at "
+                                                  f"{compat.source_line(eqn)}"))
   if not saved:
-    return verdict(False, "reads no weights or optimizer state and returns nothing: "
-                          "only computation that differs across replicas reads its result")
+    return verdict(False, reasons.SavesNothing())
   if cluster.roots and not cluster.seeds:
     # No all-reduce to replace: the update reads values identical on every
     # replica (its roots) by a local slice, and sharding it only adds the
     # all-gathers. Taken for the optimizer state it keeps sharded, or not at all.
     what = f"{', '.join(sliced) or 'its roots'}, identical on every replica"
     if not state_outputs:
-      return verdict(False, f"no all-reduce to make a reduce-scatter: the update reads {what}, "
-                            "and would keep no optimizer state sharded between steps, so "
-                            f"sharding it would only add {all_gather} B of all-gather")
-    return slower() or verdict(
-        True, f"update on 1/N shards with no all-reduce to make a reduce-scatter: its roots "
-              f"are local slices (no communication) of {what}; optimizer state kept sharded "
-              f"at the cost of {all_gather} B of all-gather")
+      return verdict(False, reasons.OnlyAddsGathers(what, all_gather))
+    return slower() or verdict(True, reasons.RootsSliced(what, all_gather))
   extra = all_gather - (all_reduce + all_reduce // num_shards)
   if extra > 0 and state_outputs and not cluster.seeds:
     # Its gradient arrives as shards (a loop accumulated it on shards, §4.2):
     # the all-reduce is gone already; the weights are gathered once here.
-    return slower() or verdict(
-        True, f"update on 1/N shards of a gradient that arrives as shards; optimizer state "
-              f"kept sharded, {all_gather} B all-gathered")
+    return slower() or verdict(True, reasons.ArrivesAsShards(all_gather))
   if extra > 0 and state_outputs:
     # More all-gather than the all-reduce it replaces (its all-reduce runs
     # whole): taken for the optimizer state it keeps sharded between steps.
-    return slower() or verdict(
-        True, f"update on 1/N shards; optimizer state kept sharded at the cost of {extra} B "
-              "more all-gather than the reduce-scatter saves")
+    return slower() or verdict(True, reasons.KeepsStateSharded(extra))
   if extra > 0:
-    return verdict(False, f"needs {all_gather} B of all-gather, more than the {all_reduce} B "
-                          "all-reduce it replaces"
-                          + _first_whole_reader(cluster, jaxpr, facts, axes))
+    return verdict(False, reasons.MoreAllGather(
+        all_gather, all_reduce, _first_whole_reader(cluster, jaxpr, facts, axes)))
   reductions = sum(k in REDUCING for k in cluster.kinds.values())
-  partial = f", {reductions} reduction(s)" if reductions else ""
-  return slower() or verdict(True, f"update on 1/N shards{partial}; {len(gathered)} "
-                                   "all-gather(s)")
+  return slower() or verdict(True, reasons.OnShards(reductions, len(gathered)))
+
+
+def _topology(objective: str, topology: network.Topology | None,
+              num_shards: int) -> network.Topology:
+  """`decide`'s topology (the default one of N devices for None), its arguments checked."""
+  if objective not in OBJECTIVES:
+    raise ValueError(f"objective={objective!r}: use one of {OBJECTIVES}")
+  topology = topology or network.default_topology(num_shards)
+  if topology.num_devices != num_shards:
+    raise ValueError(f"the topology has {topology.num_devices} devices; the update is sharded "
+                     f"over {num_shards}")
+  return topology
+
+
+def _workload(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, state_outputs: set[int],
+              rare, extra_gather) -> tuple[list[Var], costmodel.Workload]:
+  """(the sharded values it all-gathers, the cluster as the cost model sees it): its
+  gradients, what it gathers, and the inputs it reads and outputs it writes (non-fusible)."""
+  gathered = [v for v in cluster.sharded if v not in layout.partial and (
+      v in cluster.outside_readers or v in layout.whole_reads
+      or any(p not in state_outputs for p in cluster.returned.get(v, ())))]
+  inputs = set(jaxpr.invars)
+  return gathered, costmodel.Workload(
+      gradients=tuple(tensor(jaxpr.eqns[i].outvars[0]) for i in cluster.seeds),
+      gathered=(*map(tensor, gathered), *map(tensor, _branch_gathers(cluster, rare)),
+                *extra_gather),
+      updated=(*(tensor(v) for v in cluster.reads if v in inputs),
+               *(tensor(v) for v, p in cluster.returned.items() for _ in p)))
 
 
 def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, str]:

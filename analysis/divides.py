@@ -19,6 +19,7 @@ from jax import lax
 
 from wus.analysis import compat, primitives
 from wus.analysis.compat import Jaxpr
+from wus.analysis.graph import Graph
 from wus.analysis.owned import Ownership
 
 
@@ -43,7 +44,8 @@ def rewritten_divides(jaxpr: Jaxpr) -> frozenset[int]:
     Indices of the `div` equations rewritten, by this model of XLA's rule.
   """
   order: dict[int, int] = {}
-  producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+  graph = Graph(jaxpr)
+  producer = graph.producer
   for root in jaxpr.outvars:  # Post order from the root tuple, operands in order.
     stack = [] if compat.is_literal(root) or root not in producer else [(producer[root], 0)]
     while stack:
@@ -58,18 +60,15 @@ def rewritten_divides(jaxpr: Jaxpr) -> frozenset[int]:
         order[i] = len(order)
       else:
         stack += [(i, k + 1), (producer[atoms[k]], 0)]
-  readers: dict = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if not compat.is_literal(v) and not v.aval.shape:
-        readers.setdefault(v, []).append(i)
+  scalars = dict.fromkeys(v for eqn in jaxpr.eqns for v in eqn.invars
+                          if not compat.is_literal(v) and not v.aval.shape)
   out = set()
-  outputs = {v for v in jaxpr.outvars if not compat.is_literal(v)}
-  for b, rs in readers.items():
+  for b in scalars:
+    rs = graph.readers(b)
     shapes = {tuple(jaxpr.eqns[r].outvars[0].aval.shape) for r in rs}
     divides = [r for r in rs if jaxpr.eqns[r].primitive is lax.div_p
                and jaxpr.eqns[r].invars[1] is b and r in order]
-    if (divides and b not in outputs and len(shapes) == 1 and () not in shapes
+    if (divides and b not in graph.outputs and len(shapes) == 1 and () not in shapes
         and all(jaxpr.eqns[r].primitive in primitives.ELEMENTWISE for r in rs)
         and np.issubdtype(b.aval.dtype, np.floating)):
       out.add(min(divides, key=order.__getitem__))

@@ -11,14 +11,49 @@ A format is a sequence of cheap reformatting steps followed by a split:
 Every replica's shard has the same shape, `shard_shape`, and the padding is
 fewer than `num_shards` rows. The data movement itself (pad, slice, reduce-
 scatter, all-gather with the format fused in) lives in `wus.collectives`.
+
+`Format` is what every format of a tensor held across replicas answers: a
+`ShardFormat`, or an owned tensor's row in its bank (`owned.OwnedFormat`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+
+@runtime_checkable
+class Format(Protocol):
+  """How a tensor of `shape` lies across `num_shards` replicas, as the runtime, the
+  programs and checkpoints ask it: each replica holds `shard_shape` (`shard_rows` rows of
+  `shard_size` elements in all) of a global array of `padded_shape`.
+
+  Implemented by `ShardFormat` (§4.1: a range of the row-major tensor per replica) and
+  `owned.OwnedFormat` (ownership: the whole tensor on its owner, in its bank's row).
+  """
+
+  @property
+  def shape(self) -> tuple[int, ...]: ...
+
+  @property
+  def num_shards(self) -> int: ...
+
+  @property
+  def shard_rows(self) -> int: ...
+
+  @property
+  def shard_shape(self) -> tuple[int, ...]: ...
+
+  @property
+  def padded_shape(self) -> tuple[int, ...]: ...
+
+  @property
+  def shard_size(self) -> int: ...
+
+  def shard_bytes(self, dtype) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +66,7 @@ class ShardFormat:
   into N equal shards, replica r holding merged rows [r * shard_rows,
   (r + 1) * shard_rows). Elementwise updates use the flat format (`flat`: one
   merged dim, each replica holding `shard_size` elements). Shapes count
-  elements, not bytes.
+  elements, not bytes. A `Format`.
 
   Attributes:
     shape: the logical shape, as the user's step sees it.

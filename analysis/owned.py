@@ -125,9 +125,9 @@ def build_bank(dtype: str, num_shards: int, shapes, slots, length: int) -> Bank:
 class OwnedFormat:
   """The format of an owned state tensor: member `index` of `bank`.
 
-  It answers what the runtime asks of any format (`shape`, `num_shards`,
-  `padded_shape` of the global array, `shard_shape` per replica), so owned
-  state passes between steps as `wus.ShardedArray`s like sharded state.
+  It answers what the runtime asks of any format (`formats.Format`: `shape`,
+  `num_shards`, `padded_shape` of the global array, `shard_shape` per replica), so
+  owned state passes between steps as `wus.ShardedArray`s like sharded state.
   """
 
   bank: Bank

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from wus.analysis import costmodel, network, reasons
-from wus.analysis.formats import ShardFormat
+from wus.analysis.formats import Format
 from wus.analysis.owned import Ownership
 from wus.analysis.reasons import Reason
 from wus.analysis.shardable import Kind
@@ -41,7 +41,7 @@ class TensorPlan:
   shape: tuple[int, ...]
   dtype: str
   role: str
-  format: ShardFormat | None
+  format: Format | None
   itemsize: int = 4
 
   @property
@@ -161,8 +161,8 @@ class JaxprPlan:
   """
 
   shard_eqns: Mapping[int, Kind]
-  sharded_in: Mapping[int, ShardFormat]
-  sharded_out: Mapping[int, ShardFormat]
+  sharded_in: Mapping[int, Format]
+  sharded_out: Mapping[int, Format]
   bodies: Mapping[int, tuple[JaxprPlan, ...]] = dataclasses.field(default_factory=dict)
   gather_after: tuple = ()
   tied_outputs: frozenset = frozenset()
@@ -266,12 +266,12 @@ class Plan:
     return self.jaxpr_plan.shard_eqns
 
   @property
-  def state_inputs(self) -> Mapping[int, ShardFormat]:
+  def state_inputs(self) -> Mapping[int, Format]:
     """Flat input position -> format, for inputs passed sharded."""
     return self.jaxpr_plan.sharded_in
 
   @property
-  def state_outputs(self) -> Mapping[int, ShardFormat]:
+  def state_outputs(self) -> Mapping[int, Format]:
     """Flat output position -> format, for outputs returned sharded."""
     return self.jaxpr_plan.sharded_out
 

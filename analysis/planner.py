@@ -207,7 +207,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
       layout = (f"{mismatch[0].aval.str_short()} leaves a loop as shards of another format "
                 "than this update needs")
     if not isinstance(layout, layouts.Layout):
-      decision, verdict = cost.Decision(False, "", 0, 0, 0), layout
+      decision, verdict = cost.Decision(False, reasons.Reason(layout), 0, 0, 0), layout
       layout = layouts.Layout({}, frozenset(), frozenset())
       pairs = {}
     else:
@@ -226,7 +226,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
                              rare, objective=ctx.objective, topology=ctx.topology,
                              extra_gather=() if in_loop else narrow_gathers,
                              sliced=_sliced(c, jaxpr, pairs, invar_pos, in_names))
-      verdict = decision.reason
+      verdict = decision.why.verdict
       # A value the rewrite holds as shards has one format: a cluster that
       # needs another format of a value an earlier cluster shards stays whole.
       if decision.shard and (clash := next((v for v, f in layout.formats.items()

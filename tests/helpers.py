@@ -1,13 +1,13 @@
 """Shared test helpers: tree comparison, small data-parallel steps, meshes, HLO parsing.
 
 Test modules import from here, never from each other; nothing here imports
-the harness (`wus.harness`), so the core's tests do not depend on it.
+the harness (`wus.harness`), so the core's tests do not depend on it. The
+readers of optimized HLO text live in `hlo.py` and are re-exported here.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 import socket
 
 import jax
@@ -19,6 +19,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 from wus.analysis import compat, redundancy
 from wus.transforms import inline
+from hlo import (Collectives, collective_arrays, collective_lines, collective_shapes,  # noqa: F401
+                 collectives, data_moves, fused_kernels, hlo_computations, loop_bodies,
+                 moved_bytes, parameter_copies, replica_groups, shape_bytes)
 
 
 def assert_trees_equal(a, b, *, rtol: float = 0.0, atol: float = 0.0):
@@ -198,59 +201,6 @@ def dense_inputs(m, steps=3):
   xs = [jax.device_put(jax.random.normal(kk, (2 * m.shape["data"], 24)),
                        NamedSharding(m, P("data"))) for kk in k[2:]]
   return params, xs
-
-
-def loop_bodies(hlo: str) -> set[str]:
-  """Names of the computations that are while-loop bodies."""
-  return set(re.findall(r"body=%?([\w.\-]+)", hlo))
-
-
-def collective_shapes(lines, kind: str) -> list[str]:
-  """Result shape of each `kind` instruction (e.g. "all-gather") among HLO lines:
-  an array `f32[9]{0}` or, for collectives XLA combined, a tuple `(f32[9]{0}, f32[])`."""
-  out = []
-  for line in lines:
-    m = re.match(r"\s*(?:ROOT )?%\S+ = (\(.*?\)|\S+) " + kind + r"(?:-start)?\(", line)
-    if m:
-      out.append(m.group(1))
-  return out
-
-
-def collective_arrays(lines, kind: str) -> list[str]:
-  """The arrays `kind` instructions reduce or move, tuples taken apart: ["f32[9]", "f32[]"]."""
-  return [a for shape in collective_shapes(lines, kind)
-          for a in re.findall(r"\b[a-z]+\d*\[[\d,]*\]", shape)]
-
-
-def replica_groups(line: str) -> list[tuple[int, ...]]:
-  """The replica groups of an HLO collective: explicit, XLA's iota form
-  `[a,b]<=[dims]T(perm)` (the iota over dims, transposed, read as a rows of b), or
-  XLA 0.12's mesh form `mesh['data'=4,'model'=2] {'model'}` (device ids in mesh order)."""
-  explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
-  if explicit:
-    return [tuple(int(d) for d in grp.split(",")) for grp in re.findall(r"\{([\d,]+)\}",
-                                                                          explicit[1])]
-  named = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
-  if named:  # XLA 0.12: `mesh['data'=4,'model'=2] {'model'}`, the devices along 'model'.
-    sizes = {a: int(n) for a, n in re.findall(r"'([^']+)'=(\d+)", named[1])}
-    along = re.findall(r"'([^']+)'", named[2])
-    ids = np.arange(np.prod(list(sizes.values()))).reshape(list(sizes.values()))
-    order = [k for k, a in enumerate(sizes) if a not in along] + [list(sizes).index(a)
-                                                                 for a in along]
-    rows = ids.transpose(order).reshape(-1, int(np.prod([sizes[a] for a in along])))
-    return [tuple(int(d) for d in row) for row in rows]
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-  dims = [int(d) for d in iota[3].split(",")]
-  ids = np.arange(np.prod(dims)).reshape(dims)
-  if iota[4]:
-    ids = ids.transpose([int(p) for p in iota[4].split(",")])
-  return [tuple(int(d) for d in row) for row in ids.reshape(int(iota[1]), int(iota[2]))]
-
-
-def collective_lines(hlo: str, kind: str) -> list[str]:
-  """HLO instruction lines of one collective kind (async pairs counted at -start)."""
-  return [line for line in hlo.splitlines()
-          if re.match(r"\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) " + kind + r"(?:-start)?\(", line)]
 
 
 # --- A training loop inside the step (§4.2, Fig. 4). -------------------------------

@@ -33,6 +33,7 @@ from jax import lax
 
 from wus.analysis import compat, precision
 from wus.analysis.compat import ClosedJaxpr, Jaxpr
+from wus.analysis.graph import Graph
 
 INLINED = frozenset({compat.jit_p, compat.closed_call_p, compat.custom_jvp_call_p,
                      compat.custom_vjp_call_p})
@@ -126,31 +127,28 @@ def hoistable(jaxpr: Jaxpr, outputs: Sequence[int]) -> dict[int, Any]:
     a remat inside, each read by nothing else. Skipping the psum inside and
     binding it on the output after the equation changes no value.
   """
-  reads: dict = {}
-  for eqn in jaxpr.eqns:
-    for v in eqn.invars:
-      if not compat.is_literal(v):
-        reads[v] = reads.get(v, 0) + 1
-  for v in jaxpr.outvars:
-    if not compat.is_literal(v):
-      reads[v] = reads.get(v, 0) + 1
-  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+  graph = Graph(jaxpr)
+
+  def producer(v):
+    i = None if compat.is_literal(v) else graph.producer.get(v)
+    return None if i is None else jaxpr.eqns[i]
+
   found = {}
   for k in outputs:
     v = jaxpr.outvars[k]
-    eqn = None if compat.is_literal(v) else producer.get(v)
-    while (eqn is not None and reads[v] == 1 and eqn.primitive is not compat.pvary_p
+    eqn = producer(v)
+    while (eqn is not None and graph.uses(v) == 1 and eqn.primitive is not compat.pvary_p
            and precision.is_copy(eqn)):
       v = eqn.invars[0]
-      eqn = producer.get(v)
-    if eqn is not None and eqn.primitive is compat.remat_p and reads[v] == 1:
+      eqn = producer(v)
+    if eqn is not None and eqn.primitive is compat.remat_p and graph.uses(v) == 1:
       j = list(eqn.outvars).index(v)  # A psum inside a remat (nn.scan over nn.remat).
       if (inner := hoistable(compat.call_jaxpr(eqn).jaxpr, [j])):
         found[k] = inner[j]
       continue
     if (eqn is not None and eqn.primitive in (compat.psum_p, compat.psum_invariant_p)
         and len(eqn.invars) == 1 and not compat.has_axis_index_groups(eqn)
-        and not compat.is_literal(eqn.invars[0]) and reads[v] == 1):
+        and not compat.is_literal(eqn.invars[0]) and graph.uses(v) == 1):
       found[k] = eqn
   return found
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wus.analysis.formats import ShardFormat
+from wus.analysis.formats import Format
 from wus.transforms.groups import Groups
 
 
@@ -79,7 +79,7 @@ class ShardedLayout:
       §5.2), or None: `mesh` is the user's.
   """
 
-  format: ShardFormat
+  format: Format
   axes: tuple
   spec: P
   mesh: Mesh

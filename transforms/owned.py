@@ -113,82 +113,32 @@ class Region:
       whole: the whole value of a variable the owned updates read.
       column: this replica's column of an owned state input.
     """
-    own, n = self.own, self.num_shards
+    own = self.own
     banks = {}  # bank -> {index: state input var}
     for x, fmt in own.state_vars_in.items():
       banks.setdefault(fmt.bank, {})[fmt.index] = x
-    outs_of = {}
-    for y, fmt in own.state_vars_out.items():
-      outs_of[fmt.bank, fmt.index] = y
-    banks = list(banks.items())
     state_rows = [lax.concatenate([column(members[t]) for t in range(len(bank.shapes))], 0)
-                  for bank, members in banks]
+                  for bank, members in banks.items()]
     seeds = {i for u in own.units for i in u.seeds}
-    grads = {jaxpr.eqns[i].outvars[0] for i in seeds}
     made = {v for u in own.units for i in u.eqns for v in jaxpr.eqns[i].outvars}
     external = list(dict.fromkeys(
         v for u in own.units for i in u.eqns if i not in seeds for v in jaxpr.eqns[i].invars
         if not compat.is_literal(v) and v not in made and v not in own.state_vars_in))
-    dtypes = sorted(self.received)
-    out_dtypes = sorted(own.out_rows)
-
-    def branch(r: int):
-      eqns = sorted(i for u in own.units if u.owner == r for i in u.eqns if i not in seeds)
-
-      def fn(*operands):
-        got = list(operands)
-        received = dict(zip(dtypes, got[:len(dtypes)], strict=True))
-        srows = got[len(dtypes):len(dtypes) + len(banks)]
-        env = dict(zip(external, got[len(dtypes) + len(banks):], strict=True))
-        # Whole tensors cut from rows and written into rows through an optimization
-        # barrier: XLA would otherwise see through the reshape of a row's piece and
-        # reduce a [16,16] tensor as a [256] one, in another order (its reduction
-        # splitter) than the unmodified step reduces the same tensor.
-        for v in grads:
-          dtype, slot = own.grads[v]
-          if slot.owner == r:
-            env[v] = lax.optimization_barrier(
-                rows_lib.piece(received[dtype], slot.offset, tuple(v.aval.shape)))
-        for (bank, members), srow in zip(banks, srows, strict=True):
-          for t, x in members.items():
-            if bank.slots[t].owner == r:
-              env[x] = lax.optimization_barrier(
-                  rows_lib.piece(srow, bank.slots[t].offset, bank.shapes[t]))
-        for i in eqns:
-          eqn = jaxpr.eqns[i]
-          outs = self._eval(eqn, [v.val if compat.is_literal(v) else env[v] for v in eqn.invars])
-          env.update(zip(eqn.outvars, outs, strict=True))
-        result = []
-        for dtype in out_dtypes:
-          mine = [(lax.optimization_barrier(env[v]), s.offset)
-                  for v, (d, s) in own.outputs.items() if d == dtype and s.owner == r]
-          if dtype == own.pin_dtype:  # Used twice, as in the unmodified step (Ownership.pins).
-            start = own.out_rows[dtype] - len(own.pins)
-            mine += [(env[v].astype(dtype), start + k) for k, v in enumerate(own.pins)
-                     if v not in own.unpinned.get(r, ())]
-          result.append(rows_lib.row([x for x, _ in mine], [o for _, o in mine],
-                                     own.out_rows[dtype], dtype))
-        for bank, members in banks:
-          mine = [t for t in members if bank.slots[t].owner == r]
-          result.append(rows_lib.row([lax.optimization_barrier(env[outs_of[bank, t]])
-                                      for t in mine],
-                                     [bank.slots[t].offset for t in mine], bank.length,
-                                     bank.dtype))
-        return tuple(compat.to_varying(x, varying) for x in result)
-      return fn
-
+    owners = _Owners(self, jaxpr, list(banks.items()), seeds, external, sorted(self.received))
     operands = compat.match_varying(
-        [self.received[d] for d in dtypes] + state_rows + [whole(v) for v in external])
+        [self.received[d] for d in owners.dtypes] + state_rows + [whole(v) for v in external])
     # Every branch's rows vary over the same axes: the sharding axes and whatever axis an
     # operand varies over (a weight placed over a mesh axis of size 1 is typed varying
     # over it, and only the branches of its owner read it).
     varying = tuple(dict.fromkeys([*self.axes, *sorted(
         frozenset().union(*(compat.varying_axes(jax.typeof(x)) for x in operands)))]))
-    results = lax.switch(rows_lib.replica(self.axes), [branch(r) for r in range(n)], *operands)
+    results = lax.switch(rows_lib.replica(self.axes),
+                         [owners.branch(r, varying) for r in range(self.num_shards)], *operands)
+    out_dtypes = owners.out_dtypes
     self.out_rows = dict(zip(out_dtypes, results[:len(out_dtypes)], strict=True))
-    for (bank, _), new in zip(banks, results[len(out_dtypes):], strict=True):
+    for (bank, _), new in zip(owners.banks, results[len(out_dtypes):], strict=True):
       for t, col in enumerate(rows_lib.columns(new, bank.widths)):
-        self.columns[outs_of[bank, t]] = col
+        self.columns[owners.outs_of[bank, t]] = col
     self.done = True
 
   def _eval(self, eqn, args: list) -> list:
@@ -238,3 +188,77 @@ class Region:
                                                self.own.out_rows[dtype]), strict=True):
         self.wholes[v] = x
     return self.wholes
+
+
+class _Owners:
+  """The branches of the owned updates' switch: replica r's runs the equations r owns on
+  whole tensors cut from the rows it receives, and returns r's rows.
+
+  Operands of every branch: the received gradient rows (one per dtype, `dtypes`), the
+  rows of owned state (one per bank, `banks`), the `external` values read whole.
+  """
+
+  def __init__(self, region: Region, jaxpr, banks: list, seeds: set[int], external: list,
+               dtypes: list):
+    self.region, self.own, self.jaxpr = region, region.own, jaxpr
+    self.banks, self.seeds, self.external, self.dtypes = banks, seeds, external, dtypes
+    self.out_dtypes = sorted(self.own.out_rows)
+    self.grads = {jaxpr.eqns[i].outvars[0] for i in seeds}
+    self.outs_of = {(fmt.bank, fmt.index): y for y, fmt in self.own.state_vars_out.items()}
+
+  def branch(self, r: int, varying: tuple) -> Callable:
+    """Replica r's branch; its rows typed varying over `varying`."""
+    eqns = sorted(i for u in self.own.units if u.owner == r for i in u.eqns
+                  if i not in self.seeds)
+
+    def fn(*operands):
+      env = self._wholes(r, list(operands))
+      for i in eqns:
+        eqn = self.jaxpr.eqns[i]
+        outs = self.region._eval(eqn, [v.val if compat.is_literal(v) else env[v]
+                                       for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs, strict=True))
+      return tuple(compat.to_varying(x, varying) for x in self._rows(r, env))
+    return fn
+
+  def _wholes(self, r: int, got: list) -> dict:
+    """The values r's equations read: the whole tensors r owns, cut from the rows, and the
+    external values."""
+    own, dtypes, n_banks = self.own, self.dtypes, len(self.banks)
+    received = dict(zip(dtypes, got[:len(dtypes)], strict=True))
+    env = dict(zip(self.external, got[len(dtypes) + n_banks:], strict=True))
+    # Whole tensors cut from rows and written into rows through an optimization
+    # barrier: XLA would otherwise see through the reshape of a row's piece and
+    # reduce a [16,16] tensor as a [256] one, in another order (its reduction
+    # splitter) than the unmodified step reduces the same tensor.
+    for v in self.grads:
+      dtype, slot = own.grads[v]
+      if slot.owner == r:
+        env[v] = lax.optimization_barrier(
+            rows_lib.piece(received[dtype], slot.offset, tuple(v.aval.shape)))
+    srows = got[len(dtypes):len(dtypes) + n_banks]
+    for (bank, members), srow in zip(self.banks, srows, strict=True):
+      for t, x in members.items():
+        if bank.slots[t].owner == r:
+          env[x] = lax.optimization_barrier(
+              rows_lib.piece(srow, bank.slots[t].offset, bank.shapes[t]))
+    return env
+
+  def _rows(self, r: int, env: dict) -> list:
+    """r's rows: its new values read whole (one per dtype), its new state (one per bank)."""
+    own, result = self.own, []
+    for dtype in self.out_dtypes:
+      mine = [(lax.optimization_barrier(env[v]), s.offset)
+              for v, (d, s) in own.outputs.items() if d == dtype and s.owner == r]
+      if dtype == own.pin_dtype:  # Used twice, as in the unmodified step (Ownership.pins).
+        start = own.out_rows[dtype] - len(own.pins)
+        mine += [(env[v].astype(dtype), start + k) for k, v in enumerate(own.pins)
+                 if v not in own.unpinned.get(r, ())]
+      result.append(rows_lib.row([x for x, _ in mine], [o for _, o in mine],
+                                 own.out_rows[dtype], dtype))
+    for bank, members in self.banks:
+      mine = [t for t in members if bank.slots[t].owner == r]
+      result.append(rows_lib.row([lax.optimization_barrier(env[self.outs_of[bank, t]])
+                                  for t in mine],
+                                 [bank.slots[t].offset for t in mine], bank.length, bank.dtype))
+    return result

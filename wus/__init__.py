@@ -5,12 +5,15 @@ Data-Parallel Training", arXiv:2004.13336 (2020).
 
 `import wus` imports JAX, NumPy and wus's own modules only. The names that
 need another library import it when first used (PEP 562 module `__getattr__`):
-`wus.nnx_jit` imports Flax, `wus.checkpoint` imports Orbax and TensorStore
-(also imported by the steps' `state_target` and by `wus.checkpointable`).
+`wus.nnx_jit` imports Flax, `wus.checkpoint` and `wus.checkpointable` import Orbax
+and TensorStore (also imported by the steps' `state_target`).
 """
 
 import importlib
+import sys
 from typing import TYPE_CHECKING
+
+from wus import sharded as _sharded
 
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
@@ -23,21 +26,22 @@ from wus.filter_jit import filter_jit
 from wus.jit import jit
 from wus.pmap import pmap
 from wus.sharded import ShardedArray
-from wus.sharded import checkpointable
 from wus.sharded import is_sharded
 from wus.sharded import unreplicate
-from wus.runtime import unshard
+from wus.sharded import unshard
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # For type checkers and the API reference; at run time, `__getattr__`.
   from wus import checkpoint
+  from wus.checkpoint import checkpointable
   from wus.nnx import nnx_jit
 
 # name -> (module, attribute or None for the module itself, the distribution it needs).
 _LAZY = {
     "nnx_jit": ("wus.nnx", "nnx_jit", "flax"),
     "checkpoint": ("wus.checkpoint", None, "orbax-checkpoint"),
+    "checkpointable": ("wus.checkpoint", "checkpointable", "orbax-checkpoint"),
 }
 
 __all__ = ["CheckpointError", "JitStep", "Plan", "ShardFormat", "ShardedArray", "ShardedStep",
@@ -45,8 +49,20 @@ __all__ = ["CheckpointError", "JitStep", "Plan", "ShardFormat", "ShardedArray", 
            "jit", "nnx_jit", "pmap", "shard_map", "unreplicate", "unshard"]
 
 
+def _orbax_saves_wus_state() -> None:
+  """Once Orbax is imported, makes its `jax.Array` handler wus's (`wus.checkpoint.register`),
+  so that an Orbax save of sharded state as it is (its padded shards: `wus.checkpointable`
+  not called) fails at save time, saying what to save instead."""
+  if "orbax.checkpoint" in sys.modules:
+    importlib.import_module("wus.checkpoint").register()
+
+
+_sharded.ShardsKey.on_key_path = staticmethod(_orbax_saves_wus_state)
+
+
 def __getattr__(name: str):
-  """Imports `wus.nnx_jit` (Flax) and `wus.checkpoint` (Orbax) when first used.
+  """Imports `wus.nnx_jit` (Flax), `wus.checkpoint` and `wus.checkpointable` (Orbax) when
+  first used.
 
   Raises:
     AttributeError: `name` is not a name of wus.

@@ -197,6 +197,22 @@ def match_state(args: tuple, out: Any, signature: Signature = Signature()) -> St
     The StateMatch, in flat leaf positions (`jax.tree.leaves(args,
     is_leaf=wus.sharded.is_sharded)`, `jax.tree.leaves(out)`).
   """
+  ins, tops, outs = _sides(args, out, signature)
+  m = _Pairing()
+  m.by_position(ins, tops)
+  m.by_name(ins, outs)
+  # One level down only subtrees pair by structure (a bare array there matches too much).
+  ins, outs = ([p for p in parts if p.level < 1 or p.treedef.num_nodes > 1]
+               for parts in (ins, outs))
+  m.by_structure(ins, outs)
+  m.say_ambiguous(ins, outs)
+  return StateMatch(m.pairs, m.how)
+
+
+def _sides(args: tuple, out: Any, signature: Signature):
+  """(input parts, output elements, output parts) as `match_state` compares them: each
+  argument or keyword argument and its entries one level down; the whole output, its
+  elements, and their entries one level down."""
   names = signature.names
   positional = args[:-1] if signature.keywords else args
   positions = signature.positions or tuple(range(len(positional)))
@@ -210,68 +226,81 @@ def match_state(args: tuple, out: Any, signature: Signature = Signature()) -> St
   (whole, _), = _parts([(None, None, "", out)], 0, -1)
   top_out = _kids(whole, out, positions=isinstance(out, (tuple, list)))
   tops = [p for p, _ in top_out]
-  outs = [whole, *tops, *(k for p, o in top_out for k, _ in _kids(p, o))]
+  return ins, tops, [whole, *tops, *(k for p, o in top_out for k, _ in _kids(p, o))]
 
-  pairs: dict[int, int] = {}
-  how: dict[int, str] = {}
 
+class _Pairing:
+  """The pairs `match_state` has found so far (flat leaf positions), and which leaves of
+  each side they took; each rule pairs only parts with no leaf taken."""
+
+  def __init__(self):
+    self.pairs: dict[int, int] = {}
+    self.how: dict[int, str] = {}
+    self.paired_in: set[int] = set()
+    self.paired_out: set[int] = set()
+
+  @staticmethod
   def free(part: _Part, taken) -> bool:
     return bool(part.avals) and not any(j in taken for j in part.leaves)
 
-  def pair(i: _Part, o: _Part, rule: str) -> None:
+  def pair(self, i: _Part, o: _Part, rule: str) -> None:
     for j, (x, y) in enumerate(zip(i.avals, o.avals, strict=True)):
       if x == y:
-        pairs[o.start + j] = i.start + j
-        how[i.start + j] = rule
-    paired_out.update(o.leaves)
-    paired_in.update(i.leaves)
+        self.pairs[o.start + j] = i.start + j
+        self.how[i.start + j] = rule
+    self.paired_out.update(o.leaves)
+    self.paired_in.update(i.leaves)
 
-  paired_in: set[int] = set()
-  paired_out: set[int] = set()
-  # 1. Position.
-  for i in ins:
-    o = next((o for o in tops if o.position is not None and o.position == i.position), None)
-    if (i.level == 0 and o is not None and o.treedef == i.treedef and free(i, paired_in)
-        and free(o, paired_out)):
-      pair(i, o, "position")
-  # 2. Name, arguments before their entries.
-  for level in (0, 1):
-    by_name = collections.defaultdict(list)
+  def by_position(self, ins: list[_Part], tops: list[_Part]) -> None:
+    """Rule 1: element i of a tuple output, argument at parameter position i."""
     for i in ins:
-      if i.level == level and i.name is not None and free(i, paired_in):
-        by_name[i.name].append(i)
-    for name, found in by_name.items():
-      cands = [o for o in outs if o.name == name and free(o, paired_out)]
-      if len(found) == 1 and len(cands) == 1 and cands[0].treedef == found[0].treedef:
-        pair(found[0], cands[0], f"name {name!r}")
-  # 3. Structure, where one part of each side matches; one level down only
-  # subtrees (a bare array there matches too much).
-  ins, outs = ([p for p in parts if p.level < 1 or p.treedef.num_nodes > 1]
-               for parts in (ins, outs))
-  for exact in (True, False):
-    def same(i: _Part, o: _Part) -> bool:
-      return i.treedef == o.treedef and (not exact or i.avals == o.avals)
-    changed = True
-    while changed:
-      changed = False
+      o = next((o for o in tops if o.position is not None and o.position == i.position), None)
+      if (i.level == 0 and o is not None and o.treedef == i.treedef
+          and self.free(i, self.paired_in) and self.free(o, self.paired_out)):
+        self.pair(i, o, "position")
+
+  def by_name(self, ins: list[_Part], outs: list[_Part]) -> None:
+    """Rule 2: an output under key or attribute k, the input part named k; arguments
+    before their entries."""
+    for level in (0, 1):
+      by_name = collections.defaultdict(list)
       for i in ins:
-        if not free(i, paired_in):
-          continue
-        cands = [o for o in outs if free(o, paired_out) and same(i, o)]
-        if (len(cands) == 1 and
-            [j for j in ins if free(j, paired_in) and same(j, cands[0])] == [i]):
-          pair(i, cands[0], "structure")
-          changed = True
-  # Parts left ambiguous.
-  for i in ins:
-    cands = [o.label or "the whole output" for o in outs if free(o, paired_out)
-             and o.treedef == i.treedef and o.avals == i.avals]
-    if free(i, paired_in) and cands:
-      others = [j.label for j in ins if j is not i and free(j, paired_in)
-                and j.treedef == i.treedef and j.avals == i.avals]
-      why = (f"no next value: its tree structure, shapes and dtypes match output(s) "
-             f"{', '.join(cands)}" + (f" and input(s) {', '.join(others)}" if others else "")
-             + ", so neither position nor name decides; return it at its argument's position "
-             "or under its parameter's name")
-      how.update(dict.fromkeys(i.leaves, why))
-  return StateMatch(pairs, how)
+        if i.level == level and i.name is not None and self.free(i, self.paired_in):
+          by_name[i.name].append(i)
+      for name, found in by_name.items():
+        cands = [o for o in outs if o.name == name and self.free(o, self.paired_out)]
+        if len(found) == 1 and len(cands) == 1 and cands[0].treedef == found[0].treedef:
+          self.pair(found[0], cands[0], f"name {name!r}")
+
+  def by_structure(self, ins: list[_Part], outs: list[_Part]) -> None:
+    """Rule 3: where one part of each side matches, by structure, shapes and dtypes, then
+    by structure alone, until nothing more pairs."""
+    for exact in (True, False):
+      def same(i: _Part, o: _Part) -> bool:
+        return i.treedef == o.treedef and (not exact or i.avals == o.avals)
+      changed = True
+      while changed:
+        changed = False
+        for i in ins:
+          if not self.free(i, self.paired_in):
+            continue
+          cands = [o for o in outs if self.free(o, self.paired_out) and same(i, o)]
+          if (len(cands) == 1 and
+              [j for j in ins if self.free(j, self.paired_in) and same(j, cands[0])] == [i]):
+            self.pair(i, cands[0], "structure")
+            changed = True
+
+  def say_ambiguous(self, ins: list[_Part], outs: list[_Part]) -> None:
+    """Says, for each unpaired input part that unpaired outputs match, why it has none."""
+    free_in = [j for j in ins if self.free(j, self.paired_in)]
+    for i in ins:
+      cands = [o.label or "the whole output" for o in outs if self.free(o, self.paired_out)
+               and o.treedef == i.treedef and o.avals == i.avals]
+      if self.free(i, self.paired_in) and cands:
+        others = [j.label for j in free_in if j is not i
+                  and j.treedef == i.treedef and j.avals == i.avals]
+        why = (f"no next value: its tree structure, shapes and dtypes match output(s) "
+               f"{', '.join(cands)}" + (f" and input(s) {', '.join(others)}" if others else "")
+               + ", so neither position nor name decides; return it at its argument's "
+               "position or under its parameter's name")
+        self.how.update(dict.fromkeys(i.leaves, why))

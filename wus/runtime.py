@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from wus.errors import StateMismatchError
-from wus.sharded import ShardedArray, check_alive, is_sharded
+from wus.sharded import ShardedArray, check_alive, is_sharded, unshard
 from wus.transforms import programs
 from wus.transforms.layout import ShardedLayout, spec_axes  # noqa: F401 -- re-exported
 
@@ -73,42 +72,6 @@ def operands(leaves: list, compiled) -> list:
     for p, x in zip(pos, shards, strict=True):
       ops[p] = x
   return ops
-
-
-def unshard(tree: Any) -> Any:
-  """Whole arrays back from any pytree holding sharded state.
-
-  Each `ShardedArray` becomes a `jax.Array` of its logical shape and dtype,
-  laid out as the step returned whole values (replicated on every device for
-  `wus.shard_map` with out_spec P(); stacked copies for `wus.pmap`). The
-  tensors of one mesh are gathered by one program with batched all-gathers
-  (§5.2). Other leaves, and trees without sharded state, pass through
-  unchanged.
-
-  Args:
-    tree: any pytree.
-
-  Returns:
-    The same structure with every ShardedArray replaced by its whole array
-    (`x.shape`, `x.dtype`: the logical, unpadded shape).
-
-  Raises:
-    ValueError: a leaf's buffer was donated to an earlier call and is gone.
-  """
-  paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
-  leaves = [x for _, x in paths]
-  together: dict = {}  # (mesh, axes, groups) -> the leaves gathered by one program.
-  for (path, x), k in zip(paths, range(len(leaves)), strict=True):
-    check_alive(x, jax.tree_util.keystr(path), "wus.unshard")
-    if is_sharded(x):
-      together.setdefault((x.mesh, x.axes, x.layout.groups), []).append(k)
-  for ks in together.values():
-    xs = [leaves[k] for k in ks]
-    gather = programs.unshard_program(tuple(x.layout for x in xs))
-    for k, whole in zip(ks, gather(*[x.data for x in xs]), strict=True):
-      leaves[k] = whole
-  return jax.tree.unflatten(treedef, leaves)
-
 
 
 def donated_positions(f: Callable, argnums: int | Sequence[int],

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import math
 import operator
-import sys
-import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
 
+from wus.transforms import programs
 from wus.transforms.layout import ShardedLayout
-
 
 
 class WholeShape:
@@ -39,7 +38,27 @@ class WholeShape:
     return self.size * np.dtype(self.dtype).itemsize
 
 
-@jax.tree_util.register_pytree_node_class
+class ShardsKey(jax.tree_util.GetAttrKey):
+  """The key of a `ShardedArray`'s one child in a key path: `.data`, the padded shards of
+  a tensor in `layout` (dtype `dtype`).
+
+  It is a `GetAttrKey("data")` to everything that reads key paths (`jax.tree_util.keystr`
+  prints `.data`; Orbax names the array `.../data`), and tells a saver handed the leaves
+  of a tree (Orbax passes each leaf's key path to its handler) that a leaf is a
+  ShardedArray's padded shards, which would save as no tensor of the step's.
+  """
+
+  # Run before each key path into a ShardedArray is made: `wus/__init__` sets it to make
+  # Orbax's `jax.Array` handler wus's once Orbax is imported, so that a saver reading these
+  # keys is wus's (`wus.checkpoint.handler`), which refuses the shards, naming what to call.
+  on_key_path: ClassVar[Callable[[], None]] = staticmethod(lambda: None)
+
+  def __init__(self, layout: ShardedLayout, dtype: np.dtype):
+    super().__init__("data")
+    self.layout, self.dtype = layout, dtype
+
+
+@jax.tree_util.register_pytree_with_keys_class
 class ShardedArray(WholeShape):
   """A tensor kept sharded across replicas between steps (§4.2), e.g. Adam's `mu`.
 
@@ -92,7 +111,6 @@ class ShardedArray(WholeShape):
     self._dtype = np.dtype(data.dtype if dtype is None else dtype)
     # Rebuilt by JAX around a tracer (the argument of a traced function): not a wus step's.
     self._traced_by_jax = False
-    _remember(self)
 
   # The layout's parts, as the array's own attributes.
   format = property(operator.attrgetter("layout.format"))
@@ -129,6 +147,13 @@ class ShardedArray(WholeShape):
       return (self.whole(),), (self.layout, self._dtype, True)
     return (self.data,), (self.layout, self._dtype, False)
 
+  def tree_flatten_with_keys(self):
+    (child,), aux = self.tree_flatten()
+    if aux[2]:  # The whole tensor, inside the user's own transformation.
+      return ((jax.tree_util.GetAttrKey("data"), child),), aux
+    ShardsKey.on_key_path()
+    return ((ShardsKey(self.layout, self._dtype), child),), aux
+
   def whole(self) -> jax.Array:
     """The whole tensor (shape `shape`, dtype `dtype`, laid out by `spec`), gathered.
 
@@ -138,7 +163,6 @@ class ShardedArray(WholeShape):
     Raises:
       ValueError: the shards were donated to an earlier call.
     """
-    from wus.transforms import programs  # noqa: PLC0415 -- programs imports this module's users
     check_alive(self, repr(self), "a use of sharded state as an array")
     return programs.unshard_program((self.layout,))(self.data)[0]
 
@@ -161,7 +185,6 @@ class ShardedArray(WholeShape):
     out = object.__new__(cls)
     out.data, (out.layout, out._dtype, _) = data, aux
     out._traced_by_jax = isinstance(data, jax.core.Tracer)
-    _remember(out)
     return out
 
   def __repr__(self) -> str:
@@ -214,27 +237,6 @@ for _name in ("__getitem__", "__iter__", "__len__", "__bool__", "__float__", "__
 del _name
 
 
-# The live ShardedArrays, by the id of their shards: a saver that was handed a tree's leaves
-# (Orbax flattens a ShardedArray into its padded shards) asks `holder_of` whose they are.
-_HOLDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _remember(x: ShardedArray) -> None:
-  """Records `x` for `holder_of`; once Orbax is imported, makes its array handler wus's
-  (`wus.checkpoint.register`), so that a save of raw sharded state fails at save time."""
-  if isinstance(x.data, jax.Array) and not isinstance(x.data, jax.core.Tracer):
-    _HOLDERS[id(x.data)] = x
-    if "orbax.checkpoint" in sys.modules:
-      from wus import checkpoint  # noqa: PLC0415 -- Orbax is imported: registering is cheap
-      checkpoint.register()
-
-
-def holder_of(array: Any) -> ShardedArray | None:
-  """The live ShardedArray whose padded shards `array` is, or None."""
-  holder = _HOLDERS.get(id(array))
-  return holder if holder is not None and holder.data is array else None
-
-
 def is_sharded(x: Any) -> bool:
   """Whether `x` is a `ShardedArray`: pass as `is_leaf=` to map over whole tensors.
 
@@ -262,6 +264,41 @@ def check_alive(x: Any, name: str, reader: str = "") -> None:
     raise ValueError(
         f"{where}argument {name or 'tree'}, whose buffer was donated to an earlier call "
         "(donate_argnums) and is gone; pass the value that call returned instead")
+
+
+def unshard(tree: Any) -> Any:
+  """Whole arrays back from any pytree holding sharded state.
+
+  Each `ShardedArray` becomes a `jax.Array` of its logical shape and dtype,
+  laid out as the step returned whole values (replicated on every device for
+  `wus.shard_map` with out_spec P(); stacked copies for `wus.pmap`). The
+  tensors of one mesh are gathered by one program with batched all-gathers
+  (§5.2). Other leaves, and trees without sharded state, pass through
+  unchanged.
+
+  Args:
+    tree: any pytree.
+
+  Returns:
+    The same structure with every ShardedArray replaced by its whole array
+    (`x.shape`, `x.dtype`: the logical, unpadded shape).
+
+  Raises:
+    ValueError: a leaf's buffer was donated to an earlier call and is gone.
+  """
+  paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
+  leaves = [x for _, x in paths]
+  together: dict = {}  # (mesh, axes, groups) -> the leaves gathered by one program.
+  for (path, x), k in zip(paths, range(len(leaves)), strict=True):
+    check_alive(x, jax.tree_util.keystr(path), "wus.unshard")
+    if is_sharded(x):
+      together.setdefault((x.mesh, x.axes, x.layout.groups), []).append(k)
+  for ks in together.values():
+    xs = [leaves[k] for k in ks]
+    gather = programs.unshard_program(tuple(x.layout for x in xs))
+    for k, whole in zip(ks, gather(*[x.data for x in xs]), strict=True):
+      leaves[k] = whole
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def unreplicate(tree: Any) -> Any:
@@ -292,43 +329,3 @@ def unreplicate(tree: Any) -> Any:
     return x if is_sharded(x) else flax.jax_utils.unreplicate(x)
 
   return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_sharded)
-
-
-def checkpointable(tree: Any) -> Any:
-  """`tree` to save with stock Orbax: sharded state written in place at its logical shapes.
-
-  Pass the result to `ocp.StandardCheckpointer().save` or `ocp.args.StandardSave`
-  (e.g. in a `CheckpointManager`). Each `wus.ShardedArray` becomes a
-  `wus.checkpoint.LogicalView`, which Orbax saves as an ordinary array of the
-  tensor's logical (unpadded) shape, each process writing only the shards its
-  own devices hold: nothing is gathered. Code without wus restores it as a
-  whole array; `ShardedStep.state_target` restores it sharded, at any replica
-  count. State a tensor-parallel step keeps split over data x model (its spec
-  splits it over a model axis too) is saved whole instead, laid out by its spec
-  (gathered over the replica axes first): `state_target` restores it whole on any
-  mesh and the step shards it at its first call. Other leaves pass through
-  unchanged. (Checkpoints are beyond the paper; the shards saved are §4.1's:
-  replica r's range of the row-major tensor.)
-
-  Args:
-    tree: any pytree (e.g. `{"params": params, "opt_state": opt_state}` as a
-      wus step returned them).
-
-  Returns:
-    The same structure with every ShardedArray replaced by a LogicalView (or,
-    split over other axes too, its whole array).
-
-  Raises:
-    TypeError: a ShardedArray holds a tracer (inside `jax.jit`).
-    ValueError: a leaf's buffer was donated to an earlier call and is gone, or
-      the tree holds only part of a bank of owned state (save the whole
-      optimizer state together).
-    ImportError: Orbax is not installed (`pip install orbax-checkpoint`).
-
-  Example:
-    >>> ckptr = ocp.StandardCheckpointer()  # doctest: +SKIP
-    >>> state = {"params": params, "opt_state": opt_state}  # doctest: +SKIP
-    >>> ckptr.save(path, wus.checkpointable(state))  # doctest: +SKIP
-  """
-  from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
-  return checkpoint.checkpointable(tree)

@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from wus import collectives
 from wus.analysis import formats
-from wus.analysis.formats import ShardFormat
+from wus.analysis.formats import Format, ShardFormat
+from wus.analysis.owned import OwnedFormat, Slot, build_bank
 
 # Every example that runs JAX compiles (eager ops included): few examples, no deadline.
 compiled = settings(max_examples=25, deadline=None)
@@ -249,3 +250,18 @@ def test_after_returns_its_values_bit_for_bit():
     got = jax.jit(body)(*values)
     for a, b in zip(values, got, strict=True):
       assert_bitwise_equal(np.asarray(b), a)
+
+
+def test_shard_formats_and_owned_rows_are_both_formats():
+  """One protocol (`formats.Format`, issue 31 item 5): a ShardFormat (§4.1) and an owned
+  tensor's row (`owned.OwnedFormat`) answer what the runtime asks of a format alike."""
+  sharded = ShardFormat.flat((3, 5), 4)
+  bank = build_bank("float32", 4, [(3, 5), (2,)], [Slot(0, 0, 15), Slot(1, 0, 2)], 15)
+  owned = OwnedFormat(bank, 0)
+  for fmt in (sharded, owned):
+    assert isinstance(fmt, Format)
+    assert fmt.shape == (3, 5) and fmt.num_shards == 4
+    assert fmt.padded_shape[0] == fmt.num_shards * fmt.shard_rows
+    assert math.prod(fmt.shard_shape) == fmt.shard_size
+    assert fmt.shard_bytes(np.float32) == 4 * fmt.shard_size
+  assert not isinstance(object(), Format)

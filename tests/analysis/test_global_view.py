@@ -69,7 +69,8 @@ def test_splits_from_sizes_follow_the_batch_and_refuse_another_structure():
   def branchy(params, opt_state, x):  # Python control flow on the batch size.
     return _step(tx)(params, opt_state, x if x.shape[0] < 20 else x * 2)
   other = _jaxpr(branchy, params, tx.init(params), x2)
-  assert isinstance(global_view.splits_from_sizes(small, other, ("data",)), str)
+  assert global_view.splits_from_sizes(small, other, ("data",)) == (
+      "the step's equations change with the batch size")
 
 
 def _region(f, mesh, *args):
@@ -118,10 +119,18 @@ def test_a_maximum_over_the_batch_is_no_sum_and_enters_the_region_whole():
 
 
 def test_sum_rules_need_every_split_dim_summed():
+  """A sum over the features of the batch is no gradient sum: the reduce_sum rule refuses
+  it (the same equation summing over the batch dim is one), and a step with nothing else
+  has no region, for the reason that nothing reads only whole values."""
   mesh = _mesh("auto")
   params, x = _args(mesh)
 
   def features(params, opt_state, x):  # Sums over the features, not the batch.
     return params, opt_state, jnp.sum(x, axis=1)
   jaxpr, region = _region(features, mesh, params, (), x)
-  assert isinstance(region, str)
+  assert region == ("no update reads only whole values (the step's forward and backward pass "
+                    "read every result)")
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive is lax.reduce_sum_p]
+  rule, batch = global_view.sum_rules[lax.reduce_sum_p], (("data",), None)
+  assert eqn.params["axes"] == (1,) and not rule(eqn, [batch], lambda v: False)
+  assert rule(eqn.replace(params={**eqn.params, "axes": (0,)}), [batch], lambda v: False)

@@ -20,10 +20,10 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import analysed_body, assert_trees_equal, collective_arrays, mesh, run_both
+from helpers import (analysed_body, assert_trees_equal, collective_arrays, mesh,
+                     parameter_copies, run_both)
 from wus.analysis import clusters, planner
 from wus.analysis.graph import Graph
-from wus.harness.tools import report
 
 TX = optax.adam(1e-2)
 
@@ -104,7 +104,7 @@ def test_donated_step_with_a_root_gathers_weights_without_a_copy():
   assert any(t.role == "root" for c in plan.clusters for t in c.tensors), str(plan)
   assert plan.jaxpr_plan.gather_after
   hlo = donating.lower(params, TX.init(params), tokens[0]).compile().as_text()
-  assert report.data_movement(hlo)["parameter copy"].count == 0
+  assert parameter_copies(hlo) == 0
   ref = jax.jit(jax.shard_map(_bert_step(model), **kw))
   want, got = (params, TX.init(params)), (jax.tree.map(jnp.copy, params), TX.init(params))
   for x in tokens:

@@ -122,3 +122,16 @@ def test_orbax_save_of_raw_sharded_state_fails_at_save_time(trained, tmp_path):
     ckptr.save(tmp_path / "ok", wus.checkpointable(state))
   restored = ocp.StandardCheckpointer().restore(tmp_path / "ok")
   np.testing.assert_array_equal(restored["opt_state"][0]["mu"]["w"], whole[0].mu["w"])
+
+
+def test_a_key_path_into_sharded_state_says_it_reaches_padded_shards(trained):
+  """A key path into a ShardedArray ends in `.data`, a `ShardsKey` carrying the array's
+  layout and dtype: what a saver handed only the leaves (Orbax) reads to refuse them."""
+  _, sharded, _, _ = trained
+  mu = sharded[0].mu["w"]
+  (path, leaf), = jax.tree_util.tree_flatten_with_path(mu)[0]
+  assert leaf is mu.data and jax.tree_util.keystr(path) == ".data"
+  assert isinstance(path[-1], wus.sharded.ShardsKey)
+  assert (path[-1].layout, path[-1].dtype) == (mu.layout, mu.dtype)
+  whole = jax.tree_util.tree_flatten_with_path(wus.unshard(mu))[0]
+  assert whole[0][0] == ()

@@ -7,8 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, dense_step, sharded_leaves, two_axis_run
-from wus.harness.tools import report
+from helpers import assert_trees_equal, collectives, dense_step, sharded_leaves, two_axis_run
 
 BATCH = P(("replica", "data"))
 
@@ -29,7 +28,7 @@ def test_sharded_within_the_data_axis_all_reduced_across_replica(shape, check_vm
   assert {s.data.shape for s in mu.addressable_shards} == {(24 * 40 // group,)}
   plan = ws.plan(*b, x)
   assert all("partial sharding" in c.reason for c in plan.clusters if c.sharded)
-  found = report.collectives(ws.lower(*b, x).compile().as_text())
+  found = collectives(ws.lower(*b, x).compile().as_text())
   assert found["reduce-scatter"].count == 1 and found["all-gather"].count == 1
   assert found["all-reduce"].count == 1 and found["all-reduce"].bytes == 4 * (960 + 40) // group
 

@@ -13,9 +13,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import (SPECS, assert_trees_equal, batches, collective_arrays, collective_shapes,
-                     first_args, make_params, make_step, mesh, run)
+                     collectives, first_args, make_params, make_step, mesh, parameter_copies,
+                     run, shape_bytes)
 from wus.analysis import network
-from wus.harness.tools import report
 
 N = 8
 
@@ -35,7 +35,7 @@ def _compiled(tx, check_vma=True):
 
 def _collective_shapes(hlo: str, kind: str) -> list[int]:
   """Result bytes of every `kind` instruction in optimized HLO text."""
-  return [report.shape_bytes(s) for s in collective_shapes(hlo.splitlines(), kind)]
+  return [shape_bytes(s) for s in collective_shapes(hlo.splitlines(), kind)]
 
 
 def test_gradients_reduce_scattered_and_weights_all_gathered():
@@ -86,8 +86,8 @@ def test_step_without_gradient_all_reduce_is_unchanged():
   ref = jax.jit(jax.shard_map(evaluate, **specs))
   ws = wus.shard_map(evaluate, **specs)
   assert ws.plan(params, x).clusters == ()
-  assert report.collectives(ws.lower(params, x).compile().as_text()) == \
-      report.collectives(ref.lower(params, x).compile().as_text())
+  assert collectives(ws.lower(params, x).compile().as_text()) == \
+      collectives(ref.lower(params, x).compile().as_text())
   np.testing.assert_array_equal(ref(params, x), ws(params, x))
 
 
@@ -235,7 +235,7 @@ def test_donated_weights_are_gathered_into_their_buffers_without_a_copy(topology
   assert (plan.alone_bytes is not None) == (topology is _CPU)
   assert plan.jaxpr_plan.gather_after  # What the all-gathers follow.
   hlo = donating.lower(params, ADAM.init(params), xs[0]).compile().as_text()
-  assert report.data_movement(hlo)["parameter copy"].count == 0
+  assert parameter_copies(hlo) == 0
   ref = jax.jit(jax.shard_map(_net_step, **specs))
   want, got = (params, ADAM.init(params)), (jax.tree.map(jnp.copy, params), ADAM.init(params))
   for x in xs:
@@ -269,7 +269,7 @@ def test_donated_jit_step_gathers_weights_without_a_copy(topology):
   donating = wus.jit(_global_net_step, donate_argnums=(0, 1), topology=topology)
   assert donating.plan(params, ADAM.init(params), xs[0]).jaxpr_plan.gather_after
   hlo = donating.lower(params, ADAM.init(params), xs[0]).compile().as_text()
-  assert report.data_movement(hlo)["parameter copy"].count == 0
+  assert parameter_copies(hlo) == 0
   ref = jax.jit(_global_net_step)
   want, got = (params, ADAM.init(params)), (jax.tree.map(jnp.copy, params), ADAM.init(params))
   for x in xs:

@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import wus
-from helpers import (LOOP_STEPS as K, assert_trees_equal, collective_shapes, loop_bodies,
-                     loop_setup, loop_xs, loss_fn, make_params, mesh, sharded_leaves)
-from wus.harness.tools.report import computations as hlo_computations, shape_bytes
+from helpers import (LOOP_STEPS as K, assert_trees_equal, collective_shapes, hlo_computations,
+                     loop_bodies, loop_setup, loop_xs, loss_fn, make_params, mesh, sharded_leaves,
+                     shape_bytes)
 
 
 def collective_bytes(lines, kind: str) -> list[int]:

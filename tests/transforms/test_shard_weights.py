@@ -12,8 +12,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, mesh, sharded_leaves
-from wus.harness.tools import report
+from helpers import assert_trees_equal, collectives, mesh, sharded_leaves
 
 TX = optax.adam(1e-2)
 SPECS = dict(in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
@@ -67,7 +66,7 @@ def test_the_weight_gather_moves_16_bits():
   (Fig. 7), where gathering them in float32 moved as many as the all-reduce."""
   _, plain, plain_step, x = _run(True)
   _, b, ws, _ = _run(True, shard_weights=True)
-  wire = lambda step, args: report.collectives(
+  wire = lambda step, args: collectives(
       step.lower(*args, x).compile().as_text())
   narrow, whole = wire(ws, b), wire(plain_step, plain)
   gathers = re.findall(r"all-gather\S*\(", ws.lower(*b, x).compile().as_text())

@@ -68,8 +68,7 @@ from jax.sharding import NamedSharding
 from wus.checkpoint.boxes import boxes, chunk_shape
 from wus.checkpoint.handler import ArrayHandler, register
 from wus.checkpoint.views import LogicalView, ShardedLayout, StackedLayout
-from wus import runtime
-from wus.sharded import check_alive, is_sharded
+from wus.sharded import check_alive, is_sharded, unshard
 from wus.transforms import programs
 
 __all__ = ["ArrayHandler", "LogicalView", "ShardedLayout", "StackedLayout", "boxes",
@@ -78,7 +77,42 @@ __all__ = ["ArrayHandler", "LogicalView", "ShardedLayout", "StackedLayout", "box
 
 
 def checkpointable(tree: Any) -> Any:
-  """`wus.checkpointable`: each ShardedArray of `tree` as a `LogicalView` to save."""
+  """`tree` to save with stock Orbax: sharded state written in place at its logical shapes.
+
+  Pass the result to `ocp.StandardCheckpointer().save` or `ocp.args.StandardSave`
+  (e.g. in a `CheckpointManager`). Each `wus.ShardedArray` becomes a
+  `wus.checkpoint.LogicalView`, which Orbax saves as an ordinary array of the
+  tensor's logical (unpadded) shape, each process writing only the shards its
+  own devices hold: nothing is gathered. Code without wus restores it as a
+  whole array; `ShardedStep.state_target` restores it sharded, at any replica
+  count. State a tensor-parallel step keeps split over data x model (its spec
+  splits it over a model axis too) is saved whole instead, laid out by its spec
+  (gathered over the replica axes first): `state_target` restores it whole on any
+  mesh and the step shards it at its first call. Other leaves pass through
+  unchanged. (Checkpoints are beyond the paper; the shards saved are §4.1's:
+  replica r's range of the row-major tensor.) `wus.checkpointable` is this
+  function (it imports Orbax when first used).
+
+  Args:
+    tree: any pytree (e.g. `{"params": params, "opt_state": opt_state}` as a
+      wus step returned them).
+
+  Returns:
+    The same structure with every ShardedArray replaced by a LogicalView (or,
+    split over other axes too, its whole array).
+
+  Raises:
+    TypeError: a ShardedArray holds a tracer (inside `jax.jit`).
+    ValueError: a leaf's buffer was donated to an earlier call and is gone, or
+      the tree holds only part of a bank of owned state (save the whole
+      optimizer state together).
+    ImportError: Orbax is not installed (`pip install orbax-checkpoint`).
+
+  Example:
+    >>> ckptr = ocp.StandardCheckpointer()  # doctest: +SKIP
+    >>> state = {"params": params, "opt_state": opt_state}  # doctest: +SKIP
+    >>> ckptr.save(path, wus.checkpointable(state))  # doctest: +SKIP
+  """
   register()
 
   leaves = jax.tree.leaves(tree, is_leaf=is_sharded)
@@ -90,7 +124,7 @@ def checkpointable(tree: Any) -> Any:
   # any mesh restores it (`restore_target`).
   split = [x for x in leaves if is_sharded(x) and x.layout.num_blocks > 1
            and not isinstance(x.data, jax.core.Tracer)]
-  wholes = {id(x): w for x, w in zip(split, runtime.unshard(split), strict=True)}
+  wholes = {id(x): w for x, w in zip(split, unshard(split), strict=True)}
 
   def view(path, x):
     check_alive(x, jax.tree_util.keystr(path), "wus.checkpointable")

@@ -25,7 +25,7 @@ from wus.analysis.owned import is_owned
 from wus.checkpoint.boxes import box_shape, boxes, chunk_shape
 from wus.checkpoint.views import LogicalView, ShardedLayout, StackedLayout
 from wus.errors import CheckpointError, first_line
-from wus.sharded import ShardedArray, holder_of
+from wus.sharded import ShardedArray, ShardsKey
 from wus.transforms import programs
 
 
@@ -41,7 +41,9 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
 
   `register` installs it as Orbax's global handler for `jax.Array`, wrapping the
   one that was there. Its type string is the wrapped handler's ("jax.Array"),
-  so what it writes reads back anywhere as an ordinary array.
+  so what it writes reads back anywhere as an ordinary array. An array whose key path
+  ends in a `ShardsKey` (a ShardedArray's padded shards, saved without
+  `wus.checkpointable`) is refused at save time.
   """
 
   def __init__(self, base: ocp.type_handlers.TypeHandler):
@@ -67,7 +69,8 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
 
   async def serialize(self, values, infos, args=None):
     for value, info in zip(values, infos, strict=True):
-      if (holder := holder_of(value)) is not None:
+      if isinstance(key := (getattr(info, "keypath", None) or (None,))[-1], ShardsKey):
+        holder = ShardedArray(value, key.layout, key.dtype)
         raise TypeError(
             f"Orbax was given the padded shards of {holder!r} as array {info.name!r}, which "
             "would restore as no tensor of the step's: save wus.checkpointable(tree) instead "
@@ -152,8 +155,10 @@ def register() -> None:
 
   Wraps the handler registered for `jax.Array` (Orbax's `ArrayHandler`, or one
   registered before) in `ArrayHandler`, which passes every other array to it.
-  `checkpointable` and `ShardedStep.state_target` call it; call it again after
-  registering a `jax.Array` handler of your own. Idempotent.
+  `checkpointable` and `ShardedStep.state_target` call it, and so does every key path
+  made into a `wus.ShardedArray` once Orbax is imported (`wus.sharded.ShardsKey`), so
+  that a save of raw sharded state reaches this handler, which refuses it; call it again
+  after registering a `jax.Array` handler of your own. Idempotent.
   """
   current = ocp.type_handlers.get_type_handler(jax.Array)
   if not isinstance(current, ArrayHandler):
