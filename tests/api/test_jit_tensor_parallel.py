@@ -354,3 +354,50 @@ def test_explicit_axes_guide_model_state_over_data_x_model(n_data, tx, tol):
   state = nnx.state(out[1], nnx.optimizer.OptState)
   assert_split_state(state, n_data)
   assert "by its placement, sharded over ['data'] by wus" in plan.details(), plan.details()
+
+
+def test_checkpoint_saved_on_4x2_restored_on_2x2_through_state_target(tmp_path):
+  """State saved with stock Orbax (`wus.checkpointable`) on (4, 2) restores on (2, 2)
+  through `state_target` (same model, fewer data replicas), equal to the saved state, and
+  trains on as jax.jit does from it, its state sharded over data x model again. (The
+  checkpoint holds model-split state whole, laid out by its placement: `wus.sharded`'s
+  `checkpointable`.)"""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  tx = optax.adam(1e-2)
+  ws, (params, opt_state), _, _ = _linen_step(4, tx)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(tmp_path / "ckpt", wus.checkpointable({"params": params, "opt_state": opt_state}))
+  ckptr.wait_until_finished()
+  small = _mesh(2)
+  saved = wus.unshard((params, opt_state))
+  whole = jax.tree.map(lambda x: jax.device_put(np.asarray(x), NamedSharding(
+      small, x.sharding.spec)), saved)
+  (batch,) = _batches(small, 1, batch=8)
+  step = classifier_step(LogicalMLP(), tx)
+  ws2 = wus.jit(step)
+  target_params, target_opt, _ = ws2.state_target(*whole, batch)
+  restored = ckptr.restore(tmp_path / "ckpt", {"params": target_params, "opt_state": target_opt})
+  assert_trees_equal(whole, wus.unshard((restored["params"], restored["opt_state"])))
+  out = ws2(restored["params"], restored["opt_state"], batch)
+  assert_trees_equal(jax.jit(step)(*whole, batch)[:2], wus.unshard(out[:2]))
+  assert_split_state(out[1], 2)
+
+
+def test_weights_placed_by_in_shardings():
+  """Whole numpy weights, their placement given by `in_shardings` (and kept by
+  `out_shardings`) as jax.jit takes them."""
+  tx = optax.sgd(1e-2, momentum=0.9)
+  mesh = _mesh(4)
+  model, params = _linen_args(mesh, tx)
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  opt_shardings = jax.tree.map(lambda x: x.sharding, tx.init(params))
+  host = jax.tree.map(np.asarray, params)
+  kw = dict(in_shardings=(shardings, opt_shardings, NamedSharding(mesh, P("data"))),
+            out_shardings=(shardings, opt_shardings, NamedSharding(mesh, P())))
+  step = classifier_step(model, tx)
+  ref = out = (host, jax.tree.map(np.asarray, tx.init(params)))
+  ws = wus.jit(step, **kw)
+  for b in _batches(mesh, 3):
+    ref, out = jax.jit(step, **kw)(*ref, b)[:2], ws(*out, b)[:2]
+  assert_trees_equal(ref, wus.unshard(out))
+  assert_split_state(out[1], 4)
