@@ -262,6 +262,47 @@ def test_megatron_mlp_no_new_collective_over_model():
   assert over_model(hlo) == over_model(ref) and over_model(ref), over_model(hlo)
 
 
+def _mlp_run(tx, **tol):
+  """`_mlp_step` with `tx` under jax.jit and wus.jit from the same inputs: (wus step,
+  its last state, the last batch); the results compared (within `tol`)."""
+  mesh, r = _mesh(4), np.random.RandomState(0)
+  spec = {"w1": P(None, "model"), "w2": P("model", None)}
+  params = {k: jax.device_put(jnp.asarray(0.1 * r.randn(*shape), jnp.float32),
+                              NamedSharding(mesh, spec[k]))
+            for k, shape in (("w1", (16, 32)), ("w2", (32, 16)))}
+  data = NamedSharding(mesh, P("data"))
+  batches = [tuple(jax.device_put(jnp.asarray(r.randn(16, 16), jnp.float32), data)
+                   for _ in range(2)) for _ in range(3)]
+  step, ws = _mlp_step(tx), wus.jit(_mlp_step(tx))
+  ref = out = (params, tx.init(params))
+  for b in batches:
+    ref, out = jax.jit(step)(*ref, b)[:2], ws(*out, b)[:2]
+  assert_trees_equal(ref, wus.unshard(out), **tol)
+  return ws, out, b
+
+
+@pytest.mark.parametrize("tx", [
+    optax.apply_if_finite(optax.sgd(1e-2, momentum=0.9), 3),
+    optax.MultiSteps(optax.sgd(1e-2, momentum=0.9), 2)], ids=["apply_if_finite", "multi_steps"])
+def test_an_update_that_cannot_run_on_blocks_runs_as_jax_jit_with_the_reason(tx):
+  """An update that reads a model-split tensor inside a conditional (no rule runs a `cond`
+  on blocks): the step runs as jax.jit runs it, bit for bit, and the Plan says why."""
+  ws, out, b = _mlp_run(tx)
+  plan = str(ws.plan(*out, b))
+  assert "cannot run on the blocks of the tensors split over ['model']: cond at" in plan, plan
+  assert not _sharded(out)
+
+
+def test_adafactor_factored_moments_of_split_matrices_within_summation_order():
+  """Adafactor's row and column means of a split matrix: the mean over the split dim is a
+  partial sum completed over "model". Equal to summation order, state sharded."""
+  tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)  # Factors the [16, 32] and [32, 16].
+  ws, out, b = _mlp_run(tx, rtol=1e-5, atol=1e-7)
+  assert all(c.sharded for c in ws.plan(*out, b).clusters), str(ws.plan(*out, b))
+  factored = [x for x in jax.tree.leaves(out[1], is_leaf=is_sharded) if np.ndim(x) == 1]
+  assert len(factored) >= 4, factored  # v_row and v_col of both matrices.
+
+
 def test_the_plan_says_each_tensor_is_split_by_its_placement_and_sharded_by_wus():
   ws, args, batch, _ = _linen_step()
   plan = ws.plan(*args, batch)
