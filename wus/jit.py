@@ -7,6 +7,12 @@ GSPMD partitions it; the sums and the update run as a shard_map region over
 the batch axes through the pipeline of `wus.shard_map`, so the gradients are
 reduce-scattered, the update runs on 1/N of every tensor and optimizer state
 stays sharded between calls.
+
+On a mesh with model axes besides the batch axes (tensor parallelism: the
+state placed over "model"), the region runs manual over every axis, each
+model rank's blocks as `analysis.model_splits` says; each block's update is
+sharded over the batch axes, and the state is split over data x model (one
+`ShardedLayout`: the placement's split, then wus's; DESIGN.md §1).
 """
 
 from __future__ import annotations
@@ -46,7 +52,11 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
   `NamedSharding(mesh, P("data"))`, or by `in_shardings`) and the weights and
   optimizer state whole (`P()` or unplaced), the gradient sums over the batch
   become reduce-scatters, the update runs on 1/N of every tensor and the new
-  weights are all-gathered (§3, §4). Optimizer state comes back as
+  weights are all-gathered (§3, §4). Weights placed over other mesh axes
+  (tensor parallelism: `NamedSharding(mesh, P(None, "model"))`, `in_shardings`,
+  `nnx.with_partitioning`, linen logical axis rules) have each model rank's
+  block sharded over the batch axes: their state is split over data x model.
+  Optimizer state comes back as
   `wus.ShardedArray` leaves, to pass straight to the next call;
   `wus.unshard` gives whole arrays. A step with no batch split, or whose
   update wus cannot find, runs as `jax.jit` runs it, with the reason in
@@ -161,7 +171,7 @@ class JitStep:
       The `wus.Plan`: each weight-update cluster, sharded, owned or replicated
       and why (§3.2), with the cost model's prediction; `Plan.unchanged` says
       why a step runs as `jax.jit` runs it (no batch split, state split over a
-      mesh axis).
+      batch axis, an update that cannot run on the model blocks).
     """
     return self._compiled(args, kwargs)[1].plan
 
@@ -266,6 +276,16 @@ class JitStep:
     if not axes:
       return unchanged("no argument but the state is split over a mesh axis (the batch), so "
                        "there is no data parallelism to shard the update over")
+    found = self._region(args, kwargs, traced, whole, leaves, declared, mesh, axes, model)
+    if isinstance(found, str):
+      return unchanged(found)
+    return self._compile(*found, args, dyn, traced, mesh, axes, paths, declared)
+
+  def _region(self, args: tuple, kwargs: dict, traced, whole: list, leaves: list,
+              declared: list, mesh: Mesh, axes: tuple, model: tuple) -> tuple | str:
+    """(the flat jaxpr, its update region, the region's model splits, its (in_specs,
+    out_specs)), or why the step has no region wus can run (`analysis.global_view`,
+    `analysis.model_splits`)."""
     flat = jit_arguments.flat_jaxpr(traced.jaxpr, mesh)
     if compat.explicit_axes(mesh) >= set(axes):
       splits = global_view.splits_from_types(flat.jaxpr, frozenset(axes))
@@ -275,19 +295,16 @@ class JitStep:
           for x, a, d in zip(whole, leaves, declared, strict=True)]).jaxpr, mesh)
       splits = global_view.splits_from_sizes(flat.jaxpr, larger.jaxpr, axes)
       if isinstance(splits, str):
-        return unchanged(splits)
+        return splits
     region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape), frozenset(model))
     if isinstance(region, str):
-      return unchanged(region)
+      return region
     blocks = jit_arguments.model_splits(flat.jaxpr, region, leaves, declared, mesh, model)
     if isinstance(blocks, str):
-      return unchanged(f"the update cannot run on the blocks of the tensors split over "
-                       f"{list(model)}: {blocks}; the step runs as jax.jit runs it")
+      return (f"the update cannot run on the blocks of the tensors split over {list(model)}: "
+              f"{blocks}; the step runs as jax.jit runs it")
     specs = jit_arguments.region_specs(region, blocks)
-    if isinstance(specs, str):
-      return unchanged(specs)
-    return self._compile(flat, region, blocks, specs, args, dyn, traced, mesh, axes, paths,
-                         declared)
+    return specs if isinstance(specs, str) else (flat, region, blocks, specs)
 
   def _dynamic_positions(self, args: tuple) -> tuple[int, ...]:
     return tuple(i for i in range(len(args)) if i not in self._static)
