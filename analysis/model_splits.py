@@ -71,9 +71,22 @@ def _same_dims(eqn) -> Joins:
   return ([((v, d), (o, d)) for v, o in zip(eqn.invars, eqn.outvars, strict=True) if _var(v)
            for d in range(len(_shape(o)))], [])
 split_rules[lax.optimization_barrier_p] = _same_dims
-split_rules[lax.sharding_constraint_p] = _same_dims
+
+
+def _constraint(eqn) -> Joins:
+  """A sharding constraint: its result's dims are its operand's, and a dim its spec leaves
+  None is whole (a block the constraint replicates cannot be laid out so: the region then
+  does not run on blocks, and the step keeps the constraint's meaning under jax.jit)."""
+  joins, _ = _same_dims(eqn)
+  spec = compat.constraint_spec(eqn)
+  if spec is None:
+    return joins, []
+  out = eqn.outvars[0]
+  entries = (*spec, *(None,) * (len(_shape(out)) - len(spec)))
+  return joins, [(out, d) for d, e in enumerate(entries[:len(_shape(out))]) if e is None]
+split_rules[lax.sharding_constraint_p] = _constraint
 if compat.reshard_p is not None:
-  split_rules[compat.reshard_p] = _same_dims
+  split_rules[compat.reshard_p] = _constraint
 
 
 def _broadcast(eqn) -> Joins:

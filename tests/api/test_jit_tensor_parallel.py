@@ -262,9 +262,9 @@ def test_megatron_mlp_no_new_collective_over_model():
   assert over_model(hlo) == over_model(ref) and over_model(ref), over_model(hlo)
 
 
-def _mlp_run(tx, **tol):
-  """`_mlp_step` with `tx` under jax.jit and wus.jit from the same inputs: (wus step,
-  its last state, the last batch); the results compared (within `tol`)."""
+def _mlp_run(tx, make_step=_mlp_step, **tol):
+  """`make_step(tx)` under jax.jit and wus.jit from the same inputs: (wus step, its last
+  state, the last batch); the results compared (within `tol`)."""
   mesh, r = _mesh(4), np.random.RandomState(0)
   spec = {"w1": P(None, "model"), "w2": P("model", None)}
   params = {k: jax.device_put(jnp.asarray(0.1 * r.randn(*shape), jnp.float32),
@@ -273,7 +273,7 @@ def _mlp_run(tx, **tol):
   data = NamedSharding(mesh, P("data"))
   batches = [tuple(jax.device_put(jnp.asarray(r.randn(16, 16), jnp.float32), data)
                    for _ in range(2)) for _ in range(3)]
-  step, ws = _mlp_step(tx), wus.jit(_mlp_step(tx))
+  step, ws = make_step(tx), wus.jit(make_step(tx))
   ref = out = (params, tx.init(params))
   for b in batches:
     ref, out = jax.jit(step)(*ref, b)[:2], ws(*out, b)[:2]
@@ -484,3 +484,19 @@ def test_weights_placed_by_in_shardings():
     ref, out = jax.jit(step, **kw)(*ref, b)[:2], ws(*out, b)[:2]
   assert_trees_equal(ref, wus.unshard(out))
   assert_split_state(out[1], 4)
+
+
+def test_a_constraint_replicating_split_weights_keeps_its_meaning():
+  """A step that lays its new weights out whole (`with_sharding_constraint(params, P())`)
+  although they came in split over "model": no block can be laid out so, and the step runs
+  as jax.jit runs it, the weights coming back whole, with the reason in the Plan."""
+  tx = optax.sgd(1e-2, momentum=0.9)
+  inner = _mlp_step(tx)
+
+  def step(params, opt_state, batch):
+    params, opt_state, loss = inner(params, opt_state, batch)
+    whole = NamedSharding(_mesh(4), P())
+    return jax.lax.with_sharding_constraint(params, whole), opt_state, loss
+  ws, out, b = _mlp_run(tx, lambda tx: step)
+  assert out[0]["w1"].sharding.is_fully_replicated
+  assert "needs dim" in str(ws.plan(*out, b)) and not _sharded(out)
