@@ -500,3 +500,37 @@ def test_a_constraint_replicating_split_weights_keeps_its_meaning():
   ws, out, b = _mlp_run(tx, lambda tx: step)
   assert out[0]["w1"].sharding.is_fully_replicated
   assert "needs dim" in str(ws.plan(*out, b)) and not _sharded(out)
+
+
+# --- Equinox: wus.filter_jit. --------------------------------------------------------
+
+
+def test_equinox_mlp_placed_over_model_under_filter_jit():
+  """An `eqx.nn.MLP` whose hidden layer is split Megatron-style by the arrays' placements,
+  trained by an `eqx.filter_jit` step (Equinox's docs' shape): bit for bit with SGD with
+  momentum, the split layers' state over data x model."""
+  import equinox as eqx  # noqa: PLC0415
+  mesh, tx = _mesh(4), optax.sgd(1e-2, momentum=0.9)
+  specs = {(32, 16): P("model", None), (16, 32): P(None, "model"), (32,): P("model")}
+
+  def place(x):
+    return jax.device_put(x, NamedSharding(mesh, specs.get(x.shape, P()))) if eqx.is_array(
+        x) else x
+  model = jax.tree.map(place, eqx.nn.MLP(16, 16, 32, 1, key=jax.random.key(0)))
+
+  def step(model, opt_state, x, y):
+    def loss(m):
+      return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+    value, grads = eqx.filter_value_and_grad(loss)(model)
+    updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, value
+  r, data = np.random.RandomState(0), NamedSharding(mesh, P("data"))
+  ref = out = (model, tx.init(eqx.filter(model, eqx.is_array)))
+  ws = wus.filter_jit(step)
+  for _ in range(3):
+    x, y = (jax.device_put(r.randn(16, 16).astype(np.float32), data) for _ in range(2))
+    *ref, ref_loss = eqx.filter_jit(step)(*ref, x, y)
+    *out, out_loss = ws(*out, x, y)
+    assert_trees_equal(ref_loss, out_loss)
+  assert_trees_equal(eqx.filter(ref, eqx.is_array), eqx.filter(wus.unshard(out), eqx.is_array))
+  assert_split_state(out[1], 4)
