@@ -224,7 +224,8 @@ def is_placement(eqn: JaxprEqn, axis_sizes: Mapping[str, int]) -> bool:
   return axes is not None and all(axis_sizes.get(a, 1) == 1 for a in axes)
 
 
-def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int]) -> Region | str:
+def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
+                model_axes: frozenset = frozenset()) -> Region | str:
   """The sums and the update of a global step.
 
   An equation joins the region if it is a gradient sum (`sum_rules`, its
@@ -239,6 +240,10 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int]) -> 
     jaxpr: the step's global jaxpr, calls inlined.
     splits: its values' splits over the batch axes.
     axis_sizes: mesh axis -> size.
+    model_axes: the mesh axes the step's state is placed over (tensor
+      parallelism): a constraint that names only those lays out a block the
+      region computes (`Region.placements`, `analysis.model_splits` reads its
+      spec), not a split over the batch.
 
   Returns:
     The Region, or why the step has none. A region without gradient sums (the
@@ -273,7 +278,8 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int]) -> 
         and rule(eqn, ins, is_zero) and all(divisible(v) for v in eqn.invars)):
       kind.append("sum")
     elif (outs_whole and all(s is None for s in ins) and not compat.side_effects(eqn)
-          and not compat.has_manual_code(eqn) and not _splits_over_mesh(eqn, axis_sizes)):
+          and not compat.has_manual_code(eqn)
+          and not _splits_over_mesh(eqn, axis_sizes, model_axes)):
       kind.append("update")
     else:
       kind.append(None)
@@ -315,17 +321,23 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int]) -> 
   invars = tuple(dict.fromkeys(
       v for i in inside for v in jaxpr.eqns[i].invars
       if not compat.is_literal(v) and v not in made))
-  placements = frozenset(i for i in inside if is_placement(jaxpr.eqns[i], axis_sizes))
+  placements = frozenset(i for i in inside if is_placement(jaxpr.eqns[i], axis_sizes)
+                         or compat.is_sharding_constraint(jaxpr.eqns[i]))
   return Region(tuple(inside), sums & set(inside), invars,
                 tuple(spec_of(split(v)) for v in invars), outvars, frozenset(moved) & set(inside),
                 placements)
 
 
-def _splits_over_mesh(eqn: JaxprEqn, axis_sizes: Mapping[str, int]) -> bool:
-  """A sharding constraint that is no placement: it splits its value over a mesh axis (a
+def _splits_over_mesh(eqn: JaxprEqn, axis_sizes: Mapping[str, int],
+                      model_axes: frozenset) -> bool:
+  """A sharding constraint that is no placement: it splits its value over a batch axis (a
   ZeRO written by hand), which a shard_map over the batch axes cannot honour, so it runs
-  where GSPMD partitions the step, with what computes its operand."""
-  return compat.is_sharding_constraint(eqn) and not is_placement(eqn, axis_sizes)
+  where GSPMD partitions the step, with what computes its operand. One naming only
+  model axes (besides size-1 ones) stays in the region: its block is laid out so."""
+  if not compat.is_sharding_constraint(eqn) or is_placement(eqn, axis_sizes):
+    return False
+  axes = compat.placement_axes(eqn)
+  return axes is None or not {a for a in axes if axis_sizes.get(a, 1) > 1} <= model_axes
 
 
 def _moves_elements(eqn: JaxprEqn) -> bool:

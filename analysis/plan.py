@@ -232,6 +232,9 @@ class Plan:
     unchanged: why the step runs as the front end's JAX function would, with
       nothing sharded (`wus.jit` of a step without data parallelism); "" when
       it is planned.
+    split_by: what splits an input over the model axes, for its line: "its
+      spec" (a shard_map in_spec), "its placement" (`wus.jit`: a NamedSharding,
+      `in_shardings`, sharding metadata).
 
   `str(plan)` (what `print` shows) is one line per cluster, the totals first;
   `plan.details()` the full table: every tensor with its format, every input.
@@ -254,6 +257,7 @@ class Plan:
   owned: Ownership | None = None
   resolution: float = 0.0
   unchanged: str = ""
+  split_by: str = "its spec"
 
   @property
   def across_groups(self) -> int:
@@ -315,11 +319,11 @@ class Plan:
     """Where an input lies, for its line: the axes the user's spec splits it over, those
     wus shards it over and what each device holds of it ("" for a whole replicated one)."""
     i = self.inputs[k]
-    split = f"split over {[a for a, _ in i.split]} by its spec" if i.split else ""
+    split = f"split over {[a for a, _ in i.split]} by {self.split_by}" if i.split else ""
     fmt = self.state_inputs.get(k) if i.sharded else None
     if fmt is None and i.fsdp and i.state:
       return (f" [{', '.join(filter(None, [split, f'FSDP over {list(i.fsdp)}']))}: already "
-              f"split by its spec, nothing repeated there: {_bytes(i.nbytes)} per device]")
+              f"split by {self.split_by}, nothing repeated there: {_bytes(i.nbytes)} per device]")
     if fmt is None:
       return f" [{split}]" if split else ""
     wus = f"sharded over {list(self.axes)} by wus"

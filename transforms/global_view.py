@@ -4,12 +4,13 @@ then the update region as a shard_map through the rewrite (`analysis/global_view
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from jax import lax
 
 from wus.analysis import compat, global_view
-from wus.transforms import inline
+from wus.analysis.model_splits import ModelSplits
+from wus.transforms import inline, model_local
 
 
 def run(flat, region: global_view.Region, sub, *ops):
@@ -40,11 +41,15 @@ def run(flat, region: global_view.Region, sub, *ops):
   return tuple(read(v) for v in jaxpr.outvars)
 
 
-def region_fn(jaxpr, region: global_view.Region, axes: tuple) -> Callable[..., tuple]:
+def region_fn(jaxpr, region: global_view.Region, axes: tuple,
+              model: ModelSplits | None = None,
+              axis_sizes: Mapping[str, int] | None = None) -> Callable[..., tuple]:
   """The region as one replica's program, to trace inside a shard_map over `axes`: each
   gradient sum on this replica's rows, then all-reduced (`psum`), which the rewrite
   turns into a reduce-scatter; the update's equations as they are, but placements
-  (`Region.placements`), which pass their operand on."""
+  (`Region.placements`), which pass their operand on. With `model` (a data x model
+  mesh, the shard_map manual over every axis), an equation that reads or writes a
+  value split over a model axis runs on this rank's blocks (`model_local`)."""
   def fn(*ins):
     env = dict(zip(region.invars, ins, strict=True))
 
@@ -55,7 +60,10 @@ def region_fn(jaxpr, region: global_view.Region, axes: tuple) -> Callable[..., t
       if i in region.placements:  # Whole already: wus's layout replaces the constraint's.
         env.update(zip(eqn.outvars, [read(v) for v in eqn.invars], strict=True))
         continue
-      outs = inline.eval_eqn(eqn, [read(v) for v in eqn.invars], rename={})
+      if model is not None and model_local.is_local(eqn, i, model):
+        outs = model_local.eval_local(eqn, i, [read(v) for v in eqn.invars], model, axis_sizes)
+      else:
+        outs = inline.eval_eqn(eqn, [read(v) for v in eqn.invars], rename={})
       if i in region.moved or i in region.sums:
         with compat.source_of(compat.in_current_mesh(eqn)):
           outs = (lax.optimization_barrier(outs) if i in region.moved

@@ -7,6 +7,12 @@ GSPMD partitions it; the sums and the update run as a shard_map region over
 the batch axes through the pipeline of `wus.shard_map`, so the gradients are
 reduce-scattered, the update runs on 1/N of every tensor and optimizer state
 stays sharded between calls.
+
+On a mesh with model axes besides the batch axes (tensor parallelism: the
+state placed over "model"), the region runs manual over every axis, each
+model rank's blocks as `analysis.model_splits` says; each block's update is
+sharded over the batch axes, and the state is split over data x model (one
+`ShardedLayout`: the placement's split, then wus's; DESIGN.md §1).
 """
 
 from __future__ import annotations
@@ -19,17 +25,17 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from wus import jit_arguments, runtime
 from wus.analysis import compat, global_view
+from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import InputPlan, JaxprPlan, Plan
 from wus.analysis.reasons import Reason
 from wus.api import ShardedStep
 from wus.matching import Signature, StateMatch, argument_paths, match_state
 from wus.sharded import ShardedArray, check_alive, is_sharded
 from wus.transforms import global_view as global_view_program
-from wus.transforms import programs
 
 
 def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardings: Any = None,
@@ -46,7 +52,11 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
   `NamedSharding(mesh, P("data"))`, or by `in_shardings`) and the weights and
   optimizer state whole (`P()` or unplaced), the gradient sums over the batch
   become reduce-scatters, the update runs on 1/N of every tensor and the new
-  weights are all-gathered (§3, §4). Optimizer state comes back as
+  weights are all-gathered (§3, §4). Weights placed over other mesh axes
+  (tensor parallelism: `NamedSharding(mesh, P(None, "model"))`, `in_shardings`,
+  `nnx.with_partitioning`, linen logical axis rules) have each model rank's
+  block sharded over the batch axes: their state is split over data x model.
+  Optimizer state comes back as
   `wus.ShardedArray` leaves, to pass straight to the next call;
   `wus.unshard` gives whole arrays. A step with no batch split, or whose
   update wus cannot find, runs as `jax.jit` runs it, with the reason in
@@ -161,7 +171,7 @@ class JitStep:
       The `wus.Plan`: each weight-update cluster, sharded, owned or replicated
       and why (§3.2), with the cost model's prediction; `Plan.unchanged` says
       why a step runs as `jax.jit` runs it (no batch split, state split over a
-      mesh axis).
+      batch axis, an update that cannot run on the model blocks).
     """
     return self._compiled(args, kwargs)[1].plan
 
@@ -180,7 +190,7 @@ class JitStep:
     leaves, compiled = self._compiled(args, kwargs)
     if compiled.mesh is None:
       return self._jitted.lower(*args, **kwargs)
-    ops = [jax.ShapeDtypeStruct(compiled.sharded_leaves[k].format.padded_shape, x.dtype,
+    ops = [jax.ShapeDtypeStruct(compiled.sharded_leaves[k].padded_shape, x.dtype,
                                 sharding=compiled.sharded_leaves[k].data_sharding)
            if k in compiled.sharded_leaves else x for k, x in enumerate(leaves)]
     return compiled.run.lower(*ops)
@@ -255,12 +265,27 @@ class JitStep:
                        "wus.jit shards updates of values the step takes and returns, so the "
                        "step runs as jax.jit runs it; pass the values (ref[...]) and return "
                        "the new ones to shard the update")
-    split_state = [paths[i] for i in self._state(args, dyn, traced.out_info).pairs.values()
-                   if jit_arguments.batch_axes([leaves[i]], [declared[i]], mesh)]
+    state = set(self._state(args, dyn, traced.out_info).pairs.values())
+    axes, model = jit_arguments.batch_and_model_axes(leaves, declared, mesh, state)
+    split_state = [paths[i] for i in sorted(state)
+                   if jit_arguments.batch_axes([leaves[i]], [declared[i]], mesh, axes)]
     if split_state:
-      return unchanged(f"state is split over mesh axes itself ({split_state[0]}: tensor or "
-                       "fully sharded data parallelism), which wus.jit does not serve yet; "
-                       "the step runs as jax.jit runs it")
+      return unchanged(f"state is split over mesh axes itself ({split_state[0]}, over the "
+                       f"batch axes {list(axes)}: fully sharded data parallelism), which "
+                       "wus.jit does not serve yet; the step runs as jax.jit runs it")
+    if not axes:
+      return unchanged("no argument but the state is split over a mesh axis (the batch), so "
+                       "there is no data parallelism to shard the update over")
+    found = self._region(args, kwargs, traced, whole, leaves, declared, mesh, axes, model)
+    if isinstance(found, str):
+      return unchanged(found)
+    return self._compile(*found, args, dyn, traced, mesh, axes, paths, declared)
+
+  def _region(self, args: tuple, kwargs: dict, traced, whole: list, leaves: list,
+              declared: list, mesh: Mesh, axes: tuple, model: tuple) -> tuple | str:
+    """(the flat jaxpr, its update region, the region's model splits, its (in_specs,
+    out_specs)), or why the step has no region wus can run (`analysis.global_view`,
+    `analysis.model_splits`)."""
     flat = jit_arguments.flat_jaxpr(traced.jaxpr, mesh)
     if compat.explicit_axes(mesh) >= set(axes):
       splits = global_view.splits_from_types(flat.jaxpr, frozenset(axes))
@@ -270,11 +295,16 @@ class JitStep:
           for x, a, d in zip(whole, leaves, declared, strict=True)]).jaxpr, mesh)
       splits = global_view.splits_from_sizes(flat.jaxpr, larger.jaxpr, axes)
       if isinstance(splits, str):
-        return unchanged(splits)
-    region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape))
+        return splits
+    region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape), frozenset(model))
     if isinstance(region, str):
-      return unchanged(region)
-    return self._compile(flat, region, args, dyn, traced, mesh, axes, paths, declared)
+      return region
+    blocks = jit_arguments.model_splits(flat.jaxpr, region, leaves, declared, mesh, model)
+    if isinstance(blocks, str):
+      return (f"the update cannot run on the blocks of the tensors split over {list(model)}: "
+              f"{blocks}; the step runs as jax.jit runs it")
+    specs = jit_arguments.region_specs(region, blocks)
+    return specs if isinstance(specs, str) else (flat, region, blocks, specs)
 
   def _dynamic_positions(self, args: tuple) -> tuple[int, ...]:
     return tuple(i for i in range(len(args)) if i not in self._static)
@@ -298,8 +328,9 @@ class JitStep:
     signature = Signature.of(self._fun, positions=self._dynamic_positions(args), keywords=True)
     return match_state((*dyn[0], dyn[1]), out, signature)
 
-  def _compile(self, flat, region: global_view.Region, args: tuple, dyn: tuple, traced,
-               mesh: Mesh, axes: tuple, paths: list[str], declared: list) -> _Compiled:
+  def _compile(self, flat, region: global_view.Region, blocks: ModelSplits | None,
+               specs: tuple, args: tuple, dyn: tuple, traced, mesh: Mesh, axes: tuple,
+               paths: list[str], declared: list) -> _Compiled:
     jaxpr = flat.jaxpr
     inside = set(region.eqns)
     outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
@@ -322,36 +353,39 @@ class JitStep:
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     out_names = [next(out_paths[k] for k, w in enumerate(jaxpr.outvars) if w is v)
                  for v in region.outvars]
+    in_specs, out_specs = specs
     step = ShardedStep(
-        global_view_program.region_fn(jaxpr, region, axes), mesh=mesh, in_specs=region.in_specs,
-        out_specs=(P(),) * len(region.outvars), check_vma=False, axis_names=frozenset(),
-        axis_name=axes, split_reason="split over the batch axes",
+        global_view_program.region_fn(jaxpr, region, axes, blocks, dict(mesh.shape)),
+        mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
+        axis_names=frozenset(), axis_name=axes, split_reason="split over the batch axes",
         match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
         names=(in_names, out_names), **self._options)
     region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                              sharding=NamedSharding(mesh, s))
-                        for v, s in zip(region.invars, region.in_specs, strict=True))
+                        for v, s in zip(region.invars, in_specs, strict=True))
     _, sub = step._compiled(region_args)
     # Region input / output positions -> the step's flat leaves.
-    sharded_leaves = {in_pos[region.invars[k]]: dataclasses.replace(layout, spec=P())
+    sharded_leaves = {in_pos[region.invars[k]]: dataclasses.replace(layout, spec=in_specs[k])
                       for k, layout in sub.sharded_leaves.items()}
     sharded_outputs = {o: sub.sharded_outputs[region_out[v]] for o, v in enumerate(jaxpr.outvars)
                        if not compat.is_literal(v) and v in region_out
                        and region_out[v] in sub.sharded_outputs}
     donated = tuple(k for k, info in enumerate(jax.tree.leaves(traced.args_info))
                     if getattr(info, "donated", False))
-    shard = NamedSharding(mesh, programs.shard_spec(sub.plan.axes))
     in_shardings = tuple(
-        shard if k in sharded_leaves else d or jit_arguments.placement(x, mesh)
+        sharded_leaves[k].data_sharding if k in sharded_leaves
+        else d or jit_arguments.placement(x, mesh)
         for k, (x, d) in enumerate(zip(jax.tree.leaves(dyn, is_leaf=is_sharded), declared,
                                        strict=True)))
     wanted = jit_arguments.declared(self._jit_kwargs.get("out_shardings"), out_shape,
                                     jax.tree.leaves(out_shape))
-    out_shardings = tuple(shard if k in sharded_outputs else jit_arguments.named(s, mesh)
+    out_shardings = tuple(sharded_outputs[k].data_sharding if k in sharded_outputs
+                          else jit_arguments.named(s, mesh)
                           for k, s in enumerate(wanted))
     run = jax.jit(functools.partial(global_view_program.run, flat, region, sub),
                   donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
-    return _Compiled(sub.plan, run, sharded_leaves, sharded_outputs, tuple(paths),
+    plan = dataclasses.replace(sub.plan, split_by="its placement")
+    return _Compiled(plan, run, sharded_leaves, sharded_outputs, tuple(paths),
                      traced.out_tree, sub.mesh, tuple(sub.plan.axes), in_shardings)
 
 

@@ -43,8 +43,9 @@ from wus.analysis.compat.handles import (add_any_p, all_gather_invariant_p, all_
                                          zeros_like_p)
 from wus.analysis.compat.control_flow import (Atom, Cond, cond, loop, Loop)
 from wus.analysis.compat.source import (has_user_frame, source_line)
-from wus.analysis.compat.axes import (collective_axes, explicit_axes, has_axis_index_groups,
-                                      has_result_layout, is_sharding_constraint, match_varying,
+from wus.analysis.compat.axes import (collective_axes, constraint_spec, explicit_axes,
+                                      has_axis_index_groups, has_result_layout,
+                                      is_sharding_constraint, match_varying,
                                       names_axes, placement_axes, renamed_axes, sharding_spec,
                                       to_varying, varying_axes, without_result_layout)
 from wus.analysis.compat.tracing import (attributed, bind, dce, in_current_mesh, is_staging_tracer,

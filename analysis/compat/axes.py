@@ -181,15 +181,22 @@ def is_sharding_constraint(eqn: JaxprEqn) -> bool:
   return eqn.primitive in (lax.sharding_constraint_p, reshard_p)
 
 
-def placement_axes(eqn: JaxprEqn) -> frozenset | None:
-  """The mesh axes a sharding constraint (`with_sharding_constraint`, `reshard`,
-  `eqx.filter_shard` inside jit) lays its value out over; None for other equations or
-  a constraint wus cannot read (not a NamedSharding or PartitionSpec)."""
+def constraint_spec(eqn: JaxprEqn) -> P | None:
+  """The PartitionSpec a sharding constraint lays its value out by; None for other
+  equations or a constraint wus cannot read (not a NamedSharding or PartitionSpec)."""
   if not is_sharding_constraint(eqn):
     return None
   sharding = eqn.params.get("sharding", eqn.params.get("dst_sharding"))
   spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
-  if not isinstance(spec, P):
+  return spec if isinstance(spec, P) else None
+
+
+def placement_axes(eqn: JaxprEqn) -> frozenset | None:
+  """The mesh axes a sharding constraint (`with_sharding_constraint`, `reshard`,
+  `eqx.filter_shard` inside jit) lays its value out over; None for other equations or
+  a constraint wus cannot read (not a NamedSharding or PartitionSpec)."""
+  spec = constraint_spec(eqn)
+  if spec is None:
     return None
   names = set(getattr(spec, "unreduced", ()) or ()) | set(getattr(spec, "reduced", ()) or ())
   for entry in spec:

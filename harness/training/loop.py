@@ -229,7 +229,7 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
              "eval": held_out or eval_step(state),  # evaluated now if nothing was left to train
              **measure(train_step, state, batch, seconds)}
   if config.model_parallel > 1 and config.mode == "wus" and batch is not None:
-    # What wus did with the weights split over "model", as its Plan says (wus.jit on a
-    # 2-D mesh: the step runs unchanged, and why).
+    # What wus did with the weights split over "model", as its Plan says (its first lines:
+    # the clusters sharded and the state per device).
     summary["plan"] = str(train_step.plan(*state, batch)).splitlines()[:2]
   return Result(state, summary)

@@ -1,0 +1,165 @@
+"""`wus.jit` on 2-D meshes (issue 29 item 2): the compiled step's collectives, the Plan, the
+reductions over model-split weights, the steps it runs as jax.jit does and why, and the
+state's life outside the step (`wus.unshard`, `state_target`, Orbax checkpoints).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import wus
+from helpers import assert_trees_equal, classifier_step, collective_lines, replica_groups
+from wus.sharded import is_sharded
+from jit_tensor_parallel import (LogicalMLP, assert_split_state, batches, linen_args,
+                                 linen_step, make_mesh, mlp_run, mlp_step, run_both, sharded)
+
+
+def test_model_split_gradients_reduce_scattered_over_the_data_groups():
+  """The compiled step: every gradient is reduce-scattered and every new weight (block)
+  all-gathered within each model rank's data group; the only all-reduces over "data"
+  left are scalars (the loss), none for a gradient."""
+  ws, args, batch, mesh = linen_step()
+  hlo = ws.lower(*args, batch).compile().as_text()
+  data_groups = sorted(tuple(int(d.id) for d in mesh.devices[:, m]) for m in range(2))
+
+  def over_data(kind):
+    return [ln for ln in collective_lines(hlo, kind) if sorted(replica_groups(ln)) == data_groups]
+  assert over_data("reduce-scatter") and over_data("all-gather")
+  scattered = sum(int(np.prod(re.findall(r"\[([\d,]+)\]", ln)[0].split(","), dtype=int))
+                  for ln in over_data("reduce-scatter"))
+  split_elements = sum(x.size for x in jax.tree.leaves(args[0]) if x.sharding.spec != P())
+  assert 4 * 2 * scattered >= split_elements  # Each device reduce-scatters its block's shard.
+  for line in over_data("all-reduce"):
+    assert re.findall(r"\b[a-z]+\d*\[[\d,]*\]", line.split(" all-reduce")[0]) == ["f32[]"], line
+
+
+def test_megatron_mlp_no_new_collective_over_model():
+  """The forward and backward pass keep the unmodified step's collectives over "model"
+  (the row-parallel all-reduce): the update adds only reduce-scatters and all-gathers
+  over the data groups. Bit for bit over three steps (SGD with momentum)."""
+  tx = optax.sgd(1e-2, momentum=0.9)
+  mesh, r = make_mesh(4), np.random.RandomState(0)
+  spec = {"w1": P(None, "model"), "w2": P("model", None)}
+  params = {k: jax.device_put(jnp.asarray(0.1 * r.randn(*shape), jnp.float32),
+                              NamedSharding(mesh, spec[k]))
+            for k, shape in (("w1", (16, 32)), ("w2", (32, 16)))}
+  data = NamedSharding(mesh, P("data"))
+  batches = [tuple(jax.device_put(jnp.asarray(r.randn(16, 16), jnp.float32), data)
+                   for _ in range(2)) for _ in range(3)]
+  step, ws = mlp_step(tx), wus.jit(mlp_step(tx))
+  _, out = run_both(step, ws, (params, tx.init(params)), batches)
+  assert_split_state(out[1], 4)
+  hlo = ws.lower(*out, batches[0]).compile().as_text()
+  ref = jax.jit(step).lower(params, tx.init(params), batches[0]).compile().as_text()
+  model_groups = sorted(tuple(int(d.id) for d in mesh.devices[k]) for k in range(4))
+
+  def over_model(text):
+    return sorted((kind, ln.split(" = ")[1].split(" ")[0])
+                  for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+                  for ln in collective_lines(text, kind)
+                  if sorted(replica_groups(ln)) == model_groups)
+  assert over_model(hlo) == over_model(ref) and over_model(ref), over_model(hlo)
+
+
+def test_the_plan_says_each_tensor_is_split_by_its_placement_and_sharded_by_wus():
+  ws, args, batch, _ = linen_step()
+  plan = ws.plan(*args, batch)
+  lines = {ln.split()[0]: ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
+           if ln.startswith("    ")}
+  kernel = "['params']['Dense_0']['kernel'].value"
+  mu = lines[f"opt_state[0].mu{kernel}"]
+  assert mu.endswith("[split over ['model'] by its placement, sharded over ['data'] by wus: "
+                     "192 B per device of 1.5 KiB]"), mu  # [12, 32]: blocks [12, 16] over 4.
+  assert lines[f"params{kernel}"].endswith("[split over ['model'] by its placement]")
+  scale = lines["opt_state[0].mu['params']['LayerNorm_0']['scale']"]
+  assert "by its placement" not in scale and "sharded over ['data'] by wus" in scale, scale
+  assert "of what the specs alone leave on a device" in str(plan), str(plan)
+  assert "runs unchanged" not in str(plan) and "state is split" not in str(plan), str(plan)
+  assert all(c.sharded for c in plan.clusters), str(plan)
+
+
+@pytest.mark.parametrize("tx", [
+    optax.chain(optax.clip_by_global_norm(1e-3), optax.adam(1e-2)),
+    optax.lamb(1e-2)], ids=["clip_by_global_norm", "lamb"])
+def test_reductions_over_model_split_weights_within_summation_order(tx):
+  """The global norm (and LAMB's per-tensor norms) of split weights: each rank's partial
+  sum combined over "model" as well as over "data"; equal to the unmodified step up to
+  summation order, the state still sharded over data x model."""
+  mesh = make_mesh(4)
+  model, params = linen_args(mesh, tx)
+  step = classifier_step(model, tx)
+  ref = out = (params, tx.init(params))
+  ws = wus.jit(step)
+  for b in batches(mesh, 3):
+    ref, out = jax.jit(step)(*ref, b)[:2], ws(*out, b)[:2]
+  assert_trees_equal(ref, wus.unshard(out), rtol=1e-5, atol=1e-7)
+  assert_split_state(out[1], 4)
+  assert all(c.sharded for c in ws.plan(*out, b).clusters)
+
+
+def test_adafactor_factored_moments_of_split_matrices_within_summation_order():
+  """Adafactor's row and column means of a split matrix: the mean over the split dim is a
+  partial sum completed over "model". Equal to summation order, state sharded."""
+  tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)  # Factors the [16, 32] and [32, 16].
+  ws, out, b = mlp_run(tx, rtol=1e-5, atol=1e-7)
+  assert all(c.sharded for c in ws.plan(*out, b).clusters), str(ws.plan(*out, b))
+  factored = [x for x in jax.tree.leaves(out[1], is_leaf=is_sharded) if np.ndim(x) == 1]
+  assert len(factored) >= 4, factored  # v_row and v_col of both matrices.
+
+
+@pytest.mark.parametrize("tx", [
+    optax.apply_if_finite(optax.sgd(1e-2, momentum=0.9), 3),
+    optax.MultiSteps(optax.sgd(1e-2, momentum=0.9), 2)], ids=["apply_if_finite", "multi_steps"])
+def test_an_update_that_cannot_run_on_blocks_runs_as_jax_jit_with_the_reason(tx):
+  """An update that reads a model-split tensor inside a conditional (no rule runs a `cond`
+  on blocks): the step runs as jax.jit runs it, bit for bit, and the Plan says why."""
+  ws, out, b = mlp_run(tx)
+  plan = str(ws.plan(*out, b))
+  assert "cannot run on the blocks of the tensors split over ['model']: cond at" in plan, plan
+  assert not sharded(out)
+
+
+def test_unshard_state_target_and_lower_of_state_split_over_data_x_model():
+  ws, (params, opt_state), batch, mesh = linen_step()
+  whole = wus.unshard(opt_state)
+  mu = whole[0].mu["params"]["Dense_0"]["kernel"].value
+  assert mu.shape == (12, 32) and mu.sharding.spec == P(None, "model"), mu.sharding
+  target = ws.state_target(params, opt_state, batch)
+  mu_target = target[1][0].mu["params"]["Dense_0"]["kernel"].value
+  assert mu_target.shape == (12, 32), mu_target
+  lowered = ws.lower(params, whole, batch)  # Whole state: the steady-state program all the same.
+  assert lowered.compile().memory_analysis() is not None
+  again = ws(params, whole, batch)  # Whole state passed back: sharded on the way in.
+  assert_trees_equal(wus.unshard(again[1]), wus.unshard(ws(params, opt_state, batch)[1]))
+
+
+def test_checkpoint_saved_on_4x2_restored_on_2x2_through_state_target(tmp_path):
+  """State saved with stock Orbax (`wus.checkpointable`) on (4, 2) restores on (2, 2)
+  through `state_target` (same model, fewer data replicas), equal to the saved state, and
+  trains on as jax.jit does from it, its state sharded over data x model again. (The
+  checkpoint holds model-split state whole, laid out by its placement: `wus.sharded`'s
+  `checkpointable`.)"""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  tx = optax.adam(1e-2)
+  ws, (params, opt_state), _, _ = linen_step(4, tx)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(tmp_path / "ckpt", wus.checkpointable({"params": params, "opt_state": opt_state}))
+  ckptr.wait_until_finished()
+  small = make_mesh(2)
+  saved = wus.unshard((params, opt_state))
+  whole = jax.tree.map(lambda x: jax.device_put(np.asarray(x), NamedSharding(
+      small, x.sharding.spec)), saved)
+  (batch,) = batches(small, 1, batch=8)
+  step = classifier_step(LogicalMLP(), tx)
+  ws2 = wus.jit(step)
+  target_params, target_opt, _ = ws2.state_target(*whole, batch)
+  restored = ckptr.restore(tmp_path / "ckpt", {"params": target_params, "opt_state": target_opt})
+  assert_trees_equal(whole, wus.unshard((restored["params"], restored["opt_state"])))
+  out = ws2(restored["params"], restored["opt_state"], batch)
+  assert_trees_equal(jax.jit(step)(*whole, batch)[:2], wus.unshard(out[:2]))
+  assert_split_state(out[1], 2)

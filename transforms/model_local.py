@@ -1,0 +1,80 @@
+"""One equation of a global step's update region run on model blocks (`wus.jit` on a
+data x model mesh; the splits from `analysis.model_splits`).
+
+Inside the region's shard_map, manual over every mesh axis, a value split over
+"model" is its rank's block. An equation with no shape in its params (an
+elementwise op, a transpose, a dot_general) runs on blocks as it is; one whose
+params give the result's shape (a broadcast, a reshape) gets the block's shape
+(`local_params`, keyed by primitive); a sharding constraint is the identity (the
+block is laid out as it asks); a reduction over a split dim gives this rank's
+partial result, which an all-reduce over the model axes completes, as the
+partitioner's all-reduce completes it in the unmodified step (exact up to
+summation order: the global norm of optax.clip_by_global_norm, LAMB's trust
+ratios).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jax import lax
+
+from wus.analysis import compat, model_splits
+from wus.analysis.model_splits import ModelSplits
+
+_ALL_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+
+
+def local_shape(shape: Sequence[int], split: tuple | None,
+                axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
+  """The shape of one model rank's block of a value of `shape` split as `split`."""
+  if not split:
+    return tuple(shape)
+  return tuple(n // math.prod(axis_sizes[a] for a in e) if e else n
+               for n, e in zip(shape, split, strict=True))
+
+
+# Params giving a result's shape, as a block's: primitive -> (eqn, block shape) -> params.
+local_params: dict[compat.Primitive, Callable[[Any, tuple], dict]] = {
+    lax.broadcast_in_dim_p: lambda eqn, shape: {"shape": shape},
+    lax.reshape_p: lambda eqn, shape: {"new_sizes": shape},
+}
+
+
+def is_local(eqn, position: int, splits: ModelSplits) -> bool:
+  """Whether the equation reads or writes a block (and must run as one here)."""
+  return (position in splits.reduced
+          or any(splits.split(v) for v in (*eqn.invars, *eqn.outvars)))
+
+
+def eval_local(eqn, position: int, ins: Sequence[Any], splits: ModelSplits,
+               axis_sizes: Mapping[str, int]) -> list[Any]:
+  """`eqn` on this rank's blocks of `ins`.
+
+  Args:
+    eqn: an equation of the region (`is_local`).
+    position: its position in the step's jaxpr (`ModelSplits.reduced` key).
+    ins: its operands, the split ones as this rank's blocks.
+    splits: the region's model splits.
+    axis_sizes: mesh axis -> size.
+
+  Returns:
+    Its results, the split ones as this rank's blocks.
+  """
+  if compat.is_sharding_constraint(eqn) or eqn.primitive is lax.optimization_barrier_p:
+    outs = list(ins) if compat.is_sharding_constraint(eqn) else lax.optimization_barrier(ins)
+  else:
+    # On the region's mesh, every axis manual: a result's layout names none of them.
+    eqn = compat.in_current_mesh(eqn)
+    params = compat.renamed_axes(eqn, {a: () for a in axis_sizes})
+    if (rule := local_params.get(eqn.primitive)) is not None:
+      out = eqn.outvars[0]
+      params.update(rule(eqn, local_shape(out.aval.shape, splits.split(out), axis_sizes)))
+    outs = compat.rebind(eqn, *ins, **params)
+  if (axes := splits.reduced.get(position)):
+    combine = _ALL_REDUCE[model_splits.REDUCE_OPS.get(eqn.primitive, "sum")]
+    with compat.source_of(eqn):
+      outs = [combine(x, axes) for x in outs]
+  return list(outs)
