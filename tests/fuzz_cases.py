@@ -5,9 +5,10 @@ a random parameter tree, a loss that uses each parameter the way a real layer
 does (a matmul with a broadcast bias, a convolution, a LayerNorm-style scale
 and shift, an embedding lookup, a scalar, an elementwise tensor), a random
 optax chain over the transform catalogue, a replica count N and check_vma;
-under shard_map sometimes a second mesh axis "model" of 2 devices (issue 29) with dense
-layers column-parallel over it (Megatron: the kernel's output dim and the bias split by
-the in_specs, the layer's loss term summed over "model"), every other weight whole.
+sometimes a second mesh axis "model" of 2 devices (issue 29) with dense layers
+column-parallel over it (Megatron: the kernel's output dim and the bias split by the
+in_specs, the layer's loss term summed over "model", under shard_map; placed so on the
+global arrays of a jax.jit step), every other weight whole.
 
 Every case is *generated as Python source*: `Case.script()` is a standalone
 program (runnable with `XLA_FLAGS=--xla_force_host_platform_device_count=8
@@ -255,8 +256,8 @@ class Layer:
       bias = f" + {p}['b']" if self.flag else ""
       w = f"{p}['w']{cast}"
       if self.split:  # This replica's columns: the mean over all of them sums over "model".
-        return [f"h = x[:, :{d[0]}].astype({w}.dtype) @ {w}{bias}  # [batch, {d[1]} / MODEL]",
-                "total = total + lax.psum(jnp.mean(jnp.tanh(h) ** 2), 'model') / MODEL"]
+        return [f"h = x[:, :{d[0]}].astype({w}.dtype) @ {w}{bias}  # Columns of this rank.",
+                "total = total + over_model(jnp.mean(jnp.tanh(h) ** 2))"]
       return [f"h = x[:, :{d[0]}].astype({w}.dtype) @ {w}{bias}",
               "total = total + jnp.mean(jnp.tanh(h) ** 2)"]
     if self.kind == "conv":
@@ -605,8 +606,9 @@ class Case:
   size1_axes: int = 0
   constraint: str = "none"
   evaluate: bool = False
-  # shard_map only (issue 29): devices of a "model" axis beside "data" (the mesh N x 2),
-  # with the layers marked `split` column-parallel over it.
+  # Devices of a "model" axis beside "data" (issue 29; the mesh N x 2), with the layers
+  # marked `split` column-parallel over it: by the in_specs under shard_map, by the
+  # placement of the arguments under jax.jit.
   model: int = 1
 
   @property
@@ -675,7 +677,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 
 N, CHECK_VMA, STEPS, BF16 = {self.n}, {self.check_vma}, {self.steps}, {self.bf16}
-MODEL = {self.model}  # Devices of the "model" axis (shard_map; 1: no such axis).
+MODEL = {self.model}  # Devices of the "model" axis (1: no such axis).
 EXTRA_AXES, CONSTRAINT, EVALUATE = {self.size1_axes}, {self.constraint!r}, {self.evaluate}
 # Matrices placed over the size-1 "model" axis: on Auto axes only (on Explicit axes the types
 # would carry it, and JAX asks the step for output shardings).
@@ -692,6 +694,13 @@ def make_params():
 def param_specs():
   """Each parameter's in_spec: column-parallel dense layers split over "model"."""
   return {specs_src}
+
+
+def over_model(term):
+  """A column-parallel layer's loss term: under shard_map the mean over this rank's
+  columns, averaged over "model"; on global arrays the mean over all columns already."""
+  local = MODEL > 1 and {self.front == "shard_map"}
+  return lax.psum(term, "model") / MODEL if local else term
 
 
 def loss(params, batch):
@@ -745,9 +754,11 @@ def evaluate(params, opt_state):
 
 def make_mesh(front):
   """The mesh: "data" of N devices, then EXTRA_AXES axes of size 1 (global-view fronts),
-  or N x MODEL ("data", "model") under shard_map with MODEL > 1."""
+  or N x MODEL ("data", "model") with MODEL > 1."""
   if MODEL > 1:
-    return jax.make_mesh((N, MODEL), ("data", "model"), devices=jax.devices()[:N * MODEL])
+    types = None if front != "auto" else (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((N, MODEL), ("data", "model"), devices=jax.devices()[:N * MODEL],
+                         axis_types=types)
   names = ("data", "model", "fsdp")[:1 + EXTRA_AXES]
   types = (None if front != "auto" else (jax.sharding.AxisType.Auto,) * len(names))
   return jax.make_mesh((N,) + (1,) * EXTRA_AXES, names, devices=jax.devices()[:N],
@@ -757,7 +768,7 @@ def make_mesh(front):
 def state_specs():
   """The optimizer state's in_specs, as a user on an Explicit mesh finds them: the
   shardings `tx.init` gives its outputs from the parameters' (P() for the rest)."""
-  mesh = make_mesh("shard_map")
+  mesh = make_mesh({self.front!r})
   placed = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(mesh, spec)),
                         param_specs(), make_params(), is_leaf=lambda x: isinstance(x, P))
   try:
@@ -768,7 +779,7 @@ def state_specs():
   return jax.tree.map(lambda x: getattr(getattr(x, "sharding", None), "spec", P()), state)
 
 
-if MODEL > 1:
+if MODEL > 1 and {self.front == "shard_map"}:
   IN_SPECS = (param_specs(), state_specs(), {spec_extra}P("data"))
   OUT_SPECS = (param_specs(), state_specs(), {spec_extra}P())
 else:
@@ -783,9 +794,10 @@ def make_inputs(mesh):
     params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(
         mesh, P(None, "model") if x.ndim >= 2 else P())), params)
   args = (params, tx.init(params){extra_value})
-  if MODEL > 1:  # Placed as the in_specs split them (an Explicit mesh reshards nothing).
+  if MODEL > 1:  # Placed as the specs split them (an Explicit mesh reshards nothing).
+    specs = (param_specs(), state_specs(), *(P(),) * (len(args) - 2))
     args = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(mesh, spec)),
-                        IN_SPECS[:len(args)], args, is_leaf=lambda x: isinstance(x, P))
+                        specs, args, is_leaf=lambda x: isinstance(x, P))
   data = NamedSharding(mesh, P("data"))
   rngs = [np.random.default_rng({self.seed} + 1000 * i) for i in range(STEPS)]
   batches = [jax.device_put({{
@@ -836,13 +848,15 @@ def cases(draw) -> Case:
               steps=draw(st.sampled_from((2, 3))), layers=ls, tx=tx, extra=draw(st.booleans()),
               seed=draw(st.integers(0, 999)),
               front=draw(st.sampled_from(("shard_map", "shard_map", "auto", "explicit"))))
-  if case.front == "shard_map":
-    if draw(st.integers(0, 2)) > 0:
-      return case
+  if draw(st.integers(0, 2)) == 0:
     # Tensor parallelism (issue 29): N x 2 devices, some dense layers column-parallel.
     split = tuple(dataclasses.replace(layer, split=draw(st.booleans()))
                   if layer.kind == "dense" and layer.dims[1] % 2 == 0 else layer for layer in ls)
-    return dataclasses.replace(case, n=draw(st.sampled_from((2, 3, 4))), model=2, layers=split)
+    tp = dataclasses.replace(case, n=draw(st.sampled_from((2, 3, 4))), model=2, layers=split)
+    return tp if case.front == "shard_map" else dataclasses.replace(
+        tp, evaluate=draw(st.booleans()))
+  if case.front == "shard_map":
+    return case
   # Size-1 axes on Auto meshes: on Explicit ones JAX itself rejects most of these steps
   # (it asks for out_sharding= on gathers and convolutions over a multi-axis mesh).
   extra = (0, 0, 1, 2) if case.front == "auto" else (0,)
