@@ -232,6 +232,12 @@ class Plan:
     unchanged: why the step runs as the front end's JAX function would, with
       nothing sharded (`wus.jit` of a step without data parallelism); "" when
       it is planned.
+    copy_axes: the other manual mesh axes (of size > 1, mesh order) over which
+      an update identical on all their replicas is sharded too (a weight no spec
+      splits in a tensor-parallel step: LayerNorm scales, embeddings): its tensors'
+      formats have `num_shards * copies` shards, laid over `axes + copy_axes`
+      (`shard_axes`). () when no such axis.
+    copies: replicas along `copy_axes` (1 without).
 
   `str(plan)` (what `print` shows) is one line per cluster, the totals first;
   `plan.details()` the full table: every tensor with its format, every input.
@@ -254,6 +260,16 @@ class Plan:
   owned: Ownership | None = None
   resolution: float = 0.0
   unchanged: str = ""
+  copy_axes: tuple = ()
+  copies: int = 1
+
+  def shard_axes(self, fmt: ShardFormat) -> tuple:
+    """The mesh axes the shards of a tensor in `fmt` lie over, major first: `axes`, then
+    `copy_axes` for an update repeated on their replicas too (§3.1; its format has
+    `num_shards * copies` shards: the shard of replica (r, c) is r * copies + c)."""
+    if self.copies > 1 and fmt.num_shards == self.num_shards * self.copies:
+      return (*self.axes, *self.copy_axes)
+    return tuple(self.axes)
 
   @property
   def across_groups(self) -> int:
@@ -322,7 +338,7 @@ class Plan:
               f"split by its spec, nothing repeated there: {_bytes(i.nbytes)} per device]")
     if fmt is None:
       return f" [{split}]" if split else ""
-    wus = f"sharded over {list(self.axes)} by wus"
+    wus = f"sharded over {list(self.shard_axes(fmt))} by wus"
     return (f" [{', '.join(filter(None, [split, wus]))}: "
             f"{_bytes(fmt.shard_size * i.itemsize)} per device of {_bytes(i.nbytes * i.blocks)}]")
 

@@ -76,19 +76,51 @@ def _replica(axis_name):
   return lax.axis_index(axis_name)
 
 
-def reduce_scatter(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
+def reduce_scatter(x: jnp.ndarray, fmt, axis_name, copies=()) -> jnp.ndarray:
   """Per replica: this replica's shard of the sum of `x` over all replicas.
 
   Replaces `psum(x)` when only the shard is needed (Fig. 3).
 
   Args:
-    x: shape `fmt.shape`, different on every replica.
+    x: shape `fmt.shape`, different on every replica of `axis_name`.
+    axis_name: the replica axes the sum runs over.
+    copies: mesh axes (minor to `axis_name`) over whose replicas `x` is identical
+      and which split the shards further: `fmt.num_shards` is the replicas of
+      `axis_name` and `copies` together. The sum runs over `axis_name` only; each
+      replica keeps its part of the block it receives, with no communication
+      (`keep_copy`).
 
   Returns:
     shape `fmt.shard_shape`, dtype of `x`: rows [r * shard_rows, ...) of the
-    padded sum (padding rows are zero).
+    padded sum (padding rows are zero), r the index along `axis_name` + `copies`.
   """
-  return scatter_rows(pad(x, fmt), axis_name)
+  return keep_copy(scatter_rows(pad(x, fmt), axis_name), copies)
+
+
+def keep_copy(x: jnp.ndarray, copies) -> jnp.ndarray:
+  """Per replica: row block c of `x` (c copies blocks), c this replica's index along
+  the axes `copies` (major first); `x` itself when `copies` is ().
+
+  Args:
+    x: leading dim C * k, C the replicas of `copies`; identical across them.
+
+  Returns:
+    shape [k, *x.shape[1:]], dtype of `x`.
+  """
+  if not copies:
+    return x
+  rows = x.shape[0] // num_replicas(copies)
+  return lax.dynamic_slice_in_dim(x, _replica(copies) * rows, rows, axis=0,
+                                  allow_negative_indices=False)
+
+
+def num_replicas(axis_name) -> int:
+  """The replicas along `axis_name` (a name, or a tuple of names); per replica."""
+  names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  size = 1
+  for a in names:
+    size *= lax.axis_size(a)
+  return size
 
 
 def _axes(axis_name) -> tuple:

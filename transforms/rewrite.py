@@ -45,7 +45,7 @@ class _Held:
   """A variable's value in the rewritten program: whole, shard, or both.
 
   `partial` is this replica's part of a reduction still to be all-reduced,
-  as (value, op); the whole value appears when it is first read. `summand`
+  as (value, op, axes); the whole value appears when it is first read. `summand`
   is this replica's addend of a gradient all-reduce still to be
   reduce-scattered, and `across` the mesh axes beyond the sharding axes its
   all-reduce spans (partial sharding, §5.2); the shard appears when it is
@@ -75,6 +75,10 @@ class _Env:
   def fmt(self, v) -> ShardFormat:
     return self.plan.formats[v]
 
+  def axes(self, v) -> tuple:
+    """The mesh axes `v`'s shards lie over (`Plan.shard_axes`)."""
+    return self.plan.shard_axes(self.fmt(v))
+
   def big(self, v) -> bool:
     """Whether the Plan holds `v` as shards where the update reads or writes it."""
     return not compat.is_literal(v) and v in self.plan.formats
@@ -94,7 +98,7 @@ class _Env:
       self.gather([u for u, held in self.held.items() if u in self.plan.gather_dtypes
                    and held.whole is None and held.shard is not None])
     if h.whole is None:
-      h.whole = collectives.all_gather(h.shard, self.fmt(v), self.plan.axes)
+      h.whole = collectives.all_gather(h.shard, self.fmt(v), self.axes(v))
     return h.whole
 
   def shard(self, v) -> Any:
@@ -102,17 +106,18 @@ class _Env:
     if h.summand is not None:
       self.scatter()
     if h.shard is None:
-      h.shard = collectives.shard(self.whole(v), self.fmt(v), self.plan.axes)
+      h.shard = collectives.shard(self.whole(v), self.fmt(v), self.axes(v))
     return h.shard
 
   def flush(self) -> None:
-    """All-reduces every pending partial result: one collective per op and dtype (§5.2)."""
+    """All-reduces every pending partial result: one collective per op, dtype and the
+    axes of the shards it was reduced from (§5.2)."""
     groups: dict = {}
     for v in self.pending:
-      value, op = self.held[v].partial
-      groups.setdefault((op, value.dtype), []).append(v)
-    for (op, _), vs in groups.items():
-      outs = collectives.all_reduce([self.held[v].partial[0] for v in vs], op, self.plan.axes)
+      value, op, axes = self.held[v].partial
+      groups.setdefault((op, value.dtype, axes), []).append(v)
+    for (op, _, axes), vs in groups.items():
+      outs = collectives.all_reduce([self.held[v].partial[0] for v in vs], op, axes)
       for v, x in zip(vs, outs, strict=True):
         self.held[v].whole, self.held[v].partial = x, None
     self.pending = []
@@ -120,13 +125,17 @@ class _Env:
   def scatter(self) -> None:
     """Reduce-scatters every waiting gradient, batched (§5.2); in partial
     sharding the shards are then all-reduced across the groups, batched too
-    (Fig. 10)."""
+    (Fig. 10). Gradients of updates sharded over `Plan.copy_axes` too are summed
+    over the replica axes alone, in collectives of their own."""
     vs, self.summands = self.summands, []
     dtypes, rows, row_fmts = self.owned.to_scatter() if self.owned is not None else ([], [], [])
     values = [self.held[v].summand for v in vs] + rows
-    outs = collectives.batched.reduce_scatter(values, [self.fmt(v) for v in vs] + row_fmts,
-                                              self.plan.axes, self.plan.bucket_bytes,
-                                              self.plan.alone_bytes, keys=_vma(values))
+    outs = collectives.batched.grouped(
+        [self.axes(v)[len(self.plan.axes):] for v in vs] + [()] * len(rows),
+        lambda copies, xs, fmts: collectives.batched.reduce_scatter(
+            xs, fmts, self.plan.axes, self.plan.bucket_bytes, self.plan.alone_bytes,
+            keys=_vma(xs), copies=copies),
+        values, [self.fmt(v) for v in vs] + row_fmts)
     if dtypes:  # Rows of owned gradients, in the same batched reduce-scatters.
       self.owned.scattered(dtypes, outs[len(vs):])
     groups: dict = {}
@@ -153,9 +162,11 @@ class _Env:
     shards += rows
     if after and shards:
       shards = collectives.after(shards, self.tokens(after))
-    outs = collectives.batched.all_gather(shards, [self.fmt(v) for v in mine] + row_fmts,
-                                          self.plan.axes, self.plan.bucket_bytes,
-                                          self.plan.alone_bytes, keys=_vma(shards))
+    outs = collectives.batched.grouped(  # Shards over `copy_axes` too: collectives of their own.
+        [self.axes(v) for v in mine] + [tuple(self.plan.axes)] * len(rows),
+        lambda over, xs, fmts: collectives.batched.all_gather(
+            xs, fmts, over, self.plan.bucket_bytes, self.plan.alone_bytes, keys=_vma(xs)),
+        shards, [self.fmt(v) for v in mine] + row_fmts)
     wholes = dict(zip(mine, outs, strict=False))
     if dtypes:
       wholes.update(self.owned.gathered(dtypes, outs[len(mine):]))
@@ -173,7 +184,7 @@ class _Env:
     """The shard of `v` in `fmt`, which may differ from the plan's format for `v`."""
     if self.plan.formats.get(v) == fmt:
       return self.shard(v)
-    return collectives.shard(self.whole(v), fmt, self.plan.axes)
+    return collectives.shard(self.whole(v), fmt, self.plan.shard_axes(fmt))
 
 
 def _vma(values) -> list[frozenset]:
@@ -227,7 +238,7 @@ def _masked(env: _Env, v, x, reduction: Reduction) -> Any:
   fmt = env.fmt(v)
   if not fmt.padding:
     return x
-  mask = collectives.row_mask(fmt, env.plan.axes).reshape((-1,) + (1,) * (x.ndim - 1))
+  mask = collectives.row_mask(fmt, env.axes(v)).reshape((-1,) + (1,) * (x.ndim - 1))
   return jnp.where(mask, x, reduction.identity(x.dtype))
 
 
@@ -241,7 +252,7 @@ def _reduce(eqn: JaxprEqn, env: _Env) -> list[Any]:
   if 0 not in reduced:
     return [jnp.reshape(_bind_reduce(eqn, x, reduced), env.fmt(y).shard_shape)]
   partial = _bind_reduce(eqn, _masked(env, v, x, reduction), reduced)
-  return [_Partial(jnp.reshape(partial, y.aval.shape), reduction.op)]
+  return [_Partial(jnp.reshape(partial, y.aval.shape), reduction.op, env.axes(v))]
 
 
 def _broadcast_dims(eqn: JaxprEqn, env: _Env) -> list[Any]:
@@ -267,7 +278,7 @@ def _broadcast_shard(env: _Env, x, y, dims) -> Any:
   else:  # A small x supplies the shard dim: slice its rows locally.
     merged = tuple(fy.merged_shape[k] for k, f in enumerate(from_x) if f)
     fx = ShardFormat(tuple(x.aval.shape), merged, fy.num_shards)
-    source, rows = collectives.shard(env.whole(x), fx, env.plan.axes), fy.shard_rows
+    source, rows = collectives.shard(env.whole(x), fx, env.axes(y)), fy.shard_rows
   target = [(rows if k == 0 else fy.merged_shape[k]) if f else 1 for k, f in enumerate(from_x)]
   return jnp.broadcast_to(jnp.reshape(source, target), fy.shard_shape)
 
@@ -278,7 +289,7 @@ def _reduce_all(eqn: JaxprEqn, env: _Env) -> list[Any]:
   (v,) = eqn.invars
   reduction = REDUCTIONS[eqn.primitive]
   x = _masked(env, v, env.shard(v), reduction)
-  return [_Partial(_bind_reduce(eqn, x, tuple(range(x.ndim))), reduction.op)]
+  return [_Partial(_bind_reduce(eqn, x, tuple(range(x.ndim))), reduction.op, env.axes(v))]
 
 
 def _dot_all(eqn: JaxprEqn, env: _Env) -> list[Any]:
@@ -289,14 +300,15 @@ def _dot_all(eqn: JaxprEqn, env: _Env) -> list[Any]:
   dims = tuple(range(a.ndim))
   (out,) = compat.bind(eqn, *compat.match_varying([a, b]),
                        dimension_numbers=((dims, dims), ((), ())))
-  return [_Partial(out, "sum")]
+  return [_Partial(out, "sum", env.axes(eqn.invars[0]))]
 
 
 class _Partial(tuple):
-  """Marks a rule's output as a partial result: (value, op)."""
+  """Marks a rule's output as a partial result: (value, op, the mesh axes to all-reduce
+  it over: those of the shards it was reduced from)."""
 
-  def __new__(cls, value, op):
-    return super().__new__(cls, (value, op))
+  def __new__(cls, value, op, axes):
+    return super().__new__(cls, (value, op, tuple(axes)))
 
 
 def _broadcast(eqn: JaxprEqn, env: _Env) -> list[Any]:
@@ -318,13 +330,10 @@ def _sum_of_copies(eqn: JaxprEqn, env: _Env) -> list[Any]:
   return [collectives.sum_of_copies(env.shard(eqn.invars[0]), copies)]
 
 
-shard_rules[Kind.ELEMENTWISE] = _elementwise
-shard_rules[Kind.LAYOUT] = _same_shard
-shard_rules[Kind.REDUCE_UNIT] = _reduce_unit
-shard_rules[Kind.REDUCE_ALL] = _reduce_all
-shard_rules[Kind.REDUCE] = _reduce
-shard_rules[Kind.DOT_ALL] = _dot_all
-shard_rules[Kind.BROADCAST_DIMS] = _broadcast_dims
+shard_rules.update({Kind.ELEMENTWISE: _elementwise, Kind.LAYOUT: _same_shard,
+                    Kind.REDUCE_UNIT: _reduce_unit, Kind.REDUCE_ALL: _reduce_all,
+                    Kind.REDUCE: _reduce, Kind.DOT_ALL: _dot_all,
+                    Kind.BROADCAST_DIMS: _broadcast_dims})
 
 
 def _cond(eqn: JaxprEqn, env: _Env) -> list[Any]:
@@ -369,11 +378,9 @@ def _owned(eqn: JaxprEqn, env: _Env) -> list[Any]:
   return [_Held(shard=x) for x in columns]
 
 
-shard_rules[Kind.OWNED_SCATTER] = shard_rules[Kind.OWNED] = _owned
-shard_rules[Kind.BROADCAST] = _broadcast
-shard_rules[Kind.REDUCE_SCATTER] = _reduce_scatter
-shard_rules[Kind.SUM_OF_COPIES] = _sum_of_copies
-shard_rules[Kind.IDENTITY] = _same_shard  # pmax / pmin of equal values.
+shard_rules.update({Kind.OWNED_SCATTER: _owned, Kind.OWNED: _owned, Kind.BROADCAST: _broadcast,
+                    Kind.REDUCE_SCATTER: _reduce_scatter, Kind.SUM_OF_COPIES: _sum_of_copies,
+                    Kind.IDENTITY: _same_shard})  # IDENTITY: pmax / pmin of equal values.
 
 
 def rewrite(jaxpr: ClosedJaxpr, plan: Plan) -> Callable[..., list[Any]]:

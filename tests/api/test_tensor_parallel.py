@@ -27,9 +27,10 @@ from jax.sharding import PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, collective_lines, replica_groups, sharded_leaves
-from tensor_parallel import (GELU_SPEC, MEGATRON_SPEC, TX, gelu_inputs, gelu_step,
-                             megatron_inputs, megatron_step, opt_specs, put, run, two_axis_mesh,
-                             use_tx)
+from tensor_parallel import (GELU_SPEC, LN_MLP_REPLICATED, LN_MLP_SPEC, MEGATRON_SPEC, TX,
+                             copy_to_model_region, gelu_inputs, gelu_step, ln_mlp_inputs,
+                             ln_mlp_step, megatron_inputs, megatron_step, opt_specs, put,
+                             reduce_from_model_region, run, two_axis_mesh, use_tx)
 
 
 @pytest.mark.parametrize("n_data", [4, 3])
@@ -299,3 +300,84 @@ def test_flax_nnx_model_annotated_with_partitioning_under_shard_map():
   assert_trees_equal(a, wus.unshard(b))
   split = [x for x in sharded_leaves(b[1]) if x.layout.split_axes == ("model",)]
   assert len(sharded_leaves(b[1])) == 10 and len(split) == 6  # up.kernel, up.bias, down.kernel.
+
+
+# --- Weights no spec splits over "model": LayerNorm, the row-parallel bias (issue 29). -----
+
+
+def _ln_mlp_step(check_vma):
+  return ln_mlp_step if check_vma else partial(ln_mlp_step, f=copy_to_model_region,
+                                               g=reduce_from_model_region)
+
+
+@pytest.mark.parametrize("n_data", [4, 3])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_weights_in_no_model_spec_have_state_sharded_over_data_x_model(check_vma, n_data):
+  """Megatron-LM's MLP: the update of LayerNorm's scale and bias and the row-parallel
+  bias is the same on both model ranks (their gradients are summed over "model" by JAX's
+  AD under check_vma=True, by Megatron's f and g under check_vma=False): wus shards it
+  over data x model, each model rank keeping its half of its data shard. Bit for bit;
+  all of the optimizer state but the step count <= 1/(N_data x 2) per device + padding."""
+  params, batches = ln_mlp_inputs(n_data)
+  a, b, ws, batch = run(two_axis_mesh(n_data, 2), _ln_mlp_step(check_vma), LN_MLP_SPEC,
+                        params, batches, check_vma=check_vma)
+  assert_trees_equal(a, wus.unshard(b))
+  adam = b[1][0]
+  for name in LN_MLP_SPEC:
+    for x in (adam.mu[name], adam.nu[name]):
+      over = ("data", "model") if name in LN_MLP_REPLICATED else ("data",)
+      assert x.axes == over and x.format.num_shards == n_data * len(over), (name, x)
+      assert x.data.sharding.spec == (P(("data", "model")) if name in LN_MLP_REPLICATED
+                                      else P(("model", "data"))), (name, x)
+  sharded = sharded_leaves(b[1])
+  assert len(sharded) == 12
+  whole = sum(x.size * x.dtype.itemsize for x in sharded)
+  padding = sum(x.format.padding * x.dtype.itemsize * math.prod(x.format.shard_shape[1:])
+                for x in sharded)
+  assert sum(x.nbytes_per_device for x in sharded) <= whole / (n_data * 2) + padding
+  plan = ws.plan(*b, batch)
+  ln = next(c for c in plan.clusters if any("ln_scale" in t.name for t in c.tensors))
+  assert ln.sharded and "sharded over ['data', 'model']: identical on every replica" in ln.reason
+
+
+def test_a_replicated_weight_whose_gradient_differs_across_model_ranks_stays_over_data():
+  """check_vma=False with the forward psum but without Megatron's f: each model rank
+  computes its own LayerNorm gradient (a valid program whose replicas drift apart). The
+  analysis cannot prove the update the same across "model": sharded over "data" only,
+  the reason in the Plan, and the step still matches the unmodified one bit for bit."""
+  params, batches = ln_mlp_inputs(4)
+  a, b, ws, batch = run(two_axis_mesh(4, 2), ln_mlp_step, LN_MLP_SPEC, params, batches,
+                        check_vma=False)
+  assert_trees_equal(a, wus.unshard(b))
+  assert b[1][0].mu["ln_scale"].axes == ("data",)
+  assert b[1][0].mu["b2"].axes == ("data", "model")  # Its gradient is the same on both.
+  plan = ws.plan(*b, batch)
+  ln = next(c for c in plan.clusters if any("ln_scale" in t.name for t in c.tensors))
+  assert "sharded over ['data'] only, not ['model']: its update may differ" in ln.reason
+
+
+def test_replicated_weights_gradients_reduce_scattered_over_data_then_split_locally():
+  """The compiled step of the LayerNorm MLP: no all-reduce over "data" but the loss's; no
+  reduce-scatter over "model" (the gradient summed over "data" only, each model rank
+  slicing its half locally); and, on the unmodified step's collectives over "model",
+  only the all-gather phases of the new replicated weights."""
+  mesh = two_axis_mesh(4, 2)
+  params, batches = ln_mlp_inputs(4, steps=1)
+  a, b, ws, batch = run(mesh, ln_mlp_step, LN_MLP_SPEC, params, batches)
+  hlo = ws.lower(*b, batch).compile().as_text()
+  kw = dict(mesh=mesh, in_specs=(LN_MLP_SPEC, opt_specs(LN_MLP_SPEC), P("data")),
+            out_specs=(LN_MLP_SPEC, opt_specs(LN_MLP_SPEC), P()))
+  ref_hlo = jax.jit(jax.shard_map(ln_mlp_step, **kw)).lower(*a, batch).compile().as_text()
+  data_groups = sorted(tuple(int(d.id) for d in mesh.devices[:, m]) for m in range(2))
+  model_groups = sorted(tuple(int(d.id) for d in mesh.devices[r]) for r in range(4))
+
+  def over(text, kind, groups):
+    return [ln for ln in collective_lines(text, kind) if sorted(replica_groups(ln)) == groups]
+  assert not over(hlo, "reduce-scatter", model_groups)
+  assert len(over(hlo, "reduce-scatter", data_groups)) == len(collective_lines(
+      hlo, "reduce-scatter"))
+  for line in over(hlo, "all-reduce", data_groups):  # The loss's pmean only.
+    assert re.findall(r"\b[a-z]+\d*\[[\d,]*\]", line.split(" all-reduce")[0]) == ["f32[]"], line
+  assert len(over(hlo, "all-reduce", model_groups)) == len(over(ref_hlo, "all-reduce",
+                                                                model_groups))
+  assert over(hlo, "all-gather", model_groups) and not over(ref_hlo, "all-gather", model_groups)
