@@ -232,12 +232,10 @@ class Plan:
     unchanged: why the step runs as the front end's JAX function would, with
       nothing sharded (`wus.jit` of a step without data parallelism); "" when
       it is planned.
-    copy_axes: the other manual mesh axes (of size > 1, mesh order) over which
-      an update identical on all their replicas is sharded too (a weight no spec
-      splits in a tensor-parallel step: LayerNorm scales, embeddings): its tensors'
-      formats have `num_shards * copies` shards, laid over `axes + copy_axes`
-      (`shard_axes`). () when no such axis.
-    copies: replicas along `copy_axes` (1 without).
+    copy_axes, copies: the other manual mesh axes (size > 1, mesh order) over which an
+      update identical on all their replicas is sharded too (in a tensor-parallel step,
+      of a weight no spec splits: LayerNorm, embeddings), and their replicas: its
+      tensors have `num_shards * copies` shards over `axes + copy_axes` (`shard_axes`).
 
   `str(plan)` (what `print` shows) is one line per cluster, the totals first;
   `plan.details()` the full table: every tensor with its format, every input.
@@ -264,9 +262,8 @@ class Plan:
   copies: int = 1
 
   def shard_axes(self, fmt: ShardFormat) -> tuple:
-    """The mesh axes the shards of a tensor in `fmt` lie over, major first: `axes`, then
-    `copy_axes` for an update repeated on their replicas too (§3.1; its format has
-    `num_shards * copies` shards: the shard of replica (r, c) is r * copies + c)."""
+    """The mesh axes the shards of a tensor in `fmt` lie over, major first: `axes`, and
+    `copy_axes` for an update repeated on theirs too (replica (r, c) holds r * copies + c)."""
     if self.copies > 1 and fmt.num_shards == self.num_shards * self.copies:
       return (*self.axes, *self.copy_axes)
     return tuple(self.axes)
@@ -351,9 +348,14 @@ class Plan:
     whole, shard = self.state_bytes
     sharded = sum(c.sharded for c in self.clusters)
     owned = sum(c.owner is not None for c in self.clusters)
+    wide = sum(c.sharded and any(t.format is not None and len(self.shard_axes(t.format)) > len(
+        self.axes) for t in c.tensors) for c in self.clusters)
     lines = [f"wus plan: {sharded} of {len(self.clusters)} weight-update clusters sharded"
              + (f", {owned} owned" if owned else "") + f" over "
-             f"{self.axes} (N={self.num_shards}), {self.objective} objective",
+             f"{self.axes} (N={self.num_shards})" + (
+                 f", {wide} of them over {(*self.axes, *self.copy_axes)} "
+                 f"(N={self.num_shards * self.copies}, identical across {list(self.copy_axes)})"
+                 if wide else "") + f", {self.objective} objective",
              *([f"  the step runs unchanged: {self.unchanged}"] if self.unchanged else []),
              f"  state kept sharded between steps: {_bytes(whole)} whole -> {_bytes(shard)} per "
              f"device (predicted{self._split_state()}); state kept whole: "

@@ -15,6 +15,12 @@ mesh) axis first, on the whole tensor, then along the next on what is left;
 the all-gather in the reverse order. Each slower axis then moves only the
 part the faster ones left, and the shard a replica ends with is still row
 block r of the padded tensor, so the format is the same as with one phase.
+
+A tensor identical across other mesh axes too (`copies`: in a tensor-parallel
+step, the update of a weight no spec splits over "model") is sharded over the
+replica axes and those: the reduce-scatter sums over the replica axes only, and
+each replica of `copies` keeps its part of the block it receives (`keep_copy`);
+the all-gather runs over all of them.
 """
 
 from __future__ import annotations
@@ -98,8 +104,9 @@ def reduce_scatter(x: jnp.ndarray, fmt, axis_name, copies=()) -> jnp.ndarray:
 
 
 def keep_copy(x: jnp.ndarray, copies) -> jnp.ndarray:
-  """Per replica: row block c of `x` (c copies blocks), c this replica's index along
-  the axes `copies` (major first); `x` itself when `copies` is ().
+  """Per replica: row block c of `x` cut into C equal blocks, C the replicas of the
+  mesh axes `copies` and c this replica's index along them (major first); `x` itself
+  when `copies` is (). A local slice: `x` is the same on all of them.
 
   Args:
     x: leading dim C * k, C the replicas of `copies`; identical across them.

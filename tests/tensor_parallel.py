@@ -190,3 +190,29 @@ def ln_mlp_inputs(n_data, steps=3, width=16):
   batches = [tuple(jnp.asarray(r.randn(4 * n_data, width), jnp.float32) for _ in range(2))
              for _ in range(steps)]
   return params, batches
+
+
+# --- HSDP: weights split over "fsdp" (all-gathered in the forward pass), replicated over
+# "replica"; the tutorial's FSDP layers on a ("replica", "fsdp") mesh.
+
+
+def hsdp_predict(params_frag, inputs):
+  for W_frag, b_frag in params_frag:
+    W = jax.lax.all_gather(W_frag, "fsdp", tiled=True)
+    b = jax.lax.all_gather(b_frag, "fsdp", tiled=True)
+    inputs = jax.nn.relu(jnp.dot(inputs, W) + b)
+  return inputs
+
+
+def hsdp_step(params, opt_state, batch):
+  def loss(p):
+    inputs, targets = batch
+    return jnp.mean(jnp.sum((hsdp_predict(p, inputs) - targets) ** 2, axis=-1))
+  value, grads = jax.value_and_grad(loss)(params)
+  grads = jax.tree.map(lambda g: g / lax.axis_size("fsdp"), lax.pmean(grads, "replica"))
+  updates, opt_state = TX.update(grads, opt_state, params)
+  return (optax.apply_updates(params, updates), opt_state,
+          lax.pmean(value, ("replica", "fsdp")))
+
+
+HSDP_SPEC = [(P("fsdp"), P("fsdp"))] * 3
