@@ -140,12 +140,16 @@ def _untyped(plan_text: str) -> str:
   return re.sub(r"rows: \d+ B beside \d+ B of tensors \([\d.]+\)", "rows: ...", plan_text)
 
 
-def test_checkpoint_on_4x2_restores_on_2x2_through_state_target_and_whole(tmp_path):
+@pytest.mark.parametrize("which", ["gelu", "layernorm"])
+def test_checkpoint_on_4x2_restores_on_2x2_through_state_target_and_whole(tmp_path, which):
   """Item 7: state saved with wus.checkpointable on (4 data x 2 model) restores on
-  (2 x 2) through the step's state_target, and as whole arrays without wus."""
+  (2 x 2) through the step's state_target, and as whole arrays without wus; the
+  LayerNorm MLP's state of replicated weights is sharded over data x model on both."""
   import orbax.checkpoint as ocp  # noqa: PLC0415
-  params, batches = gelu_inputs(4, steps=2)
-  _, b, _, _ = run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
+  step, spec, inputs = ((gelu_step, GELU_SPEC, gelu_inputs) if which == "gelu"
+                        else (ln_mlp_step, LN_MLP_SPEC, ln_mlp_inputs))
+  params, batches = inputs(4, steps=2)
+  _, b, _, _ = run(two_axis_mesh(4, 2), step, spec, params, batches)
   ckptr = ocp.StandardCheckpointer()
   ckptr.save(tmp_path / "ckpt", wus.checkpointable(b))
   ckptr.wait_until_finished()
@@ -153,13 +157,17 @@ def test_checkpoint_on_4x2_restores_on_2x2_through_state_target_and_whole(tmp_pa
   plain = ckptr.restore(tmp_path / "ckpt")  # Without a target: lists and dicts of arrays.
   assert_trees_equal(jax.tree.leaves(whole), jax.tree.leaves(plain))
   small = two_axis_mesh(2, 2)
-  _, _, ws, batch = run(small, gelu_step, GELU_SPEC, params, gelu_inputs(2, steps=1)[1])
-  target = ws.state_target(*put(small, whole, (GELU_SPEC, opt_specs(GELU_SPEC))), batch)[:2]
+  _, b2, ws, batch = run(small, step, spec, params, inputs(2, steps=1)[1])
+  target = ws.state_target(*put(small, whole, (spec, opt_specs(spec))), batch)[:2]
   restored = ckptr.restore(tmp_path / "ckpt", target)
-  assert_trees_equal(whole, restored)
-  kw = dict(mesh=small, in_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P("data")),
-            out_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P()))
-  ref = jax.jit(jax.shard_map(gelu_step, **kw))(*restored, batch)[:2]
+  assert_trees_equal(whole, wus.unshard(restored))
+  # Split state restores whole (the step shards it); the rest as the 2 x 2 step keeps it.
+  assert {x.axes for x in sharded_leaves(b)} == {x.axes for x in sharded_leaves(b2)}
+  assert {x.layout for x in sharded_leaves(restored)} == {
+      x.layout for x in sharded_leaves(b2) if x.layout.num_blocks == 1}
+  kw = dict(mesh=small, in_specs=(spec, opt_specs(spec), P("data")),
+            out_specs=(spec, opt_specs(spec), P()))
+  ref = jax.jit(jax.shard_map(step, **kw))(*restored, batch)[:2]
   assert_trees_equal(ref, wus.unshard(ws(*restored, batch)[:2]))
 
 
