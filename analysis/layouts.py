@@ -202,6 +202,8 @@ layout_rules.update({
                      Kind.IDENTITY), _same_elements),
     Kind.REDUCE_ALL: _reduce_all, Kind.DOT_ALL: _dot_all, Kind.REDUCE: _reduce,
     Kind.BROADCAST_DIMS: _broadcast_dims, Kind.BROADCAST: _broadcast, Kind.COND: _cond,
+    # Its result's format alone: the operand's blocks are cut to it in the collective.
+    Kind.SCATTER_BLOCKS: _broadcast,
     # A loop's body has its own plan (planner._plan_body); no cluster holds the loop.
     Kind.LOOP: lambda c, eqn, ins, outs, nested: None,
     # Owned updates run on whole tensors (ownership.py); no cluster holds them.

@@ -103,6 +103,37 @@ def reduce_scatter(x: jnp.ndarray, fmt, axis_name, copies=()) -> jnp.ndarray:
   return keep_copy(scatter_rows(pad(x, fmt), axis_name), copies)
 
 
+def scatter_blocks(x: jnp.ndarray, fmt, axis_name, block_axes) -> jnp.ndarray:
+  """Per replica: its shard over `axis_name`, in `fmt`, of
+  `psum_scatter(psum(x, axis_name), block_axes, scatter_dimension=0, tiled=True)`.
+
+  HSDP's gradient (an FSDP weight replicated over the replica axes): x holds one
+  block of rows per replica of `block_axes`. Each block is formatted as `fmt`, the
+  sum over `axis_name` scatters this replica's rows of every block, then the sum
+  over `block_axes` scatters the blocks: each element sums the same values in the
+  same order as the all-reduce and the reduce-scatter it replaces.
+
+  Args:
+    x: shape [B * fmt.shape[0], *fmt.shape[1:]], B the replicas of `block_axes`.
+    fmt: the format of one block (the reduce-scatter's result).
+    axis_name: the replica axes.
+    block_axes: other mesh axes.
+
+  Returns:
+    shape `fmt.shard_shape`, dtype of `x`.
+  """
+  blocks, n = num_replicas(block_axes), fmt.num_shards
+  merged = jnp.reshape(x, (blocks, *fmt.merged_shape))
+  extra = fmt.padded_shape[0] - fmt.merged_shape[0]
+  if extra:
+    merged = jnp.pad(merged, [(0, 0), (0, extra)] + [(0, 0)] * (len(fmt.merged_shape) - 1))
+  rows = jnp.moveaxis(jnp.reshape(merged, (blocks, n, -1)), 1, 0)  # [N, B, shard].
+  mine = scatter_rows(jnp.reshape(rows, (n, -1)), axis_name)  # [1, B * shard].
+  summed = lax.psum_scatter(jnp.reshape(mine, (blocks, -1)), block_axes, scatter_dimension=0,
+                            tiled=True)
+  return jnp.reshape(summed, fmt.shard_shape)
+
+
 def keep_copy(x: jnp.ndarray, copies) -> jnp.ndarray:
   """Per replica: row block c of `x` cut into C equal blocks, C the replicas of the
   mesh axes `copies` and c this replica's index along them (major first); `x` itself

@@ -404,17 +404,15 @@ def test_replicated_weights_gradients_reduce_scattered_over_data_then_split_loca
   assert over(hlo, "all-gather", model_groups) and not over(ref_hlo, "all-gather", model_groups)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "HSDP: under check_vma=True JAX's AD all-reduces each weight's whole gradient over "
-    "'replica' (the transpose of the pvary of the gathered weight) before the transpose of "
-    "the forward all_gather reduce-scatters it over 'fsdp'. wus shards the update of each "
-    "fsdp part over 'replica' (1/8 of the state) by a local slice of that result, but the "
-    "whole all-reduce over 'replica' stays: no shard rule for reduce_scatter over 'fsdp' "
-    "reading a value being reduce-scattered over 'replica' (the rows each replica needs are "
-    "a part of every fsdp block, not a block of rows)"))
 def test_hsdp_gradients_reduce_scattered_over_replica_not_all_reduced():
-  """HSDP's compiled step: no all-reduce of anything but the loss over the "replica"
-  groups; the gradients reduce-scattered there instead."""
+  """HSDP's compiled step: under check_vma=True JAX's AD all-reduces each weight's whole
+  gradient over "replica" (the transpose of the gathered weight's pvary), then the
+  transpose of the forward all_gather reduce-scatters it over "fsdp". wus makes the two
+  reduce-scatters over "replica" then "fsdp" (each replica's part of every fsdp block,
+  the same sums in the same order; bit for bit in test_hsdp_state_...): no all-reduce of
+  anything but the loss over the "replica" groups, and the matrices' gradients
+  reduce-scattered there. (The biases' gradients, [1, 16] reshaped before the scatter,
+  are reduce-scattered and all-gathered over "replica": the all-reduce's bytes.)"""
   mesh = jax.make_mesh((2, 4), ("replica", "fsdp"))
   params, batches = megatron_inputs(8, steps=1)
   _, b, ws, batch = run(mesh, hsdp_step, HSDP_SPEC, params, batches,
@@ -424,3 +422,6 @@ def test_hsdp_gradients_reduce_scattered_over_replica_not_all_reduced():
   for line in collective_lines(hlo, "all-reduce"):
     if sorted(replica_groups(line)) == replica_groups_:
       assert _of_the_loss(line), line
+  scattered = [ln for ln in collective_lines(hlo, "reduce-scatter")
+               if sorted(replica_groups(ln)) == replica_groups_]
+  assert len(scattered) >= 3, hlo  # The three matrices' (and the biases', batched).
