@@ -18,9 +18,11 @@ satisfies every boundary is chosen: with no reductions, that is the flat format.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 
-from wus.analysis import compat
+from wus.analysis import compat, reasons, redundancy
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, JaxprEqn, Var
 from wus.analysis.formats import ShardFormat, format_from_bounds, nonunit_dims
@@ -200,6 +202,8 @@ layout_rules.update({
                      Kind.IDENTITY), _same_elements),
     Kind.REDUCE_ALL: _reduce_all, Kind.DOT_ALL: _dot_all, Kind.REDUCE: _reduce,
     Kind.BROADCAST_DIMS: _broadcast_dims, Kind.BROADCAST: _broadcast, Kind.COND: _cond,
+    # Its result's format alone: the operand's blocks are cut to it in the collective.
+    Kind.SCATTER_BLOCKS: _broadcast,
     # A loop's body has its own plan (planner._plan_body); no cluster holds the loop.
     Kind.LOOP: lambda c, eqn, ins, outs, nested: None,
     # Owned updates run on whole tensors (ownership.py); no cluster holds them.
@@ -232,6 +236,41 @@ def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str
                                    num_shards)
              for v in classes.parent}
   return Layout(formats, frozenset(c.whole_reads), frozenset(c.partial))
+
+
+def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx,
+                    in_loop: bool = False) -> tuple[Layout | str, reasons.OverCopies | None]:
+  """`assign` over the replica axes, or over the other axes `ctx.copies` too.
+
+  A cluster that every replica of `ctx.copies` repeats (`redundancy.differs_over`: in
+  a tensor-parallel step, the update of a weight no spec splits over "model") gets
+  formats of `ctx.num_shards * copies` shards (`Plan.shard_axes`), if every tensor
+  has more elements than that (`formats.is_shardable_shape`'s rule). A loop body's
+  clusters keep `ctx.num_shards` (their carries cross the loop in one format).
+
+  Args:
+    jaxpr, cluster: as for `assign`.
+    ctx: the planner's context (`axes`, `num_shards`, `copies`: axis -> size,
+      `facts`, `big`).
+    in_loop: whether `jaxpr` is a loop body.
+
+  Returns:
+    (`assign`'s result, the Plan's note on the copy axes: None without them).
+  """
+  n, copies = ctx.num_shards, math.prod(ctx.copies.values())
+  if copies == 1 or in_loop:
+    return assign(jaxpr, cluster, n, ctx.big), None
+  note = functools.partial(reasons.OverCopies, tuple(sorted(ctx.axes)), tuple(ctx.copies))
+  why = redundancy.differs_over(jaxpr, cluster, ctx.facts, frozenset(ctx.copies))
+  if why is None:
+    wide = assign(jaxpr, cluster, n * copies, ctx.big)
+    if not isinstance(wide, Layout):
+      why = wide
+    elif all(math.prod(f.shape) > n * copies for f in wide.formats.values()):
+      return wide, note()
+    else:
+      why = f"a tensor has at most {n * copies} elements"
+  return assign(jaxpr, cluster, n, ctx.big), note(why)
 
 
 def _solve(classes: _Classes, relations) -> None:

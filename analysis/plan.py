@@ -235,6 +235,10 @@ class Plan:
     split_by: what splits an input over the model axes, for its line: "its
       spec" (a shard_map in_spec), "its placement" (`wus.jit`: a NamedSharding,
       `in_shardings`, sharding metadata).
+    copy_axes, copies: the other manual mesh axes (size > 1, mesh order) over which an
+      update identical on all their replicas is sharded too (in a tensor-parallel step,
+      of a weight no spec splits: LayerNorm, embeddings), and their replicas: its
+      tensors have `num_shards * copies` shards over `axes + copy_axes` (`shard_axes`).
 
   `str(plan)` (what `print` shows) is one line per cluster, the totals first;
   `plan.details()` the full table: every tensor with its format, every input.
@@ -258,6 +262,15 @@ class Plan:
   resolution: float = 0.0
   unchanged: str = ""
   split_by: str = "its spec"
+  copy_axes: tuple = ()
+  copies: int = 1
+
+  def shard_axes(self, fmt: ShardFormat) -> tuple:
+    """The mesh axes the shards of a tensor in `fmt` lie over, major first: `axes`, and
+    `copy_axes` for an update repeated on theirs too (replica (r, c) holds r * copies + c)."""
+    if self.copies > 1 and fmt.num_shards == self.num_shards * self.copies:
+      return (*self.axes, *self.copy_axes)
+    return tuple(self.axes)
 
   @property
   def across_groups(self) -> int:
@@ -326,7 +339,7 @@ class Plan:
               f"split by {self.split_by}, nothing repeated there: {_bytes(i.nbytes)} per device]")
     if fmt is None:
       return f" [{split}]" if split else ""
-    wus = f"sharded over {list(self.axes)} by wus"
+    wus = f"sharded over {list(self.shard_axes(fmt))} by wus"
     return (f" [{', '.join(filter(None, [split, wus]))}: "
             f"{_bytes(fmt.shard_size * i.itemsize)} per device of {_bytes(i.nbytes * i.blocks)}]")
 
@@ -339,9 +352,14 @@ class Plan:
     whole, shard = self.state_bytes
     sharded = sum(c.sharded for c in self.clusters)
     owned = sum(c.owner is not None for c in self.clusters)
+    wide = sum(c.sharded and any(t.format is not None and len(self.shard_axes(t.format)) > len(
+        self.axes) for t in c.tensors) for c in self.clusters)
     lines = [f"wus plan: {sharded} of {len(self.clusters)} weight-update clusters sharded"
              + (f", {owned} owned" if owned else "") + f" over "
-             f"{self.axes} (N={self.num_shards}), {self.objective} objective",
+             f"{self.axes} (N={self.num_shards})" + (
+                 f", {wide} of them over {(*self.axes, *self.copy_axes)} "
+                 f"(N={self.num_shards * self.copies}, identical across {list(self.copy_axes)})"
+                 if wide else "") + f", {self.objective} objective",
              *([f"  the step runs unchanged: {self.unchanged}"] if self.unchanged else []),
              f"  state kept sharded between steps: {_bytes(whole)} whole -> {_bytes(shard)} per "
              f"device (predicted{self._split_state()}); state kept whole: "

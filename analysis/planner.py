@@ -9,6 +9,7 @@ whose reasons are `reasons.Reason` values.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 from wus.analysis import clusters as clusters_lib
@@ -29,7 +30,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               state_whole: Mapping[int, str] | None = None,
               matched: Mapping[int, str] | None = None, roots: Sequence[int] = (),
               split: Mapping[int, tuple] | None = None,
-              fsdp: Mapping[int, tuple] | None = None) -> Plan:
+              fsdp: Mapping[int, tuple] | None = None,
+              copies: Mapping[str, int] | None = None) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -62,6 +64,9 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
       over besides `axes`, with their sizes (tensor parallelism), for the Plan.
     fsdp: input position -> the axes of `axes` its spec splits it over (FSDP), for
       the Plan.
+    copies: other manual mesh axes -> their sizes (> 1): a cluster that every replica
+      of them repeats (`redundancy.differs_over`) is sharded over them too
+      (`Plan.copy_axes`).
 
   Returns:
     The frozen Plan.
@@ -69,7 +74,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   graph = Graph(jaxpr, num_shards, min_size)
   ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, graph.big, objective,
              topology or network.default_topology(num_shards), shard_weights,
-             frozenset(jaxpr.invars[k] for k in roots))
+             frozenset(jaxpr.invars[k] for k in roots), dict(copies or {}))
   planned = _plan(graph, ctx, state_pairs, in_names, out_names)
   inputs = []
   state = set(state_pairs.values()) | set(state_whole or ())
@@ -96,7 +101,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               jaxpr_plan, planned.formats, planned.gather_dtypes, objective=objective,
               bucket_bytes=limit, alone_bytes=alone, buckets=buckets, owned=planned.owned,
-              resolution=network.resolution(ctx.topology))
+              resolution=network.resolution(ctx.topology), copy_axes=tuple(ctx.copies),
+              copies=math.prod(ctx.copies.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +116,7 @@ class _Ctx:
   topology: network.Topology
   shard_weights: bool = False
   roots: frozenset = frozenset()  # Declared roots (variables of the step's jaxpr).
+  copies: dict = dataclasses.field(default_factory=dict)  # `make_plan`'s.
   # This planning's memo: a loop's `loops.Body` -> its plan (`_plan_body`), a
   # conditional's branch jaxpr -> its cluster (`clusters.find_clusters`).
   memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -196,7 +203,7 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
     idx = len(cluster_plans)
     members = set(c.eqns)
     # The layout, or the verdict that stops it (words, or the parts that run whole).
-    layout = layouts.assign(jaxpr, c, ctx.num_shards, ctx.big)
+    layout, over_copies = layouts.assign_repeated(jaxpr, c, ctx, in_loop)
     if not c.eqns:
       layout = _kept_whole(jaxpr, c)
     notes: list = []  # What the passes below add to the verdict (`reasons`).
@@ -251,6 +258,8 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
                     - ctx.axes)
     if across and decision.shard:
       notes.append(reasons.PartialSharding(tuple(sorted(ctx.axes)), tuple(across)))
+    if over_copies is not None and decision.shard:
+      notes.append(over_copies)
     if c.kept_whole and c.eqns:
       notes.append(_kept_whole(jaxpr, c))
     fmt = layout.formats.get if decision.shard else (lambda v: None)

@@ -172,6 +172,16 @@ class PartialSharding:
 
 
 @dataclasses.dataclass(frozen=True)
+class OverCopies:
+  """The update of values identical across the other mesh axes `copies` (a
+  tensor-parallel step's "model") is sharded over them too, or `why` it is not."""
+
+  axes: tuple[str, ...]
+  copies: tuple[str, ...]
+  why: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class NotOwned:
   """Why ownership does not run the replicated cluster on whole tensors."""
 
@@ -416,6 +426,11 @@ _RENDER: dict[type, Callable] = {
     KeptShardedWeights: lambda x: ", ".join(_gather(g, loop=False) for g in x.gathers),
     PartialSharding: lambda x: (f"partial sharding (§5.2): reduce-scatter over {list(x.axes)}, "
                                 f"the shards all-reduced across {list(x.across)}"),
+    OverCopies: lambda x: (
+        f"sharded over {list(x.axes + x.copies)}: identical on every replica of "
+        f"{list(x.copies)} too (§3.1), each keeps its part of the shard" if x.why is None else
+        f"sharded over {list(x.axes)} only, not {list(x.copies)}: its update may differ "
+        f"across them ({x.why})"),
     NotOwned: lambda x: f"not owned: {x.why}",
     Owned: _owned,
     OwnedWith: lambda x: f"owned with cluster {x.index} (shares equations)",

@@ -92,6 +92,43 @@ def why_differs(jaxpr: Jaxpr, facts: Redundancy, v, axes: frozenset) -> str:
   return "it differs across replicas"
 
 
+def differs_over(jaxpr: Jaxpr, cluster, facts: Redundancy, axes: frozenset) -> str | None:
+  """Why the replicas of `axes` may not run a weight-update cluster to the same end, or
+  None when they all do (§3.1, applied to the axes besides the replica axes: a
+  tensor-parallel step's "model").
+
+  None when every value the cluster's equations read or write (nested branches
+  included) is identical across the replicas of `axes`, none has side effects, and no
+  gradient all-reduce of the cluster runs over them. Each replica of `axes` then holds
+  the same gradient sums, state and weights: the update can be sharded over them too,
+  each keeping its part of the shard with no communication.
+
+  Args:
+    jaxpr: the jaxpr the cluster belongs to.
+    cluster: a `clusters.Cluster` (`eqns`, `seeds`, `nested`).
+    facts: the redundancy analysis of `jaxpr`.
+    axes: mesh axes, not the replica axes the cluster's all-reduces run over.
+
+  Returns:
+    None, or the reason in words (`why_differs`).
+  """
+  for i in cluster.seeds:
+    if set(compat.collective_axes(jaxpr.eqns[i])) & axes:
+      return f"its gradient all-reduce at {compat.source_line(jaxpr.eqns[i])} runs over them"
+  for i in cluster.eqns:
+    eqn = jaxpr.eqns[i]
+    if compat.side_effects(eqn):
+      return f"{eqn.primitive} at {compat.source_line(eqn)} has side effects"
+    if (v := next((v for v in (*eqn.invars, *eqn.outvars)
+                   if not facts.is_redundant(v, axes)), None)) is not None:
+      return why_differs(jaxpr, facts, v, axes)
+  for i, subs in cluster.nested.items():
+    for b, sub in zip(compat.cond(jaxpr.eqns[i]).branches, subs, strict=True):
+      if (why := differs_over(b.jaxpr, sub, facts, axes)) is not None:
+        return why
+  return None
+
+
 RedundancyRule = Callable[[JaxprEqn, list[Rep], Redundancy], list[Rep]]
 redundancy_rules: dict[compat.Primitive, RedundancyRule] = {}
 

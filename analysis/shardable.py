@@ -63,6 +63,10 @@ class Kind(enum.Enum):
   LOOP = Traits("loop: the body runs by its own plan; carried state stays sharded (§4.2)")
   REDUCE_SCATTER = Traits("reduce-scatter: psum over (at least) the replica axes of a value "
                           "that differs", update=False)
+  SCATTER_BLOCKS = Traits("reduce-scatter over other mesh axes (HSDP's fsdp axis) of a value "
+                          "identical across the replica axes (a gradient all-reduced there): "
+                          "the all-reduce and it become reduce-scatters over the replica axes "
+                          "then the others, each replica's part of every block", update=False)
   SUM_OF_COPIES = Traits("psum of equal values: a local sum")
   IDENTITY = Traits("pmax/pmin of equal values")
   OWNED_SCATTER = Traits("owned gradient: reduce-scattered in rows, summed whole on the replica "
@@ -171,6 +175,17 @@ def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return Kind.REDUCE_SCATTER
 
 
+def _reduce_scatter_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  # Tiled over dim 0 (blocks of rows, the transpose of an FSDP weight's all_gather),
+  # over axes disjoint from the replica axes, of a value identical across those.
+  axes = frozenset(compat.collective_axes(eqn))
+  if (axes & ctx.axes or compat.has_axis_index_groups(eqn) or not eqn.params.get("tiled")
+      or eqn.params.get("scatter_dimension") != 0
+      or not ctx.facts.is_redundant(eqn.invars[0], ctx.axes)):
+    return None
+  return Kind.SCATTER_BLOCKS
+
+
 def _pmax_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   same = frozenset(compat.collective_axes(eqn)) == ctx.axes
   if (same and not compat.has_axis_index_groups(eqn)
@@ -190,6 +205,7 @@ for _p in primitives.REDUCE_OVER_UNIT_DIMS:
 shardable_rules[lax.dot_general_p] = _dot_rule
 shardable_rules[compat.psum_p] = _psum_rule
 shardable_rules[compat.psum_invariant_p] = _psum_rule
+shardable_rules[compat.reduce_scatter_p] = _reduce_scatter_rule
 shardable_rules[compat.pmax_p] = _pmax_rule
 shardable_rules[compat.pmin_p] = _pmax_rule
 

@@ -9,6 +9,7 @@ from wus.collectives.batched import all_reduce
 from wus.collectives.formatted import all_gather
 from wus.collectives.formatted import pad
 from wus.collectives.formatted import reduce_scatter
+from wus.collectives.formatted import scatter_blocks
 from wus.collectives.formatted import shard
 from wus.collectives.formatted import sum_of_copies
 from wus.collectives.formatted import row_mask

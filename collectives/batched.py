@@ -121,7 +121,7 @@ def buckets(sizes: Sequence[int], limit: int, alone_bytes: int | None = None,
 
 def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
                    bucket_bytes: int, alone_bytes: int | None = None,
-                   keys: Sequence | None = None) -> list[jnp.ndarray]:
+                   keys: Sequence | None = None, copies=()) -> list[jnp.ndarray]:
   """Per replica: `formatted.reduce_scatter` of many tensors in few collectives.
 
   Tensors of one dtype share a collective, in buckets of `bucket_bytes`
@@ -144,17 +144,21 @@ def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
       (`check_vma`): a bucket's result varies over all its tensors' axes, so a
       replicated LayerNorm scale batched with a weight split over a model axis
       would come back typed as varying over it.
+    copies: see `formatted.reduce_scatter`; the formats' N counts their replicas too.
 
   Returns:
     One shard per tensor: shape `fmt.shard_shape`, dtype of its value.
   """
+  c = formatted.num_replicas(copies) if copies else 1
+
   def one(values, fmts):
     if len(values) == 1:
-      return [formatted.reduce_scatter(values[0], fmts[0], axis_name)]
-    rows = [jnp.reshape(formatted.pad(x, f), (f.num_shards, -1)) for x, f in zip(values, fmts)]
+      return [formatted.reduce_scatter(values[0], fmts[0], axis_name, copies)]
+    rows = [jnp.reshape(formatted.pad(x, f), (f.num_shards // c, -1))
+            for x, f in zip(values, fmts)]
     mine = formatted.scatter_rows(jnp.concatenate(rows, axis=1), axis_name)[0]
-    return [jnp.reshape(part, f.shard_shape) for part, f in zip(
-        _cut(mine, [math.prod(f.shard_shape) for f in fmts]), fmts)]
+    return [jnp.reshape(formatted.keep_copy(jnp.reshape(part, (c, -1)), copies), f.shard_shape)
+            for part, f in zip(_cut(mine, [c * math.prod(f.shard_shape) for f in fmts]), fmts)]
   return _bucketed(one, values, fmts, bucket_bytes, alone_bytes, keys=keys)
 
 
@@ -187,6 +191,27 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
     return [formatted.unpad(jnp.reshape(part, f.padded_shape), f) for part, f in
             zip(_cut(every, [math.prod(f.shard_shape) for f in fmts], axis=1), fmts)]
   return _bucketed(one, shards, fmts, bucket_bytes, alone_bytes, keys=keys)
+
+
+def grouped(keys: Sequence, collective, *columns: Sequence) -> list:
+  """Per replica: `collective(key, *columns)` once per distinct key (in order of first
+  appearance) on the entries of that key; the results in the order given.
+
+  The rewrite runs the collectives of tensors sharded over different mesh axes apart
+  (a cluster sharded over the replica axes alone, one sharded over `copies` too).
+
+  Args:
+    keys: a hashable per entry.
+    collective: (key, one list per column) -> one result per entry.
+    columns: lists as long as `keys`.
+  """
+  out: list = [None] * len(keys)
+  for key in dict.fromkeys(keys):
+    ks = [k for k, x in enumerate(keys) if x == key]
+    for k, y in zip(ks, collective(key, *([col[k] for k in ks] for col in columns)),
+                    strict=True):
+      out[k] = y
+  return out
 
 
 def dtype_buckets(dtypes: Sequence, sizes: Sequence[int], limit: int,

@@ -15,6 +15,12 @@ mesh) axis first, on the whole tensor, then along the next on what is left;
 the all-gather in the reverse order. Each slower axis then moves only the
 part the faster ones left, and the shard a replica ends with is still row
 block r of the padded tensor, so the format is the same as with one phase.
+
+A tensor identical across other mesh axes too (`copies`: in a tensor-parallel
+step, the update of a weight no spec splits over "model") is sharded over the
+replica axes and those: the reduce-scatter sums over the replica axes only, and
+each replica of `copies` keeps its part of the block it receives (`keep_copy`);
+the all-gather runs over all of them.
 """
 
 from __future__ import annotations
@@ -76,19 +82,83 @@ def _replica(axis_name):
   return lax.axis_index(axis_name)
 
 
-def reduce_scatter(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
+def reduce_scatter(x: jnp.ndarray, fmt, axis_name, copies=()) -> jnp.ndarray:
   """Per replica: this replica's shard of the sum of `x` over all replicas.
 
   Replaces `psum(x)` when only the shard is needed (Fig. 3).
 
   Args:
-    x: shape `fmt.shape`, different on every replica.
+    x: shape `fmt.shape`, different on every replica of `axis_name`.
+    axis_name: the replica axes the sum runs over.
+    copies: mesh axes (minor to `axis_name`) over whose replicas `x` is identical
+      and which split the shards further: `fmt.num_shards` is the replicas of
+      `axis_name` and `copies` together. The sum runs over `axis_name` only; each
+      replica keeps its part of the block it receives, with no communication
+      (`keep_copy`).
 
   Returns:
     shape `fmt.shard_shape`, dtype of `x`: rows [r * shard_rows, ...) of the
-    padded sum (padding rows are zero).
+    padded sum (padding rows are zero), r the index along `axis_name` + `copies`.
   """
-  return scatter_rows(pad(x, fmt), axis_name)
+  return keep_copy(scatter_rows(pad(x, fmt), axis_name), copies)
+
+
+def scatter_blocks(x: jnp.ndarray, fmt, axis_name, block_axes) -> jnp.ndarray:
+  """Per replica: its shard over `axis_name`, in `fmt`, of
+  `psum_scatter(psum(x, axis_name), block_axes, scatter_dimension=0, tiled=True)`.
+
+  HSDP's gradient (an FSDP weight replicated over the replica axes): x holds one
+  block of rows per replica of `block_axes`. Each block is formatted as `fmt`, the
+  sum over `axis_name` scatters this replica's rows of every block, then the sum
+  over `block_axes` scatters the blocks: each element sums the same values in the
+  same order as the all-reduce and the reduce-scatter it replaces.
+
+  Args:
+    x: shape [B * fmt.shape[0], *fmt.shape[1:]], B the replicas of `block_axes`.
+    fmt: the format of one block (the reduce-scatter's result).
+    axis_name: the replica axes.
+    block_axes: other mesh axes.
+
+  Returns:
+    shape `fmt.shard_shape`, dtype of `x`.
+  """
+  blocks, n = num_replicas(block_axes), fmt.num_shards
+  merged = jnp.reshape(x, (blocks, *fmt.merged_shape))
+  extra = fmt.padded_shape[0] - fmt.merged_shape[0]
+  if extra:
+    merged = jnp.pad(merged, [(0, 0), (0, extra)] + [(0, 0)] * (len(fmt.merged_shape) - 1))
+  rows = jnp.moveaxis(jnp.reshape(merged, (blocks, n, -1)), 1, 0)  # [N, B, shard].
+  mine = scatter_rows(jnp.reshape(rows, (n, -1)), axis_name)  # [1, B * shard].
+  summed = lax.psum_scatter(jnp.reshape(mine, (blocks, -1)), block_axes, scatter_dimension=0,
+                            tiled=True)
+  return jnp.reshape(summed, fmt.shard_shape)
+
+
+def keep_copy(x: jnp.ndarray, copies) -> jnp.ndarray:
+  """Per replica: row block c of `x` cut into C equal blocks, C the replicas of the
+  mesh axes `copies` and c this replica's index along them (major first); `x` itself
+  when `copies` is (). A local slice: `x` is the same on all of them.
+
+  Args:
+    x: leading dim C * k, C the replicas of `copies`; identical across them.
+
+  Returns:
+    shape [k, *x.shape[1:]], dtype of `x`.
+  """
+  if not copies:
+    return x
+  rows = x.shape[0] // num_replicas(copies)
+  return lax.dynamic_slice_in_dim(x, _replica(copies) * rows, rows, axis=0,
+                                  allow_negative_indices=False)
+
+
+def num_replicas(axis_name) -> int:
+  """The replicas along `axis_name` (a name, or a tuple of names); per replica."""
+  names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  size = 1
+  for a in names:
+    size *= lax.axis_size(a)
+  return size
 
 
 def _axes(axis_name) -> tuple:

@@ -57,10 +57,12 @@ def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequen
     tensor its spec splits over other axes too) laid out by `padded_spec`. It
     returns one global array per output, state outputs in the same padded layout.
   """
-  def padded(spec: P) -> P:
-    return padded_spec(spec, plan.axes, mesh, home)
-  ins = tuple(padded(s) if k in plan.state_inputs else s for k, s in enumerate(in_specs))
-  outs = tuple(padded(s) if k in plan.state_outputs else s for k, s in enumerate(out_specs))
+  def padded(spec: P, fmt) -> P:
+    return padded_spec(spec, plan.shard_axes(fmt), mesh, home)
+  ins = tuple(padded(s, plan.state_inputs[k]) if k in plan.state_inputs else s
+              for k, s in enumerate(in_specs))
+  outs = tuple(padded(s, plan.state_outputs[k]) if k in plan.state_outputs else s
+               for k, s in enumerate(out_specs))
   body = rewrite(jaxpr, plan)
 
   def timed_body(*args):
@@ -100,7 +102,7 @@ def shard_program(layouts: tuple[ShardedLayout, ...]) -> Callable[..., list[jax.
   (`wus.analysis.owned`) is converted by bank, all of a bank's members together.
 
   Args:
-    layouts: a layout per tensor, all on one mesh, over the same replica axes.
+    layouts: a layout per tensor, all on one mesh and sharding groups.
 
   Returns:
     A function of one array per layout returning, per tensor, a global array
@@ -133,7 +135,7 @@ def unshard_program(layouts: tuple[ShardedLayout, ...]) -> Callable[..., list[ja
   is gathered by bank: a member is whole only with all of its bank's columns.
 
   Args:
-    layouts: a layout per tensor, all on one mesh, over the same replica axes;
+    layouts: a layout per tensor, all on one mesh and sharding groups;
       each `spec` lays out the per-device whole values (the step's out_spec;
       P(): one replicated array).
 
@@ -162,17 +164,18 @@ def unshard_program(layouts: tuple[ShardedLayout, ...]) -> Callable[..., list[ja
 
 
 def _common(layouts: Sequence[ShardedLayout]) -> tuple:
-  """(formats, specs, mesh, replica axes, groups) of layouts that share the last three.
+  """(formats, specs, mesh, the axes of each, groups) of layouts that share mesh and groups
+  (the axes differ for an update sharded over `Plan.copy_axes` too).
 
   Raises:
-    ValueError: the layouts live on different meshes, axes or groups.
+    ValueError: the layouts live on different meshes or groups.
   """
   first = layouts[0]
-  if any((x.mesh, x.axes, x.groups) != (first.mesh, first.axes, first.groups) for x in layouts):
-    raise ValueError("one shard or unshard program converts tensors of one mesh, replica axes "
-                     "and sharding groups")
+  if any((x.mesh, x.groups) != (first.mesh, first.groups) for x in layouts):
+    raise ValueError("one shard or unshard program converts tensors of one mesh and sharding "
+                     "groups")
   return (tuple(x.format for x in layouts), tuple(x.spec for x in layouts), first.mesh,
-          tuple(first.axes), first.groups)
+          tuple(tuple(x.axes) for x in layouts), first.groups)
 
 
 def banks(fmts: Sequence) -> dict:
@@ -196,25 +199,28 @@ def banks(fmts: Sequence) -> dict:
   return {bank: [members[t] for t in range(len(bank.shapes))] for bank, members in out.items()}
 
 
-def _shard_all(xs: Sequence, fmts: Sequence, axes: tuple) -> list:
-  """Per replica: each whole value's shard in its format; owned state by bank."""
+def _shard_all(xs: Sequence, fmts: Sequence, axes: Sequence[tuple]) -> list:
+  """Per replica: each whole value's shard in its format over its axes; owned state by
+  bank."""
   by_bank = banks(fmts)
-  out = [None if owned.is_owned(f) else collectives.shard(x, f, axes)
-         for x, f in zip(xs, fmts, strict=True)]
+  out = [None if owned.is_owned(f) else collectives.shard(x, f, a)
+         for x, f, a in zip(xs, fmts, axes, strict=True)]
   for bank, ks in by_bank.items():
     for k, col in zip(ks, owned_rows.shard_bank([xs[k] for k in ks], bank.slots, bank.widths,
-                                                axes), strict=True):
+                                                axes[ks[0]]), strict=True):
       out[k] = col
   return out
 
 
-def _gather_all(shards: Sequence, fmts: Sequence, axes: tuple) -> list:
-  """Per replica: the whole values of shards, batched (§5.2); owned state by bank."""
+def _gather_all(shards: Sequence, fmts: Sequence, axes: Sequence[tuple]) -> list:
+  """Per replica: the whole values of shards, batched (§5.2) per axes; owned state by
+  bank."""
   flat = [ShardFormat.flat(f.padded_shape, f.num_shards) if owned.is_owned(f) else f
           for f in fmts]
-  out = collectives.batched.all_gather(
-      list(shards), flat, axes, costmodel.DEFAULT_BUCKET_BYTES,
-      keys=[compat.varying_axes(jax.typeof(x)) for x in shards])
+  out = collectives.batched.grouped(
+      list(axes), lambda over, xs, fs: collectives.batched.all_gather(
+          xs, fs, over, costmodel.DEFAULT_BUCKET_BYTES,
+          keys=[compat.varying_axes(jax.typeof(x)) for x in xs]), list(shards), flat)
   for bank, ks in banks(fmts).items():
     for k, whole in zip(ks, owned_rows.bank_wholes([out[k] for k in ks], bank.slots,
                                                    bank.widths, bank.shapes), strict=True):

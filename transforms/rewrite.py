@@ -2,12 +2,12 @@
 
 An evaluate-and-retrace interpreter (the loop of `jax.core.eval_jaxpr`). Each
 variable may be held whole, as this replica's shard, or both; the other form
-is made on demand: a shard from a whole value that is identical on every
-replica is a local slice (`collectives.shard`), a whole value from a shard is
-an all-gather (`collectives.all_gather`). Equations the Plan puts on shards
-run by the rule for their `Kind` (`shard_rules`); every other equation is
-re-bound unchanged on whole values. A gradient all-reduce becomes a
-reduce-scatter with the padding fused in (Fig. 3).
+is made on demand (`wus.transforms.values.Env`): a shard from a whole value
+that is identical on every replica is a local slice (`collectives.shard`), a
+whole value from a shard is an all-gather (`collectives.all_gather`).
+Equations the Plan puts on shards run by the rule for their `Kind`
+(`shard_rules`); every other equation is re-bound unchanged on whole values.
+A gradient all-reduce becomes a reduce-scatter with the padding fused in (Fig. 3).
 
 Before/after for one Adam tensor (N = 8, w: f32[4,3] → flat [12] → pad 4 →
 8 shards of [2]):
@@ -38,156 +38,15 @@ from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import JaxprPlan, Plan
 from wus.analysis.primitives import REDUCTIONS, Reduction
 from wus.analysis.shardable import Kind
-from wus.transforms import owned, schedule
+from wus.transforms import schedule
+from wus.transforms.values import Env, Held
 
 
-class _Held:
-  """A variable's value in the rewritten program: whole, shard, or both.
-
-  `partial` is this replica's part of a reduction still to be all-reduced,
-  as (value, op); the whole value appears when it is first read. `summand`
-  is this replica's addend of a gradient all-reduce still to be
-  reduce-scattered, and `across` the mesh axes beyond the sharding axes its
-  all-reduce spans (partial sharding, §5.2); the shard appears when it is
-  first read.
-  """
-
-  __slots__ = ("whole", "shard", "partial", "summand", "across")
-
-  def __init__(self, whole=None, shard=None, partial=None, summand=None, across=()):
-    self.whole, self.shard, self.partial, self.summand = whole, shard, partial, summand
-    self.across = across
-
-
-class _Env:
-  """Variable values of one jaxpr, converting between whole and shard on demand."""
-
-  def __init__(self, plan: Plan, jaxpr_plan: JaxprPlan):
-    self.plan, self.jaxpr_plan = plan, jaxpr_plan
-    self.held: dict = {}
-    self.pending: list = []  # Variables holding partial results.
-    self.summands: list = []  # Variables waiting for their reduce-scatter.
-    self.casts: dict = {}    # Whole values cast to varying (compat.match_varying).
-    self.current = -1        # Index of the equation being rewritten.
-    self.owned = (owned.Region(plan) if plan.owned is not None and jaxpr_plan is plan.jaxpr_plan
-                  else None)
-
-  def fmt(self, v) -> ShardFormat:
-    return self.plan.formats[v]
-
-  def big(self, v) -> bool:
-    """Whether the Plan holds `v` as shards where the update reads or writes it."""
-    return not compat.is_literal(v) and v in self.plan.formats
-
-  def whole(self, v) -> Any:
-    if compat.is_literal(v):
-      return v.val
-    h = self.held[v]
-    if h.partial is not None:
-      self.flush()
-    if h.whole is None and h.shard is None:
-      self.scatter()
-    if h.whole is None and v in self.plan.gather_dtypes:
-      # Weights kept sharded across a loop's iterations, read by the forward
-      # pass in a narrower float: gathered in it (Fig. 4 right, Fig. 7), all
-      # together at the first read (§5.2).
-      self.gather([u for u, held in self.held.items() if u in self.plan.gather_dtypes
-                   and held.whole is None and held.shard is not None])
-    if h.whole is None:
-      h.whole = collectives.all_gather(h.shard, self.fmt(v), self.plan.axes)
-    return h.whole
-
-  def shard(self, v) -> Any:
-    h = self.held[v]
-    if h.summand is not None:
-      self.scatter()
-    if h.shard is None:
-      h.shard = collectives.shard(self.whole(v), self.fmt(v), self.plan.axes)
-    return h.shard
-
-  def flush(self) -> None:
-    """All-reduces every pending partial result: one collective per op and dtype (§5.2)."""
-    groups: dict = {}
-    for v in self.pending:
-      value, op = self.held[v].partial
-      groups.setdefault((op, value.dtype), []).append(v)
-    for (op, _), vs in groups.items():
-      outs = collectives.all_reduce([self.held[v].partial[0] for v in vs], op, self.plan.axes)
-      for v, x in zip(vs, outs, strict=True):
-        self.held[v].whole, self.held[v].partial = x, None
-    self.pending = []
-
-  def scatter(self) -> None:
-    """Reduce-scatters every waiting gradient, batched (§5.2); in partial
-    sharding the shards are then all-reduced across the groups, batched too
-    (Fig. 10)."""
-    vs, self.summands = self.summands, []
-    dtypes, rows, row_fmts = self.owned.to_scatter() if self.owned is not None else ([], [], [])
-    values = [self.held[v].summand for v in vs] + rows
-    outs = collectives.batched.reduce_scatter(values, [self.fmt(v) for v in vs] + row_fmts,
-                                              self.plan.axes, self.plan.bucket_bytes,
-                                              self.plan.alone_bytes, keys=_vma(values))
-    if dtypes:  # Rows of owned gradients, in the same batched reduce-scatters.
-      self.owned.scattered(dtypes, outs[len(vs):])
-    groups: dict = {}
-    for v, x in zip(vs, outs[:len(vs)], strict=True):
-      self.held[v].shard, self.held[v].summand = x, None
-      if self.held[v].across:
-        groups.setdefault(self.held[v].across, []).append(v)
-    for across, us in groups.items():
-      shards = [self.held[u].shard for u in us]
-      summed = collectives.batched.all_reduce_bucketed(shards, across, self.plan.bucket_bytes,
-                                                       keys=_vma(shards))
-      for u, x in zip(us, summed, strict=True):
-        self.held[u].shard = x
-
-  def gather(self, vs: list, after: tuple = ()) -> None:
-    """Gives each of `vs` (held as shards) its whole value, batched (§5.2); in
-    the narrower float of `plan.gather_dtypes` where it has one (Fig. 7). The
-    all-gathers follow the values `after` (`JaxprPlan.gather_after`)."""
-    narrow = self.plan.gather_dtypes
-    mine = [v for v in vs if self.owned is None or v not in self.owned.own.outputs]
-    shards = [self.shard(v) if v not in narrow else self.shard(v).astype(narrow[v]) for v in mine]
-    # Rows of owned new weights join the same batched all-gathers (§5.2).
-    dtypes, rows, row_fmts = self.owned.to_gather() if len(mine) < len(vs) else ([], [], [])
-    shards += rows
-    if after and shards:
-      shards = collectives.after(shards, self.tokens(after))
-    outs = collectives.batched.all_gather(shards, [self.fmt(v) for v in mine] + row_fmts,
-                                          self.plan.axes, self.plan.bucket_bytes,
-                                          self.plan.alone_bytes, keys=_vma(shards))
-    wholes = dict(zip(mine, outs, strict=False))
-    if dtypes:
-      wholes.update(self.owned.gathered(dtypes, outs[len(mine):]))
-    for v in vs:
-      self.held[v].whole = wholes[v]
-
-  def tokens(self, vs) -> list:
-    """The values of `vs` that vary over no mesh axis but the sharding axes (as
-    shards or whole): what `collectives.after` may tie the values gathered over
-    those axes to and leave them the same across the others (partial sharding)."""
-    values = [self.shard(u) if u in self.plan.formats else self.whole(u) for u in vs]
-    return [x for x in values if compat.varying_axes(jax.typeof(x)) <= set(self.plan.axes)]
-
-  def shard_as(self, v, fmt: ShardFormat) -> Any:
-    """The shard of `v` in `fmt`, which may differ from the plan's format for `v`."""
-    if self.plan.formats.get(v) == fmt:
-      return self.shard(v)
-    return collectives.shard(self.whole(v), fmt, self.plan.axes)
-
-
-def _vma(values) -> list[frozenset]:
-  """The mesh axes each value varies over (JAX's types under check_vma): the batched
-  collectives' bucket keys (a weight split over a model axis never shares a bucket
-  with a replicated one)."""
-  return [compat.varying_axes(jax.typeof(x)) for x in values]
-
-
-ShardRule = Callable[[JaxprEqn, _Env], list[Any]]
+ShardRule = Callable[[JaxprEqn, Env], list[Any]]
 shard_rules: dict[Kind, ShardRule] = {}
 
 
-def _elementwise(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _elementwise(eqn: JaxprEqn, env: Env) -> list[Any]:
   y = eqn.outvars[0]
   ins = [env.whole(x) if compat.is_literal(x) or not x.aval.shape else
          env.shard(x) if x.aval.shape == y.aval.shape else
@@ -206,11 +65,11 @@ def _literal_key(atom) -> tuple:
   return ("literal", np.asarray(atom.val).tobytes(), atom.aval)
 
 
-def _same_shard(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _same_shard(eqn: JaxprEqn, env: Env) -> list[Any]:
   return [env.shard(eqn.invars[0])]  # Same elements in the same row-major order.
 
 
-def _reduce_unit(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _reduce_unit(eqn: JaxprEqn, env: Env) -> list[Any]:
   # Each output element reduces one input element: reduce a unit dim of the shard.
   x = env.shard(eqn.invars[0])
   return [_bind_reduce(eqn, x[..., None], (x.ndim,))]
@@ -222,16 +81,16 @@ def _bind_reduce(eqn: JaxprEqn, x, axes: tuple[int, ...]) -> Any:
   return out
 
 
-def _masked(env: _Env, v, x, reduction: Reduction) -> Any:
+def _masked(env: Env, v, x, reduction: Reduction) -> Any:
   """The shard `x` of `v` with its padding rows set to the reduction's identity."""
   fmt = env.fmt(v)
   if not fmt.padding:
     return x
-  mask = collectives.row_mask(fmt, env.plan.axes).reshape((-1,) + (1,) * (x.ndim - 1))
+  mask = collectives.row_mask(fmt, env.axes(v)).reshape((-1,) + (1,) * (x.ndim - 1))
   return jnp.where(mask, x, reduction.identity(x.dtype))
 
 
-def _reduce(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _reduce(eqn: JaxprEqn, env: Env) -> list[Any]:
   # The format keeps reduced and kept dims in separate merged dims. A kept
   # shard dim makes the reduction local; a reduced one gives partial results.
   (v,), (y,) = eqn.invars, eqn.outvars
@@ -241,15 +100,15 @@ def _reduce(eqn: JaxprEqn, env: _Env) -> list[Any]:
   if 0 not in reduced:
     return [jnp.reshape(_bind_reduce(eqn, x, reduced), env.fmt(y).shard_shape)]
   partial = _bind_reduce(eqn, _masked(env, v, x, reduction), reduced)
-  return [_Partial(jnp.reshape(partial, y.aval.shape), reduction.op)]
+  return [_Partial(jnp.reshape(partial, y.aval.shape), reduction.op, env.axes(v))]
 
 
-def _broadcast_dims(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _broadcast_dims(eqn: JaxprEqn, env: Env) -> list[Any]:
   (x,), (y,) = eqn.invars, eqn.outvars
   return [_broadcast_shard(env, x, y, eqn.params["broadcast_dimensions"])]
 
 
-def _broadcast_shard(env: _Env, x, y, dims) -> Any:
+def _broadcast_shard(env: Env, x, y, dims) -> Any:
   """y's shard of `x` broadcast to y's shape (x's dim i at y's dim dims[i]).
 
   Every merged dim of y's format holds dims that all come from x or are all
@@ -267,21 +126,21 @@ def _broadcast_shard(env: _Env, x, y, dims) -> Any:
   else:  # A small x supplies the shard dim: slice its rows locally.
     merged = tuple(fy.merged_shape[k] for k, f in enumerate(from_x) if f)
     fx = ShardFormat(tuple(x.aval.shape), merged, fy.num_shards)
-    source, rows = collectives.shard(env.whole(x), fx, env.plan.axes), fy.shard_rows
+    source, rows = collectives.shard(env.whole(x), fx, env.axes(y)), fy.shard_rows
   target = [(rows if k == 0 else fy.merged_shape[k]) if f else 1 for k, f in enumerate(from_x)]
   return jnp.broadcast_to(jnp.reshape(source, target), fy.shard_shape)
 
 
-def _reduce_all(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _reduce_all(eqn: JaxprEqn, env: Env) -> list[Any]:
   # Mask the padding with the reduction's identity, reduce locally; the partial
   # results of all replicas are combined by one batched all-reduce (Fig. 6).
   (v,) = eqn.invars
   reduction = REDUCTIONS[eqn.primitive]
   x = _masked(env, v, env.shard(v), reduction)
-  return [_Partial(_bind_reduce(eqn, x, tuple(range(x.ndim))), reduction.op)]
+  return [_Partial(_bind_reduce(eqn, x, tuple(range(x.ndim))), reduction.op, env.axes(v))]
 
 
-def _dot_all(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _dot_all(eqn: JaxprEqn, env: Env) -> list[Any]:
   # An inner product: the local dot of both shards, padding zeroed in both
   # (0 * inf would be NaN), summed across replicas with the other partials.
   sum_ = REDUCTIONS[lax.reduce_sum_p]
@@ -289,45 +148,43 @@ def _dot_all(eqn: JaxprEqn, env: _Env) -> list[Any]:
   dims = tuple(range(a.ndim))
   (out,) = compat.bind(eqn, *compat.match_varying([a, b]),
                        dimension_numbers=((dims, dims), ((), ())))
-  return [_Partial(out, "sum")]
+  return [_Partial(out, "sum", env.axes(eqn.invars[0]))]
 
 
 class _Partial(tuple):
-  """Marks a rule's output as a partial result: (value, op)."""
+  """Marks a rule's output as a partial result: (value, op, the mesh axes to all-reduce
+  it over: those of the shards it was reduced from)."""
 
-  def __new__(cls, value, op):
-    return super().__new__(cls, (value, op))
+  def __new__(cls, value, op, axes):
+    return super().__new__(cls, (value, op, tuple(axes)))
 
 
-def _broadcast(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _broadcast(eqn: JaxprEqn, env: Env) -> list[Any]:
   one = jnp.reshape(env.whole(eqn.invars[0]), ())
   return [jnp.broadcast_to(one, env.fmt(eqn.outvars[0]).shard_shape)]
 
 
-def _reduce_scatter(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _reduce_scatter(eqn: JaxprEqn, env: Env) -> list[Any]:
   # Waits for its first reader, which reduce-scatters every waiting gradient
-  # together (`_Env.scatter`).
+  # together (`Env.scatter`).
   (v,) = eqn.invars  # Differs across replicas: always held whole.
   env.summands.append(eqn.outvars[0])
   across = tuple(a for a in compat.collective_axes(eqn) if a not in env.plan.axes)
-  return [_Held(summand=env.whole(v), across=across)]
+  return [Held(summand=env.whole(v), across=across)]
 
 
-def _sum_of_copies(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _sum_of_copies(eqn: JaxprEqn, env: Env) -> list[Any]:
   copies = math.prod(lax.axis_size(a) for a in compat.collective_axes(eqn))
   return [collectives.sum_of_copies(env.shard(eqn.invars[0]), copies)]
 
 
-shard_rules[Kind.ELEMENTWISE] = _elementwise
-shard_rules[Kind.LAYOUT] = _same_shard
-shard_rules[Kind.REDUCE_UNIT] = _reduce_unit
-shard_rules[Kind.REDUCE_ALL] = _reduce_all
-shard_rules[Kind.REDUCE] = _reduce
-shard_rules[Kind.DOT_ALL] = _dot_all
-shard_rules[Kind.BROADCAST_DIMS] = _broadcast_dims
+shard_rules.update({Kind.ELEMENTWISE: _elementwise, Kind.LAYOUT: _same_shard,
+                    Kind.REDUCE_UNIT: _reduce_unit, Kind.REDUCE_ALL: _reduce_all,
+                    Kind.REDUCE: _reduce, Kind.DOT_ALL: _dot_all,
+                    Kind.BROADCAST_DIMS: _broadcast_dims})
 
 
-def _cond(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _cond(eqn: JaxprEqn, env: Env) -> list[Any]:
   # Big operands enter every branch as shards; each branch is rewritten by its
   # own JaxprPlan and returns its big results as shards.
   branch_plans = env.jaxpr_plan.bodies[env.current]
@@ -342,7 +199,7 @@ def _cond(eqn: JaxprEqn, env: _Env) -> list[Any]:
 shard_rules[Kind.COND] = _cond
 
 
-def _loop(eqn: JaxprEqn, env: _Env) -> list[_Held]:
+def _loop(eqn: JaxprEqn, env: Env) -> list[Held]:
   # Carries the body's JaxprPlan holds as shards enter as shards (sliced before
   # the loop) and leave as shards; they are gathered after the loop only where
   # something reads them whole (Fig. 4).
@@ -356,24 +213,39 @@ def _loop(eqn: JaxprEqn, env: _Env) -> list[_Held]:
   whole = JaxprPlan({}, {}, {})  # The condition reads only whole carries.
   outs = loop.bind(ops, functools.partial(_run, loop.body, body_plan, env.plan),
                    lambda a: _run(loop.cond, whole, env.plan, a))
-  return [_Held(shard=x) if k < loop.num_carry and fmts[k] else _Held(whole=x)
+  return [Held(shard=x) if k < loop.num_carry and fmts[k] else Held(whole=x)
           for k, x in enumerate(outs)]
 
 
 shard_rules[Kind.LOOP] = _loop
 
 
-def _owned(eqn: JaxprEqn, env: _Env) -> list[Any]:
+def _owned(eqn: JaxprEqn, env: Env) -> list[Any]:
   # Owned updates run on whole tensors, each on its owner (`owned.Region.meet`).
   columns = env.owned.meet(eqn, env.jaxpr_plan.shard_eqns[env.current], env)
-  return [_Held(shard=x) for x in columns]
+  return [Held(shard=x) for x in columns]
 
 
-shard_rules[Kind.OWNED_SCATTER] = shard_rules[Kind.OWNED] = _owned
-shard_rules[Kind.BROADCAST] = _broadcast
-shard_rules[Kind.REDUCE_SCATTER] = _reduce_scatter
-shard_rules[Kind.SUM_OF_COPIES] = _sum_of_copies
-shard_rules[Kind.IDENTITY] = _same_shard  # pmax / pmin of equal values.
+def _scatter_blocks(eqn: JaxprEqn, env: Env) -> list[Any]:
+  # A gradient all-reduce read by nothing else: one reduce-scatter over the replica axes
+  # of every block, then over the blocks' axes. Otherwise the all-reduced value, the
+  # reduce-scatter as written, and this replica's slice.
+  (x,), (y,) = eqn.invars, eqn.outvars
+  h, jaxpr = env.held[x], env.jaxpr
+  if (h.summand is not None and not h.across and x in env.summands and x not in jaxpr.outvars
+      and sum(x in e.invars for e in jaxpr.eqns) == 1):
+    env.summands.remove(x)
+    summand, h.summand = h.summand, None  # Held no more: no token (`Env.tokens`).
+    return [collectives.scatter_blocks(summand, env.fmt(y), env.plan.axes,
+                                       compat.collective_axes(eqn))]
+  (whole,) = compat.bind(eqn, env.whole(x))
+  return [collectives.shard(whole, env.fmt(y), env.axes(y))]
+
+
+shard_rules.update({Kind.OWNED_SCATTER: _owned, Kind.OWNED: _owned, Kind.BROADCAST: _broadcast,
+                    Kind.REDUCE_SCATTER: _reduce_scatter, Kind.SUM_OF_COPIES: _sum_of_copies,
+                    Kind.SCATTER_BLOCKS: _scatter_blocks,
+                    Kind.IDENTITY: _same_shard})  # IDENTITY: pmax / pmin of equal values.
 
 
 def rewrite(jaxpr: ClosedJaxpr, plan: Plan) -> Callable[..., list[Any]]:
@@ -394,23 +266,23 @@ def rewrite(jaxpr: ClosedJaxpr, plan: Plan) -> Callable[..., list[Any]]:
 
 def _run(jaxpr: ClosedJaxpr, jaxpr_plan: JaxprPlan, plan: Plan, args) -> list[Any]:
   """Evaluates `jaxpr` by `jaxpr_plan` under the current trace (the interpreter loop)."""
-  env = _Env(plan, jaxpr_plan)
+  env = Env(plan, jaxpr_plan)
   inner = env.jaxpr = jaxpr.jaxpr
   for v, c in zip(inner.constvars, jaxpr.consts, strict=True):
-    env.held[v] = _Held(whole=c)
+    env.held[v] = Held(whole=c)
   for k, (v, x) in enumerate(zip(inner.invars, args, strict=True)):
-    env.held[v] = _Held(shard=x) if k in jaxpr_plan.sharded_in else _Held(whole=x)
+    env.held[v] = Held(shard=x) if k in jaxpr_plan.sharded_in else Held(whole=x)
   for i in schedule.schedule(inner, jaxpr_plan):
     eqn, env.current = inner.eqns[i], i
     kind = jaxpr_plan.shard_eqns.get(i)
     if kind is None:
       outs = compat.bind(eqn, *[env.whole(v) for v in eqn.invars])
-      held = [_Held(whole=x) for x in outs]
+      held = [Held(whole=x) for x in outs]
     else:
       with compat.source_of(eqn):
         outs = shard_rules[kind](eqn, env)
-      held = [x if isinstance(x, _Held) else _Held(partial=x) if isinstance(x, _Partial)
-              else _Held(shard=x) if env.big(v) else _Held(whole=x)
+      held = [x if isinstance(x, Held) else Held(partial=x) if isinstance(x, _Partial)
+              else Held(shard=x) if env.big(v) else Held(whole=x)
               for v, x in zip(eqn.outvars, outs, strict=True)]
       env.pending += [v for v, h in zip(eqn.outvars, held) if h.partial is not None]
     for v, h in zip(eqn.outvars, held, strict=True):

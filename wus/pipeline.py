@@ -206,7 +206,8 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
                    fsdp=_fsdp(in_specs, sources, replicated, axes, mesh),
                    min_size=options.min_shard_size, split_reason=step.split_reason,
                    objective=options.objective, shard_weights=options.shard_weights,
-                   topology=_topology_for(options.topology, mesh, axes, num_shards))
+                   topology=_topology_for(options.topology, mesh, axes, num_shards),
+                   copies=_copies(options.axis_name, mesh, manual, axes, home))
   if whole_reason is not None:
     plan = replicated_plan(plan, whole_reason)
   if group_size is not None:
@@ -225,15 +226,25 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
                                donate_argnums=donated, timings=timings, home=home)
   # The Plan's state inputs are positions among the step's operands; the runtime's are
   # positions among the user's flat argument leaves.
-  sharded_leaves = {sources[k][1]: ShardedLayout(fmt, tuple(plan.axes), in_specs[k], mesh, home)
-                    for k, fmt in plan.state_inputs.items()}
-  sharded_outputs = {k: ShardedLayout(fmt, tuple(plan.axes), out_specs[k], mesh, home)
+  sharded_leaves = {sources[k][1]: ShardedLayout(fmt, plan.shard_axes(fmt), in_specs[k], mesh,
+                                                 home) for k, fmt in plan.state_inputs.items()}
+  sharded_outputs = {k: ShardedLayout(fmt, plan.shard_axes(fmt), out_specs[k], mesh, home)
                      for k, fmt in plan.state_outputs.items()}
   # Identical on every replica: of all the data-parallel axes, also across groups.
   same = frozenset(axes) | (frozenset((home.outer, home.inner)) if home is not None else set())
   out_replicated = tuple(facts.is_redundant(v, same) for v in flat.outvars)
   return Compiled(plan, step, sources, sharded_leaves, sharded_outputs, tuple(names),
                   tuple(out_specs), out_replicated, out_tree, mesh, user_mesh, timings)
+
+
+def _copies(axis_name, mesh: Mesh, manual: frozenset, axes: tuple, home) -> dict:
+  """The other manual axes (size > 1, mesh order) an update repeated on all their replicas
+  is sharded over too (`Plan.copy_axes`): none when `axis_name=` names the sharding axes
+  or with sharding groups."""
+  if axis_name is not None or home is not None:
+    return {}
+  return {a: mesh.shape[a] for a in mesh.axis_names
+          if a in manual and a not in axes and mesh.shape[a] > 1}
 
 
 def _split(in_specs: Sequence, axes: tuple, mesh: Mesh, home) -> dict:

@@ -27,9 +27,17 @@ from jax.sharding import PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, collective_lines, replica_groups, sharded_leaves
-from tensor_parallel import (GELU_SPEC, MEGATRON_SPEC, TX, gelu_inputs, gelu_step,
-                             megatron_inputs, megatron_step, opt_specs, put, run, two_axis_mesh,
-                             use_tx)
+from tensor_parallel import (GELU_SPEC, HSDP_SPEC, LN_MLP_REPLICATED, LN_MLP_SPEC,
+                             MEGATRON_SPEC, TX, copy_to_model_region, gelu_inputs, gelu_step,
+                             hsdp_step, ln_mlp_inputs, ln_mlp_step, megatron_inputs,
+                             megatron_step, opt_specs, put, reduce_from_model_region, run,
+                             two_axis_mesh, use_tx)
+
+
+def _of_the_loss(all_reduce_line: str) -> bool:
+  """Whether an HLO all-reduce moves one f32 scalar (a loss's pmean)."""
+  result = all_reduce_line.split(" all-reduce")[0]
+  return re.findall(r"\b[a-z]+\d*\[[\d,]*\]", result) == ["f32[]"]
 
 
 @pytest.mark.parametrize("n_data", [4, 3])
@@ -75,7 +83,7 @@ def test_megatron_mlp_gradients_reduce_scattered_over_the_data_groups_only():
             == len(collective_lines(hlo, kind))), kind
   assert over(hlo, "reduce-scatter", data_groups) and over(hlo, "all-gather", data_groups)
   for line in over(hlo, "all-reduce", data_groups):  # The loss's pmean only.
-    assert re.findall(r"\b[a-z]+\d*\[[\d,]*\]", line.split(" all-reduce")[0]) == ["f32[]"], line
+    assert _of_the_loss(line), line
 
 
 @pytest.mark.parametrize("check_vma", [False, True])
@@ -132,12 +140,16 @@ def _untyped(plan_text: str) -> str:
   return re.sub(r"rows: \d+ B beside \d+ B of tensors \([\d.]+\)", "rows: ...", plan_text)
 
 
-def test_checkpoint_on_4x2_restores_on_2x2_through_state_target_and_whole(tmp_path):
+@pytest.mark.parametrize("which", ["gelu", "layernorm"])
+def test_checkpoint_on_4x2_restores_on_2x2_through_state_target_and_whole(tmp_path, which):
   """Item 7: state saved with wus.checkpointable on (4 data x 2 model) restores on
-  (2 x 2) through the step's state_target, and as whole arrays without wus."""
+  (2 x 2) through the step's state_target, and as whole arrays without wus; the
+  LayerNorm MLP's state of replicated weights is sharded over data x model on both."""
   import orbax.checkpoint as ocp  # noqa: PLC0415
-  params, batches = gelu_inputs(4, steps=2)
-  _, b, _, _ = run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
+  step, spec, inputs = ((gelu_step, GELU_SPEC, gelu_inputs) if which == "gelu"
+                        else (ln_mlp_step, LN_MLP_SPEC, ln_mlp_inputs))
+  params, batches = inputs(4, steps=2)
+  _, b, _, _ = run(two_axis_mesh(4, 2), step, spec, params, batches)
   ckptr = ocp.StandardCheckpointer()
   ckptr.save(tmp_path / "ckpt", wus.checkpointable(b))
   ckptr.wait_until_finished()
@@ -145,13 +157,17 @@ def test_checkpoint_on_4x2_restores_on_2x2_through_state_target_and_whole(tmp_pa
   plain = ckptr.restore(tmp_path / "ckpt")  # Without a target: lists and dicts of arrays.
   assert_trees_equal(jax.tree.leaves(whole), jax.tree.leaves(plain))
   small = two_axis_mesh(2, 2)
-  _, _, ws, batch = run(small, gelu_step, GELU_SPEC, params, gelu_inputs(2, steps=1)[1])
-  target = ws.state_target(*put(small, whole, (GELU_SPEC, opt_specs(GELU_SPEC))), batch)[:2]
+  _, b2, ws, batch = run(small, step, spec, params, inputs(2, steps=1)[1])
+  target = ws.state_target(*put(small, whole, (spec, opt_specs(spec))), batch)[:2]
   restored = ckptr.restore(tmp_path / "ckpt", target)
-  assert_trees_equal(whole, restored)
-  kw = dict(mesh=small, in_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P("data")),
-            out_specs=(GELU_SPEC, opt_specs(GELU_SPEC), P()))
-  ref = jax.jit(jax.shard_map(gelu_step, **kw))(*restored, batch)[:2]
+  assert_trees_equal(whole, wus.unshard(restored))
+  # Split state restores whole (the step shards it); the rest as the 2 x 2 step keeps it.
+  assert {x.axes for x in sharded_leaves(b)} == {x.axes for x in sharded_leaves(b2)}
+  assert {x.layout for x in sharded_leaves(restored)} == {
+      x.layout for x in sharded_leaves(b2) if x.layout.num_blocks == 1}
+  kw = dict(mesh=small, in_specs=(spec, opt_specs(spec), P("data")),
+            out_specs=(spec, opt_specs(spec), P()))
+  ref = jax.jit(jax.shard_map(step, **kw))(*restored, batch)[:2]
   assert_trees_equal(ref, wus.unshard(ws(*restored, batch)[:2]))
 
 
@@ -299,3 +315,113 @@ def test_flax_nnx_model_annotated_with_partitioning_under_shard_map():
   assert_trees_equal(a, wus.unshard(b))
   split = [x for x in sharded_leaves(b[1]) if x.layout.split_axes == ("model",)]
   assert len(sharded_leaves(b[1])) == 10 and len(split) == 6  # up.kernel, up.bias, down.kernel.
+
+
+# --- Weights no spec splits over "model": LayerNorm, the row-parallel bias (issue 29). -----
+
+
+def _ln_mlp_step(check_vma):
+  return ln_mlp_step if check_vma else partial(ln_mlp_step, f=copy_to_model_region,
+                                               g=reduce_from_model_region)
+
+
+@pytest.mark.parametrize("n_data", [4, 3])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_weights_in_no_model_spec_have_state_sharded_over_data_x_model(check_vma, n_data):
+  """Megatron-LM's MLP: the update of LayerNorm's scale and bias and the row-parallel
+  bias is the same on both model ranks (their gradients are summed over "model" by JAX's
+  AD under check_vma=True, by Megatron's f and g under check_vma=False): wus shards it
+  over data x model, each model rank keeping its half of its data shard. Bit for bit;
+  all of the optimizer state but the step count <= 1/(N_data x 2) per device + padding."""
+  params, batches = ln_mlp_inputs(n_data)
+  a, b, ws, batch = run(two_axis_mesh(n_data, 2), _ln_mlp_step(check_vma), LN_MLP_SPEC,
+                        params, batches, check_vma=check_vma)
+  assert_trees_equal(a, wus.unshard(b))
+  adam = b[1][0]
+  for name in LN_MLP_SPEC:
+    for x in (adam.mu[name], adam.nu[name]):
+      over = ("data", "model") if name in LN_MLP_REPLICATED else ("data",)
+      assert x.axes == over and x.format.num_shards == n_data * len(over), (name, x)
+      assert x.data.sharding.spec == (P(("data", "model")) if name in LN_MLP_REPLICATED
+                                      else P(("model", "data"))), (name, x)
+  sharded = sharded_leaves(b[1])
+  assert len(sharded) == 12
+  whole = sum(x.size * x.dtype.itemsize for x in sharded)
+  padding = sum(x.format.padding * x.dtype.itemsize * math.prod(x.format.shard_shape[1:])
+                for x in sharded)
+  assert sum(x.nbytes_per_device for x in sharded) <= whole / (n_data * 2) + padding
+  plan = ws.plan(*b, batch)
+  ln = next(c for c in plan.clusters if any("ln_scale" in t.name for t in c.tensors))
+  assert ln.sharded and "sharded over ['data', 'model']: identical on every replica" in ln.reason
+  assert (f"3 of them over ('data', 'model') (N={2 * n_data}, identical across ['model'])"
+          in str(plan)), str(plan)
+  line = next(ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
+              if "opt_state[0].mu['ln_scale']" in ln)
+  shard = -(-16 // (2 * n_data)) * 4
+  assert line.endswith(f"[sharded over ['data', 'model'] by wus: {shard} B per device of 64 B]")
+
+
+def test_a_replicated_weight_whose_gradient_differs_across_model_ranks_stays_over_data():
+  """check_vma=False with the forward psum but without Megatron's f: each model rank
+  computes its own LayerNorm gradient (a valid program whose replicas drift apart). The
+  analysis cannot prove the update the same across "model": sharded over "data" only,
+  the reason in the Plan, and the step still matches the unmodified one bit for bit."""
+  params, batches = ln_mlp_inputs(4)
+  a, b, ws, batch = run(two_axis_mesh(4, 2), ln_mlp_step, LN_MLP_SPEC, params, batches,
+                        check_vma=False)
+  assert_trees_equal(a, wus.unshard(b))
+  assert b[1][0].mu["ln_scale"].axes == ("data",)
+  assert b[1][0].mu["b2"].axes == ("data", "model")  # Its gradient is the same on both.
+  plan = ws.plan(*b, batch)
+  ln = next(c for c in plan.clusters if any("ln_scale" in t.name for t in c.tensors))
+  assert "sharded over ['data'] only, not ['model']: its update may differ" in ln.reason
+
+
+def test_replicated_weights_gradients_reduce_scattered_over_data_then_split_locally():
+  """The compiled step of the LayerNorm MLP: no all-reduce over "data" but the loss's; no
+  reduce-scatter over "model" (the gradient summed over "data" only, each model rank
+  slicing its half locally); and, on the unmodified step's collectives over "model",
+  only the all-gather phases of the new replicated weights."""
+  mesh = two_axis_mesh(4, 2)
+  params, batches = ln_mlp_inputs(4, steps=1)
+  a, b, ws, batch = run(mesh, ln_mlp_step, LN_MLP_SPEC, params, batches)
+  hlo = ws.lower(*b, batch).compile().as_text()
+  kw = dict(mesh=mesh, in_specs=(LN_MLP_SPEC, opt_specs(LN_MLP_SPEC), P("data")),
+            out_specs=(LN_MLP_SPEC, opt_specs(LN_MLP_SPEC), P()))
+  ref_hlo = jax.jit(jax.shard_map(ln_mlp_step, **kw)).lower(*a, batch).compile().as_text()
+  data_groups = sorted(tuple(int(d.id) for d in mesh.devices[:, m]) for m in range(2))
+  model_groups = sorted(tuple(int(d.id) for d in mesh.devices[r]) for r in range(4))
+
+  def over(text, kind, groups):
+    return [ln for ln in collective_lines(text, kind) if sorted(replica_groups(ln)) == groups]
+  assert not over(hlo, "reduce-scatter", model_groups)
+  assert len(over(hlo, "reduce-scatter", data_groups)) == len(collective_lines(
+      hlo, "reduce-scatter"))
+  for line in over(hlo, "all-reduce", data_groups):  # The loss's pmean only.
+    assert _of_the_loss(line), line
+  assert len(over(hlo, "all-reduce", model_groups)) == len(over(ref_hlo, "all-reduce",
+                                                                model_groups))
+  assert over(hlo, "all-gather", model_groups) and not over(ref_hlo, "all-gather", model_groups)
+
+
+def test_hsdp_gradients_reduce_scattered_over_replica_not_all_reduced():
+  """HSDP's compiled step: under check_vma=True JAX's AD all-reduces each weight's whole
+  gradient over "replica" (the transpose of the gathered weight's pvary), then the
+  transpose of the forward all_gather reduce-scatters it over "fsdp". wus makes the two
+  reduce-scatters over "replica" then "fsdp" (each replica's part of every fsdp block,
+  the same sums in the same order; bit for bit in test_hsdp_state_...): no all-reduce of
+  anything but the loss over the "replica" groups, and the matrices' gradients
+  reduce-scattered there. (The biases' gradients, [1, 16] reshaped before the scatter,
+  are reduce-scattered and all-gathered over "replica": the all-reduce's bytes.)"""
+  mesh = jax.make_mesh((2, 4), ("replica", "fsdp"))
+  params, batches = megatron_inputs(8, steps=1)
+  _, b, ws, batch = run(mesh, hsdp_step, HSDP_SPEC, params, batches,
+                        batch_spec=P(("replica", "fsdp")))
+  hlo = ws.lower(*b, batch).compile().as_text()
+  replica_groups_ = sorted(tuple(int(d.id) for d in mesh.devices[:, f]) for f in range(4))
+  for line in collective_lines(hlo, "all-reduce"):
+    if sorted(replica_groups(line)) == replica_groups_:
+      assert _of_the_loss(line), line
+  scattered = [ln for ln in collective_lines(hlo, "reduce-scatter")
+               if sorted(replica_groups(ln)) == replica_groups_]
+  assert len(scattered) >= 3, hlo  # The three matrices' (and the biases', batched).

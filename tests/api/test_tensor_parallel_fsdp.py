@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, sharded_leaves
-from tensor_parallel import (GELU_SPEC, TX, gelu_inputs, gelu_step, megatron_inputs, run,
-                             two_axis_mesh, use_tx)
+from tensor_parallel import (GELU_SPEC, HSDP_SPEC, TX, gelu_inputs, gelu_step, hsdp_step,
+                             megatron_inputs, run, two_axis_mesh, use_tx)
 
 # --- FSDP + TP (the tutorial's "FSDP + TP" section) and HSDP (issue 29 item 3). -----------
 
@@ -72,26 +71,9 @@ def test_hsdp_state_one_over_replica_times_fsdp_and_bit_for_bit():
   """HSDP on ("replica", "fsdp") = (2, 4): weights split over "fsdp" (all-gathered in the
   forward pass) and replicated over "replica"; the update of each fsdp part is sharded
   over "replica" (ZeRO-1 outside, FSDP inside): 1/8 of the state per device."""
-  def predict(params_frag, inputs):
-    for W_frag, b_frag in params_frag:
-      W = jax.lax.all_gather(W_frag, "fsdp", tiled=True)
-      b = jax.lax.all_gather(b_frag, "fsdp", tiled=True)
-      inputs = jax.nn.relu(jnp.dot(inputs, W) + b)
-    return inputs
-
-  def step(params, opt_state, batch):
-    def loss(p):
-      inputs, targets = batch
-      return jnp.mean(jnp.sum((predict(p, inputs) - targets) ** 2, axis=-1))
-    value, grads = jax.value_and_grad(loss)(params)
-    grads = jax.tree.map(lambda g: g / lax.axis_size("fsdp"), lax.pmean(grads, "replica"))
-    updates, opt_state = TX.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state,
-            lax.pmean(value, ("replica", "fsdp")))
-
   mesh = jax.make_mesh((2, 4), ("replica", "fsdp"))
   params, batches = megatron_inputs(8)
-  a, b, ws, batch = run(mesh, step, [(P("fsdp"), P("fsdp"))] * 3, params, batches,
+  a, b, ws, batch = run(mesh, hsdp_step, HSDP_SPEC, params, batches,
                         batch_spec=P(("replica", "fsdp")))
   assert_trees_equal(a, wus.unshard(b))
   sharded = sharded_leaves(b[1])

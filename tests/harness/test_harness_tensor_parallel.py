@@ -123,9 +123,6 @@ def test_wus_train_model_parallel_keeps_an_eighth_of_the_split_weights_state(tp_
     assert x.format.num_shards == 4 and x.layout.split_axes == ("model",), x
 
 
-@pytest.mark.xfail(strict=True, reason="wus.shard_map shards the state of a weight whole over "
-                   "both axes (embeddings, LayerNorms, row-parallel biases) over 'data' only, "
-                   "4 shards each repeated on both model ranks: 1/4 per device, not 1/8")
 def test_wus_train_model_parallel_keeps_an_eighth_of_all_the_state(tp_runs):
   """Issue 29, "What must hold": optimizer state per device <= V/8 plus padding on 4 x 2
   for the whole step, the weights no spec splits included."""
