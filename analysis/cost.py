@@ -38,7 +38,7 @@ import dataclasses
 import math
 
 from wus.analysis import compat
-from wus.analysis import costmodel, network, reasons
+from wus.analysis import costmodel, network, reasons, verdicts
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.layouts import Layout
@@ -59,7 +59,7 @@ class Decision:
   Attributes:
     shard: whether the cluster runs on shards.
     why: why, as a value (`reasons.Reason`: one of the cost model's verdicts,
-      `reasons.OnShards`...; or what stopped the layout); `reason` is its text.
+      `verdicts.OnShards`...; or what stopped the layout); `reason` is its text.
     all_reduce_bytes: whole bytes of the gradient all-reduces it replaces.
     all_gather_bytes: whole bytes it must all-gather per step if sharded.
     saved_bytes: predicted bytes of program inputs and outputs each replica
@@ -174,39 +174,39 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
   def slower() -> Decision | None:
     """The time objective's veto, if the prediction says sharding is slower."""
     if objective == "time" and sharded_s > replicated_s:
-      return verdict(False, reasons.SlowerSharded(sharded_s, replicated_s))
+      return verdict(False, verdicts.SlowerSharded(sharded_s, replicated_s))
     return None
 
   for v, readers in cluster.outside_readers.items():
     for r in readers:
       eqn = eqns[r]
       if facts.repeats(eqn, axes):
-        return verdict(False, reasons.WholeReader(f"{eqn.primitive} at "
+        return verdict(False, verdicts.WholeReader(f"{eqn.primitive} at "
                                                   f"{compat.source_line(eqn)}"))
   if not saved:
-    return verdict(False, reasons.SavesNothing())
+    return verdict(False, verdicts.SavesNothing())
   if cluster.roots and not cluster.seeds:
     # No all-reduce to replace: the update reads values identical on every
     # replica (its roots) by a local slice, and sharding it only adds the
     # all-gathers. Taken for the optimizer state it keeps sharded, or not at all.
     what = f"{', '.join(sliced) or 'its roots'}, identical on every replica"
     if not state_outputs:
-      return verdict(False, reasons.OnlyAddsGathers(what, all_gather))
-    return slower() or verdict(True, reasons.RootsSliced(what, all_gather))
+      return verdict(False, verdicts.OnlyAddsGathers(what, all_gather))
+    return slower() or verdict(True, verdicts.RootsSliced(what, all_gather))
   extra = all_gather - (all_reduce + all_reduce // num_shards)
   if extra > 0 and state_outputs and not cluster.seeds:
     # Its gradient arrives as shards (a loop accumulated it on shards, §4.2):
     # the all-reduce is gone already; the weights are gathered once here.
-    return slower() or verdict(True, reasons.ArrivesAsShards(all_gather))
+    return slower() or verdict(True, verdicts.ArrivesAsShards(all_gather))
   if extra > 0 and state_outputs:
     # More all-gather than the all-reduce it replaces (its all-reduce runs
     # whole): taken for the optimizer state it keeps sharded between steps.
-    return slower() or verdict(True, reasons.KeepsStateSharded(extra))
+    return slower() or verdict(True, verdicts.KeepsStateSharded(extra))
   if extra > 0:
-    return verdict(False, reasons.MoreAllGather(
+    return verdict(False, verdicts.MoreAllGather(
         all_gather, all_reduce, _first_whole_reader(cluster, jaxpr, facts, axes)))
   reductions = sum(k in REDUCING for k in cluster.kinds.values())
-  return slower() or verdict(True, reasons.OnShards(reductions, len(gathered)))
+  return slower() or verdict(True, verdicts.OnShards(reductions, len(gathered)))
 
 
 def _topology(objective: str, topology: network.Topology | None,

@@ -232,13 +232,10 @@ class Plan:
     unchanged: why the step runs as the front end's JAX function would, with
       nothing sharded (`wus.jit` of a step without data parallelism); "" when
       it is planned.
-    split_by: what splits an input over the model axes, for its line: "its
-      spec" (a shard_map in_spec), "its placement" (`wus.jit`: a NamedSharding,
-      `in_shardings`, sharding metadata).
-    copy_axes, copies: the other manual mesh axes (size > 1, mesh order) over which an
-      update identical on all their replicas is sharded too (in a tensor-parallel step,
-      of a weight no spec splits: LayerNorm, embeddings), and their replicas: its
-      tensors have `num_shards * copies` shards over `axes + copy_axes` (`shard_axes`).
+    split_by: what splits inputs over model axes: "its spec" (shard_map) or "its placement".
+    copy_axes, copies: the other manual mesh axes (size > 1) over which an update identical
+      on all their replicas is sharded too (a TP step's LayerNorms, embeddings), and their
+      replicas: its tensors have `num_shards * copies` shards (`shard_axes`).
 
   `str(plan)` (what `print` shows) is one line per cluster, the totals first;
   `plan.details()` the full table: every tensor with its format, every input.
@@ -265,9 +262,8 @@ class Plan:
   copy_axes: tuple = ()
   copies: int = 1
 
-  def shard_axes(self, fmt: ShardFormat) -> tuple:
-    """The mesh axes the shards of a tensor in `fmt` lie over, major first: `axes`, and
-    `copy_axes` for an update repeated on theirs too (replica (r, c) holds r * copies + c)."""
+  def shard_axes(self, fmt: Format) -> tuple:
+    """The mesh axes a tensor's shards in `fmt` lie over, major first (shard r * copies + c)."""
     if self.copies > 1 and fmt.num_shards == self.num_shards * self.copies:
       return (*self.axes, *self.copy_axes)
     return tuple(self.axes)

@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from helpers import analysed_body, mesh
-from wus.analysis import clusters, cost, layouts, reasons
+from wus.analysis import clusters, cost, layouts, verdicts
 from wus.analysis.cost import Decision
 from wus.analysis.reasons import Reason
 from wus.analysis.graph import Graph
@@ -53,14 +53,14 @@ def test_momentum_kept_sharded_saves_seven_eighths_of_its_state_traffic(dtype):
   tensor = 1000 * jnp.dtype(dtype).itemsize
   # Replaces one all-reduce of the gradient; gathers the new weight only (the
   # momentum stays sharded); reads w and m, writes w and m: 4 tensors.
-  assert d == Decision(True, Reason(reasons.OnShards(0, 1)),
+  assert d == Decision(True, Reason(verdicts.OnShards(0, 1)),
                        all_reduce_bytes=tensor, all_gather_bytes=tensor,
                        saved_bytes=4 * tensor - 4 * tensor // N)
 
 
 def test_momentum_gathered_every_step_costs_more_than_the_all_reduce_and_is_refused():
   d = decide(momentum, [R, R, X], [(1000,)] * 3, (R, R))
-  assert d == Decision(False, Reason(reasons.MoreAllGather(8000, 4000)),
+  assert d == Decision(False, Reason(verdicts.MoreAllGather(8000, 4000)),
                        all_reduce_bytes=4000, all_gather_bytes=8000,
                        saved_bytes=16000 - 16000 // N)
   assert d.reason == "needs 8000 B of all-gather, more than the 4000 B all-reduce it replaces"
@@ -76,7 +76,7 @@ def test_state_also_returned_whole_is_taken_for_the_state_kept_sharded():
 
   d = decide(step, [R, R, X], [(1000,)] * 3, (R, R, R), state_outputs={1})
   assert d.shard and (d.all_reduce_bytes, d.all_gather_bytes) == (4000, 8000)
-  assert d.why == Reason(reasons.KeepsStateSharded(3500))
+  assert d.why == Reason(verdicts.KeepsStateSharded(3500))
   assert d.reason == ("update on 1/N shards; optimizer state kept sharded at the cost of 3500 B "
                       "more all-gather than the reduce-scatter saves")
   assert d.saved_bytes == 20000 - 20000 // N  # w, m read; w written once, m twice.
@@ -88,7 +88,7 @@ def test_update_that_reads_and_returns_no_state_saves_nothing_and_is_refused():
     return (x * g,)  # Only computation that differs across replicas reads g.
 
   d = decide(step, [X], [(64,)], (X,))
-  assert d == Decision(False, Reason(reasons.SavesNothing()),
+  assert d == Decision(False, Reason(verdicts.SavesNothing()),
                        all_reduce_bytes=256, all_gather_bytes=256, saved_bytes=0)
 
 
@@ -99,7 +99,7 @@ def test_refusal_names_the_reader_that_needs_a_sharded_value_whole():
 
   d = decide(step, [R, X], [(64,)] * 2, (R, X))
   assert not d.shard and (d.all_reduce_bytes, d.all_gather_bytes) == (256, 512)
-  assert d.why.verdict == reasons.MoreAllGather(512, 256, d.why.verdict.reader)
+  assert d.why.verdict == verdicts.MoreAllGather(512, 256, d.why.verdict.reader)
   assert d.why.verdict.reader.startswith(" (float32[64]{V:data} is read whole by mul at ")
   assert "differs across replicas" in d.reason
 
@@ -110,7 +110,7 @@ def test_norm_counts_as_a_reduction_and_its_scalar_is_not_gathered():
     return (w - 0.1 * jnp.sqrt(jnp.sum(w * w)) * g,)
 
   d = decide(lars, [R, X], [(64,)] * 2, (R,))
-  assert d == Decision(True, Reason(reasons.OnShards(1, 1)),
+  assert d == Decision(True, Reason(verdicts.OnShards(1, 1)),
                        all_reduce_bytes=256, all_gather_bytes=256, saved_bytes=512 - 512 // N)
 
 
@@ -122,7 +122,7 @@ def test_partial_result_returned_is_all_reduced_not_gathered():
     return w - 0.1 * g, jnp.sum(g * g, axis=0)
 
   d = decide(step, [R, X], [(64, 32)] * 2, (R, R))
-  assert d == Decision(True, Reason(reasons.OnShards(1, 1)),
+  assert d == Decision(True, Reason(verdicts.OnShards(1, 1)),
                        all_reduce_bytes=8192, all_gather_bytes=8192,
                        saved_bytes=(8192 * 2 + 128) - (8192 * 2 + 128) // N)
 
@@ -134,5 +134,5 @@ def test_every_gradient_all_reduce_of_the_cluster_is_counted():
     return (w - 0.1 * (g1 + g2),)
 
   d = decide(step, [R, X, X], [(1000,)] * 3, (R,))
-  assert d == Decision(True, Reason(reasons.OnShards(0, 1)), all_reduce_bytes=8000,
+  assert d == Decision(True, Reason(verdicts.OnShards(0, 1)), all_reduce_bytes=8000,
                        all_gather_bytes=4000, saved_bytes=8000 - 8000 // N)

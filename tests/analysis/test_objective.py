@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 from helpers import (PMAP_TX, analysed_body, assert_trees_equal, mesh, pmap_params, pmap_step,
                      pmap_xs, sharded_leaves, stack)
-from wus.analysis import clusters, cost, costmodel, layouts, network, reasons
+from wus.analysis import clusters, cost, costmodel, layouts, network, verdicts
 from wus.analysis.graph import Graph
 from wus.analysis.reasons import Reason
 
@@ -69,14 +69,14 @@ def test_memory_objective_shards_for_the_state_whatever_the_links_cost():
   for t in (SLOW_LINKS, SLOW_MEMORY):
     d = _decide("memory", t)
     # 32000 B gathered against the 16000 + 16000 / 8 B the reduce-scatter leaves room for.
-    assert d.shard and d.why == Reason(reasons.KeepsStateSharded(14000))
+    assert d.shard and d.why == Reason(verdicts.KeepsStateSharded(14000))
     assert d.all_gather_bytes == 2 * d.all_reduce_bytes == 32000
 
 
 def test_time_objective_refuses_an_extra_gather_on_slow_links():
   d = _decide("time", SLOW_LINKS)
   assert not d.shard and d.sharded_seconds > d.replicated_seconds
-  assert d.why == Reason(reasons.SlowerSharded(d.sharded_seconds, d.replicated_seconds))
+  assert d.why == Reason(verdicts.SlowerSharded(d.sharded_seconds, d.replicated_seconds))
   assert d.reason.startswith("predicted slower sharded (") and "objective='memory'" in d.reason
 
 
@@ -125,7 +125,7 @@ def _byol(objective, **kw):
 def test_memory_objective_keeps_the_momentum_sharded_at_the_cost_of_a_gather():
   plan, got = _byol("memory")
   assert len(sharded_leaves(got[1])) == 2 and all(c.sharded for c in plan.clusters)
-  assert all(isinstance(c.why.verdict, reasons.KeepsStateSharded) for c in plan.clusters)
+  assert all(isinstance(c.why.verdict, verdicts.KeepsStateSharded) for c in plan.clusters)
   assert "memory objective" in str(plan)
   # Each cluster's prediction is printed where the cost model resolves it.
   resolved = [c for c in plan.clusters
@@ -139,7 +139,7 @@ def test_time_objective_keeps_it_replicated_where_predicted_slower():
   plan, got = _byol("time", topology=network.default_topology(N, platform="tpu"))
   assert not sharded_leaves(got[1]) and not any(c.sharded for c in plan.clusters)
   assert all(c.sharded_seconds > c.replicated_seconds for c in plan.clusters)
-  assert all(isinstance(c.why.verdict, reasons.SlowerSharded) for c in plan.clusters)
+  assert all(isinstance(c.why.verdict, verdicts.SlowerSharded) for c in plan.clusters)
 
 
 def test_time_objective_shards_when_the_update_dominates():
