@@ -152,11 +152,12 @@ class ShardedStep:
                shard_weights: bool = False, donate_argnums: frozenset = frozenset(),
                split_reason: str = "its in_spec splits it", signature: Signature | None = None,
                match_state: Callable[[tuple, Any], StateMatch] | None = None,
-               names: tuple[Sequence[str], Sequence[str]] | None = None):
+               names: tuple[Sequence[str], Sequence[str]] | None = None,
+               copies: bool | None = None):
     self._f = f
     self._step = pipeline.Step(f, in_specs, out_specs, check_vma, frozenset(axis_names),
                                split_reason, Signature.of(f) if signature is None else signature,
-                               match_state, names)
+                               match_state, names, copies)
     self._options = Options(min_shard_size, shard_group_size, objective, topology,
                             shard_weights, axis_name)
     self._mesh = mesh  # None: the mesh set with jax.set_mesh at call time.

@@ -358,6 +358,7 @@ class JitStep:
         global_view_program.region_fn(jaxpr, region, axes, blocks, dict(mesh.shape)),
         mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
         axis_names=frozenset(), axis_name=axes, split_reason="split over the batch axes",
+        copies=True,
         match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
         names=(in_names, out_names), **self._options)
     region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,

@@ -48,6 +48,9 @@ class Step:
       for `matching.match_state`.
     names: the front end's names of the flat inputs and outputs, or None for
       the argument paths.
+    copies: whether an update identical across the other manual axes is sharded
+      over them too (`Plan.copy_axes`); None: unless the user's `axis_name=`
+      names the sharding axes (`wus.jit` names them itself and allows it).
   """
 
   f: Callable
@@ -59,6 +62,7 @@ class Step:
   signature: Signature = Signature()
   match_state: Callable[[tuple, Any], StateMatch] | None = None
   names: tuple[Sequence[str], Sequence[str]] | None = None
+  copies: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +211,8 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
                    min_size=options.min_shard_size, split_reason=step.split_reason,
                    objective=options.objective, shard_weights=options.shard_weights,
                    topology=_topology_for(options.topology, mesh, axes, num_shards),
-                   copies=_copies(options.axis_name, mesh, manual, axes, home))
+                   copies=_copies(options.axis_name is None if step.copies is None
+                                  else step.copies, mesh, manual, axes, home))
   if whole_reason is not None:
     plan = replicated_plan(plan, whole_reason)
   if group_size is not None:
@@ -237,11 +242,11 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
                   tuple(out_specs), out_replicated, out_tree, mesh, user_mesh, timings)
 
 
-def _copies(axis_name, mesh: Mesh, manual: frozenset, axes: tuple, home) -> dict:
+def _copies(allowed: bool, mesh: Mesh, manual: frozenset, axes: tuple, home) -> dict:
   """The other manual axes (size > 1, mesh order) an update repeated on all their replicas
-  is sharded over too (`Plan.copy_axes`): none when `axis_name=` names the sharding axes
-  or with sharding groups."""
-  if axis_name is not None or home is not None:
+  is sharded over too (`Plan.copy_axes`): none unless `allowed` (`Step.copies`), nor
+  with sharding groups."""
+  if not allowed or home is not None:
     return {}
   return {a: mesh.shape[a] for a in mesh.axis_names
           if a in manual and a not in axes and mesh.shape[a] > 1}

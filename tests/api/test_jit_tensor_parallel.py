@@ -208,8 +208,9 @@ def test_equinox_mlp_placed_over_model_under_filter_jit():
 
 
 def test_whole_weights_on_a_2d_mesh_are_served_as_on_1d():
-  """Weights whole over both axes, the batch over "data" of a (4, 2) mesh: the state is
-  sharded over "data" as on a 4-device mesh, bit for bit."""
+  """Weights whole over both axes, the batch over "data" of a (4, 2) mesh: every replica
+  of "model" repeats the update, so the state is sharded over data x model (8 shards, each
+  model rank keeping its part of its data shard), bit for bit."""
   tx = optax.adam(1e-2)
   mesh = make_mesh(4)
   model = LogicalMLP()
@@ -220,7 +221,8 @@ def test_whole_weights_on_a_2d_mesh_are_served_as_on_1d():
   _, out = run_both(step, wus.jit(step), (params, tx.init(params)), batches(mesh, 3))
   state = sharded(out[1])
   assert state and all(x.layout.split_axes == () for x in state)
-  assert all(x.format.num_shards == 4 for x in state)
+  assert all(x.format.num_shards == 8 for x in state)
+  assert all(x.layout.data_sharding.spec == P(("data", "model")) for x in state), state
 
 
 def test_weights_placed_by_in_shardings():

@@ -77,7 +77,8 @@ def test_the_plan_says_each_tensor_is_split_by_its_placement_and_sharded_by_wus(
                      "192 B per device of 1.5 KiB]"), mu  # [12, 32]: blocks [12, 16] over 4.
   assert lines[f"params{kernel}"].endswith("[split over ['model'] by its placement]")
   scale = lines["opt_state[0].mu['params']['LayerNorm_0']['scale']"]
-  assert "by its placement" not in scale and "sharded over ['data'] by wus" in scale, scale
+  # Whole over "model" and updated alike on both model ranks: over data x model (1/8).
+  assert scale.endswith("[sharded over ['data', 'model'] by wus: 16 B per device of 128 B]"), scale
   assert "of what the specs alone leave on a device" in str(plan), str(plan)
   assert "runs unchanged" not in str(plan) and "state is split" not in str(plan), str(plan)
   assert all(c.sharded for c in plan.clusters), str(plan)

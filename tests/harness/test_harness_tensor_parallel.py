@@ -152,22 +152,24 @@ def test_the_jit_step_shards_its_state_over_data_x_model_under_wus_jit():
   """--model_parallel=2 --step=jit: the step on global arrays with the weights placed split
   over "model" (GSPMD partitions its forward and backward pass). wus.jit runs its update
   manual over both axes (issue 29 item 2): the same losses as jax.jit, the optimizer
-  state per device about 1/8 of a whole copy, and the printed Plan says the clusters are
-  sharded."""
+  state per device <= 1/8 of a whole copy plus padding (the tensors whole over "model",
+  embeddings, LayerNorms, row-parallel biases, sharded over data x model too), and the
+  printed Plan says the clusters are sharded."""
   configs = [config.RunConfig.for_model("transformer_small", mode=mode, data="synthetic",
                                         steps=2, batch_size=1, seq_len=16, eval_examples=16,
                                         model_parallel=2, step="jit") for mode in steps.MODES]
   built = train.build(configs[0])
-  results = {c.mode: train.fit(c, built).summary for c in configs}
+  runs = {c.mode: train.fit(c, built) for c in configs}
+  results = {mode: run.summary for mode, run in runs.items()}
   assert results["replicated"]["losses"] == results["wus"]["losses"]
   whole = results["wus"]["opt_state_bytes"]
   replicated = results["replicated"]["state_bytes_per_device"]["opt_state"]
   sharded = results["wus"]["state_bytes_per_device"]["opt_state"]
   assert replicated > whole / 2 - 64  # jax.jit: each device holds its model rank's half.
-  # 1/4 of what jax.jit's layout leaves on a device (each model rank's block over the 4
-  # data replicas), ~1/8 of a copy: 0.136 measured, the tensors whole over "model" (the
-  # embeddings, LayerNorms, row-parallel biases) sharded over "data" only.
-  assert sharded <= replicated / 4 + 1024 and sharded < whole / 7, (sharded, replicated, whole)
+  assert sharded <= replicated / 4 + 1024, (sharded, replicated)
+  state = runs["wus"].state.opt_state
+  _, _, padding = _sharded_bytes(_split(state, True) + _split(state, False))
+  assert sharded <= whole / 8 + padding + 64, (sharded, whole, padding)
   text = train.format_results(results)
   assert "the step runs unchanged" not in text and "weight-update clusters sharded" in text
 
