@@ -79,7 +79,7 @@ def _constraint(eqn) -> Joins:
   does not run on blocks, and the step keeps the constraint's meaning under jax.jit)."""
   joins, _ = _same_dims(eqn)
   spec = compat.constraint_spec(eqn)
-  if spec is None:
+  if spec is None or not compat.lays_out(eqn):  # JAX's own reshards on Auto axes: none.
     return joins, []
   out = eqn.outvars[0]
   entries = (*spec, *(None,) * (len(_shape(out)) - len(spec)))

@@ -181,6 +181,17 @@ def is_sharding_constraint(eqn: JaxprEqn) -> bool:
   return eqn.primitive in (lax.sharding_constraint_p, reshard_p)
 
 
+def lays_out(eqn: JaxprEqn) -> bool:
+  """Whether a sharding constraint constrains the layout when lowered: a `reshard` over a
+  mesh whose axes are all Auto lowers to nothing (JAX >= 0.11 inserts them on Auto meshes
+  as sharding-in-types bookkeeping, e.g. in `broadcast_in_dim`; `mlir.lower_with_sharding_
+  in_types` returns its operand)."""
+  if eqn.primitive is not reshard_p:
+    return True
+  mesh = getattr(eqn.params.get("dst_sharding"), "mesh", None)
+  return not getattr(mesh, "are_all_axes_auto", False)
+
+
 def constraint_spec(eqn: JaxprEqn) -> P | None:
   """The PartitionSpec a sharding constraint lays its value out by; None for other
   equations or a constraint wus cannot read (not a NamedSharding or PartitionSpec)."""
