@@ -336,6 +336,16 @@ def analysed_body(f, in_specs, shapes, out_specs, *, mesh, check_vma=True):
   return flat, redundancy.analyze(flat, [manual - spec_axes(s) for s in in_specs], manual)
 
 
+def classifier_batches(mesh, n, batch=48, features=12):
+  """`n` {"x": [batch, features] float32, "y": [batch] int32 labels < 10} batches split
+  over the mesh's "data" axis (fixed seed)."""
+  rng = np.random.default_rng(0)
+  data = NamedSharding(mesh, P("data"))
+  return [{"x": jax.device_put(rng.normal(size=(batch, features)).astype(np.float32), data),
+           "y": jax.device_put(rng.integers(0, 10, size=(batch,)).astype(np.int32), data)}
+          for _ in range(n)]
+
+
 def classifier_step(model, tx):
   """The Flax examples' classifier step on global arrays: softmax cross-entropy of
   `model.apply(params, batch["x"])` against `batch["y"]`, an optax update; returns

@@ -12,7 +12,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, classifier_step
+from helpers import assert_trees_equal, classifier_batches, classifier_step
 from wus.sharded import is_sharded
 
 
@@ -23,11 +23,7 @@ def make_mesh(n_data, kind="auto", n_model=2):
 
 
 def batches(mesh, n, batch=24, features=12):
-  rng = np.random.default_rng(0)
-  data = NamedSharding(mesh, P("data"))
-  return [{"x": jax.device_put(rng.normal(size=(batch, features)).astype(np.float32), data),
-           "y": jax.device_put(rng.integers(0, 10, size=(batch,)).astype(np.int32), data)}
-          for _ in range(n)]
+  return classifier_batches(mesh, n, batch, features)
 
 
 def sharded(tree) -> list:
@@ -110,10 +106,10 @@ def mlp_step(tx):
   return step
 
 
-def mlp_run(tx, make_step=mlp_step, **tol):
-  """`make_step(tx)` under jax.jit and wus.jit from the same inputs: (wus step, its last
-  state, the last batch); the results compared (within `tol`)."""
-  mesh, r = make_mesh(4), np.random.RandomState(0)
+def mlp_inputs(mesh):
+  """The Megatron MLP's weights (w1 column-, w2 row-parallel over "model") and three
+  (x, y) batches split over "data"."""
+  r = np.random.RandomState(0)
   spec = {"w1": P(None, "model"), "w2": P("model", None)}
   params = {k: jax.device_put(jnp.asarray(0.1 * r.randn(*shape), jnp.float32),
                               NamedSharding(mesh, spec[k]))
@@ -121,6 +117,13 @@ def mlp_run(tx, make_step=mlp_step, **tol):
   data = NamedSharding(mesh, P("data"))
   batches = [tuple(jax.device_put(jnp.asarray(r.randn(16, 16), jnp.float32), data)
                    for _ in range(2)) for _ in range(3)]
+  return params, batches
+
+
+def mlp_run(tx, make_step=mlp_step, **tol):
+  """`make_step(tx)` under jax.jit and wus.jit from the same inputs: (wus step, its last
+  state, the last batch); the results compared (within `tol`)."""
+  params, batches = mlp_inputs(make_mesh(4))
   step, ws = make_step(tx), wus.jit(make_step(tx))
   ref = out = (params, tx.init(params))
   for b in batches:

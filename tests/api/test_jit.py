@@ -20,7 +20,7 @@ from flax.training import train_state
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import assert_trees_equal, classifier_step, collective_arrays
+from helpers import assert_trees_equal, classifier_batches, classifier_step, collective_arrays
 from wus.sharded import is_sharded
 
 KINDS = ["auto", "explicit"]
@@ -44,12 +44,7 @@ class MLP(nn.Module):
     return nn.Dense(10)(x)
 
 
-def _batches(mesh, n, batch=48, features=12):
-  rng = np.random.default_rng(0)
-  data = NamedSharding(mesh, P("data"))
-  return [{"x": jax.device_put(rng.normal(size=(batch, features)).astype(np.float32), data),
-           "y": jax.device_put(rng.integers(0, 10, size=(batch,)).astype(np.int32), data)}
-          for _ in range(n)]
+_batches = classifier_batches  # A classifier's batches over "data" (tests/helpers.py).
 
 
 def _init(mesh, model, tx, features=12):

@@ -6,7 +6,6 @@ state's life outside the step (`wus.unshard`, `state_target`, Orbax checkpoints)
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -16,7 +15,8 @@ import wus
 from helpers import assert_trees_equal, classifier_step, collective_lines, replica_groups
 from wus.sharded import is_sharded
 from jit_tensor_parallel import (LogicalMLP, assert_split_state, batches, linen_args,
-                                 linen_step, make_mesh, mlp_run, mlp_step, run_both, sharded)
+                                 linen_step, make_mesh, mlp_inputs, mlp_run, mlp_step, run_both,
+                                 sharded)
 
 
 def test_model_split_gradients_reduce_scattered_over_the_data_groups():
@@ -43,19 +43,13 @@ def test_megatron_mlp_no_new_collective_over_model():
   (the row-parallel all-reduce): the update adds only reduce-scatters and all-gathers
   over the data groups. Bit for bit over three steps (SGD with momentum)."""
   tx = optax.sgd(1e-2, momentum=0.9)
-  mesh, r = make_mesh(4), np.random.RandomState(0)
-  spec = {"w1": P(None, "model"), "w2": P("model", None)}
-  params = {k: jax.device_put(jnp.asarray(0.1 * r.randn(*shape), jnp.float32),
-                              NamedSharding(mesh, spec[k]))
-            for k, shape in (("w1", (16, 32)), ("w2", (32, 16)))}
-  data = NamedSharding(mesh, P("data"))
-  batches = [tuple(jax.device_put(jnp.asarray(r.randn(16, 16), jnp.float32), data)
-                   for _ in range(2)) for _ in range(3)]
+  mesh = make_mesh(4)
+  params, data = mlp_inputs(mesh)
   step, ws = mlp_step(tx), wus.jit(mlp_step(tx))
-  _, out = run_both(step, ws, (params, tx.init(params)), batches)
+  _, out = run_both(step, ws, (params, tx.init(params)), data)
   assert_split_state(out[1], 4)
-  hlo = ws.lower(*out, batches[0]).compile().as_text()
-  ref = jax.jit(step).lower(params, tx.init(params), batches[0]).compile().as_text()
+  hlo = ws.lower(*out, data[0]).compile().as_text()
+  ref = jax.jit(step).lower(params, tx.init(params), data[0]).compile().as_text()
   model_groups = sorted(tuple(int(d.id) for d in mesh.devices[k]) for k in range(4))
 
   def over_model(text):
