@@ -74,10 +74,13 @@ def predict(result: dict, topology: network.Topology) -> dict | None:
   return out
 
 
-def group_size_choice(result: dict, topology: network.Topology) -> str | None:
+def group_size_choice(result: dict, topology: network.Topology,
+                      p: dict | None = None) -> str | None:
   """The sharding group size the cost model predicts fastest beside the one measured
-  fastest, among a regime's partial-sharding variants (issue 30), or None."""
-  p = predict(result, topology)
+  fastest, among a regime's partial-sharding variants (issue 30), or None.
+
+  `p`: the regime's `predict(result, topology)`, if already made."""
+  p = p if p is not None else predict(result, topology)
   sizes = {v: group_size(v) for v in result["variants"] if group_size(v)}
   if not p or not sizes:
     return None
@@ -107,7 +110,7 @@ def prediction_markdown(results: list[dict], topology: network.Topology, raw: di
                    1e3 * x.rest, 1e3 * (x.communication + x.copies), 1e3 * x.update,
                    x.with_copies / p["replicated"].total if sharded else "-",
                    r[v]["median"] / r["replicated"]["median"] if sharded else "-"])
-    if line := group_size_choice(r, topology):
+    if line := group_size_choice(r, topology, p):
       choices_made.append(line)
   return "\n\n".join([
       "### Cost model: predicted beside measured",
