@@ -17,9 +17,11 @@ from wus.analysis import (compat, cost, formats, kept_state, layouts, loops, net
                           ownership, reasons)
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
-from wus.analysis.plan import ClusterPlan, InputPlan, JaxprPlan, Plan, TensorPlan
+from wus.analysis.plan import (ClusterPlan, Grouping, InputPlan, JaxprPlan, Plan, TensorPlan,
+                               replicated)
 from wus.analysis.redundancy import Redundancy
 from wus.analysis.shardable import Kind
+from wus.collectives import batched
 
 
 def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: int,
@@ -31,7 +33,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               matched: Mapping[int, str] | None = None, roots: Sequence[int] = (),
               split: Mapping[int, tuple] | None = None,
               fsdp: Mapping[int, tuple] | None = None,
-              copies: Mapping[str, int] | None = None) -> Plan:
+              copies: Mapping[str, int] | None = None, group_size: int | None = None,
+              grouping: Grouping | None = None) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -67,6 +70,14 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     copies: other manual mesh axes -> their sizes (> 1): a cluster that every replica
       of them repeats (`redundancy.differs_over`) is sharded over them too
       (`Plan.copy_axes`).
+    group_size: `shard_group_size`'s G, the update sharded within groups of G
+      replicas of the one axis in `axes` (§5.2): N / G groups, whose gradient
+      shards are all-reduced across them; 1: every update replicated (the reason
+      is `grouping.layout`); None: one group of all N.
+    grouping: the groups as the Plan says them (`Grouping`: for "auto", the
+      choice and its predicted times; the groups in words; M = N / G for
+      groups the programs run in), or None; the planner counts the all-reduces
+      across the groups.
 
   Returns:
     The frozen Plan.
@@ -98,11 +109,28 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   after, tied = ordering.gather_after(graph, planned.jaxpr_plan.shard_eqns, planned.formats,
                                       planned.jaxpr_plan.sharded_out, read_tokens=not rooted)
   jaxpr_plan = dataclasses.replace(planned.jaxpr_plan, gather_after=after, tied_outputs=tied)
-  return Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
+  plan = Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
               jaxpr_plan, planned.formats, planned.gather_dtypes, objective=objective,
               bucket_bytes=limit, alone_bytes=alone, buckets=buckets, owned=planned.owned,
               resolution=network.resolution(ctx.topology), copy_axes=tuple(ctx.copies),
-              copies=math.prod(ctx.copies.values()))
+              copies=math.prod(ctx.copies.values()), group_size=group_size,
+              groups=_with_across(grouping, planned.clusters, limit))
+  # G = 1: groups of one replica shard nothing; the rewrite replays the step.
+  return replicated(plan, grouping.layout) if group_size == 1 else plan
+
+
+def _with_across(grouping: Grouping | None, cluster_plans, bucket_bytes: int) -> Grouping | None:
+  """`grouping` with the batched all-reduces of the gradient shards across its groups
+  per step (§5.2, Fig. 10 right), predicted: one per dtype bucket of the sharded
+  gradients' shards."""
+  if grouping is None or not grouping.num_groups:
+    return grouping
+  grads = [t for c in cluster_plans if c.sharded for t in c.tensors
+           if t.role == "gradient" and t.format is not None]
+  across = len(batched.dtype_buckets([t.dtype for t in grads],
+                                     [t.format.shard_size * t.itemsize for t in grads],
+                                     bucket_bytes))
+  return dataclasses.replace(grouping, across=across)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,10 +22,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import collectives, runtime
+from wus import runtime
 from wus.analysis import clusters, compat, cost, network, redundancy
 from wus.analysis.compat import ClosedJaxpr
-from wus.analysis.plan import Grouping, Plan, replicated as replicated_plan
+from wus.analysis.plan import Grouping, Plan
 from wus.analysis.planner import make_plan
 from wus.matching import Signature, StateMatch, argument_paths, aval, match_state
 from wus.options import Options
@@ -111,15 +111,12 @@ def compile_step(step: Step, options: Options, args: tuple, leaves: list, treede
     whole = build(None)
     g, why = cost.auto_group_size(whole.plan, _topology_for(
         options.topology, whole.mesh, whole.plan.axes, whole.plan.num_shards))
-    compiled = whole if g is None else build(g)
-    return dataclasses.replace(compiled, plan=dataclasses.replace(
-        compiled.plan, groups=dataclasses.replace(compiled.plan.groups or Grouping(), chosen=why)))
-
+    return build(g, why)
 
 
 def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
            replicated: frozenset, mesh: Mesh, donate_argnums: frozenset,
-           group_size: int | None) -> Compiled:
+           group_size: int | None, chosen: str = "") -> Compiled:
   start = time.perf_counter()
   # 1. Trace the user's step exactly as jax.shard_map would.
   traced = [jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -151,11 +148,12 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   matched = {body_pos[i]: why for i, why in match.how.items() if i in body_pos}
   matched.update({body_pos[i]: f"next value {out_names[o]} (by {match.how[i]})"
                   for o, i in match.pairs.items() if i in body_pos})
-  user_mesh, home, rename, grouping, whole_reason = mesh, None, None, "", None
+  user_mesh, home, rename, grouping = mesh, None, None, Grouping(chosen) if chosen else None
   if group_size is not None:
     axes = _replica_axes(options.axis_name, mesh, manual, body,
                          [body.invars[i] for i in pairs.values()])
-    home, grouping, whole_reason = _groups(mesh, axes, group_size)
+    home, words = _groups(mesh, axes, group_size)
+    grouping = Grouping(chosen, words, home.num_groups if home is not None else 0)
   if home is not None:
     # 1b. The programs run on the mesh derived for the groups; the step is
     # renamed onto it while it is inlined (transforms/groups.py).
@@ -212,15 +210,8 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
                    objective=options.objective, shard_weights=options.shard_weights,
                    topology=_topology_for(options.topology, mesh, axes, num_shards),
                    copies=_copies(options.axis_name is None if step.copies is None
-                                  else step.copies, mesh, manual, axes, home))
-  if whole_reason is not None:
-    plan = replicated_plan(plan, whole_reason)
-  if group_size is not None:
-    grouping = Grouping(layout=grouping)
-    if home is not None:
-      grouping = dataclasses.replace(grouping, num_groups=home.num_groups,
-                                     across=_across_groups(plan))
-    plan = dataclasses.replace(plan, group_size=group_size, groups=grouping)
+                                  else step.copies, mesh, manual, axes, home),
+                   group_size=group_size, grouping=grouping)
 
   # 4. Compile the rewritten step.
   timings = {"trace": traced_at - start, "analysis": time.perf_counter() - traced_at}
@@ -288,11 +279,10 @@ def _split_differently(pairs: dict, in_specs: Sequence, out_specs: Sequence,
   return out
 
 
-def _groups(mesh: Mesh, axes: tuple,
-            group_size: int) -> tuple[groups.Groups | None, str, str | None]:
+def _groups(mesh: Mesh, axes: tuple, group_size: int) -> tuple[groups.Groups | None, str]:
   """The sharding groups of `shard_group_size` (§5.2): (the Groups, None for
-  G = N or G = 1; the grouping in words, for the Plan; the reason the update
-  stays replicated for G = 1, else None).
+  G = N or G = 1; the grouping in words, for the Plan, for G = 1 the reason the
+  update stays replicated).
 
   Raises:
     ValueError: several sharding axes, or a G that does not divide N.
@@ -309,11 +299,11 @@ def _groups(mesh: Mesh, axes: tuple,
   if g == 1:
     why = (f"shard_group_size=1: groups of one replica of {axis!r}, so nothing is sharded; "
            "the update runs replicated as in the original step")
-    return None, why, why
+    return None, why
   if g == size:
     return None, (f"shard_group_size={g}: one group of all {size} replicas of {axis!r} "
-                  "(plain sharding)"), None
-  return found, found.describe(), None
+                  "(plain sharding)")
+  return found, found.describe()
 
 def _topology_for(topology: network.Topology | None, mesh: Mesh, axes: tuple,
                   num_shards: int) -> network.Topology:
@@ -356,12 +346,3 @@ def _replica_axes(axis_name, mesh: Mesh, manual: frozenset, jaxpr, state: list) 
       raise ValueError(f"axis_name {sorted(wanted)} must be manual axes of the shard_map; "
                        f"they are {sorted(manual)}")
   return tuple(a for a in mesh.axis_names if a in wanted)
-
-
-def _across_groups(plan: Plan) -> int:
-  """The batched all-reduces of the gradient shards across sharding groups (§5.2)."""
-  grads = [t for c in plan.clusters if c.sharded for t in c.tensors
-           if t.role == "gradient" and t.format is not None]
-  return len(collectives.batched.dtype_buckets(
-      [t.dtype for t in grads], [t.format.shard_size * t.itemsize for t in grads],
-      plan.bucket_bytes))
