@@ -117,13 +117,12 @@ def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = c
     >>> step = wus.shard_map(train_step, mesh=mesh, shard_group_size=4,  # doctest: +SKIP
     ...     in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
   """
-  Options(min_shard_size, shard_group_size, objective, topology, shard_weights, axis_name)
+  options = Options(min_shard_size, shard_group_size, objective, topology, shard_weights,
+                    axis_name)
 
   def make(f: Callable) -> ShardedStep:
     return ShardedStep(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
-                       axis_names=frozenset(axis_names), axis_name=axis_name,
-                       min_shard_size=min_shard_size, shard_group_size=shard_group_size,
-                       objective=objective, topology=topology, shard_weights=shard_weights,
+                       axis_names=frozenset(axis_names), options=options,
                        donate_argnums=runtime.donated_positions(f, donate_argnums,
                                                                   donate_argnames))
   return make if f is None else make(f)
@@ -146,20 +145,22 @@ class ShardedStep:
   """
 
   def __init__(self, f: Callable, *, mesh: Mesh | None, in_specs: Any, out_specs: Any,
-               check_vma: bool, axis_names: frozenset, axis_name, min_shard_size: int,
+               check_vma: bool, axis_names: frozenset, axis_name=None, min_shard_size: int = 0,
                shard_group_size: int | str | None = None,
                objective: str = "memory", topology: network.Topology | None = None,
                shard_weights: bool = False, donate_argnums: frozenset = frozenset(),
                split_reason: str = "its in_spec splits it", signature: Signature | None = None,
                match_state: Callable[[tuple, Any], StateMatch] | None = None,
                names: tuple[Sequence[str], Sequence[str]] | None = None,
-               copies: bool | None = None):
+               copies: bool | None = None, options: Options | None = None):
+    """The step of `f`; `options` (built and validated by a front end) or, without it,
+    the option arguments (validated here: ValueError as for `Options`)."""
     self._f = f
     self._step = pipeline.Step(f, in_specs, out_specs, check_vma, frozenset(axis_names),
                                split_reason, Signature.of(f) if signature is None else signature,
                                match_state, names, copies)
-    self._options = Options(min_shard_size, shard_group_size, objective, topology,
-                            shard_weights, axis_name)
+    self._options = options if options is not None else Options(
+        min_shard_size, shard_group_size, objective, topology, shard_weights, axis_name)
     self._mesh = mesh  # None: the mesh set with jax.set_mesh at call time.
     self._donate_argnums = frozenset(donate_argnums)
     self._cache: dict = {}

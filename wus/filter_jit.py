@@ -11,6 +11,7 @@ import numpy as np
 from wus.analysis.plan import Plan
 from wus.jit import JitStep, jit
 from wus.matching import parameter_names, renamed_paths
+from wus.options import OPTION_NAMES, Options
 from wus.sharded import is_sharded
 
 
@@ -37,11 +38,13 @@ def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **option
     The step, called like `fun`.
 
   Raises:
-    ValueError: another `donate`.
+    ValueError: another `donate`; an option `Options` rejects (an unknown `objective`).
     TypeError: at call time, a static leaf that is not hashable.
   """
   if donate not in ("none", "all"):
     raise ValueError(f"filter_jit(donate={donate!r}): pass 'none' or 'all'")
+  # Validated here, once: the steps `wus.jit` makes are made at the first call.
+  Options(**{k: v for k, v in options.items() if k in OPTION_NAMES})
 
   def make(f: Callable) -> Callable:
     outs: dict = {}  # Static key -> the outputs' structure and static leaves, from tracing.

@@ -34,6 +34,7 @@ from wus.analysis.plan import InputPlan, JaxprPlan, Plan
 from wus.analysis.reasons import Reason
 from wus.api import ShardedStep
 from wus.matching import Signature, StateMatch, argument_paths, match_state
+from wus.options import Options
 from wus.sharded import ShardedArray, check_alive, is_sharded
 from wus.transforms import global_view as global_view_program
 
@@ -133,6 +134,7 @@ class JitStep:
   """
 
   def __init__(self, fun: Callable, jit_kwargs: dict, options: dict):
+    Options(**options)  # Validated once, here: a bad objective= raises before any call.
     self._fun = fun
     self._jit_kwargs = jit_kwargs
     self._options = options

@@ -50,3 +50,6 @@ class Options:
     if self.min_shard_size < 0:
       raise ValueError(f"min_shard_size={self.min_shard_size} must be at least 0")
     object.__setattr__(self, "shard_weights", bool(self.shard_weights))
+
+
+OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))  # Its keyword arguments.

@@ -95,14 +95,14 @@ def pmap(f: Callable, axis_name: Hashable | None = None, *, in_axes: Any = 0, ou
     NotImplementedError: several processes (use `wus.shard_map`).
   """
   static = _index_tuple(static_broadcasted_argnums)
-  Options(min_shard_size, shard_group_size, objective, topology, shard_weights)
-  return _Pmapped(f, "_internal_pmap_axis_name" if axis_name is None else axis_name, in_axes,
-                  out_axes, static, tuple(devices) if devices is not None else None, backend,
+  axis_name = "_internal_pmap_axis_name" if axis_name is None else axis_name
+  options = Options(min_shard_size, shard_group_size, objective, topology, shard_weights,
+                    axis_name)
+  return _Pmapped(f, axis_name, in_axes, out_axes, static,
+                  tuple(devices) if devices is not None else None, backend,
                   axis_size, donated_positions(f, _index_tuple(donate_argnums),
                                                _names(donate_argnames)),
-                  _names(donate_argnames), frozenset(_index_tuple(replicated_argnums)),
-                  min_shard_size, shard_group_size,
-                  dict(objective=objective, topology=topology, shard_weights=shard_weights))
+                  _names(donate_argnames), frozenset(_index_tuple(replicated_argnums)), options)
 
 
 def _index_tuple(x: int | Iterable[int]) -> tuple[int, ...]:
@@ -122,16 +122,13 @@ class _Pmapped:
   """The callable `wus.pmap` returns."""
 
   def __init__(self, f, axis_name, in_axes, out_axes, static, devices, backend, axis_size,
-               donated, donate_argnames, replicated_argnums, min_shard_size, shard_group_size,
-               decisions):
+               donated, donate_argnames, replicated_argnums, options: Options):
     self._f, self._axis, self._in_axes, self._out_axes = f, axis_name, in_axes, out_axes
     self._static, self._devices = static, devices
     self._backend, self._axis_size = backend, axis_size
     self._donated, self._donate_argnames = donated, donate_argnames
     self._replicated_argnums = replicated_argnums
-    self._min_size = min_shard_size
-    self._group_size = shard_group_size
-    self._decisions = decisions  # objective=, topology= and shard_weights= of the planner.
+    self._options = options  # Built and validated once, by `pmap`.
     self._steps: dict[tuple, ShardedStep] = {}
     # Outputs of the last call that are identical on every device, by id.
     self._known: dict[int, weakref.ref] = {}
@@ -332,9 +329,7 @@ class _Pmapped:
       donated.add(len(dyn_pos))  # The keyword dict (jax.pmap never donates keywords).
     return ShardedStep(
         body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False,
-        axis_names=frozenset(), axis_name=axis_name, min_shard_size=self._min_size,
-        shard_group_size=self._group_size, **self._decisions,
-        donate_argnums=frozenset(donated),
+        axis_names=frozenset(), options=self._options, donate_argnums=frozenset(donated),
         split_reason="mapped, and its per-device copies differ",
         signature=Signature.of(f, positions=tuple(dyn_pos), keywords=True))
 
