@@ -1,18 +1,15 @@
-"""The pipeline every front end shares: trace, match state, analyse, plan, build (§3, §4).
+"""The pipeline every front end shares: seven stages, each one value to the next (§3, §4).
 
 A front end (`wus.shard_map`, `wus.pmap`, `wus.jit`'s update region)
-translates its calling convention into a `Step` (the per-replica function,
-its in/out specs and what the front end knows about its arguments) and the
-user's `Options`; `compile_step` returns a `Compiled` step: the complete Plan,
-the jit-compiled sharded step program and how its operands map to the
-arguments. `wus.runtime` runs it.
+translates its calling convention into a `Step` and the user's `Options`;
+`compile_step` makes them one `Call` and runs `trace` -> `match` -> `group` ->
+`flatten` -> `analyse` -> `plan` -> `build` (`Traced`, `Matched`, `Grouped`,
+`Flat`, `Analysed`, `Planned`, then the `Compiled` step that `wus.runtime` runs).
 """
-
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -22,8 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import runtime
-from wus.analysis import clusters, compat, cost, network, redundancy
+from wus import mesh_axes, runtime
+from wus.analysis import compat, cost, network, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Grouping, Plan
 from wus.analysis.planner import make_plan
@@ -31,7 +28,7 @@ from wus.matching import Signature, StateMatch, argument_paths, aval, match_stat
 from wus.options import Options
 from wus.sharded import is_sharded
 from wus.transforms import gc_pause, groups, inline, programs
-from wus.transforms.layout import ShardedLayout, split_axes
+from wus.transforms.layout import ShardedLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +82,12 @@ class Compiled:
 
 def compile_step(step: Step, options: Options, args: tuple, leaves: list, treedef,
                  replicated: frozenset, mesh: Mesh, donate_argnums: frozenset) -> Compiled:
-  """The pipeline: trace, match state, analyse, plan and build the programs (§3, §4).
+  """The pipeline: trace, match state, group, flatten, analyse, plan, build (§3, §4).
 
   Every front end calls this once per input signature; everything the Plan
-  says is decided here, `shard_group_size="auto"` included (§5.2).
+  says is decided here, `shard_group_size="auto"` included (§5.2): the Plan of
+  one group of all N (`cost.auto_group_size`) chooses G, then the step is
+  grouped, analysed and planned again for it, the choice an input of the planner.
 
   Args:
     step: the per-replica step and the facts its front end knows.
@@ -103,29 +102,196 @@ def compile_step(step: Step, options: Options, args: tuple, leaves: list, treede
   Returns:
     The Compiled step.
   """
+  call = Call(step, options, args, tuple(leaves), treedef, frozenset(replicated), mesh,
+              frozenset(donate_argnums))
   with gc_pause.paused():
-    build = functools.partial(_build, step, options, args, leaves, treedef, frozenset(replicated),
-                              mesh, donate_argnums)
-    if options.shard_group_size != "auto":
-      return build(options.shard_group_size)
-    whole = build(None)
-    g, why = cost.auto_group_size(whole.plan, _topology_for(
-        options.topology, whole.mesh, whole.plan.axes, whole.plan.num_shards))
-    return build(g, why)
+    start = time.perf_counter()
+    matched = match(trace(call))
+    if options.shard_group_size == "auto":
+      whole = plan(analyse(flatten(group(matched))))
+      g, why = cost.auto_group_size(whole.plan, whole.analysed.topology)
+      matched = dataclasses.replace(matched, request=GroupRequest(g, why))
+    grouped = group(matched)
+    traced_at = time.perf_counter()
+    planned = plan(analyse(flatten(grouped)))
+    compiled = build(planned)
+    compiled.timings.update(trace=traced_at - start, analysis=time.perf_counter() - traced_at)
+    return compiled
 
 
-def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
-           replicated: frozenset, mesh: Mesh, donate_argnums: frozenset,
-           group_size: int | None, chosen: str = "") -> Compiled:
-  start = time.perf_counter()
-  # 1. Trace the user's step exactly as jax.shard_map would.
-  traced = [jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                 sharding=NamedSharding(mesh, x.layout.user_spec))
-            if is_sharded(x) else x for x in leaves]
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One call's inputs to the pipeline, as a front end translates its calling convention.
+
+  Attributes:
+    step, options, args, mesh, donate_argnums: as for `compile_step`.
+    leaves, treedef: the flat leaves of `args` (sharded state as `ShardedArray`s).
+    replicated: flat leaf positions identical on every replica although their in_spec
+      splits them (`wus.pmap`'s equal per-device copies, §3.1).
+  """
+
+  step: Step
+  options: Options
+  args: tuple
+  leaves: tuple
+  treedef: Any
+  replicated: frozenset
+  mesh: Mesh
+  donate_argnums: frozenset
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+  """Stage 1, `trace`: the user's step traced as `jax.shard_map` traces it.
+
+  Attributes:
+    avals: per flat leaf, what was traced (sharded state as its whole value).
+    body: the shard_map's per-replica jaxpr (calls not inlined).
+    in_specs, out_specs, manual, check_vma: the shard_map's.
+    sources: per body input, ("arg", flat leaf) or ("const", value).
+    out_shape: the step's outputs, abstract, as the user's pytree.
+  """
+
+  call: Call
+  avals: tuple
+  body: Any
+  in_specs: tuple
+  out_specs: tuple
+  manual: frozenset
+  check_vma: bool
+  sources: tuple
+  out_shape: Any
+
+  @property
+  def operand_avals(self) -> list:  # Per body input.
+    return [self.avals[s[1]] if s[0] == "arg" else s[1] for s in self.sources]
+
+  @property
+  def body_pos(self) -> dict:
+    """Flat leaf -> its body input position."""
+    return {s[1]: k for k, s in enumerate(self.sources) if s[0] == "arg"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRequest:
+  """The sharding groups asked for: G (None: one group of all N) and, for "auto", why."""
+
+  size: int | None = None
+  chosen: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Matched:
+  """Stage 2, `match`: the step's state (which outputs are the next values of which inputs).
+
+  Attributes:
+    traced: stage 1.
+    pairs: output position -> body input position of its state.
+    matched: body input position -> which output the matching took for its next value
+      and by which rule, or why it found none, for the Plan.
+    out_names: a name per flat output.
+    request: the groups `options.shard_group_size` asks for (G = None for "auto",
+      until the cost model chooses).
+  """
+
+  traced: Traced
+  pairs: dict
+  matched: dict
+  out_names: tuple
+  request: GroupRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+  """Stage 3, `group`: the mesh the programs run on, derived for sharding groups (§5.2).
+
+  Attributes:
+    matched: stage 2.
+    home: the sharding groups the programs run in, or None (G = N, G = 1, no G).
+    axes: the replica axes, when the groups fix them; None: found on the flat jaxpr.
+    grouping: the groups as the Plan says them, or None.
+    mesh, in_specs, out_specs, manual, operand_avals: the step's, on the derived mesh.
+  """
+
+  matched: Matched
+  home: groups.Groups | None
+  axes: tuple | None
+  grouping: Grouping | None
+  mesh: Mesh
+  in_specs: tuple
+  out_specs: tuple
+  manual: frozenset
+  operand_avals: list
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat:
+  """Stage 4, `flatten`: one flat jaxpr, calls inlined, dead code dropped.
+
+  Attributes:
+    grouped: stage 3.
+    jaxpr: the flat per-replica jaxpr.
+    axes: the replica (data-parallel) axes, in mesh order.
+    pairs: `Matched.pairs` less `split_state`.
+    split_state: body input position -> why that state is kept whole between steps.
+  """
+
+  grouped: Grouped
+  jaxpr: Any
+  axes: tuple
+  pairs: dict
+  split_state: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysed:
+  """Stage 5, `analyse`: the redundancy facts (§3.1) and what the planner is told.
+
+  Attributes:
+    flat: stage 4.
+    facts: the redundancy analysis of `flat.jaxpr`.
+    names: a name per flat leaf of the arguments.
+    topology: the cost model's devices.
+  """
+
+  flat: Flat
+  facts: redundancy.Redundancy
+  names: tuple
+  topology: network.Topology
+
+  @property
+  def in_names(self) -> list[str]:
+    sources = self.flat.grouped.matched.traced.sources
+    return [self.names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
+
+  @property
+  def num_shards(self) -> int:
+    return math.prod(self.flat.grouped.mesh.shape[a] for a in self.flat.axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+  """Stage 6, `plan`: the complete Plan."""
+
+  analysed: Analysed
+  plan: Plan
+
+
+def trace(call: Call) -> Traced:
+  """Stage 1: traces the user's step exactly as `jax.shard_map` would.
+
+  Raises:
+    NotImplementedError: the traced function's outputs do not come from the shard_map.
+  """
+  step, mesh = call.step, call.mesh
+  avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                     sharding=NamedSharding(mesh, x.layout.user_spec))
+                if is_sharded(x) else x for x in call.leaves)
   smap = jax.shard_map(step.f, mesh=mesh, in_specs=step.in_specs,
                        out_specs=step.out_specs, check_vma=step.check_vma,
                        axis_names=step.axis_names)
-  outer, out_shape = jax.make_jaxpr(smap, return_shape=True)(*jax.tree.unflatten(treedef, traced))
+  outer, out_shape = jax.make_jaxpr(smap, return_shape=True)(
+      *jax.tree.unflatten(call.treedef, avals))
   eqn = compat.shard_map_eqn(outer)
   body, _, in_specs, out_specs, manual, check_vma = compat.shard_map_params(eqn)
   if list(outer.jaxpr.outvars) != list(eqn.outvars):
@@ -134,215 +300,151 @@ def _build(step: Step, options: Options, args: tuple, leaves: list, treedef,
   const_val = dict(zip(outer.jaxpr.constvars, outer.consts, strict=True))
   sources = tuple(("arg", arg_pos[v]) if v in arg_pos else ("const", const_val[v])
                   for v in eqn.invars)
-  operand_avals = [traced[s[1]] if s[0] == "arg" else s[1] for s in sources]
-  body_pos = {s[1]: k for k, s in enumerate(sources) if s[0] == "arg"}
-  match = (step.match_state(args, out_shape) if step.match_state is not None
-           else match_state(args, out_shape, step.signature))
-  pairs = {o: body_pos[i] for o, i in match.pairs.items() if i in body_pos}
-  out_leaves, out_tree = jax.tree.flatten(out_shape)
-  out_names = [jax.tree_util.keystr(p)
-               for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
-  if step.names is not None:
-    out_names = list(step.names[1])
-  # What the Plan says of each input's next value (the state matching).
-  matched = {body_pos[i]: why for i, why in match.how.items() if i in body_pos}
-  matched.update({body_pos[i]: f"next value {out_names[o]} (by {match.how[i]})"
-                  for o, i in match.pairs.items() if i in body_pos})
-  user_mesh, home, rename, grouping = mesh, None, None, Grouping(chosen) if chosen else None
-  if group_size is not None:
-    axes = _replica_axes(options.axis_name, mesh, manual, body,
-                         [body.invars[i] for i in pairs.values()])
-    home, words = _groups(mesh, axes, group_size)
-    grouping = Grouping(chosen, words, home.num_groups if home is not None else 0)
-  if home is not None:
-    # 1b. The programs run on the mesh derived for the groups; the step is
-    # renamed onto it while it is inlined (transforms/groups.py).
-    mesh, rename = home.derived, home.rename
-    in_specs = tuple(home.derived_spec(p) for p in in_specs)
-    out_specs = tuple(home.derived_spec(p) for p in out_specs)
-    manual = (manual - {home.axis}) | {home.outer, home.inner}
-    operand_avals = [jax.ShapeDtypeStruct(np.shape(x), aval(x)[1],
-                                          sharding=NamedSharding(mesh, p),
-                                          weak_type=bool(getattr(x, "weak_type", False)))
-                     for x, p in zip(operand_avals, in_specs, strict=True)]
-    axes = (home.inner,)
-
-  traced_at = time.perf_counter()
-  # 2. Inline calls and retrace, then drop dead code (as jax.jit does before
-  # lowering): the analysis works on one flat jaxpr, and an unused read of
-  # optimizer state does not keep it whole.
-  with groups.on(mesh) if home is not None else contextlib.nullcontext():
-    flat_outer = jax.make_jaxpr(jax.shard_map(
-        lambda *a: tuple(inline.inlined(ClosedJaxpr(body, ()), rename)(*a)), mesh=mesh,
-        in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=check_vma,
-        axis_names=manual))(*operand_avals)
-  flat = compat.body_without_dead_code(compat.shard_map_eqn(flat_outer))
-  if group_size is None:
-    axes = _replica_axes(options.axis_name, mesh, manual, flat,
-                         [flat.invars[i] for i in pairs.values()])
-  # State split over other mesh axes too (tensor parallelism): each block is sharded
-  # over the replica axes (ShardedLayout.split_axes), if it comes back as it came in.
-  split_state = _split_differently(pairs, in_specs, out_specs, out_names)
-  for i in split_state:
-    del pairs[next(o for o, k in pairs.items() if k == i)]
-
-  # 3. Analyse and plan.
-  arg_of_leaf = [a for a, arg in enumerate(args)
-                 for _ in jax.tree.leaves(arg, is_leaf=is_sharded)]
-  # An axis of size 1 splits nothing: a value its spec splits over one is the same on
-  # its one replica (a (8, 1) mesh plans as the 1-D mesh).
-  single = frozenset(a for a in manual if mesh.shape[a] == 1)
-  in_rep = [frozenset(manual) if s[0] == "arg" and s[1] in replicated
-            else manual - (runtime.spec_axes(spec) - single)
-            for spec, s in zip(in_specs, sources, strict=True)]
-  facts = redundancy.analyze(flat, in_rep, manual)
-  names = argument_paths(step.f, args, step.signature.keywords)
-  if step.names is not None:
-    names = list(step.names[0])
-  in_names = [names[s[1]] if s[0] == "arg" else "<constant>" for s in sources]
-  num_shards = math.prod(mesh.shape[a] for a in axes)
-  plan = make_plan(flat, facts, axes=axes, num_shards=num_shards,
-                   in_names=in_names, out_names=out_names, state_pairs=pairs,
-                   state_whole=split_state, matched=matched,
-                   split=_split(in_specs, axes, mesh, home),
-                   fsdp=_fsdp(in_specs, sources, replicated, axes, mesh),
-                   min_size=options.min_shard_size, split_reason=step.split_reason,
-                   objective=options.objective, shard_weights=options.shard_weights,
-                   topology=_topology_for(options.topology, mesh, axes, num_shards),
-                   copies=_copies(options.axis_name is None if step.copies is None
-                                  else step.copies, mesh, manual, axes, home),
-                   group_size=group_size, grouping=grouping)
-
-  # 4. Compile the rewritten step.
-  timings = {"trace": traced_at - start, "analysis": time.perf_counter() - traced_at}
-  donated = [k for k, s in enumerate(sources)
-             if s[0] == "arg" and arg_of_leaf[s[1]] in donate_argnums]
-  step = programs.step_program(ClosedJaxpr(flat, ()), plan, mesh=mesh, in_specs=in_specs,
-                               out_specs=out_specs, axis_names=manual, check_vma=check_vma,
-                               donate_argnums=donated, timings=timings, home=home)
-  # The Plan's state inputs are positions among the step's operands; the runtime's are
-  # positions among the user's flat argument leaves.
-  sharded_leaves = {sources[k][1]: ShardedLayout(fmt, plan.shard_axes(fmt), in_specs[k], mesh,
-                                                 home) for k, fmt in plan.state_inputs.items()}
-  sharded_outputs = {k: ShardedLayout(fmt, plan.shard_axes(fmt), out_specs[k], mesh, home)
-                     for k, fmt in plan.state_outputs.items()}
-  # Identical on every replica: of all the data-parallel axes, also across groups.
-  same = frozenset(axes) | (frozenset((home.outer, home.inner)) if home is not None else set())
-  out_replicated = tuple(facts.is_redundant(v, same) for v in flat.outvars)
-  return Compiled(plan, step, sources, sharded_leaves, sharded_outputs, tuple(names),
-                  tuple(out_specs), out_replicated, out_tree, mesh, user_mesh, timings)
+  return Traced(call, avals, body, tuple(in_specs), tuple(out_specs), frozenset(manual),
+                check_vma, sources, out_shape)
 
 
-def _copies(allowed: bool, mesh: Mesh, manual: frozenset, axes: tuple, home) -> dict:
-  """The other manual axes (size > 1, mesh order) an update repeated on all their replicas
-  is sharded over too (`Plan.copy_axes`): none unless `allowed` (`Step.copies`), nor
-  with sharding groups."""
-  if not allowed or home is not None:
-    return {}
-  return {a: mesh.shape[a] for a in mesh.axis_names
-          if a in manual and a not in axes and mesh.shape[a] > 1}
+def match(traced: Traced) -> Matched:
+  """Stage 2: which outputs are the next values of which inputs (`matching`), with
+  what the Plan says of each input's next value."""
+  call, step = traced.call, traced.call.step
+  found = (step.match_state(call.args, traced.out_shape) if step.match_state is not None
+           else match_state(call.args, traced.out_shape, step.signature))
+  body_pos = traced.body_pos
+  pairs = {o: body_pos[i] for o, i in found.pairs.items() if i in body_pos}
+  out_names = (tuple(step.names[1]) if step.names is not None else tuple(
+      jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+          traced.out_shape)[0]))
+  matched = {body_pos[i]: why for i, why in found.how.items() if i in body_pos}
+  matched.update({body_pos[i]: f"next value {out_names[o]} (by {found.how[i]})"
+                  for o, i in found.pairs.items() if i in body_pos})
+  size = call.options.shard_group_size
+  return Matched(traced, pairs, matched, out_names,
+                 GroupRequest(None if size == "auto" else size))
 
 
-def _split(in_specs: Sequence, axes: tuple, mesh: Mesh, home) -> dict:
-  """Operand position -> the axes of size > 1 (and their sizes) its in_spec splits it
-  over besides the replica axes (tensor parallelism), for the Plan."""
-  out = {}
-  for k, spec in enumerate(in_specs):
-    names = [a for a in split_axes(spec, axes, mesh, home) if mesh.shape[a] > 1]
-    if names:
-      out[k] = tuple((a, mesh.shape[a]) for a in names)
-  return out
-
-
-def _fsdp(in_specs: Sequence, sources: tuple, replicated: frozenset, axes: tuple,
-          mesh: Mesh) -> dict:
-  """Operand position -> the replica axes of size > 1 its in_spec splits it over itself
-  (FSDP), for the Plan; not `wus.pmap`'s equal per-device copies (`replicated`)."""
-  out = {}
-  for k, (spec, src) in enumerate(zip(in_specs, sources, strict=True)):
-    fsdp = tuple(a for a in axes if a in runtime.spec_axes(spec) and mesh.shape[a] > 1)
-    if fsdp and not (src[0] == "arg" and src[1] in replicated):
-      out[k] = fsdp
-  return out
-
-
-def _split_differently(pairs: dict, in_specs: Sequence, out_specs: Sequence,
-                       out_names: Sequence[str]) -> dict:
-  """State whose in_spec and out_spec split it differently (by input position, with the
-  reason for the Plan): kept whole between steps, since its shards would lie one way
-  when read and another when returned."""
-  out = {}
-  for o, i in pairs.items():
-    if runtime.normal(in_specs[i]) != runtime.normal(out_specs[o]):
-      out[i] = (f"its in_spec {in_specs[i]} and the out_spec {out_specs[o]} of its next value "
-                f"{out_names[o]} split it differently: kept whole between steps")
-  return out
-
-
-def _groups(mesh: Mesh, axes: tuple, group_size: int) -> tuple[groups.Groups | None, str]:
-  """The sharding groups of `shard_group_size` (§5.2): (the Groups, None for
-  G = N or G = 1; the grouping in words, for the Plan, for G = 1 the reason the
-  update stays replicated).
+def group(matched: Matched) -> Grouped:
+  """Stage 3: the sharding groups `matched.request` asks for (§5.2); with groups the
+  programs run on a mesh derived for them (`transforms.groups`), the step's specs and
+  operands moved onto it.
 
   Raises:
-    ValueError: several sharding axes, or a G that does not divide N.
+    ValueError: as `_groups` (several sharding axes, a G that does not divide N).
   """
-  if len(axes) != 1:
-    raise ValueError(
-        f"shard_group_size groups the replicas of one mesh axis, but the update would be "
-        f"sharded over {list(axes)}; pass axis_name= one of them, or drop shard_group_size "
-        "and name the sharding axes of a mesh with the groups as an axis (partial sharding, "
-        "§5.2)")
-  (axis,) = axes
-  size, g = mesh.shape[axis], group_size
-  found = groups.derive(mesh, axis, g)  # Raises for a G that does not divide N.
-  if g == 1:
-    why = (f"shard_group_size=1: groups of one replica of {axis!r}, so nothing is sharded; "
-           "the update runs replicated as in the original step")
-    return None, why
-  if g == size:
-    return None, (f"shard_group_size={g}: one group of all {size} replicas of {axis!r} "
-                  "(plain sharding)")
-  return found, found.describe()
+  t, request = matched.traced, matched.request
+  mesh, options = t.call.mesh, t.call.options
+  chosen = Grouping(request.chosen) if request.chosen else None
+  if request.size is None:
+    return Grouped(matched, None, None, chosen, mesh, t.in_specs, t.out_specs, t.manual,
+                   t.operand_avals)
+  axes = mesh_axes.replica_axes(options.axis_name, mesh, t.manual, t.body,
+                       [t.body.invars[i] for i in matched.pairs.values()])
+  home, words = mesh_axes.sharding_groups(mesh, axes, request.size)
+  if home is None:
+    return Grouped(matched, None, axes, Grouping(request.chosen, words), mesh, t.in_specs,
+                   t.out_specs, t.manual, t.operand_avals)
+  derived = home.derived
+  in_specs = tuple(home.derived_spec(p) for p in t.in_specs)
+  operand_avals = [jax.ShapeDtypeStruct(np.shape(x), aval(x)[1],
+                                        sharding=NamedSharding(derived, p),
+                                        weak_type=bool(getattr(x, "weak_type", False)))
+                   for x, p in zip(t.operand_avals, in_specs, strict=True)]
+  return Grouped(matched, home, (home.inner,),
+                 Grouping(request.chosen, words, home.num_groups), derived, in_specs,
+                 tuple(home.derived_spec(p) for p in t.out_specs),
+                 (t.manual - {home.axis}) | {home.outer, home.inner}, operand_avals)
 
-def _topology_for(topology: network.Topology | None, mesh: Mesh, axes: tuple,
-                  num_shards: int) -> network.Topology:
-  """The cost model's devices: the user's topology (of a sharding group's devices
-  when it describes all of the axis; of one data group, `Topology.strided`, when it
-  describes every device of the mesh, listed in the mesh's order), or one from the
-  mesh's processes."""
-  t = topology
-  if t is not None:
-    if t.num_devices == num_shards:
-      return t
-    names = list(mesh.axis_names)
-    first, last = min(map(names.index, axes)), max(map(names.index, axes))
-    between = [a for a in names[first:last + 1] if a not in axes and mesh.shape[a] > 1]
-    stride = math.prod(mesh.shape[a] for a in names[last + 1:])
-    try:  # Sharding groups, or the data groups of a data x model mesh.
-      if t.num_devices == mesh.size and not between:
-        return t.strided(stride, num_shards)
-      return dataclasses.replace(t, axes=t.split(num_shards)[0])
-    except ValueError:
-      raise ValueError(f"topology= describes {t.num_devices} devices, but the update is "
-                       f"sharded over {num_shards} ({list(axes)}); describe those (or all "
-                       "the devices of the axis, for shard_group_size, or of the mesh, in "
-                       "the mesh's order)") from None
-  # The devices of one sharding group (the other axes at 0), fast axis last.
-  group = mesh.devices[tuple(slice(None) if a in axes else 0 for a in mesh.axis_names)]
-  first = group.flat[0].process_index
-  local = sum(d.process_index == first for d in group.flat)
-  host = sum(d.process_index == first for d in mesh.devices.flat)
-  return network.default_topology(num_shards, local if num_shards % local == 0 else None,
-                                  platform=group.flat[0].platform, host_devices=host)
 
-def _replica_axes(axis_name, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
-  """The data-parallel axes, in mesh order."""
-  if axis_name is None:
-    wanted = clusters.gradient_axes(jaxpr, {tuple(v.aval.shape) for v in state}) or manual
-  else:
-    wanted = frozenset([axis_name] if isinstance(axis_name, str) else axis_name)
-    if not wanted <= manual:
-      raise ValueError(f"axis_name {sorted(wanted)} must be manual axes of the shard_map; "
-                       f"they are {sorted(manual)}")
-  return tuple(a for a in mesh.axis_names if a in wanted)
+def flatten(grouped: Grouped) -> Flat:
+  """Stage 4: inlines calls and retraces, then drops dead code (as jax.jit does before
+  lowering): the analysis works on one flat jaxpr, and an unused read of optimizer
+  state does not keep it whole. With groups, the step is renamed onto the derived
+  mesh while it is inlined. State its in_spec and out_spec split differently
+  (tensor parallelism) is kept whole between steps."""
+  g, t = grouped, grouped.matched.traced
+  rename = g.home.rename if g.home is not None else None
+  with groups.on(g.mesh) if g.home is not None else contextlib.nullcontext():
+    flat_outer = jax.make_jaxpr(jax.shard_map(
+        lambda *a: tuple(inline.inlined(ClosedJaxpr(t.body, ()), rename)(*a)), mesh=g.mesh,
+        in_specs=g.in_specs, out_specs=g.out_specs, check_vma=t.check_vma,
+        axis_names=g.manual))(*g.operand_avals)
+  flat = compat.body_without_dead_code(compat.shard_map_eqn(flat_outer))
+  pairs = dict(g.matched.pairs)
+  axes = g.axes if g.axes is not None else mesh_axes.replica_axes(
+      t.call.options.axis_name, g.mesh, g.manual, flat, [flat.invars[i] for i in pairs.values()])
+  # State split over other mesh axes too (tensor parallelism): each block is sharded
+  # over the replica axes (ShardedLayout.split_axes), if it comes back as it came in.
+  split_state = mesh_axes.split_differently(pairs, g.in_specs, g.out_specs, g.matched.out_names)
+  for i in split_state:
+    del pairs[next(o for o, k in pairs.items() if k == i)]
+  return Flat(grouped, flat, axes, pairs, split_state)
+
+
+def analyse(flat: Flat) -> Analysed:
+  """Stage 5: the redundancy analysis (§3.1), the inputs' names, the cost model's devices."""
+  g, t = flat.grouped, flat.grouped.matched.traced
+  call, mesh = t.call, g.mesh
+  # An axis of size 1 splits nothing: a value its spec splits over one is the same on
+  # its one replica (a (8, 1) mesh plans as the 1-D mesh).
+  single = frozenset(a for a in g.manual if mesh.shape[a] == 1)
+  in_rep = [frozenset(g.manual) if s[0] == "arg" and s[1] in call.replicated
+            else g.manual - (runtime.spec_axes(spec) - single)
+            for spec, s in zip(g.in_specs, t.sources, strict=True)]
+  facts = redundancy.analyze(flat.jaxpr, in_rep, g.manual)
+  step = call.step
+  names = (tuple(step.names[0]) if step.names is not None
+           else tuple(argument_paths(step.f, call.args, step.signature.keywords)))
+  num_shards = math.prod(mesh.shape[a] for a in flat.axes)
+  return Analysed(flat, facts, names,
+                  mesh_axes.topology_for(call.options.topology, mesh, flat.axes, num_shards))
+
+
+def plan(analysed: Analysed) -> Planned:
+  """Stage 6: the complete Plan (`planner.make_plan`), groups and all."""
+  f = analysed.flat
+  g, m = f.grouped, f.grouped.matched
+  call = m.traced.call
+  options, step = call.options, call.step
+  copies = options.axis_name is None if step.copies is None else step.copies
+  return Planned(analysed, make_plan(
+      f.jaxpr, analysed.facts, axes=f.axes, num_shards=analysed.num_shards,
+      in_names=analysed.in_names, out_names=list(m.out_names), state_pairs=f.pairs,
+      state_whole=f.split_state, matched=m.matched,
+      split=mesh_axes.split_over(g.in_specs, f.axes, g.mesh, g.home),
+      fsdp=mesh_axes.fsdp_axes(g.in_specs, m.traced.sources, call.replicated, f.axes, g.mesh),
+      min_size=options.min_shard_size, split_reason=step.split_reason,
+      objective=options.objective, shard_weights=options.shard_weights,
+      topology=analysed.topology,
+      copies=mesh_axes.copy_axes(copies, g.mesh, g.manual, f.axes, g.home),
+      group_size=m.request.size, grouping=g.grouping))
+
+
+def build(planned: Planned) -> Compiled:
+  """Stage 7: the rewritten step, jit-compiled (lowered at its first call), and how its
+  operands and outputs map to the user's leaves."""
+  a, p = planned.analysed, planned.plan
+  f = a.flat
+  g, t = f.grouped, f.grouped.matched.traced
+  call, mesh, home = t.call, g.mesh, g.home
+  arg_of_leaf = [k for k, arg in enumerate(call.args)
+                 for _ in jax.tree.leaves(arg, is_leaf=is_sharded)]
+  donated = [k for k, s in enumerate(t.sources)
+             if s[0] == "arg" and arg_of_leaf[s[1]] in call.donate_argnums]
+  timings: dict = {}
+  program = programs.step_program(ClosedJaxpr(f.jaxpr, ()), p, mesh=mesh, in_specs=g.in_specs,
+                                  out_specs=g.out_specs, axis_names=g.manual,
+                                  check_vma=t.check_vma, donate_argnums=donated,
+                                  timings=timings, home=home)
+  # The Plan's state inputs are positions among the step's operands; the runtime's are
+  # positions among the user's flat argument leaves.
+  sharded_leaves = {t.sources[k][1]: ShardedLayout(fmt, p.shard_axes(fmt), g.in_specs[k], mesh,
+                                                   home) for k, fmt in p.state_inputs.items()}
+  sharded_outputs = {k: ShardedLayout(fmt, p.shard_axes(fmt), g.out_specs[k], mesh, home)
+                     for k, fmt in p.state_outputs.items()}
+  # Identical on every replica: of all the data-parallel axes, also across groups.
+  same = frozenset(f.axes) | (frozenset((home.outer, home.inner)) if home is not None
+                              else set())
+  out_replicated = tuple(a.facts.is_redundant(v, same) for v in f.jaxpr.outvars)
+  return Compiled(p, program, t.sources, sharded_leaves, sharded_outputs, a.names,
+                  g.out_specs, out_replicated, jax.tree.structure(t.out_shape), mesh,
+                  call.mesh, timings)

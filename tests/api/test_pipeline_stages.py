@@ -1,0 +1,119 @@
+"""The pipeline's stages, each called alone on the value the stage before it made
+(issue 31 item 2): trace -> match -> group -> flatten -> analyse -> plan -> build.
+
+The step is momentum SGD on 8 replicas: the forward pass reads w (so w stays whole),
+only the update reads m (so m is kept sharded, §4.2). Each stage's value is checked
+against what that stage decides; the whole chain against `compile_step`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from helpers import mesh
+from wus import pipeline
+from wus.analysis.formats import ShardFormat
+from wus.matching import Signature
+from wus.options import Options
+
+
+def _step(w, m, x):
+  g = lax.pmean(jnp.cos(w) * x.mean(), "data")
+  m = 0.9 * m + g
+  return w - 0.1 * m, m
+
+
+def _call(**options) -> pipeline.Call:
+  args = (jnp.ones(64), jnp.zeros(64),
+          jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh(8), P("data"))))
+  leaves, treedef = jax.tree.flatten(args)
+  step = pipeline.Step(_step, (P(), P(), P("data")), (P(), P()), signature=Signature.of(_step))
+  return pipeline.Call(step, Options(**options), args, tuple(leaves), treedef, frozenset(),
+                       mesh(8), frozenset())
+
+
+def test_trace_takes_the_shard_map_apart():
+  traced = pipeline.trace(_call())
+  assert traced.sources == (("arg", 0), ("arg", 1), ("arg", 2))
+  assert traced.in_specs == (P(), P(), P("data")) and traced.manual == {"data"}
+  assert [x.shape for x in traced.operand_avals] == [(64,), (64,), (16, 4)]
+  assert [x.shape for x in traced.out_shape] == [(64,), (64,)]
+  assert traced.body_pos == {0: 0, 1: 1, 2: 2}
+
+
+@pytest.mark.parametrize("size, request_size", [(None, None), (2, 2), ("auto", None)])
+def test_match_pairs_state_and_reads_the_group_size_asked(size, request_size):
+  matched = pipeline.match(pipeline.trace(_call(shard_group_size=size)))
+  assert matched.pairs == {0: 0, 1: 1}
+  assert matched.matched == {0: "next value [0] (by position)", 1: "next value [1] (by position)"}
+  assert matched.out_names == ("[0]", "[1]")
+  assert matched.request == pipeline.GroupRequest(request_size)
+
+
+def test_group_without_groups_keeps_the_users_mesh_and_leaves_the_axes_to_find():
+  grouped = pipeline.group(pipeline.match(pipeline.trace(_call())))
+  assert grouped.home is None and grouped.axes is None and grouped.grouping is None
+  assert grouped.mesh is mesh(8) and grouped.manual == {"data"}
+
+
+def test_group_of_two_derives_the_mesh_and_says_the_groups():
+  grouped = pipeline.group(pipeline.match(pipeline.trace(_call(shard_group_size=2))))
+  assert dict(grouped.mesh.shape) == {"data.groups": 4, "data.in_group": 2}
+  assert grouped.axes == ("data.in_group",) and grouped.grouping.num_groups == 4
+  assert grouped.in_specs[2] == P(("data.groups", "data.in_group"))
+  assert grouped.manual == {"data.groups", "data.in_group"}
+
+
+def test_group_of_one_runs_on_the_users_mesh_with_the_reason_in_the_grouping():
+  grouped = pipeline.group(pipeline.match(pipeline.trace(_call(shard_group_size=1))))
+  assert grouped.home is None and grouped.axes == ("data",)
+  assert grouped.grouping.layout.startswith("shard_group_size=1: groups of one replica")
+
+
+def test_flatten_inlines_and_finds_the_replica_axes():
+  flat = pipeline.flatten(pipeline.group(pipeline.match(pipeline.trace(_call()))))
+  assert flat.axes == ("data",) and flat.pairs == {0: 0, 1: 1} and flat.split_state == {}
+  assert all(e.primitive.name not in ("pjit", "jit", "closed_call") for e in flat.jaxpr.eqns)
+
+
+def test_analyse_names_the_arguments_and_finds_the_gradient_redundant():
+  analysed = pipeline.analyse(pipeline.flatten(pipeline.group(pipeline.match(
+      pipeline.trace(_call())))))
+  assert analysed.names == ("w", "m", "x") and analysed.in_names == ["w", "m", "x"]
+  assert analysed.num_shards == 8 and analysed.topology.num_devices == 8
+  w, m, x = analysed.flat.jaxpr.invars
+  assert analysed.facts.is_redundant(w, {"data"}) and not analysed.facts.is_redundant(x, {"data"})
+
+
+@pytest.mark.parametrize("size", [None, 2])
+def test_plan_and_build_keep_m_sharded(size):
+  planned = pipeline.plan(pipeline.analyse(pipeline.flatten(pipeline.group(pipeline.match(
+      pipeline.trace(_call(shard_group_size=size)))))))
+  n = 8 if size is None else size
+  assert planned.plan.state_inputs == {1: ShardFormat((64,), (64,), n)}
+  assert planned.plan.group_size == size
+  compiled = pipeline.build(planned)
+  assert compiled.plan is planned.plan
+  assert set(compiled.sharded_leaves) == {1} and set(compiled.sharded_outputs) == {1}
+  assert compiled.out_replicated == (True, True) and compiled.user_mesh is mesh(8)
+  assert compiled.in_names == ("w", "m", "x")
+
+
+@pytest.mark.parametrize("size", [None, 2, "auto"])
+def test_compile_step_is_the_chain(size):
+  call = _call(shard_group_size=size)
+  compiled = pipeline.compile_step(call.step, call.options, call.args, list(call.leaves),
+                                   call.treedef, call.replicated, call.mesh,
+                                   call.donate_argnums)
+  if size != "auto":
+    chained = pipeline.plan(pipeline.analyse(pipeline.flatten(pipeline.group(pipeline.match(
+        pipeline.trace(call))))))
+    assert str(compiled.plan) == str(chained.plan)
+  else:  # One process: one group of all 8, the choice said in the Plan.
+    assert compiled.plan.group_size is None
+    assert compiled.plan.groups.chosen.startswith("shard_group_size='auto'")
+  assert set(compiled.timings) >= {"trace", "analysis"}

@@ -1,0 +1,135 @@
+"""What the pipeline reads off the mesh and the specs (§3.2, §5.2).
+
+The replica (data-parallel) axes, the sharding groups of `shard_group_size`,
+the other axes a spec splits a tensor over (tensor parallelism, FSDP), the
+axes an update repeated on every replica of them is sharded over too, and
+the cost model's devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from jax.sharding import Mesh
+
+from wus import runtime
+from wus.analysis import clusters, network
+from wus.transforms import groups
+from wus.transforms.layout import split_axes
+
+
+def copy_axes(allowed: bool, mesh: Mesh, manual: frozenset, axes: tuple, home) -> dict:
+  """The other manual axes (size > 1, mesh order) an update repeated on all their replicas
+  is sharded over too (`Plan.copy_axes`): none unless `allowed` (`Step.copies`), nor
+  with sharding groups."""
+  if not allowed or home is not None:
+    return {}
+  return {a: mesh.shape[a] for a in mesh.axis_names
+          if a in manual and a not in axes and mesh.shape[a] > 1}
+
+
+def split_over(in_specs: Sequence, axes: tuple, mesh: Mesh, home) -> dict:
+  """Operand position -> the axes of size > 1 (and their sizes) its in_spec splits it
+  over besides the replica axes (tensor parallelism), for the Plan."""
+  out = {}
+  for k, spec in enumerate(in_specs):
+    names = [a for a in split_axes(spec, axes, mesh, home) if mesh.shape[a] > 1]
+    if names:
+      out[k] = tuple((a, mesh.shape[a]) for a in names)
+  return out
+
+
+def fsdp_axes(in_specs: Sequence, sources: tuple, replicated: frozenset, axes: tuple,
+          mesh: Mesh) -> dict:
+  """Operand position -> the replica axes of size > 1 its in_spec splits it over itself
+  (FSDP), for the Plan; not `wus.pmap`'s equal per-device copies (`replicated`)."""
+  out = {}
+  for k, (spec, src) in enumerate(zip(in_specs, sources, strict=True)):
+    fsdp = tuple(a for a in axes if a in runtime.spec_axes(spec) and mesh.shape[a] > 1)
+    if fsdp and not (src[0] == "arg" and src[1] in replicated):
+      out[k] = fsdp
+  return out
+
+
+def split_differently(pairs: dict, in_specs: Sequence, out_specs: Sequence,
+                       out_names: Sequence[str]) -> dict:
+  """State whose in_spec and out_spec split it differently (by input position, with the
+  reason for the Plan): kept whole between steps, since its shards would lie one way
+  when read and another when returned."""
+  out = {}
+  for o, i in pairs.items():
+    if runtime.normal(in_specs[i]) != runtime.normal(out_specs[o]):
+      out[i] = (f"its in_spec {in_specs[i]} and the out_spec {out_specs[o]} of its next value "
+                f"{out_names[o]} split it differently: kept whole between steps")
+  return out
+
+
+def sharding_groups(mesh: Mesh, axes: tuple, group_size: int) -> tuple[groups.Groups | None, str]:
+  """The sharding groups of `shard_group_size` (§5.2): (the Groups, None for
+  G = N or G = 1; the grouping in words, for the Plan, for G = 1 the reason the
+  update stays replicated).
+
+  Raises:
+    ValueError: several sharding axes, or a G that does not divide N.
+  """
+  if len(axes) != 1:
+    raise ValueError(
+        f"shard_group_size groups the replicas of one mesh axis, but the update would be "
+        f"sharded over {list(axes)}; pass axis_name= one of them, or drop shard_group_size "
+        "and name the sharding axes of a mesh with the groups as an axis (partial sharding, "
+        "§5.2)")
+  (axis,) = axes
+  size, g = mesh.shape[axis], group_size
+  found = groups.derive(mesh, axis, g)  # Raises for a G that does not divide N.
+  if g == 1:
+    why = (f"shard_group_size=1: groups of one replica of {axis!r}, so nothing is sharded; "
+           "the update runs replicated as in the original step")
+    return None, why
+  if g == size:
+    return None, (f"shard_group_size={g}: one group of all {size} replicas of {axis!r} "
+                  "(plain sharding)")
+  return found, found.describe()
+
+def topology_for(topology: network.Topology | None, mesh: Mesh, axes: tuple,
+                  num_shards: int) -> network.Topology:
+  """The cost model's devices: the user's topology (of a sharding group's devices
+  when it describes all of the axis; of one data group, `Topology.strided`, when it
+  describes every device of the mesh, listed in the mesh's order), or one from the
+  mesh's processes."""
+  t = topology
+  if t is not None:
+    if t.num_devices == num_shards:
+      return t
+    names = list(mesh.axis_names)
+    first, last = min(map(names.index, axes)), max(map(names.index, axes))
+    between = [a for a in names[first:last + 1] if a not in axes and mesh.shape[a] > 1]
+    stride = math.prod(mesh.shape[a] for a in names[last + 1:])
+    try:  # Sharding groups, or the data groups of a data x model mesh.
+      if t.num_devices == mesh.size and not between:
+        return t.strided(stride, num_shards)
+      return dataclasses.replace(t, axes=t.split(num_shards)[0])
+    except ValueError:
+      raise ValueError(f"topology= describes {t.num_devices} devices, but the update is "
+                       f"sharded over {num_shards} ({list(axes)}); describe those (or all "
+                       "the devices of the axis, for shard_group_size, or of the mesh, in "
+                       "the mesh's order)") from None
+  # The devices of one sharding group (the other axes at 0), fast axis last.
+  group = mesh.devices[tuple(slice(None) if a in axes else 0 for a in mesh.axis_names)]
+  first = group.flat[0].process_index
+  local = sum(d.process_index == first for d in group.flat)
+  host = sum(d.process_index == first for d in mesh.devices.flat)
+  return network.default_topology(num_shards, local if num_shards % local == 0 else None,
+                                  platform=group.flat[0].platform, host_devices=host)
+
+def replica_axes(axis_name, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
+  """The data-parallel axes, in mesh order."""
+  if axis_name is None:
+    wanted = clusters.gradient_axes(jaxpr, {tuple(v.aval.shape) for v in state}) or manual
+  else:
+    wanted = frozenset([axis_name] if isinstance(axis_name, str) else axis_name)
+    if not wanted <= manual:
+      raise ValueError(f"axis_name {sorted(wanted)} must be manual axes of the shard_map; "
+                       f"they are {sorted(manual)}")
+  return tuple(a for a in mesh.axis_names if a in wanted)
