@@ -34,7 +34,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               split: Mapping[int, tuple] | None = None,
               fsdp: Mapping[int, tuple] | None = None,
               copies: Mapping[str, int] | None = None, group_size: int | None = None,
-              grouping: Grouping | None = None) -> Plan:
+              grouping: Grouping | None = None, split_by: str = "its spec") -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -78,6 +78,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
       choice and its predicted times; the groups in words; M = N / G for
       groups the programs run in), or None; the planner counts the all-reduces
       across the groups.
+    split_by: what splits `split`'s inputs over their model axes, in the Plan's words:
+      "its spec" (`wus.shard_map`) or "its placement" (`wus.jit`).
 
   Returns:
     The frozen Plan.
@@ -114,9 +116,26 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               bucket_bytes=limit, alone_bytes=alone, buckets=buckets, owned=planned.owned,
               resolution=network.resolution(ctx.topology), copy_axes=tuple(ctx.copies),
               copies=math.prod(ctx.copies.values()), group_size=group_size,
-              groups=_with_across(grouping, planned.clusters, limit))
+              groups=_with_across(grouping, planned.clusters, limit), split_by=split_by)
   # G = 1: groups of one replica shard nothing; the rewrite replays the step.
   return replicated(plan, grouping.layout) if group_size == 1 else plan
+
+
+def unchanged_plan(jaxpr: Jaxpr, in_names: Sequence[str], axes: Sequence, num_shards: int,
+                   reason: str) -> Plan:
+  """The Plan of a step a front end runs unchanged (`wus.jit`'s, with no batch split or
+  no update it can find), every input whole for `reason`.
+
+  Args:
+    jaxpr: the step's jaxpr (one input per argument leaf).
+    in_names: a name (argument path) per input.
+    axes, num_shards: the batch axes and their replicas (N = 1 without).
+    reason: why the step runs unchanged, for the Plan (`Plan.unchanged`).
+  """
+  inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False,
+                           reasons.Reason(reason))
+                 for name, v in zip(in_names, jaxpr.invars, strict=True))
+  return Plan(tuple(axes), num_shards, 0, inputs, (), JaxprPlan({}, {}, {}), unchanged=reason)
 
 
 def _with_across(grouping: Grouping | None, cluster_plans, bucket_bytes: int) -> Grouping | None:

@@ -28,10 +28,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from wus import jit_arguments, runtime
-from wus.analysis import compat, global_view
+from wus.analysis import compat, global_view, planner
 from wus.analysis.model_splits import ModelSplits
-from wus.analysis.plan import InputPlan, JaxprPlan, Plan
-from wus.analysis.reasons import Reason
+from wus.analysis.plan import Plan
 from wus.api import ShardedStep
 from wus.matching import Signature, StateMatch, argument_paths, match_state
 from wus.options import Options
@@ -418,8 +417,6 @@ def _name_of(jaxpr, v, in_pos: dict, paths: list[str]) -> str:
 
 
 def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: str) -> Plan:
-  """The Plan of a step wus runs unchanged, every input whole for `reason`."""
-  inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False, Reason(reason))
-                 for name, v in zip(paths, jaxpr.invars, strict=True))
+  """The Plan of a step wus runs unchanged, every input whole for `reason` (the planner's)."""
   n = math.prod(mesh.shape[a] for a in axes) if mesh is not None and axes else 1
-  return Plan(tuple(axes), n, 0, inputs, (), JaxprPlan({}, {}, {}), unchanged=reason)
+  return planner.unchanged_plan(jaxpr, paths, axes, n, reason)

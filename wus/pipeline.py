@@ -40,6 +40,7 @@ class Step:
     in_specs, out_specs, check_vma, axis_names: as for `jax.shard_map`.
     split_reason: why an input its in_spec splits differs across replicas
       (for the Plan; `wus.pmap` names its per-device copies).
+    split_by: what splits inputs over model axes, in the Plan's words (`make_plan`).
     signature: how the positional arguments map to the user's parameters.
     match_state: the front end's own state pairs (`wus.jit`'s region), or None
       for `matching.match_state`.
@@ -60,6 +61,7 @@ class Step:
   match_state: Callable[[tuple, Any], StateMatch] | None = None
   names: tuple[Sequence[str], Sequence[str]] | None = None
   copies: bool | None = None
+  split_by: str = "its spec"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,10 +403,8 @@ def analyse(flat: Flat) -> Analysed:
 
 def plan(analysed: Analysed) -> Planned:
   """Stage 6: the complete Plan (`planner.make_plan`), groups and all."""
-  f = analysed.flat
-  g, m = f.grouped, f.grouped.matched
-  call = m.traced.call
-  options, step = call.options, call.step
+  f, g, m = analysed.flat, analysed.flat.grouped, analysed.flat.grouped.matched
+  call, options, step = m.traced.call, m.traced.call.options, m.traced.call.step
   copies = options.axis_name is None if step.copies is None else step.copies
   return Planned(analysed, make_plan(
       f.jaxpr, analysed.facts, axes=f.axes, num_shards=analysed.num_shards,
@@ -416,14 +416,13 @@ def plan(analysed: Analysed) -> Planned:
       objective=options.objective, shard_weights=options.shard_weights,
       topology=analysed.topology,
       copies=mesh_axes.copy_axes(copies, g.mesh, g.manual, f.axes, g.home),
-      group_size=m.request.size, grouping=g.grouping))
+      group_size=m.request.size, grouping=g.grouping, split_by=step.split_by))
 
 
 def build(planned: Planned) -> Compiled:
   """Stage 7: the rewritten step, jit-compiled (lowered at its first call), and how its
   operands and outputs map to the user's leaves."""
-  a, p = planned.analysed, planned.plan
-  f = a.flat
+  a, p, f = planned.analysed, planned.plan, planned.analysed.flat
   g, t = f.grouped, f.grouped.matched.traced
   call, mesh, home = t.call, g.mesh, g.home
   arg_of_leaf = [k for k, arg in enumerate(call.args)

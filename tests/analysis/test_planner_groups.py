@@ -73,3 +73,23 @@ def test_groups_of_one_replica_keep_every_update_replicated_for_the_grouping_rea
   for i, j in zip(plan.inputs, sharded.inputs, strict=True):
     assert not i.sharded
     assert i.why == (reasons.Reason(why) if j.sharded else j.why)
+
+
+def test_what_splits_inputs_over_model_axes_is_a_planner_input():
+  """`wus.jit` says its placement splits a weight over "model", `wus.shard_map` its spec:
+  the Plan says it as the front end told the planner."""
+  for split_by in ("its spec", "its placement"):
+    plan = _plan(split={0: (("model", 2),)}, split_by=split_by)
+    assert plan.split_by == split_by
+    assert f"split over ['model'] by {split_by}" in plan.details()
+
+
+def test_a_step_run_unchanged_is_planned_with_every_input_whole_for_the_reason():
+  jaxpr, _ = analysed_body(_step, [P(), P(), P(), P("data")],
+                           [(64,), (64,), (64,), (1, 4)], (P(), P(), P()), mesh=mesh(N))
+  why = "no batch split: the step runs as jax.jit runs it"
+  plan = planner.unchanged_plan(jaxpr, ["w", "m", "b", "x"], ("data",), N, why)
+  assert plan.unchanged == why and not plan.clusters and not plan.state_inputs
+  assert [i.name for i in plan.inputs] == ["w", "m", "b", "x"]
+  assert all(not i.sharded and i.why == reasons.Reason(why) for i in plan.inputs)
+  assert why in str(plan)
