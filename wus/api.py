@@ -171,10 +171,12 @@ class ShardedStep:
   # --- Public. ---------------------------------------------------------------
 
   def __call__(self, *args):
-    return self.call(args)[0]
+    if (why := self._inside_transform(args)) is not None:
+      return self._as_jax_shard_map(args, why)[0]
+    return self.run(self.per_call(args))[0]
 
-  def call(self, args: tuple, replicated: frozenset = frozenset()) -> tuple[Any, list[bool]]:
-    """Runs the step; also says which flat outputs are identical on every replica.
+  def per_call(self, args: tuple, replicated: frozenset = frozenset()) -> pipeline.Call:
+    """The pipeline's input for a call with `args`: one value for everything per call.
 
     Args:
       args: the positional arguments.
@@ -183,12 +185,27 @@ class ShardedStep:
         although their in_spec splits them (the paper's annotated parameters,
         §3.1: `wus.pmap`'s equal per-device copies).
 
+    Raises:
+      ValueError: no mesh (neither `mesh=` nor `jax.set_mesh`).
+    """
+    leaves, treedef = jax.tree.flatten(args, is_leaf=is_sharded)
+    mesh = self._mesh if self._mesh is not None else jax.sharding.get_mesh()
+    if mesh.empty:
+      raise ValueError("wus.shard_map needs a mesh: pass mesh=, or call it inside "
+                       "`with jax.set_mesh(mesh):`")
+    return pipeline.Call(self._step, self._options, tuple(args), tuple(leaves), treedef,
+                         frozenset(replicated), mesh, self._donate_argnums)
+
+  def run(self, call: pipeline.Call) -> tuple[Any, list[bool]]:
+    """Runs the step on `call`'s arguments (`per_call`); also says which flat outputs are
+    identical on every replica.
+
     Returns:
       (the outputs, a bool per flat output leaf).
     """
-    if (why := self._inside_transform(args)) is not None:
-      return self._as_jax_shard_map(args, why)
-    leaves, compiled = self._compiled(args, replicated)
+    if (why := self._inside_transform(call.args)) is not None:
+      return self._as_jax_shard_map(call.args, why)
+    leaves, compiled = list(call.leaves), self.compiled(call)
     outs = compiled.step(*runtime.operands(leaves, compiled))
     wrapped = [ShardedArray(x, compiled.sharded_outputs[k]) if k in compiled.sharded_outputs else x
                for k, x in enumerate(outs)]
@@ -220,13 +237,12 @@ class ShardedStep:
     out = smap(*runtime.unshard(args))
     return out, [False] * len(jax.tree.leaves(out))
 
-  def plan(self, *args, replicated: frozenset = frozenset()) -> Plan:
+  def plan(self, *args) -> Plan:
     """The Plan for these arguments (whole or sharded state alike).
 
     Args:
       *args: the step's arguments, concrete or abstract (`jax.eval_shape`),
         whole or sharded.
-      replicated: as for `call`.
 
     Returns:
       The `wus.Plan`: each weight-update cluster (§3.2), sharded, owned or
@@ -237,9 +253,9 @@ class ShardedStep:
       TypeError: no arguments (the plan is made for the arguments' shapes and dtypes).
     """
     runtime.needs_arguments(args, "plan")
-    return self._compiled(args, replicated)[1].plan
+    return self.compiled(self.per_call(args)).plan
 
-  def state_target(self, *args, replicated: frozenset = frozenset()) -> tuple:
+  def state_target(self, *args) -> tuple:
     """The arguments as this step reads them, abstract: the target to restore a checkpoint into.
 
     Pass the parts you saved to Orbax's restore (`ocp.StandardCheckpointer().
@@ -252,7 +268,6 @@ class ShardedStep:
     Args:
       *args: the step's arguments, concrete or abstract (`jax.eval_shape`), whole
         or sharded.
-      replicated: as for `call`.
 
     Returns:
       A tuple like `args`, in the same pytree structures (NamedTuples of optax
@@ -265,8 +280,12 @@ class ShardedStep:
       >>> ckptr = ocp.StandardCheckpointer()  # doctest: +SKIP
       >>> params, opt_state = ckptr.restore(path, (params, opt_state))  # doctest: +SKIP
     """
+    return self.state_target_of(self.per_call(args))
+
+  def state_target_of(self, call: pipeline.Call) -> tuple:
+    """`state_target` for `call`'s arguments (`per_call`)."""
     from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
-    leaves, compiled = self._compiled(args, replicated)
+    args, leaves, compiled = call.args, list(call.leaves), self.compiled(call)
     mesh = compiled.user_mesh
     if self._step.in_specs is compat.INFER:
       specs = [x.layout.user_spec if is_sharded(x) else x.sharding.spec for x in leaves]
@@ -291,16 +310,20 @@ class ShardedStep:
       rewrite interpreter emitting the sharded step, present once the step
       has been called or lowered}.
     """
-    return dict(self._compiled(args)[1].timings)
+    return dict(self.compiled(self.per_call(args)).timings)
 
-  def lower(self, *args, replicated: frozenset = frozenset()) -> jax.stages.Lowered:
+  def lower(self, *args) -> jax.stages.Lowered:
     """Lowers the steady-state step program (optimizer state already sharded).
 
     Returns:
       A `jax.stages.Lowered`; `.compile().memory_analysis()` gives per-device
       bytes, `.compile().as_text()` the optimized HLO.
     """
-    leaves, compiled = self._compiled(args, replicated)
+    return self.lower_of(self.per_call(args))
+
+  def lower_of(self, call: pipeline.Call) -> jax.stages.Lowered:
+    """`lower` for `call`'s arguments (`per_call`)."""
+    leaves, compiled = list(call.leaves), self.compiled(call)
     ops = []
     for src in compiled.sources:
       if src[0] == "arg" and src[1] in compiled.sharded_leaves:
@@ -311,16 +334,15 @@ class ShardedStep:
         ops.append(src[1] if src[0] == "const" else leaves[src[1]])
     return compiled.step.lower(*ops)
 
-  def _compiled(self, args: tuple, replicated: frozenset = frozenset()
-               ) -> tuple[list, pipeline.Compiled]:
-    leaves, treedef = jax.tree.flatten(args, is_leaf=is_sharded)
-    mesh = self._mesh if self._mesh is not None else jax.sharding.get_mesh()
-    if mesh.empty:
-      raise ValueError("wus.shard_map needs a mesh: pass mesh=, or call it inside "
-                       "`with jax.set_mesh(mesh):`")
-    key = (treedef, tuple(runtime.leaf_signature(x) for x in leaves), frozenset(replicated), mesh)
+  def compiled(self, call: pipeline.Call) -> pipeline.Compiled:
+    """The compiled step for `call` (`per_call`): compiled once per input signature."""
+    key = (call.treedef, tuple(runtime.leaf_signature(x) for x in call.leaves),
+           call.replicated, call.mesh)
     if key not in self._cache:
-      self._cache[key] = pipeline.compile_step(self._step, self._options, args, leaves, treedef,
-                                               frozenset(replicated), mesh,
-                                               self._donate_argnums)
-    return leaves, self._cache[key]
+      self._cache[key] = pipeline.compile_step(call)
+    return self._cache[key]
+
+  def _compiled(self, args: tuple) -> tuple[list, pipeline.Compiled]:
+    """(the flat leaves of `args`, their compiled step), for `wus.jit`'s region."""
+    call = self.per_call(args)
+    return list(call.leaves), self.compiled(call)

@@ -82,34 +82,19 @@ class Compiled:
   timings: dict         # Seconds: "trace", "analysis" (inline, plan); "rewrite" once lowered.
 
 
-def compile_step(step: Step, options: Options, args: tuple, leaves: list, treedef,
-                 replicated: frozenset, mesh: Mesh, donate_argnums: frozenset) -> Compiled:
+def compile_step(call: Call) -> Compiled:
   """The pipeline: trace, match state, group, flatten, analyse, plan, build (§3, §4).
 
-  Every front end calls this once per input signature; everything the Plan
-  says is decided here, `shard_group_size="auto"` included (§5.2): the Plan of
-  one group of all N (`cost.auto_group_size`) chooses G, then the step is
-  grouped, analysed and planned again for it, the choice an input of the planner.
-
-  Args:
-    step: the per-replica step and the facts its front end knows.
-    options: the user's options.
-    args, leaves, treedef: the positional arguments and their flat leaves
-      (sharded state as `ShardedArray` leaves).
-    replicated: flat leaf positions identical on every replica although their
-      in_spec splits them (`wus.pmap`'s equal per-device copies, §3.1).
-    mesh: the user's mesh.
-    donate_argnums: positional arguments whose buffers the step may reuse.
-
-  Returns:
-    The Compiled step.
+  Every front end calls this once per input signature, with the one value it
+  translates a call into; everything the Plan says is decided here,
+  `shard_group_size="auto"` included (§5.2): the Plan of one group of all N
+  (`cost.auto_group_size`) chooses G, then the step is grouped, analysed and
+  planned again for it, the choice an input of the planner.
   """
-  call = Call(step, options, args, tuple(leaves), treedef, frozenset(replicated), mesh,
-              frozenset(donate_argnums))
   with gc_pause.paused():
     start = time.perf_counter()
     matched = match(trace(call))
-    if options.shard_group_size == "auto":
+    if call.options.shard_group_size == "auto":
       whole = plan(analyse(flatten(group(matched))))
       g, why = cost.auto_group_size(whole.plan, whole.analysed.topology)
       matched = dataclasses.replace(matched, request=GroupRequest(g, why))
@@ -126,10 +111,14 @@ class Call:
   """One call's inputs to the pipeline, as a front end translates its calling convention.
 
   Attributes:
-    step, options, args, mesh, donate_argnums: as for `compile_step`.
-    leaves, treedef: the flat leaves of `args` (sharded state as `ShardedArray`s).
+    step: the per-replica step and the facts its front end knows.
+    options: the user's options.
+    args: the positional arguments; `leaves`, `treedef`: their flat leaves (sharded
+      state as `ShardedArray` leaves).
     replicated: flat leaf positions identical on every replica although their in_spec
       splits them (`wus.pmap`'s equal per-device copies, §3.1).
+    mesh: the user's mesh.
+    donate_argnums: positional arguments whose buffers the step may reuse.
   """
 
   step: Step

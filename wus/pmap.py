@@ -137,8 +137,8 @@ class _Pmapped:
   # --- Public. ---------------------------------------------------------------
 
   def __call__(self, *args, **kwargs):
-    step, dyn, replicated = self._prepare(args, kwargs, check=True)
-    out, out_replicated = step.call(dyn, replicated)
+    step, call = self._prepare(args, kwargs, check=True)
+    out, out_replicated = step.run(call)
     self._known = {}
     for x, same in zip(jax.tree.leaves(out, is_leaf=is_sharded), out_replicated, strict=True):
       if same and isinstance(x, jax.Array):
@@ -148,8 +148,8 @@ class _Pmapped:
   def plan(self, *args, **kwargs):
     """The wus Plan for these arguments (TypeError without any)."""
     needs_arguments((*args, *kwargs.values()), "plan")
-    step, dyn, replicated = self._prepare(args, kwargs, check=True)
-    return step.plan(*dyn, replicated=replicated)
+    step, call = self._prepare(args, kwargs, check=True)
+    return step.compiled(call).plan
 
   def state_target(self, *args, **kwargs) -> tuple:
     """The arguments as this step reads them, abstract, to restore a checkpoint saved as
@@ -177,15 +177,14 @@ class _Pmapped:
     """
     from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
     needs_arguments((*args, *kwargs.values()), "state_target")
-    step, dyn, replicated = self._prepare(args, kwargs, check=True)
-    treedef = jax.tree.structure(dyn, is_leaf=is_sharded)
+    step, call = self._prepare(args, kwargs, check=True)
     dyn_pos = [i for i in range(len(args)) if i not in self._static]
-    axes = self._leaf_axes(dyn_pos, args, kwargs, treedef)
-    targets = jax.tree.leaves(step.state_target(*dyn, replicated=replicated), is_leaf=is_sharded)
+    axes = self._leaf_axes(dyn_pos, args, kwargs, call.treedef)
+    targets = jax.tree.leaves(step.state_target_of(call), is_leaf=is_sharded)
     targets = [checkpoint.stacked_target(t, ax)
                if ax is not None and isinstance(t, jax.ShapeDtypeStruct) else t
                for t, ax in zip(targets, axes, strict=True)]
-    *positional, keywords = jax.tree.unflatten(treedef, targets)
+    *positional, keywords = jax.tree.unflatten(call.treedef, targets)
     out = list(args)
     for i, x in zip(dyn_pos, positional, strict=True):
       out[i] = x
@@ -193,13 +192,14 @@ class _Pmapped:
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """Lowers the steady-state step program, as `ShardedStep.lower`."""
-    step, dyn, replicated = self._prepare(args, kwargs, check=True)
-    return step.lower(*dyn, replicated=replicated)
+    step, call = self._prepare(args, kwargs, check=True)
+    return step.lower_of(call)
 
   # --- Calls. ----------------------------------------------------------------
 
-  def _prepare(self, args: tuple, kwargs: dict, check: bool):
-    """(the ShardedStep, its positional arguments, the replicated leaf positions)."""
+  def _prepare(self, args: tuple, kwargs: dict, check: bool) -> tuple[ShardedStep, Any]:
+    """(the ShardedStep, the call's one value for the pipeline: its positional arguments
+    with their equal per-device copies, `ShardedStep.per_call`)."""
     if self._static and max(self._static) >= len(args):
       raise ValueError(f"pmapped function has static_broadcasted_argnums={self._static} but was "
                        f"called with only {len(args)} positional arguments")
@@ -223,7 +223,8 @@ class _Pmapped:
     if key not in self._steps:
       self._steps[key] = self._make_step(treedef, axes, statics, dyn_pos, len(args),
                                          tuple(sorted(kwargs)), mesh)
-    return self._steps[key], jax.tree.unflatten(treedef, leaves), replicated
+    step = self._steps[key]
+    return step, step.per_call(jax.tree.unflatten(treedef, leaves), replicated)
 
   def _leaf_axes(self, dyn_pos, args, kwargs, treedef) -> tuple:
     """The mapped axis of every flat leaf, as jax.pmap broadcasts `in_axes`."""

@@ -106,9 +106,7 @@ def test_plan_and_build_keep_m_sharded(size):
 @pytest.mark.parametrize("size", [None, 2, "auto"])
 def test_compile_step_is_the_chain(size):
   call = _call(shard_group_size=size)
-  compiled = pipeline.compile_step(call.step, call.options, call.args, list(call.leaves),
-                                   call.treedef, call.replicated, call.mesh,
-                                   call.donate_argnums)
+  compiled = pipeline.compile_step(call)
   if size != "auto":
     chained = pipeline.plan(pipeline.analyse(pipeline.flatten(pipeline.group(pipeline.match(
         pipeline.trace(call))))))
