@@ -1,11 +1,12 @@
 """The pipeline every front end shares: seven stages, each one value to the next (§3, §4).
 
 A front end (`wus.shard_map`, `wus.pmap`, `wus.jit`'s update region)
-translates its calling convention into a `Step` and the user's `Options`;
-`compile_step` makes them one `Call` and runs `trace` -> `match` -> `group` ->
-`flatten` -> `analyse` -> `plan` -> `build` (`Traced`, `Matched`, `Grouped`,
+translates each call into one `Call` (its `Step`, the user's `Options`, the
+arguments, the mesh); `compile_step` runs `trace` -> `match` -> `group` ->
+`flatten` -> `analyse` -> `plan` -> `build` on it (`Traced`, `Matched`, `Grouped`,
 `Flat`, `Analysed`, `Planned`, then the `Compiled` step that `wus.runtime` runs).
 """
+
 from __future__ import annotations
 
 import contextlib
