@@ -328,6 +328,22 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
                 placements)
 
 
+def partial_eqns(jaxpr: Jaxpr, region: Region, splits: Splits) -> frozenset[int]:
+  """The region's equations that compute each replica's part of a gradient sum: those
+  reading a value split over the batch, or a result of such an equation before its
+  sum (the sums included). Their results differ across replicas; a split over the batch
+  axes that the state carries (FSDP) does not pass through them."""
+  partial = {v for v in region.invars if v in splits}
+  out = set()
+  for i in region.eqns:
+    eqn = jaxpr.eqns[i]
+    if any(not compat.is_literal(v) and v in partial for v in eqn.invars):
+      out.add(i)
+      if i not in region.sums:
+        partial.update(eqn.outvars)
+  return frozenset(out)
+
+
 def _splits_over_mesh(eqn: JaxprEqn, axis_sizes: Mapping[str, int],
                       model_axes: frozenset) -> bool:
   """A sharding constraint that is no placement: it splits its value over a batch axis (a

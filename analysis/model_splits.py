@@ -166,13 +166,26 @@ class ModelSplits:
     reduced: equation position -> the model axes its result is a partial
       reduction over (a reduce or a dot_general over a split dim), which an
       all-reduce over those axes completes.
+    scattered: gradient sum position -> per dim of its result, None or the
+      batch axes a reduce-scatter splits it over: the gradient of a weight the
+      step places over a batch axis itself (FSDP), whose sum is computed whole
+      on this replica's rows and reduce-scattered to its block.
   """
 
   of: Mapping[Var, tuple]
   reduced: Mapping[int, tuple]
+  scattered: Mapping[int, tuple] = dataclasses.field(default_factory=dict)
 
   def split(self, v) -> tuple | None:
     return None if compat.is_literal(v) else self.of.get(v)
+
+  def computed(self, position: int, v) -> tuple | None:
+    """The split of `v` as the equation at `position` computes it: before the
+    reduce-scatter of a scattered sum."""
+    split, scatter = self.split(v), self.scattered.get(position)
+    if not split or not scatter:
+      return split
+    return tuple(None if e == s else e for e, s in zip(split, scatter, strict=True))
 
 
 class _Classes:
@@ -254,6 +267,23 @@ def _reduced(eqns, splits: Mapping[Var, tuple]) -> dict[int, tuple]:
     if axes:
       out[i] = axes
   return out
+
+
+def merged(parts: Iterable[ModelSplits], scattered: Mapping[int, tuple]) -> ModelSplits | str:
+  """One `ModelSplits` of splits solved over disjoint axes (the model axes, and the
+  batch axes the state is placed over: FSDP), or why a dim is split by both."""
+  of: dict = {}
+  reduced: dict = {}
+  for part in parts:
+    for v, split in part.of.items():
+      old = of.get(v, (None,) * len(split))
+      if any(a and b for a, b in zip(old, split, strict=True)):
+        return (f"a dim of {v.aval.str_short()} is split over the model axes and over the "
+                f"batch axes at once ({old}, {split})")
+      of[v] = tuple(a or b for a, b in zip(old, split, strict=True))
+    for i, axes in part.reduced.items():
+      reduced[i] = tuple(dict.fromkeys((*reduced.get(i, ()), *axes)))
+  return ModelSplits(of, reduced, dict(scattered))
 
 
 def spec_with(batch: tuple | None, model: tuple | None) -> tuple | None:
