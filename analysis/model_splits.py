@@ -188,6 +188,19 @@ class ModelSplits:
     return tuple(None if e == s else e for e, s in zip(split, scatter, strict=True))
 
 
+class Refusal(str):
+  """Why a region cannot run on model blocks (a `str`, as every refusal is), and the
+  position of the equation that needs a split dim whole, where one does: the caller
+  may run that equation, and what it reads, outside the region instead."""
+
+  position: int | None
+
+  def __new__(cls, why: str, position: int | None = None) -> Refusal:
+    out = super().__new__(cls, why)
+    out.position = position
+    return out
+
+
 class _Classes:
   """Union-find over (value, dim) nodes."""
 
@@ -216,16 +229,17 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
     axis_sizes: mesh axis -> size.
 
   Returns:
-    The `ModelSplits`, or why the region cannot run on model blocks.
+    The `ModelSplits`, or why the region cannot run on model blocks (a `Refusal`
+    naming the equation, for one that needs a split dim whole).
   """
   eqns = list(eqns)
-  classes, whole, by_class = _Classes(), set(), {}
-  for _, eqn in eqns:
+  classes, whole, by_class = _Classes(), [], {}
+  for i, eqn in eqns:
     rule = split_rules.get(eqn.primitive, _whole)
     joins, must = rule(eqn)
     for a, b in joins:
       classes.join(a, b)
-    whole.update((n, eqn) for n in must)
+    whole += [(n, i, eqn) for n in must]
   for v, split in seeds.items():
     for d, entry in enumerate(split):
       if entry:
@@ -233,10 +247,10 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
         if by_class.setdefault(root, entry) != entry:
           return (f"a tensor {v.aval.str_short()} is placed over {entry} where what it meets "
                   f"is placed over {by_class[root]}")
-  for (v, d), eqn in whole:
+  for (v, d), i, eqn in whole:
     if (entry := by_class.get(classes.find((v, d)))):
-      return (f"{eqn.primitive} at {compat.source_line(eqn)} needs dim {d} of "
-              f"{v.aval.str_short()} whole, which is split over {list(entry)}")
+      return Refusal(f"{eqn.primitive} at {compat.source_line(eqn)} needs dim {d} of "
+                     f"{v.aval.str_short()} whole, which is split over {list(entry)}", i)
   out = {}
   for v in values:
     split = tuple(by_class.get(classes.find((v, d))) for d in range(len(_shape(v))))

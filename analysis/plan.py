@@ -236,6 +236,9 @@ class Plan:
     copy_axes, copies: the other manual mesh axes (size > 1) over which an update identical
       on all their replicas is sharded too (a TP step's LayerNorms, embeddings), and their
       replicas: its tensors have `num_shards * copies` shards (`shard_axes`).
+    outside: why parts of the update run outside the sharded region, as the front
+      end's JAX function runs them (`wus.jit`: an equation that needs a dim whole
+      that a model axis splits, and what it reads); () when none does.
 
   `str(plan)` (what `print` shows) is one line per cluster, the totals first;
   `plan.details()` the full table: every tensor with its format, every input.
@@ -261,6 +264,7 @@ class Plan:
   split_by: str = "its spec"
   copy_axes: tuple = ()
   copies: int = 1
+  outside: tuple[str, ...] = ()
 
   def shard_axes(self, fmt: Format) -> tuple:
     """The mesh axes a tensor's shards in `fmt` lie over, major first (shard r * copies + c)."""
@@ -357,6 +361,7 @@ class Plan:
                  f"(N={self.num_shards * self.copies}, identical across {list(self.copy_axes)})"
                  if wide else "") + f", {self.objective} objective",
              *([f"  the step runs unchanged: {self.unchanged}"] if self.unchanged else []),
+             *[f"  runs as jax.jit runs it, with what it reads: {why}" for why in self.outside],
              f"  state kept sharded between steps: {_bytes(whole)} whole -> {_bytes(shard)} per "
              f"device (predicted{self._split_state()}); state kept whole: "
              f"{_bytes(self.whole_state_bytes)} (weights, tiny tensors)",

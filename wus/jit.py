@@ -305,18 +305,27 @@ class JitStep:
       splits = global_view.splits_from_sizes(flat.jaxpr, larger.jaxpr, axes)
       if isinstance(splits, str):
         return splits
-    region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape),
-                                     frozenset(model) | frozenset(fsdp))
-    if isinstance(region, str):
-      return region
-    blocks = jit_arguments.model_splits(flat.jaxpr, region, leaves, declared, mesh, model,
-                                        fsdp, state, splits)
+    # An equation that needs a split dim whole (a `scan` over Muon's matrices, the `cond`
+    # of apply_if_finite) runs outside the region with what it reads, as jax.jit runs it.
+    outside: dict[int, str] = {}
+    cannot = (f"the update cannot run on the blocks of the tensors split over "
+              f"{[*model, *fsdp]}: {{}}; the step runs as jax.jit runs it")
+    while True:
+      region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape),
+                                       frozenset(model) | frozenset(fsdp), frozenset(outside))
+      if isinstance(region, str):
+        return cannot.format(next(iter(outside.values()))) if outside else region
+      blocks = jit_arguments.model_splits(flat.jaxpr, region, leaves, declared, mesh, model,
+                                          fsdp, state, splits)
+      position = getattr(blocks, "position", None)
+      if position is None or position in outside:
+        break
+      outside[position] = blocks
     if isinstance(blocks, str):
-      over = [*model, *fsdp]
-      return (f"the update cannot run on the blocks of the tensors split over {over}: "
-              f"{blocks}; the step runs as jax.jit runs it")
+      return cannot.format(blocks)
     specs = jit_arguments.region_specs(region, blocks)
-    return specs if isinstance(specs, str) else (flat, region, blocks, specs)
+    return specs if isinstance(specs, str) else (flat, region, blocks, specs,
+                                                 tuple(outside.values()))
 
   def _dynamic_positions(self, args: tuple) -> tuple[int, ...]:
     return tuple(i for i in range(len(args)) if i not in self._static)
@@ -341,8 +350,8 @@ class JitStep:
     return match_state((*dyn[0], dyn[1]), out, signature)
 
   def _compile(self, flat, region: global_view.Region, blocks: ModelSplits | None,
-               specs: tuple, args: tuple, dyn: tuple, traced, mesh: Mesh, axes: tuple,
-               paths: list[str], declared: list) -> _Compiled:
+               specs: tuple, outside: tuple[str, ...], args: tuple, dyn: tuple, traced,
+               mesh: Mesh, axes: tuple, paths: list[str], declared: list) -> _Compiled:
     jaxpr = flat.jaxpr
     inside = set(region.eqns)
     outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
@@ -398,7 +407,7 @@ class JitStep:
                           for k, s in enumerate(wanted))
     run = jax.jit(functools.partial(global_view_program.run, flat, region, sub),
                   donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
-    plan = dataclasses.replace(sub.plan, split_by="its placement")
+    plan = dataclasses.replace(sub.plan, split_by="its placement", outside=outside)
     return _Compiled(plan, run, sharded_leaves, sharded_outputs, tuple(paths),
                      traced.out_tree, sub.mesh, tuple(sub.plan.axes), in_shardings)
 
