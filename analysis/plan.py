@@ -14,6 +14,7 @@ import numpy as np
 
 from wus.analysis import costmodel, network, reasons
 from wus.analysis.formats import Format
+from wus.analysis.network import format_bytes as _bytes
 from wus.analysis.owned import Ownership
 from wus.analysis.reasons import Reason
 from wus.analysis.shardable import Kind
@@ -430,14 +431,6 @@ def _label(c: ClusterPlan) -> str:
   name = main.name if main.role != "gradient" else "gradient"
   more = f" +{len(c.tensors) - 1}" if len(c.tensors) > 1 else ""
   return f"{name} {main.dtype}[{shape}]{more}"
-
-
-def _bytes(n: int) -> str:
-  """`n` bytes in binary units: "512 B", "75.1 KiB", "6.25 MiB"."""
-  for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-    if n >= scale:
-      return f"{n / scale:.3g} {unit}"
-  return f"{n} B"
 
 
 def replicated(plan: Plan, reason: str) -> Plan:
