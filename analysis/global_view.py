@@ -351,6 +351,16 @@ def partial_eqns(jaxpr: Jaxpr, region: Region, splits: Splits) -> frozenset[int]
   return frozenset(out)
 
 
+def summing_primitive(jaxpr: Jaxpr, i: int) -> compat.Primitive:
+  """The primitive that sums at gradient sum `i`: its own, or, for a sum moved past
+  equations that only move elements (`Region.moved`), the one before them."""
+  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+  eqn = jaxpr.eqns[i]
+  while _moves_elements(eqn) and eqn.invars[0] in producer:
+    eqn = producer[eqn.invars[0]]
+  return eqn.primitive
+
+
 def _splits_over_mesh(eqn: JaxprEqn, axis_sizes: Mapping[str, int],
                       model_axes: frozenset) -> bool:
   """A sharding constraint that is no placement: it splits its value over a batch axis (a

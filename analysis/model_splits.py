@@ -179,6 +179,10 @@ class ModelSplits:
   def split(self, v) -> tuple | None:
     return None if compat.is_literal(v) else self.of.get(v)
 
+  def axes(self) -> tuple[str, ...]:
+    """The mesh axes splitting some value, in order of first appearance."""
+    return tuple(dict.fromkeys(a for s in self.of.values() for e in s if e for a in e))
+
   def computed(self, position: int, v) -> tuple | None:
     """The split of `v` as the equation at `position` computes it: before the
     reduce-scatter of a scattered sum."""

@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from wus import jit_arguments, runtime
@@ -284,7 +285,8 @@ class JitStep:
                          fsdp, state)
     if isinstance(found, str):
       return unchanged(found)
-    return self._compile(*found, args, dyn, traced, mesh, axes, paths, declared)
+    compiled = self._compile(*found, args, dyn, traced, mesh, axes, paths, declared)
+    return unchanged(compiled) if isinstance(compiled, str) else compiled
 
   def _region(self, args: tuple, kwargs: dict, traced, whole: list, leaves: list,
               declared: list, mesh: Mesh, axes: tuple, model: tuple, fsdp: tuple,
@@ -314,10 +316,18 @@ class JitStep:
       region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape),
                                        frozenset(model) | frozenset(fsdp), frozenset(outside))
       if isinstance(region, str):
-        return cannot.format(next(iter(outside.values()))) if outside else region
+        why = next(filter(None, outside.values()), None)
+        return cannot.format(why) if why else region
       blocks = jit_arguments.model_splits(flat.jaxpr, region, leaves, declared, mesh, model,
                                           fsdp, state, splits)
       position = getattr(blocks, "position", None)
+      if isinstance(blocks, ModelSplits) and (gspmd := {
+          i for i in blocks.scattered if i not in outside
+          and global_view.summing_primitive(flat.jaxpr, i) is not lax.dot_general_p}):
+        # An FSDP gradient summed by another primitive (an embedding's scatter-add) is
+        # summed as GSPMD sums it, outside: its block enters the region.
+        outside.update(dict.fromkeys(gspmd, ""))
+        continue
       if position is None or position in outside:
         break
       outside[position] = blocks
@@ -325,7 +335,7 @@ class JitStep:
       return cannot.format(blocks)
     specs = jit_arguments.region_specs(region, blocks)
     return specs if isinstance(specs, str) else (flat, region, blocks, specs,
-                                                 tuple(outside.values()))
+                                                 tuple(filter(None, outside.values())))
 
   def _dynamic_positions(self, args: tuple) -> tuple[int, ...]:
     return tuple(i for i in range(len(args)) if i not in self._static)
@@ -351,7 +361,10 @@ class JitStep:
 
   def _compile(self, flat, region: global_view.Region, blocks: ModelSplits | None,
                specs: tuple, outside: tuple[str, ...], args: tuple, dyn: tuple, traced,
-               mesh: Mesh, axes: tuple, paths: list[str], declared: list) -> _Compiled:
+               mesh: Mesh, axes: tuple, paths: list[str], declared: list) -> _Compiled | str:
+    """The compiled step; or, where parts of the update run outside the region and the
+    region shards nothing, why the whole step runs as jax.jit runs it (the region would
+    only change how GSPMD partitions the rest)."""
     jaxpr = flat.jaxpr
     inside = set(region.eqns)
     outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
@@ -387,6 +400,9 @@ class JitStep:
                                              sharding=NamedSharding(mesh, s))
                         for v, s in zip(region.invars, in_specs, strict=True))
     _, sub = step._compiled(region_args)
+    if outside and not any(c.sharded or c.owner is not None for c in sub.plan.clusters):
+      return (f"the update cannot run on the blocks of the tensors split over "
+              f"{sorted(set(blocks.axes()))}: {outside[0]}; the step runs as jax.jit runs it")
     # Region input / output positions -> the step's flat leaves.
     sharded_leaves = {in_pos[region.invars[k]]: dataclasses.replace(layout, spec=in_specs[k])
                       for k, layout in sub.sharded_leaves.items()}

@@ -237,3 +237,51 @@ def test_hsdp_checkpoint_restores_on_fsdp_alone_through_state_target(tmp_path):
   again = ws(restored["params"], restored["opt_state"], x, y)
   assert_trees_equal(jax.jit(step)(*whole, x, y), wus.unshard(again))
   assert is_sharded(again[1][0].mu["b1"]) and not is_sharded(again[1][0].mu["w1"])
+
+
+def _embedding_run(tx, steps=3):
+  """An embedding table placed over "data" (FSDP), a whole dense head: the table's
+  gradient is a scatter-add of the batch's rows."""
+  mesh = _mesh((8,), ("data",))
+  keys = jax.random.split(jax.random.key(3), 3)
+  params = {"table": jax.device_put(jax.random.normal(keys[0], (16, 8)),
+                                    NamedSharding(mesh, P("data"))),
+            "w": jax.device_put(jax.random.normal(keys[1], (8, 4)) * 0.1,
+                                NamedSharding(mesh, P()))}
+
+  def step(params, opt_state, ids, y):
+    def loss_fn(p):
+      return jnp.mean((jnp.take(p["table"], ids, axis=0) @ p["w"] - y) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  data = NamedSharding(mesh, P("data"))
+  batches = [(jax.device_put(jax.random.randint(jax.random.fold_in(keys[2], i), (32,), 0, 16),
+                             data),
+              jax.device_put(jax.random.normal(jax.random.fold_in(keys[2], 100 + i), (32, 4)),
+                             data)) for i in range(steps)]
+  ws = wus.jit(step)
+  ref = out = (params, tx.init(params))
+  for ids, y in batches:
+    ref, out = jax.jit(step)(*ref, ids, y)[:2], ws(*out, ids, y)[:2]
+  assert_trees_equal(ref, wus.unshard(out))
+  return out, ws.plan(*out, *batches[0])
+
+
+def test_fsdp_embedding_summed_as_gspmd_sums_it_bit_for_bit():
+  """An FSDP embedding table's gradient (a scatter-add) is summed outside the region, as
+  GSPMD sums it (a sum wus would reduce-scatter itself reorders the rows' sums); its block
+  enters the region, the dense head's state is sharded by wus. Bit for bit."""
+  out, plan = _embedding_run(optax.adam(1e-2))
+  assert not plan.unchanged, plan.unchanged
+  assert is_sharded(out[1][0].mu["w"]) and not is_sharded(out[1][0].mu["table"])
+
+
+def test_fsdp_embedding_under_multi_steps_runs_unchanged_bit_for_bit():
+  """Regression (fuzz case: an FSDP [10, 1] table, MultiSteps of nesterov momentum): the
+  MultiSteps `cond` needs the table whole, so it runs outside the region, and with nothing
+  left to shard the whole step runs as jax.jit runs it (a region sharding nothing would
+  only change how GSPMD partitions the rest: the table's sums differed by an ulp)."""
+  _, plan = _embedding_run(optax.MultiSteps(optax.trace(0.9, nesterov=True), 2))
+  assert "cond at" in plan.unchanged and "split over ['data']" in plan.unchanged, plan.unchanged
