@@ -208,12 +208,8 @@ class _Owners:
                   if i not in self.seeds)
 
     def fn(*operands):
-      env = self._wholes(r, list(operands))
-      for i in eqns:
-        eqn = self.jaxpr.eqns[i]
-        outs = self.region._eval(i, eqn, [v.val if compat.is_literal(v) else env[v]
-                                          for v in eqn.invars])
-        env.update(zip(eqn.outvars, outs, strict=True))
+      env = interpret.eval_eqns(self.jaxpr, self._wholes(r, list(operands)), self.region._eval,
+                                eqns)
       return tuple(compat.to_varying(x, varying) for x in self._rows(r, env))
     return fn
 
