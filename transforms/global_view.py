@@ -10,7 +10,7 @@ from jax import lax
 
 from wus.analysis import compat, global_view
 from wus.analysis.model_splits import ModelSplits
-from wus.transforms import inline, model_local
+from wus.transforms import inline, interpret, model_local
 
 
 def run(flat, region: global_view.Region, sub, *ops):
@@ -28,17 +28,12 @@ def run(flat, region: global_view.Region, sub, *ops):
   jaxpr = flat.jaxpr
   env = dict(zip(jaxpr.constvars, flat.consts, strict=True))
   env.update(zip(jaxpr.invars, ops, strict=True))
-
-  def read(v):
-    return v.val if compat.is_literal(v) else env[v]
   inside = set(region.eqns)
-  for i, eqn in enumerate(jaxpr.eqns):
-    if i not in inside:
-      env.update(zip(eqn.outvars, compat.bind(eqn, *[read(v) for v in eqn.invars]),
-                     strict=True))
-  region_ops = [read(region.invars[s[1]]) if s[0] == "arg" else s[1] for s in sub.sources]
+  interpret.eval_eqns(jaxpr, env, order=[i for i in range(len(jaxpr.eqns)) if i not in inside])
+  region_ops = [interpret.read(env, region.invars[s[1]]) if s[0] == "arg" else s[1]
+                for s in sub.sources]
   env.update(zip(region.outvars, sub.step(*region_ops), strict=True))
-  return tuple(read(v) for v in jaxpr.outvars)
+  return tuple(interpret.read(env, v) for v in jaxpr.outvars)
 
 
 def region_fn(jaxpr, region: global_view.Region, axes: tuple,
