@@ -4,6 +4,7 @@ then the update region as a shard_map through the rewrite (`analysis/global_view
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
 from jax import lax
@@ -45,27 +46,29 @@ def region_fn(jaxpr, region: global_view.Region, axes: tuple,
   (`Region.placements`), which pass their operand on. With `model` (a data x model
   mesh, the shard_map manual over every axis), an equation that reads or writes a
   value split over a model axis runs on this rank's blocks (`model_local`)."""
-  def fn(*ins):
-    env = dict(zip(region.invars, ins, strict=True))
+  hook = functools.partial(_region_eqn, region, axes, model, axis_sizes)
 
-    def read(v):
-      return compat.retyped(v.val) if compat.is_literal(v) else env[v]
-    for i in region.eqns:
-      eqn = jaxpr.eqns[i]
-      if i in region.placements:  # Whole already: wus's layout replaces the constraint's.
-        env.update(zip(eqn.outvars, [read(v) for v in eqn.invars], strict=True))
-        continue
-      if model is not None and model_local.is_local(eqn, i, model):
-        outs = model_local.eval_local(eqn, i, [read(v) for v in eqn.invars], model, axis_sizes)
-      else:
-        outs = inline.eval_eqn(eqn, [read(v) for v in eqn.invars], rename={})
-      if i in region.moved or i in region.sums:
-        with compat.source_of(compat.in_current_mesh(eqn)):
-          outs = (lax.optimization_barrier(outs) if i in region.moved
-                  else [lax.psum(x, axes) for x in outs])
-      env.update(zip(eqn.outvars, outs, strict=True))
-    return tuple(read(v) for v in region.outvars)
+  def fn(*ins):
+    env = interpret.eval_eqns(jaxpr, dict(zip(region.invars, ins, strict=True)), hook,
+                              region.eqns, interpret.retyped)
+    return tuple(interpret.read(env, v, interpret.retyped) for v in region.outvars)
   return fn
+
+
+def _region_eqn(region: global_view.Region, axes: tuple, model: ModelSplits | None,
+                axis_sizes: Mapping[str, int] | None, i: int, eqn, ins: list) -> list:
+  """Equation `i` of the region on this replica (`region_fn`'s `interpret.Hook`)."""
+  if i in region.placements:  # Whole already: wus's layout replaces the constraint's.
+    return ins
+  if model is not None and model_local.is_local(eqn, i, model):
+    outs = model_local.eval_local(eqn, i, ins, model, axis_sizes)
+  else:
+    outs = inline.eval_eqn(eqn, ins, rename={})
+  if i in region.moved or i in region.sums:
+    with compat.source_of(compat.in_current_mesh(eqn)):
+      outs = (lax.optimization_barrier(outs) if i in region.moved
+              else [lax.psum(x, axes) for x in outs])
+  return outs
 
 
 def without_input_placements(closed, axis_sizes) -> Callable[..., list]:
