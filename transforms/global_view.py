@@ -78,24 +78,18 @@ def without_input_placements(closed, axis_sizes) -> Callable[..., list]:
   step's argument itself, whose next value it computes (`eqx.filter_shard((model,
   opt_state), replicated)` at the start of Equinox's data-parallel step)."""
   jaxpr = closed.jaxpr
-  sources = set(jaxpr.invars) | set(jaxpr.constvars)
 
   def fn(*args):
-    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
+    sources = set(jaxpr.invars) | set(jaxpr.constvars)
 
-    def read(v):
-      return v.val if compat.is_literal(v) else env[v]
-    for eqn in jaxpr.eqns:
-      ins = [read(v) for v in eqn.invars]
+    def hook(i, eqn, ins):
       if (global_view.is_placement(eqn, axis_sizes) and len(ins) == 1
           and (compat.is_literal(eqn.invars[0]) or eqn.invars[0] in sources)
           and _same_type(eqn.invars[0].aval, eqn.outvars[0].aval)):
-        env[eqn.outvars[0]] = ins[0]
         sources.add(eqn.outvars[0])
-      else:
-        env.update(zip(eqn.outvars, compat.bind(eqn, *ins), strict=True))
-    return [read(v) for v in jaxpr.outvars]
+        return ins
+      return compat.bind(eqn, *ins)
+    return interpret.eval_jaxpr(jaxpr, closed.consts, args, hook)
   return fn
 
 
