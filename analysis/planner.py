@@ -255,7 +255,8 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
                            x.aval.size * x.aval.dtype.itemsize, True)
             for x, dtype in narrow.items())))
     across = sorted({a for i in c.seeds for a in compat.collective_axes(jaxpr.eqns[i])}
-                    - ctx.axes)
+                    - ctx.axes - set(over_copies.copies if over_copies and over_copies.summed
+                                     else ()))
     if across and decision.shard:
       notes.append(reasons.PartialSharding(tuple(sorted(ctx.axes)), tuple(across)))
     if over_copies is not None and decision.shard:

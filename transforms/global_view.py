@@ -44,8 +44,10 @@ def region_fn(jaxpr, region: global_view.Region, axes: tuple,
   gradient sum on this replica's rows, then all-reduced (`psum`), which the rewrite
   turns into a reduce-scatter; the update's equations as they are, but placements
   (`Region.placements`), which pass their operand on. With `model` (a data x model
-  mesh, the shard_map manual over every axis), an equation that reads or writes a
-  value split over a model axis runs on this rank's blocks (`model_local`)."""
+  mesh, or state placed over a batch axis: the shard_map manual over every axis), an
+  equation that reads or writes a value split over a model axis runs on this rank's
+  blocks (`model_local`), and a sum of an FSDP weight's gradient is reduce-scattered to
+  its block (`summed`)."""
   hook = functools.partial(_region_eqn, region, axes, model, axis_sizes)
 
   def fn(*ins):
@@ -67,8 +69,24 @@ def _region_eqn(region: global_view.Region, axes: tuple, model: ModelSplits | No
   if i in region.moved or i in region.sums:
     with compat.source_of(compat.in_current_mesh(eqn)):
       outs = (lax.optimization_barrier(outs) if i in region.moved
-              else [lax.psum(x, axes) for x in outs])
+              else [summed(x, axes, model and model.scattered.get(i)) for x in outs])
   return outs
+
+
+def summed(x, axes: tuple, scatter: tuple | None):
+  """This replica's part of a gradient sum completed over the batch `axes`: all-reduced,
+  or, for the gradient of a weight placed over batch axes itself (FSDP: `scatter`, per
+  dim the axes splitting it), reduce-scattered to this replica's block over those axes
+  and all-reduced over the others, in the order GSPMD sums it (HSDP: over "fsdp", then
+  "replica", whose all-reduce of the block the rewrite turns into a reduce-scatter)."""
+  if not scatter:
+    return lax.psum(x, axes)
+  for d, e in enumerate(scatter):
+    if e:
+      x = lax.psum_scatter(x, e if len(e) > 1 else e[0], scatter_dimension=d, tiled=True)
+  over = {a for e in scatter if e for a in e}
+  rest = tuple(a for a in axes if a not in over)
+  return lax.psum(x, rest) if rest else x
 
 
 def without_input_placements(closed, axis_sizes) -> Callable[..., list]:

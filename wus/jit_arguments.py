@@ -133,21 +133,53 @@ def batch_and_model_axes(leaves: list, declared: list, mesh: Mesh, state: set) -
   return batch, tuple(a for a in axes(lambda k: k in state) if a not in batch)
 
 
-def model_splits(jaxpr, region, leaves: list, declared: list, mesh: Mesh,
-                 model: tuple) -> splits_lib.ModelSplits | None | str:
-  """The model splits of the region's values (`analysis.model_splits`), seeded by the
-  placements of the step's arguments over the model axes, the region's constraints and,
-  on a mesh with Explicit axes, the types; None on a mesh without model axes, or why
-  the region cannot run on model blocks."""
-  if not model:
+def model_splits(jaxpr, region, leaves: list, declared: list, mesh: Mesh, model: tuple,
+                 fsdp: tuple = (), state: frozenset = frozenset(),
+                 batch_splits=None) -> splits_lib.ModelSplits | None | str:
+  """The model splits of the region's values (`analysis.model_splits`); None on a mesh
+  without model axes and no state split over the batch axes, or why the region cannot
+  run on blocks.
+
+  Over the model axes: seeded by the placements of the step's arguments, the region's
+  constraints and, on a mesh with Explicit axes, the types. Over `fsdp` (the batch axes
+  some state leaf, at a flat position in `state`, is placed over itself: FSDP): seeded
+  by the state's placements, constraints and types after the gradient sums alone, and
+  solved over the equations after them (`global_view.partial_eqns`, whose values carry
+  the batch, `batch_splits`): each sum is computed whole on this replica's rows and
+  reduce-scattered to the block its result is split into (`ModelSplits.scattered`).
+  """
+  if not model and not fsdp:
     return None
-  axes = frozenset(model)
-  in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   eqns = [(i, jaxpr.eqns[i]) for i in region.eqns]
   values = [*region.invars, *(v for _, e in eqns for v in e.outvars)]
+  parts = []
+  if model:
+    parts.append(_solve(jaxpr, eqns, values, region, leaves, declared, mesh,
+                        frozenset(model), range(len(leaves))))
+  scattered = {}
+  if fsdp:
+    batch_splits = batch_splits or {}
+    partial = global_view.partial_eqns(jaxpr, region, batch_splits)
+    carried = {v for i in partial if i not in region.sums for v in jaxpr.eqns[i].outvars}
+    parts.append(part := _solve(
+        jaxpr, [(i, e) for i, e in eqns if i not in partial],
+        [v for v in values if v not in carried and v not in batch_splits],
+        region, leaves, declared, mesh, frozenset(fsdp), state))
+    if not isinstance(part, str):
+      scattered = {i: s for i in region.sums if (s := part.split(jaxpr.eqns[i].outvars[0]))}
+  why = next((p for p in parts if isinstance(p, str)), None)
+  return why if why is not None else splits_lib.merged(parts, scattered)
+
+
+def _solve(jaxpr, eqns: list, values: list, region, leaves: list, declared: list, mesh: Mesh,
+           axes: frozenset, seeded) -> splits_lib.ModelSplits | str:
+  """`model_splits.solve` of `values` over `axes`, seeded by the placements of the step's
+  arguments at the flat positions in `seeded`, the constraints among `eqns` and, on a
+  mesh with Explicit axes, the types of `values`."""
+  in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
   seeds = {}
   for v in region.invars:
-    if v in in_pos:
+    if v in in_pos and in_pos[v] in seeded:
       k = in_pos[v]
       sharding = declared[k] or getattr(leaves[k], "sharding", None)
       if is_sharded(leaves[k]):
@@ -214,3 +246,19 @@ def flat_jaxpr(closed, mesh: Mesh):
 def sharding_of(aval, mesh: Mesh):
   spec, _ = compat.sharding_spec(aval)
   return NamedSharding(mesh, P(*spec)) if spec and compat.explicit_axes(mesh) else None
+
+
+def update_axes(axes: tuple, blocks: splits_lib.ModelSplits | None) -> tuple:
+  """The batch axes the update is sharded over: those no weight is placed over itself
+  (HSDP's "replica" beside "fsdp", whose FSDP weights differ over "fsdp": each fsdp
+  block's update is sharded over "replica", the whole weights' over both, as copies),
+  or every batch axis (FSDP alone: nothing repeated in the FSDP weights' update)."""
+  fsdp = {a for s in (blocks.scattered.values() if blocks else ()) for e in s if e for a in e}
+  return tuple(a for a in axes if a not in fsdp) or axes
+
+
+def refs(closed, paths: list[str]) -> list[str]:
+  """The arguments (and closed-over values) of the traced step that are JAX refs."""
+  out = [name for name, a in zip(paths, closed.in_avals, strict=True) if compat.is_ref_type(a)]
+  return out + [f"a ref the step closes over, {v.aval.str_short()}"
+                for v in closed.jaxpr.constvars if compat.is_ref_type(v.aval)]
