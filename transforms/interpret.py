@@ -69,6 +69,10 @@ def eval_eqns(jaxpr: Jaxpr, env: dict, hook: Hook = bind, order: Iterable[int] |
 
   Returns:
     `env`.
+
+  Raises:
+    ValueError: a hook returned another number of outputs than the equation has.
+    KeyError: an equation read a variable `env` does not hold (`order` not topological).
   """
   for i in range(len(jaxpr.eqns)) if order is None else order:
     eqn = jaxpr.eqns[i]
@@ -90,6 +94,10 @@ def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: H
 
   Returns:
     One value per outvar.
+
+  Raises:
+    ValueError: `consts` or `args` do not match the constvars or invars in number, or a
+      hook returned another number of outputs than its equation has.
   """
   env = dict(zip(jaxpr.constvars, consts, strict=True))
   env.update(zip(jaxpr.invars, args, strict=True))
