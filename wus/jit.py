@@ -16,7 +16,7 @@ sharded over the batch axes, and the state is split over data x model (one
 over a batch axis itself (FSDP) is a block the same way: its gradient sum is
 reduce-scattered to it (`transforms.global_view.summed`), and with a replica
 axis beside (HSDP) the update is sharded over the axes no weight is placed
-over (`jit_arguments.update_axes`).
+over (`jit_region.update_axes`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
-from wus import jit_arguments, runtime
+from wus import jit_arguments, jit_region, runtime
 from wus.analysis import compat, global_view
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import InputPlan, JaxprPlan, Plan
@@ -307,35 +306,7 @@ class JitStep:
       splits = global_view.splits_from_sizes(flat.jaxpr, larger.jaxpr, axes)
       if isinstance(splits, str):
         return splits
-    # An equation that needs a split dim whole (a `scan` over Muon's matrices, the `cond`
-    # of apply_if_finite) runs outside the region with what it reads, as jax.jit runs it.
-    outside: dict[int, str] = {}
-    cannot = (f"the update cannot run on the blocks of the tensors split over "
-              f"{[*model, *fsdp]}: {{}}; the step runs as jax.jit runs it")
-    while True:
-      region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape),
-                                       frozenset(model) | frozenset(fsdp), frozenset(outside))
-      if isinstance(region, str):
-        why = next(filter(None, outside.values()), None)
-        return cannot.format(why) if why else region
-      blocks = jit_arguments.model_splits(flat.jaxpr, region, leaves, declared, mesh, model,
-                                          fsdp, state, splits)
-      position = getattr(blocks, "position", None)
-      if isinstance(blocks, ModelSplits) and (gspmd := {
-          i for i in blocks.scattered if i not in outside
-          and global_view.summing_primitive(flat.jaxpr, i) is not lax.dot_general_p}):
-        # An FSDP gradient summed by another primitive (an embedding's scatter-add) is
-        # summed as GSPMD sums it, outside: its block enters the region.
-        outside.update(dict.fromkeys(gspmd, ""))
-        continue
-      if position is None or position in outside:
-        break
-      outside[position] = blocks
-    if isinstance(blocks, str):
-      return cannot.format(blocks)
-    specs = jit_arguments.region_specs(region, blocks)
-    return specs if isinstance(specs, str) else (flat, region, blocks, specs,
-                                                 tuple(filter(None, outside.values())))
+    return jit_region.update_region(flat, splits, mesh, model, fsdp, leaves, declared, state)
 
   def _dynamic_positions(self, args: tuple) -> tuple[int, ...]:
     return tuple(i for i in range(len(args)) if i not in self._static)
@@ -366,22 +337,10 @@ class JitStep:
     region shards nothing, why the whole step runs as jax.jit runs it (the region would
     only change how GSPMD partitions the rest)."""
     jaxpr = flat.jaxpr
-    inside = set(region.eqns)
-    outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
-                     if not compat.is_literal(v)}
     in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
     out_shape = traced.out_info
-    region_in = {v: k for k, v in enumerate(region.invars)}
     region_out = {v: k for k, v in enumerate(region.outvars)}
-    pairs, how = {}, {}
-    match = self._state(args, dyn, out_shape)
-    for o, i in match.pairs.items():
-      ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
-      if (not compat.is_literal(ov) and ov in region_out and iv in region_in
-          and iv not in outside_reads
-          and not any(w is iv for w in jaxpr.outvars if not compat.is_literal(w))):
-        pairs[region_out[ov]] = region_in[iv]
-        how[region_in[iv]] = match.how[i]
+    pairs, how = _region_state(jaxpr, region, self._state(args, dyn, out_shape))
     in_names = [_name_of(jaxpr, v, in_pos, paths) for v in region.invars]
     out_paths = ["output" + jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
@@ -391,7 +350,7 @@ class JitStep:
     step = ShardedStep(
         global_view_program.region_fn(jaxpr, region, axes, blocks, dict(mesh.shape)),
         mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
-        axis_names=frozenset(), axis_name=jit_arguments.update_axes(axes, blocks),
+        axis_names=frozenset(), axis_name=jit_region.update_axes(axes, blocks),
         split_reason="split over the batch axes",
         copies=True,
         match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
@@ -426,6 +385,25 @@ class JitStep:
     plan = dataclasses.replace(sub.plan, split_by="its placement", outside=outside)
     return _Compiled(plan, run, sharded_leaves, sharded_outputs, tuple(paths),
                      traced.out_tree, sub.mesh, tuple(sub.plan.axes), in_shardings)
+
+
+def _region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple[dict, dict]:
+  """The step's state pairs (`match`) as the region's: (region output -> region input,
+  region input -> how it was matched), for state only the region reads and writes."""
+  inside = set(region.eqns)
+  outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
+                   if not compat.is_literal(v)}
+  region_in = {v: k for k, v in enumerate(region.invars)}
+  region_out = {v: k for k, v in enumerate(region.outvars)}
+  returned = {w for w in jaxpr.outvars if not compat.is_literal(w)}
+  pairs, how = {}, {}
+  for o, i in match.pairs.items():
+    ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
+    if (not compat.is_literal(ov) and ov in region_out and iv in region_in
+        and iv not in outside_reads and iv not in returned):
+      pairs[region_out[ov]] = region_in[iv]
+      how[region_in[iv]] = match.how[i]
+  return pairs, how
 
 
 def _name_of(jaxpr, v, in_pos: dict, paths: list[str]) -> str:
