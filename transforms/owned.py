@@ -199,7 +199,7 @@ class _Owners:
     self.region, self.own, self.jaxpr = region, region.own, jaxpr
     self.banks, self.seeds, self.external, self.dtypes = banks, seeds, external, dtypes
     self.out_dtypes = sorted(self.own.out_rows)
-    self.grads = {jaxpr.eqns[i].outvars[0] for i in seeds}
+    self.grads = [jaxpr.eqns[i].outvars[0] for i in sorted(seeds)]  # Traced in jaxpr order.
     self.outs_of = {(fmt.bank, fmt.index): y for y, fmt in self.own.state_vars_out.items()}
 
   def branch(self, r: int, varying: tuple) -> Callable:
