@@ -225,7 +225,8 @@ def is_placement(eqn: JaxprEqn, axis_sizes: Mapping[str, int]) -> bool:
 
 
 def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
-                model_axes: frozenset = frozenset()) -> Region | str:
+                model_axes: frozenset = frozenset(),
+                outside: frozenset = frozenset()) -> Region | str:
   """The sums and the update of a global step.
 
   An equation joins the region if it is a gradient sum (`sum_rules`, its
@@ -244,6 +245,9 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
       parallelism): a constraint that names only those lays out a block the
       region computes (`Region.placements`, `analysis.model_splits` reads its
       spec), not a split over the batch.
+    outside: equation positions that run outside the region, whatever they read
+      (an update that cannot run on model blocks: `wus.jit` runs it, and what
+      it reads, as GSPMD partitions it).
 
   Returns:
     The Region, or why the step has none. A region without gradient sums (the
@@ -270,7 +274,10 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
         for n, e in zip(v.aval.shape, s, strict=True))
 
   kind = []  # Per equation: "sum", "update" or None (outside).
-  for eqn in jaxpr.eqns:
+  for i, eqn in enumerate(jaxpr.eqns):
+    if i in outside:
+      kind.append(None)
+      continue
     ins = [split(v) for v in eqn.invars]
     outs_whole = all(v not in splits for v in eqn.outvars)
     rule = sum_rules.get(eqn.primitive)
@@ -326,6 +333,32 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
   return Region(tuple(inside), sums & set(inside), invars,
                 tuple(spec_of(split(v)) for v in invars), outvars, frozenset(moved) & set(inside),
                 placements)
+
+
+def partial_eqns(jaxpr: Jaxpr, region: Region, splits: Splits) -> frozenset[int]:
+  """The region's equations that compute each replica's part of a gradient sum: those
+  reading a value split over the batch, or a result of such an equation before its
+  sum (the sums included). Their results differ across replicas; a split over the batch
+  axes that the state carries (FSDP) does not pass through them."""
+  partial = {v for v in region.invars if v in splits}
+  out = set()
+  for i in region.eqns:
+    eqn = jaxpr.eqns[i]
+    if any(not compat.is_literal(v) and v in partial for v in eqn.invars):
+      out.add(i)
+      if i not in region.sums:
+        partial.update(eqn.outvars)
+  return frozenset(out)
+
+
+def summing_primitive(jaxpr: Jaxpr, i: int) -> compat.Primitive:
+  """The primitive that sums at gradient sum `i`: its own, or, for a sum moved past
+  equations that only move elements (`Region.moved`), the one before them."""
+  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+  eqn = jaxpr.eqns[i]
+  while _moves_elements(eqn) and eqn.invars[0] in producer:
+    eqn = producer[eqn.invars[0]]
+  return eqn.primitive
 
 
 def _splits_over_mesh(eqn: JaxprEqn, axis_sizes: Mapping[str, int],

@@ -267,7 +267,7 @@ def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx,
     if not isinstance(wide, Layout):
       why = wide
     elif all(math.prod(f.shape) > n * copies for f in wide.formats.values()):
-      return wide, note()
+      return wide, note(summed=redundancy.sums_over(jaxpr, cluster, frozenset(ctx.copies)))
     else:
       why = f"a tensor has at most {n * copies} elements"
   return assign(jaxpr, cluster, n, ctx.big), note(why)

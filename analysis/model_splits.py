@@ -166,13 +166,43 @@ class ModelSplits:
     reduced: equation position -> the model axes its result is a partial
       reduction over (a reduce or a dot_general over a split dim), which an
       all-reduce over those axes completes.
+    scattered: gradient sum position -> per dim of its result, None or the
+      batch axes a reduce-scatter splits it over: the gradient of a weight the
+      step places over a batch axis itself (FSDP), whose sum is computed whole
+      on this replica's rows and reduce-scattered to its block.
   """
 
   of: Mapping[Var, tuple]
   reduced: Mapping[int, tuple]
+  scattered: Mapping[int, tuple] = dataclasses.field(default_factory=dict)
 
   def split(self, v) -> tuple | None:
     return None if compat.is_literal(v) else self.of.get(v)
+
+  def axes(self) -> tuple[str, ...]:
+    """The mesh axes splitting some value, in order of first appearance."""
+    return tuple(dict.fromkeys(a for s in self.of.values() for e in s if e for a in e))
+
+  def computed(self, position: int, v) -> tuple | None:
+    """The split of `v` as the equation at `position` computes it: before the
+    reduce-scatter of a scattered sum."""
+    split, scatter = self.split(v), self.scattered.get(position)
+    if not split or not scatter:
+      return split
+    return tuple(None if e == s else e for e, s in zip(split, scatter, strict=True))
+
+
+class Refusal(str):
+  """Why a region cannot run on model blocks (a `str`, as every refusal is), and the
+  position of the equation that needs a split dim whole, where one does: the caller
+  may run that equation, and what it reads, outside the region instead."""
+
+  position: int | None
+
+  def __new__(cls, why: str, position: int | None = None) -> Refusal:
+    out = super().__new__(cls, why)
+    out.position = position
+    return out
 
 
 class _Classes:
@@ -203,16 +233,17 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
     axis_sizes: mesh axis -> size.
 
   Returns:
-    The `ModelSplits`, or why the region cannot run on model blocks.
+    The `ModelSplits`, or why the region cannot run on model blocks (a `Refusal`
+    naming the equation, for one that needs a split dim whole).
   """
   eqns = list(eqns)
-  classes, whole, by_class = _Classes(), set(), {}
-  for _, eqn in eqns:
+  classes, whole, by_class = _Classes(), [], {}
+  for i, eqn in eqns:
     rule = split_rules.get(eqn.primitive, _whole)
     joins, must = rule(eqn)
     for a, b in joins:
       classes.join(a, b)
-    whole.update((n, eqn) for n in must)
+    whole += [(n, i, eqn) for n in must]
   for v, split in seeds.items():
     for d, entry in enumerate(split):
       if entry:
@@ -220,10 +251,10 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
         if by_class.setdefault(root, entry) != entry:
           return (f"a tensor {v.aval.str_short()} is placed over {entry} where what it meets "
                   f"is placed over {by_class[root]}")
-  for (v, d), eqn in whole:
+  for (v, d), i, eqn in whole:
     if (entry := by_class.get(classes.find((v, d)))):
-      return (f"{eqn.primitive} at {compat.source_line(eqn)} needs dim {d} of "
-              f"{v.aval.str_short()} whole, which is split over {list(entry)}")
+      return Refusal(f"{eqn.primitive} at {compat.source_line(eqn)} needs dim {d} of "
+                     f"{v.aval.str_short()} whole, which is split over {list(entry)}", i)
   out = {}
   for v in values:
     split = tuple(by_class.get(classes.find((v, d))) for d in range(len(_shape(v))))
@@ -254,6 +285,23 @@ def _reduced(eqns, splits: Mapping[Var, tuple]) -> dict[int, tuple]:
     if axes:
       out[i] = axes
   return out
+
+
+def merged(parts: Iterable[ModelSplits], scattered: Mapping[int, tuple]) -> ModelSplits | str:
+  """One `ModelSplits` of splits solved over disjoint axes (the model axes, and the
+  batch axes the state is placed over: FSDP), or why a dim is split by both."""
+  of: dict = {}
+  reduced: dict = {}
+  for part in parts:
+    for v, split in part.of.items():
+      old = of.get(v, (None,) * len(split))
+      if any(a and b for a, b in zip(old, split, strict=True)):
+        return (f"a dim of {v.aval.str_short()} is split over the model axes and over the "
+                f"batch axes at once ({old}, {split})")
+      of[v] = tuple(a or b for a, b in zip(old, split, strict=True))
+    for i, axes in part.reduced.items():
+      reduced[i] = tuple(dict.fromkeys((*reduced.get(i, ()), *axes)))
+  return ModelSplits(of, reduced, dict(scattered))
 
 
 def spec_with(batch: tuple | None, model: tuple | None) -> tuple | None:

@@ -235,6 +235,14 @@ def format_seconds(seconds: float) -> str:
   return f"{seconds / 1e-9:.3g} ns"
 
 
+def format_bytes(n: int) -> str:
+  """`n` bytes in binary units: "512 B", "75.1 KiB", "6.25 MiB"."""
+  for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if n >= scale:
+      return f"{n / scale:.3g} {unit}"
+  return f"{n} B"
+
+
 def resolution(topology: Topology) -> float:
   """The shortest time the model tells apart: one ring step's latency on the fastest axis.
 

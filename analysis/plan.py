@@ -14,6 +14,7 @@ import numpy as np
 
 from wus.analysis import costmodel, network, reasons
 from wus.analysis.formats import Format
+from wus.analysis.network import format_bytes as _bytes
 from wus.analysis.owned import Ownership
 from wus.analysis.reasons import Reason
 from wus.analysis.shardable import Kind
@@ -236,6 +237,9 @@ class Plan:
     copy_axes, copies: the other manual mesh axes (size > 1) over which an update identical
       on all their replicas is sharded too (a TP step's LayerNorms, embeddings), and their
       replicas: its tensors have `num_shards * copies` shards (`shard_axes`).
+    outside: why parts of the update run outside the sharded region, as the front
+      end's JAX function runs them (`wus.jit`: an equation that needs a dim whole
+      that a model axis splits, and what it reads); () when none does.
 
   `str(plan)` (what `print` shows) is one line per cluster, the totals first;
   `plan.details()` the full table: every tensor with its format, every input.
@@ -261,6 +265,7 @@ class Plan:
   split_by: str = "its spec"
   copy_axes: tuple = ()
   copies: int = 1
+  outside: tuple[str, ...] = ()
 
   def shard_axes(self, fmt: Format) -> tuple:
     """The mesh axes a tensor's shards in `fmt` lie over, major first (shard r * copies + c)."""
@@ -357,6 +362,7 @@ class Plan:
                  f"(N={self.num_shards * self.copies}, identical across {list(self.copy_axes)})"
                  if wide else "") + f", {self.objective} objective",
              *([f"  the step runs unchanged: {self.unchanged}"] if self.unchanged else []),
+             *[f"  runs as jax.jit runs it, with what it reads: {why}" for why in self.outside],
              f"  state kept sharded between steps: {_bytes(whole)} whole -> {_bytes(shard)} per "
              f"device (predicted{self._split_state()}); state kept whole: "
              f"{_bytes(self.whole_state_bytes)} (weights, tiny tensors)",
@@ -425,14 +431,6 @@ def _label(c: ClusterPlan) -> str:
   name = main.name if main.role != "gradient" else "gradient"
   more = f" +{len(c.tensors) - 1}" if len(c.tensors) > 1 else ""
   return f"{name} {main.dtype}[{shape}]{more}"
-
-
-def _bytes(n: int) -> str:
-  """`n` bytes in binary units: "512 B", "75.1 KiB", "6.25 MiB"."""
-  for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-    if n >= scale:
-      return f"{n / scale:.3g} {unit}"
-  return f"{n} B"
 
 
 def replicated(plan: Plan, reason: str) -> Plan:

@@ -181,7 +181,8 @@ def _notes(s: Scope, ctx, d: _Decided, over_copies) -> list:
                        x.aval.size * x.aval.dtype.itemsize, True)
         for x, dtype in d.narrow.items())))
   across = sorted({a for i in c.seeds for a in compat.collective_axes(s.jaxpr.eqns[i])}
-                  - ctx.axes)
+                  - ctx.axes - set(over_copies.copies if over_copies and over_copies.summed
+                                   else ()))
   if across and shard:
     notes.append(reasons.PartialSharding(tuple(sorted(ctx.axes)), tuple(across)))
   if over_copies is not None and shard:

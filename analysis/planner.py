@@ -34,7 +34,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               split: Mapping[int, tuple] | None = None,
               fsdp: Mapping[int, tuple] | None = None,
               copies: Mapping[str, int] | None = None, group_size: int | None = None,
-              grouping: Grouping | None = None, split_by: str = "its spec") -> Plan:
+              grouping: Grouping | None = None, split_by: str = "its spec",
+              outside: tuple[str, ...] = ()) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -80,6 +81,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
       across the groups.
     split_by: what splits `split`'s inputs over their model axes, in the Plan's words:
       "its spec" (`wus.shard_map`) or "its placement" (`wus.jit`).
+    outside: why parts of the update run outside this step, as the front end's JAX
+      function runs them (`wus.jit`'s equations outside its region: `Plan.outside`).
 
   Returns:
     The frozen Plan.
@@ -116,7 +119,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               bucket_bytes=limit, alone_bytes=alone, buckets=buckets, owned=planned.owned,
               resolution=network.resolution(ctx.topology), copy_axes=tuple(ctx.copies),
               copies=math.prod(ctx.copies.values()), group_size=group_size,
-              groups=_with_across(grouping, planned.clusters, limit), split_by=split_by)
+              groups=_with_across(grouping, planned.clusters, limit), split_by=split_by,
+              outside=tuple(outside))
   # G = 1: groups of one replica shard nothing; the rewrite replays the step.
   return replicated(plan, grouping.layout) if group_size == 1 else plan
 

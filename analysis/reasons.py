@@ -102,6 +102,7 @@ class OverCopies:
   axes: tuple[str, ...]
   copies: tuple[str, ...]
   why: str | None = None
+  summed: bool = False  # Its gradient all-reduces run over `copies` too.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +328,9 @@ _RENDER: dict[type, Callable] = {
     PartialSharding: lambda x: (f"partial sharding (§5.2): reduce-scatter over {list(x.axes)}, "
                                 f"the shards all-reduced across {list(x.across)}"),
     OverCopies: lambda x: (
+        f"sharded over {list(x.axes + x.copies)}: its gradient all-reduce runs over "
+        f"{list(x.copies)} too, one reduce-scatter over all of them (§3.1)"
+        if x.why is None and x.summed else
         f"sharded over {list(x.axes + x.copies)}: identical on every replica of "
         f"{list(x.copies)} too (§3.1), each keeps its part of the shard" if x.why is None else
         f"sharded over {list(x.axes)} only, not {list(x.copies)}: its update may differ "

@@ -98,10 +98,12 @@ def differs_over(jaxpr: Jaxpr, cluster, facts: Redundancy, axes: frozenset) -> s
   tensor-parallel step's "model").
 
   None when every value the cluster's equations read or write (nested branches
-  included) is identical across the replicas of `axes`, none has side effects, and no
-  gradient all-reduce of the cluster runs over them. Each replica of `axes` then holds
-  the same gradient sums, state and weights: the update can be sharded over them too,
-  each keeping its part of the shard with no communication.
+  included) is identical across the replicas of `axes`, none has side effects, and its
+  gradient all-reduces run over none of them, or every one over all of them
+  (`sums_over`: HSDP's biases, summed over "replica" and "fsdp"; their operands
+  differ). Each replica of `axes` then holds the same gradient sums, state and
+  weights: the update can be sharded over them too, each keeping its part of the
+  shard with no communication, or reduce-scattered over them with the replica axes.
 
   Args:
     jaxpr: the jaxpr the cluster belongs to.
@@ -113,13 +115,15 @@ def differs_over(jaxpr: Jaxpr, cluster, facts: Redundancy, axes: frozenset) -> s
     None, or the reason in words (`why_differs`).
   """
   for i in cluster.seeds:
-    if set(compat.collective_axes(jaxpr.eqns[i])) & axes:
-      return f"its gradient all-reduce at {compat.source_line(jaxpr.eqns[i])} runs over them"
+    if set(compat.collective_axes(jaxpr.eqns[i])) & axes and not sums_over(jaxpr, cluster, axes):
+      return (f"its gradient all-reduce at {compat.source_line(jaxpr.eqns[i])} runs over "
+              "some of them")
+  summed = set(cluster.seeds) if sums_over(jaxpr, cluster, axes) else set()
   for i in cluster.eqns:
     eqn = jaxpr.eqns[i]
     if compat.side_effects(eqn):
       return f"{eqn.primitive} at {compat.source_line(eqn)} has side effects"
-    if (v := next((v for v in (*eqn.invars, *eqn.outvars)
+    if (v := next((v for v in (*(() if i in summed else eqn.invars), *eqn.outvars)
                    if not facts.is_redundant(v, axes)), None)) is not None:
       return why_differs(jaxpr, facts, v, axes)
   for i, subs in cluster.nested.items():
@@ -127,6 +131,14 @@ def differs_over(jaxpr: Jaxpr, cluster, facts: Redundancy, axes: frozenset) -> s
       if (why := differs_over(b.jaxpr, sub, facts, axes)) is not None:
         return why
   return None
+
+
+def sums_over(jaxpr: Jaxpr, cluster, axes: frozenset) -> bool:
+  """Whether every gradient all-reduce of the cluster runs over all of `axes` (besides
+  the replica axes): its sums are then identical across them, and one reduce-scatter
+  over the replica axes and `axes` gives each replica its part."""
+  return bool(cluster.seeds) and all(
+      axes <= set(compat.collective_axes(jaxpr.eqns[i])) for i in cluster.seeds)
 
 
 RedundancyRule = Callable[[JaxprEqn, list[Rep], Redundancy], list[Rep]]

@@ -610,6 +610,9 @@ class Case:
   # marked `split` column-parallel over it: by the in_specs under shard_map, by the
   # placement of the arguments under jax.jit.
   model: int = 1
+  # Global-view fronts on Auto axes (issue 29 item 3): every matrix whose first dim divides
+  # N placed over "data" itself (FSDP), the rest whole.
+  fsdp: bool = False
 
   @property
   def bf16(self) -> bool:
@@ -622,6 +625,7 @@ class Case:
                        f"{'+' if l.flag else ''}" for l in self.layers)
     return (f"Case(N={self.n}, front={self.front}, check_vma={self.check_vma}, "
             + (f"model={self.model}, " if self.model > 1 else "")
+            + ("fsdp=True, " if self.fsdp else "")
             + f"steps={self.steps}, extra={self.extra}, "
             + (f"size1_axes={self.size1_axes}, constraint={self.constraint}, "
                f"evaluate={self.evaluate}, " if self.front != "shard_map" else "")
@@ -679,6 +683,7 @@ import wus
 N, CHECK_VMA, STEPS, BF16 = {self.n}, {self.check_vma}, {self.steps}, {self.bf16}
 MODEL = {self.model}  # Devices of the "model" axis (1: no such axis).
 EXTRA_AXES, CONSTRAINT, EVALUATE = {self.size1_axes}, {self.constraint!r}, {self.evaluate}
+FSDP = {self.fsdp}  # Matrices whose first dim divides N placed over "data" (global view).
 # Matrices placed over the size-1 "model" axis: on Auto axes only (on Explicit axes the types
 # would carry it, and JAX asks the step for output shardings).
 OVER_MODEL = EXTRA_AXES > 0 and {self.front == "auto"}  # (EXTRA_AXES > 0: Auto only, `cases`)
@@ -793,6 +798,9 @@ def make_inputs(mesh):
   if OVER_MODEL:  # Weights annotated for the unused axis, as Flax's guides place them.
     params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(
         mesh, P(None, "model") if x.ndim >= 2 else P())), params)
+  if FSDP:  # Fully sharded data parallelism, as MaxText places its weights.
+    params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(
+        mesh, P("data") if x.ndim >= 2 and x.shape[0] % N == 0 else P())), params)
   args = (params, tx.init(params){extra_value})
   if MODEL > 1:  # Placed as the specs split them (an Explicit mesh reshards nothing).
     specs = (param_specs(), state_specs(), *(P(),) * (len(args) - 2))
@@ -860,6 +868,11 @@ def cases(draw) -> Case:
   # Size-1 axes on Auto meshes: on Explicit ones JAX itself rejects most of these steps
   # (it asks for out_sharding= on gathers and convolutions over a multi-axis mesh).
   extra = (0, 0, 1, 2) if case.front == "auto" else (0,)
+  if case.front == "auto" and draw(st.integers(0, 2)) == 0:
+    # FSDP (issue 29 item 3): on Auto axes (with Explicit ones JAX rejects the forward pass
+    # of most such steps itself: a matmul of two operands split over "data").
+    return dataclasses.replace(case, fsdp=True, constraint=draw(st.sampled_from(
+        ("none", "end"))), evaluate=draw(st.booleans()))
   return dataclasses.replace(case, size1_axes=draw(st.sampled_from(extra)),
                              constraint=draw(st.sampled_from(("none", "start", "end"))),
                              evaluate=draw(st.booleans()))

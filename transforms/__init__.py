@@ -1,6 +1,7 @@
 """Turning a jaxpr and its `Plan` into programs (DESIGN.md §3).
 
 Modules, one concern each:
+  interpret  the one eval_jaxpr-style loop (env, literals, a per-equation hook) they all run on
   inline     calls inlined, all-reduces hoisted out of remat, scan and cond, for the analysis
   rewrite    the evaluate-and-retrace interpreter emitting the sharded step
   programs   the shard_state / step / unshard_state programs (§4.2)

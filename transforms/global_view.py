@@ -4,13 +4,14 @@ then the update region as a shard_map through the rewrite (`analysis/global_view
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
 from jax import lax
 
 from wus.analysis import compat, global_view
 from wus.analysis.model_splits import ModelSplits
-from wus.transforms import inline, model_local
+from wus.transforms import inline, interpret, model_local
 
 
 def run(flat, region: global_view.Region, sub, *ops):
@@ -28,17 +29,12 @@ def run(flat, region: global_view.Region, sub, *ops):
   jaxpr = flat.jaxpr
   env = dict(zip(jaxpr.constvars, flat.consts, strict=True))
   env.update(zip(jaxpr.invars, ops, strict=True))
-
-  def read(v):
-    return v.val if compat.is_literal(v) else env[v]
   inside = set(region.eqns)
-  for i, eqn in enumerate(jaxpr.eqns):
-    if i not in inside:
-      env.update(zip(eqn.outvars, compat.bind(eqn, *[read(v) for v in eqn.invars]),
-                     strict=True))
-  region_ops = [read(region.invars[s[1]]) if s[0] == "arg" else s[1] for s in sub.sources]
+  interpret.eval_eqns(jaxpr, env, order=[i for i in range(len(jaxpr.eqns)) if i not in inside])
+  region_ops = [interpret.read(env, region.invars[s[1]]) if s[0] == "arg" else s[1]
+                for s in sub.sources]
   env.update(zip(region.outvars, sub.step(*region_ops), strict=True))
-  return tuple(read(v) for v in jaxpr.outvars)
+  return tuple(interpret.read(env, v) for v in jaxpr.outvars)
 
 
 def region_fn(jaxpr, region: global_view.Region, axes: tuple,
@@ -48,29 +44,49 @@ def region_fn(jaxpr, region: global_view.Region, axes: tuple,
   gradient sum on this replica's rows, then all-reduced (`psum`), which the rewrite
   turns into a reduce-scatter; the update's equations as they are, but placements
   (`Region.placements`), which pass their operand on. With `model` (a data x model
-  mesh, the shard_map manual over every axis), an equation that reads or writes a
-  value split over a model axis runs on this rank's blocks (`model_local`)."""
-  def fn(*ins):
-    env = dict(zip(region.invars, ins, strict=True))
+  mesh, or state placed over a batch axis: the shard_map manual over every axis), an
+  equation that reads or writes a value split over a model axis runs on this rank's
+  blocks (`model_local`), and a sum of an FSDP weight's gradient is reduce-scattered to
+  its block (`summed`)."""
+  hook = functools.partial(_region_eqn, region, axes, model, axis_sizes)
 
-    def read(v):
-      return compat.retyped(v.val) if compat.is_literal(v) else env[v]
-    for i in region.eqns:
-      eqn = jaxpr.eqns[i]
-      if i in region.placements:  # Whole already: wus's layout replaces the constraint's.
-        env.update(zip(eqn.outvars, [read(v) for v in eqn.invars], strict=True))
-        continue
-      if model is not None and model_local.is_local(eqn, i, model):
-        outs = model_local.eval_local(eqn, i, [read(v) for v in eqn.invars], model, axis_sizes)
-      else:
-        outs = inline.eval_eqn(eqn, [read(v) for v in eqn.invars], rename={})
-      if i in region.moved or i in region.sums:
-        with compat.source_of(compat.in_current_mesh(eqn)):
-          outs = (lax.optimization_barrier(outs) if i in region.moved
-                  else [lax.psum(x, axes) for x in outs])
-      env.update(zip(eqn.outvars, outs, strict=True))
-    return tuple(read(v) for v in region.outvars)
+  def fn(*ins):
+    env = interpret.eval_eqns(jaxpr, dict(zip(region.invars, ins, strict=True)), hook,
+                              region.eqns, interpret.retyped)
+    return tuple(interpret.read(env, v, interpret.retyped) for v in region.outvars)
   return fn
+
+
+def _region_eqn(region: global_view.Region, axes: tuple, model: ModelSplits | None,
+                axis_sizes: Mapping[str, int] | None, i: int, eqn, ins: list) -> list:
+  """Equation `i` of the region on this replica (`region_fn`'s `interpret.Hook`)."""
+  if i in region.placements:  # Whole already: wus's layout replaces the constraint's.
+    return ins
+  if model is not None and model_local.is_local(eqn, i, model):
+    outs = model_local.eval_local(eqn, i, ins, model, axis_sizes)
+  else:
+    outs = inline.eval_eqn(eqn, ins, rename={})
+  if i in region.moved or i in region.sums:
+    with compat.source_of(compat.in_current_mesh(eqn)):
+      outs = (lax.optimization_barrier(outs) if i in region.moved
+              else [summed(x, axes, model and model.scattered.get(i)) for x in outs])
+  return outs
+
+
+def summed(x, axes: tuple, scatter: tuple | None):
+  """This replica's part of a gradient sum completed over the batch `axes`: all-reduced,
+  or, for the gradient of a weight placed over batch axes itself (FSDP: `scatter`, per
+  dim the axes splitting it), reduce-scattered to this replica's block over those axes
+  and all-reduced over the others, in the order GSPMD sums it (HSDP: over "fsdp", then
+  "replica", whose all-reduce of the block the rewrite turns into a reduce-scatter)."""
+  if not scatter:
+    return lax.psum(x, axes)
+  for d, e in enumerate(scatter):
+    if e:
+      x = lax.psum_scatter(x, e if len(e) > 1 else e[0], scatter_dimension=d, tiled=True)
+  over = {a for e in scatter if e for a in e}
+  rest = tuple(a for a in axes if a not in over)
+  return lax.psum(x, rest) if rest else x
 
 
 def without_input_placements(closed, axis_sizes) -> Callable[..., list]:
@@ -80,24 +96,18 @@ def without_input_placements(closed, axis_sizes) -> Callable[..., list]:
   step's argument itself, whose next value it computes (`eqx.filter_shard((model,
   opt_state), replicated)` at the start of Equinox's data-parallel step)."""
   jaxpr = closed.jaxpr
-  sources = set(jaxpr.invars) | set(jaxpr.constvars)
 
   def fn(*args):
-    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
+    sources = set(jaxpr.invars) | set(jaxpr.constvars)
 
-    def read(v):
-      return v.val if compat.is_literal(v) else env[v]
-    for eqn in jaxpr.eqns:
-      ins = [read(v) for v in eqn.invars]
+    def hook(i, eqn, ins):
       if (global_view.is_placement(eqn, axis_sizes) and len(ins) == 1
           and (compat.is_literal(eqn.invars[0]) or eqn.invars[0] in sources)
           and _same_type(eqn.invars[0].aval, eqn.outvars[0].aval)):
-        env[eqn.outvars[0]] = ins[0]
         sources.add(eqn.outvars[0])
-      else:
-        env.update(zip(eqn.outvars, compat.bind(eqn, *ins), strict=True))
-    return [read(v) for v in jaxpr.outvars]
+        return ins
+      return compat.bind(eqn, *ins)
+    return interpret.eval_jaxpr(jaxpr, closed.consts, args, hook)
   return fn
 
 

@@ -34,6 +34,7 @@ from jax import lax
 from wus.analysis import compat, precision
 from wus.analysis.compat import ClosedJaxpr, Jaxpr
 from wus.analysis.graph import Graph
+from wus.transforms import interpret
 
 INLINED = frozenset({compat.jit_p, compat.closed_call_p, compat.custom_jvp_call_p,
                      compat.custom_vjp_call_p})
@@ -70,25 +71,12 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
   inlined call that keep no user frame are attributed to `caller`, the call's
   equation. The all-reduces whose ids are in `skip` (`hoistable`, here or in a
   remat inside) return their operand."""
-  env: dict = {}
-
-  def read(v):
-    if compat.is_literal(v):
-      return v.val if rename is None else compat.retyped(v.val)
-    return env[v]
-
-  for v, x in zip(jaxpr.constvars, consts, strict=True):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args, strict=True):
-    env[v] = x
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
+  def hook(i, eqn, ins):
     if id(eqn) in skip:
-      env[eqn.outvars[0]] = ins[0]  # An all-reduce hoisted out of this jaxpr.
-      continue
-    for v, x in zip(eqn.outvars, eval_eqn(eqn, ins, caller, rename, skip), strict=True):
-      env[v] = x
-  return [read(v) for v in jaxpr.outvars]
+      return ins[:1]  # An all-reduce hoisted out of this jaxpr.
+    return eval_eqn(eqn, ins, caller, rename, skip)
+  return interpret.eval_jaxpr(jaxpr, consts, args, hook,
+                              interpret.value if rename is None else interpret.retyped)
 
 
 def eval_eqn(eqn, ins: Sequence[Any], caller=None, rename: Mapping[Any, tuple] | None = None,

@@ -71,7 +71,8 @@ def eval_local(eqn, position: int, ins: Sequence[Any], splits: ModelSplits,
     params = compat.renamed_axes(eqn, {a: () for a in axis_sizes})
     if (rule := local_params.get(eqn.primitive)) is not None:
       out = eqn.outvars[0]
-      params.update(rule(eqn, local_shape(out.aval.shape, splits.split(out), axis_sizes)))
+      params.update(rule(eqn, local_shape(out.aval.shape, splits.computed(position, out),
+                                          axis_sizes)))
     outs = compat.rebind(eqn, *ins, **params)
   if (axes := splits.reduced.get(position)):
     combine = _ALL_REDUCE[model_splits.REDUCE_OPS.get(eqn.primitive, "sum")]

@@ -38,6 +38,7 @@ from wus.analysis.owned import Ownership
 from wus.analysis.plan import Plan
 from wus.analysis.shardable import Kind
 from wus.collectives import owned as rows_lib
+from wus.transforms import interpret
 
 
 class Region:
@@ -141,9 +142,10 @@ class Region:
         self.columns[owners.outs_of[bank, t]] = col
     self.done = True
 
-  def _eval(self, eqn, args: list) -> list:
-    """`eqn` on the owner: collectives of equal values locally (the planner owns no other,
-    `ownership._runs_on_owner`), sub-jaxprs re-traced with the owner's types."""
+  def _eval(self, i: int, eqn, args: list) -> list:
+    """`eqn` on the owner (an `interpret.Hook`): collectives of equal values locally (the
+    planner owns no other, `ownership._runs_on_owner`), sub-jaxprs re-traced with the owner's
+    types."""
     if eqn.primitive in (compat.pvary_p, compat.pmax_p, compat.pmin_p):
       return [compat.to_varying(x, self.axes) for x in args]
     if eqn.primitive in (compat.psum_p, compat.psum_invariant_p):
@@ -160,14 +162,8 @@ class Region:
     return compat.rebind(eqn, *compat.match_varying(args))
 
   def _eval_jaxpr(self, closed, args: list) -> list:
-    inner = closed.jaxpr
-    env = dict(zip(inner.constvars, closed.consts, strict=True))
-    env.update(zip(inner.invars, args, strict=True))
-    for eqn in inner.eqns:
-      outs = self._eval(eqn, [v.val if compat.is_literal(v) else env[v] for v in eqn.invars])
-      env.update(zip(eqn.outvars, outs, strict=True))
-    return [compat.to_varying(v.val if compat.is_literal(v) else env[v], self.axes)
-            for v in inner.outvars]
+    outs = interpret.eval_jaxpr(closed.jaxpr, closed.consts, args, self._eval)
+    return [compat.to_varying(x, self.axes) for x in outs]
 
   # --- New weights out, as rows. -------------------------------------------------
 
@@ -203,7 +199,7 @@ class _Owners:
     self.region, self.own, self.jaxpr = region, region.own, jaxpr
     self.banks, self.seeds, self.external, self.dtypes = banks, seeds, external, dtypes
     self.out_dtypes = sorted(self.own.out_rows)
-    self.grads = {jaxpr.eqns[i].outvars[0] for i in seeds}
+    self.grads = [jaxpr.eqns[i].outvars[0] for i in sorted(seeds)]  # Traced in jaxpr order.
     self.outs_of = {(fmt.bank, fmt.index): y for y, fmt in self.own.state_vars_out.items()}
 
   def branch(self, r: int, varying: tuple) -> Callable:
@@ -212,12 +208,8 @@ class _Owners:
                   if i not in self.seeds)
 
     def fn(*operands):
-      env = self._wholes(r, list(operands))
-      for i in eqns:
-        eqn = self.jaxpr.eqns[i]
-        outs = self.region._eval(eqn, [v.val if compat.is_literal(v) else env[v]
-                                       for v in eqn.invars])
-        env.update(zip(eqn.outvars, outs, strict=True))
+      env = interpret.eval_eqns(self.jaxpr, self._wholes(r, list(operands)), self.region._eval,
+                                eqns)
       return tuple(compat.to_varying(x, varying) for x in self._rows(r, env))
     return fn
 

@@ -38,7 +38,7 @@ from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import JaxprPlan, Plan
 from wus.analysis.primitives import REDUCTIONS, Reduction
 from wus.analysis.shardable import Kind
-from wus.transforms import schedule
+from wus.transforms import interpret, schedule
 from wus.transforms.values import Env, Held
 
 
@@ -265,28 +265,38 @@ def rewrite(jaxpr: ClosedJaxpr, plan: Plan) -> Callable[..., list[Any]]:
 
 
 def _run(jaxpr: ClosedJaxpr, jaxpr_plan: JaxprPlan, plan: Plan, args) -> list[Any]:
-  """Evaluates `jaxpr` by `jaxpr_plan` under the current trace (the interpreter loop)."""
+  """Evaluates `jaxpr` by `jaxpr_plan` under the current trace (on `interpret.eval_eqns`, in
+  the schedule's order, each value `Held`)."""
   env = Env(plan, jaxpr_plan)
   inner = env.jaxpr = jaxpr.jaxpr
-  for v, c in zip(inner.constvars, jaxpr.consts, strict=True):
-    env.held[v] = Held(whole=c)
-  for k, (v, x) in enumerate(zip(inner.invars, args, strict=True)):
-    env.held[v] = Held(shard=x) if k in jaxpr_plan.sharded_in else Held(whole=x)
-  for i in schedule.schedule(inner, jaxpr_plan):
-    eqn, env.current = inner.eqns[i], i
-    kind = jaxpr_plan.shard_eqns.get(i)
-    if kind is None:
-      outs = compat.bind(eqn, *[env.whole(v) for v in eqn.invars])
-      held = [Held(whole=x) for x in outs]
-    else:
-      with compat.source_of(eqn):
-        outs = shard_rules[kind](eqn, env)
-      held = [x if isinstance(x, Held) else Held(partial=x) if isinstance(x, _Partial)
-              else Held(shard=x) if env.big(v) else Held(whole=x)
-              for v, x in zip(eqn.outvars, outs, strict=True)]
-      env.pending += [v for v, h in zip(eqn.outvars, held) if h.partial is not None]
-    for v, h in zip(eqn.outvars, held, strict=True):
-      env.held[v] = h
+  env.held.update(zip(inner.constvars, [Held(whole=c) for c in jaxpr.consts], strict=True))
+  env.held.update(zip(inner.invars, [Held(shard=x) if k in jaxpr_plan.sharded_in
+                                     else Held(whole=x) for k, x in enumerate(args)],
+                      strict=True))
+  interpret.eval_eqns(inner, env.held, functools.partial(_held, env),
+                      schedule.schedule(inner, jaxpr_plan))
+  return _outputs(env, inner, jaxpr_plan)
+
+
+def _held(env: Env, i: int, eqn: JaxprEqn, ins: list[Held]) -> list[Held]:
+  """Equation `i` rewritten (`_run`'s `interpret.Hook`): re-bound on whole values, or by
+  the shard rule for its Kind. Its inputs are read from `env`, in the form the rule needs."""
+  del ins
+  env.current = i
+  kind = env.jaxpr_plan.shard_eqns.get(i)
+  if kind is None:
+    return [Held(whole=x) for x in compat.bind(eqn, *[env.whole(v) for v in eqn.invars])]
+  with compat.source_of(eqn):
+    outs = shard_rules[kind](eqn, env)
+  held = [x if isinstance(x, Held) else Held(partial=x) if isinstance(x, _Partial)
+          else Held(shard=x) if env.big(v) else Held(whole=x)
+          for v, x in zip(eqn.outvars, outs, strict=True)]
+  env.pending += [v for v, h in zip(eqn.outvars, held) if h.partial is not None]
+  return held
+
+
+def _outputs(env: Env, inner, jaxpr_plan: JaxprPlan) -> list[Any]:
+  """The jaxpr's outputs, each whole or as shards as `jaxpr_plan` returns it."""
   # The weights the step returns whole are all-gathered together, after
   # `jaxpr_plan.gather_after`; the outputs computed whole that are tied to them
   # read one of the gathered values, which follows those values too and is

@@ -105,23 +105,28 @@ class Env:
     """Reduce-scatters every waiting gradient, batched (§5.2); in partial
     sharding the shards are then all-reduced across the groups, batched too
     (Fig. 10). Gradients of updates sharded over `Plan.copy_axes` too are summed
-    over the replica axes alone, in collectives of their own."""
+    over the replica axes alone, in collectives of their own, or, all-reduced over
+    the copy axes too (`redundancy.sums_over`), over both in one reduce-scatter."""
     vs, self.summands = self.summands, []
     dtypes, rows, row_fmts = self.owned.to_scatter() if self.owned is not None else ([], [], [])
     values = [self.held[v].summand for v in vs] + rows
+    # (copy axes, whether the sum runs over them too: one reduce-scatter over all).
+    keys = [(c := self.axes(v)[len(self.plan.axes):],
+             bool(c) and set(self.held[v].across) >= set(c)) for v in vs]
     outs = collectives.batched.grouped(
-        [self.axes(v)[len(self.plan.axes):] for v in vs] + [()] * len(rows),
-        lambda copies, xs, fmts: collectives.batched.reduce_scatter(
-            xs, fmts, self.plan.axes, self.plan.bucket_bytes, self.plan.alone_bytes,
-            keys=vma(xs), copies=copies),
+        keys + [((), False)] * len(rows),
+        lambda key, xs, fmts: collectives.batched.reduce_scatter(
+            xs, fmts, (*self.plan.axes, *key[0]) if key[1] else self.plan.axes,
+            self.plan.bucket_bytes, self.plan.alone_bytes, keys=vma(xs),
+            copies=() if key[1] else key[0]),
         values, [self.fmt(v) for v in vs] + row_fmts)
     if dtypes:  # Rows of owned gradients, in the same batched reduce-scatters.
       self.owned.scattered(dtypes, outs[len(vs):])
     groups: dict = {}
-    for v, x in zip(vs, outs[:len(vs)], strict=True):
+    for v, x, (copies, summed) in zip(vs, outs[:len(vs)], keys, strict=True):
       self.held[v].shard, self.held[v].summand = x, None
-      if self.held[v].across:
-        groups.setdefault(self.held[v].across, []).append(v)
+      if (across := tuple(a for a in self.held[v].across if not summed or a not in copies)):
+        groups.setdefault(across, []).append(v)
     for across, us in groups.items():
       shards = [self.held[u].shard for u in us]
       summed = collectives.batched.all_reduce_bucketed(shards, across, self.plan.bucket_bytes,

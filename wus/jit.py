@@ -12,7 +12,11 @@ On a mesh with model axes besides the batch axes (tensor parallelism: the
 state placed over "model"), the region runs manual over every axis, each
 model rank's blocks as `analysis.model_splits` says; each block's update is
 sharded over the batch axes, and the state is split over data x model (one
-`ShardedLayout`: the placement's split, then wus's; DESIGN.md §1).
+`ShardedLayout`: the placement's split, then wus's; DESIGN.md §1). State placed
+over a batch axis itself (FSDP) is a block the same way: its gradient sum is
+reduce-scattered to it (`transforms.global_view.summed`), and with a replica
+axis beside (HSDP) the update is sharded over the axes no weight is placed
+over (`jit_region.update_axes`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import jit_arguments, runtime
+from wus import jit_arguments, jit_region, runtime
 from wus.analysis import compat, global_view, planner
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import Plan
@@ -56,6 +60,10 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
   (tensor parallelism: `NamedSharding(mesh, P(None, "model"))`, `in_shardings`,
   `nnx.with_partitioning`, linen logical axis rules) have each model rank's
   block sharded over the batch axes: their state is split over data x model.
+  Weights placed over a batch axis itself (FSDP) have their gradients
+  reduce-scattered to their blocks and their state kept as placed; beside a
+  replica axis (HSDP: the batch over `("replica", "fsdp")`, the weights over
+  "fsdp"), each block's update is sharded over "replica" too.
   Optimizer state comes back as
   `wus.ShardedArray` leaves, to pass straight to the next call;
   `wus.unshard` gives whole arrays. A step with no batch split, or whose
@@ -171,8 +179,8 @@ class JitStep:
     Returns:
       The `wus.Plan`: each weight-update cluster, sharded, owned or replicated
       and why (§3.2), with the cost model's prediction; `Plan.unchanged` says
-      why a step runs as `jax.jit` runs it (no batch split, state split over a
-      batch axis, an update that cannot run on the model blocks).
+      why a step runs as `jax.jit` runs it (no batch split, an update that
+      cannot run on the model blocks).
     """
     return self._compiled(args, kwargs)[1].plan
 
@@ -260,52 +268,46 @@ class JitStep:
     if mesh is None or not axes:
       return unchanged("no argument is split over a mesh axis (the batch), so there is no "
                        "data parallelism to shard the update over")
-    refs = _refs(traced.jaxpr, paths)
+    refs = jit_arguments.refs(traced.jaxpr, paths)
     if refs:
       return unchanged(f"the step reads or writes JAX refs it does not create ({refs[0]}): "
                        "wus.jit shards updates of values the step takes and returns, so the "
                        "step runs as jax.jit runs it; pass the values (ref[...]) and return "
                        "the new ones to shard the update")
-    state = set(self._state(args, dyn, traced.out_info).pairs.values())
+    state = frozenset(self._state(args, dyn, traced.out_info).pairs.values())
     axes, model = jit_arguments.batch_and_model_axes(leaves, declared, mesh, state)
-    split_state = [paths[i] for i in sorted(state)
-                   if jit_arguments.batch_axes([leaves[i]], [declared[i]], mesh, axes)]
-    if split_state:
-      return unchanged(f"state is split over mesh axes itself ({split_state[0]}, over the "
-                       f"batch axes {list(axes)}: fully sharded data parallelism), which "
-                       "wus.jit does not serve yet; the step runs as jax.jit runs it")
     if not axes:
       return unchanged("no argument but the state is split over a mesh axis (the batch), so "
                        "there is no data parallelism to shard the update over")
-    found = self._region(args, kwargs, traced, whole, leaves, declared, mesh, axes, model)
+    fsdp = jit_arguments.batch_axes([leaves[k] for k in state], [declared[k] for k in state],
+                                    mesh, axes)
+    found = self._region(args, kwargs, traced, whole, leaves, declared, mesh, axes, model,
+                         fsdp, state)
     if isinstance(found, str):
       return unchanged(found)
-    return self._compile(*found, args, dyn, traced, mesh, axes, paths, declared)
+    compiled = self._compile(*found, args, dyn, traced, mesh, axes, paths, declared)
+    return unchanged(compiled) if isinstance(compiled, str) else compiled
 
   def _region(self, args: tuple, kwargs: dict, traced, whole: list, leaves: list,
-              declared: list, mesh: Mesh, axes: tuple, model: tuple) -> tuple | str:
+              declared: list, mesh: Mesh, axes: tuple, model: tuple, fsdp: tuple,
+              state: frozenset) -> tuple | str:
     """(the flat jaxpr, its update region, the region's model splits, its (in_specs,
     out_specs)), or why the step has no region wus can run (`analysis.global_view`,
-    `analysis.model_splits`)."""
+    `analysis.model_splits`). The state is placed over the `fsdp` batch axes itself
+    (FSDP): its splits there are no batch, so the sizes say which values carry it."""
     flat = jit_arguments.flat_jaxpr(traced.jaxpr, mesh)
-    if compat.explicit_axes(mesh) >= set(axes):
+    if compat.explicit_axes(mesh) >= set(axes) and not fsdp:
       splits = global_view.splits_from_types(flat.jaxpr, frozenset(axes))
     else:
       larger = jit_arguments.flat_jaxpr(self._trace(args, kwargs, [
-          x if is_sharded(a) else jit_arguments.larger(x, d or getattr(a, "sharding", None), axes)
-          for x, a, d in zip(whole, leaves, declared, strict=True)]).jaxpr, mesh)
+          x if is_sharded(a) or k in state
+          else jit_arguments.larger(x, d or getattr(a, "sharding", None), axes)
+          for k, (x, a, d) in enumerate(zip(whole, leaves, declared, strict=True))]).jaxpr,
+          mesh)
       splits = global_view.splits_from_sizes(flat.jaxpr, larger.jaxpr, axes)
       if isinstance(splits, str):
         return splits
-    region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape), frozenset(model))
-    if isinstance(region, str):
-      return region
-    blocks = jit_arguments.model_splits(flat.jaxpr, region, leaves, declared, mesh, model)
-    if isinstance(blocks, str):
-      return (f"the update cannot run on the blocks of the tensors split over {list(model)}: "
-              f"{blocks}; the step runs as jax.jit runs it")
-    specs = jit_arguments.region_specs(region, blocks)
-    return specs if isinstance(specs, str) else (flat, region, blocks, specs)
+    return jit_region.update_region(flat, splits, mesh, model, fsdp, leaves, declared, state)
 
   def _dynamic_positions(self, args: tuple) -> tuple[int, ...]:
     return tuple(i for i in range(len(args)) if i not in self._static)
@@ -330,25 +332,16 @@ class JitStep:
     return match_state((*dyn[0], dyn[1]), out, signature)
 
   def _compile(self, flat, region: global_view.Region, blocks: ModelSplits | None,
-               specs: tuple, args: tuple, dyn: tuple, traced, mesh: Mesh, axes: tuple,
-               paths: list[str], declared: list) -> _Compiled:
+               specs: tuple, outside: tuple[str, ...], args: tuple, dyn: tuple, traced,
+               mesh: Mesh, axes: tuple, paths: list[str], declared: list) -> _Compiled | str:
+    """The compiled step; or, where parts of the update run outside the region and the
+    region shards nothing, why the whole step runs as jax.jit runs it (the region would
+    only change how GSPMD partitions the rest)."""
     jaxpr = flat.jaxpr
-    inside = set(region.eqns)
-    outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
-                     if not compat.is_literal(v)}
     in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
     out_shape = traced.out_info
-    region_in = {v: k for k, v in enumerate(region.invars)}
     region_out = {v: k for k, v in enumerate(region.outvars)}
-    pairs, how = {}, {}
-    match = self._state(args, dyn, out_shape)
-    for o, i in match.pairs.items():
-      ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
-      if (not compat.is_literal(ov) and ov in region_out and iv in region_in
-          and iv not in outside_reads
-          and not any(w is iv for w in jaxpr.outvars if not compat.is_literal(w))):
-        pairs[region_out[ov]] = region_in[iv]
-        how[region_in[iv]] = match.how[i]
+    pairs, how = _region_state(jaxpr, region, self._state(args, dyn, out_shape))
     in_names = [_name_of(jaxpr, v, in_pos, paths) for v in region.invars]
     out_paths = ["output" + jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
@@ -358,14 +351,18 @@ class JitStep:
     step = ShardedStep(
         global_view_program.region_fn(jaxpr, region, axes, blocks, dict(mesh.shape)),
         mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
-        axis_names=frozenset(), axis_name=axes, split_reason="split over the batch axes",
-        copies=True,
+        axis_names=frozenset(), axis_name=jit_region.update_axes(axes, blocks),
+        split_reason="split over the batch axes", copies=True,
         match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
-        names=(in_names, out_names), **self._options)
+        names=(in_names, out_names), split_by="its placement", outside=outside,
+        **self._options)
     region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                              sharding=NamedSharding(mesh, s))
                         for v, s in zip(region.invars, in_specs, strict=True))
     _, sub = step._compiled(region_args)
+    if outside and not any(c.sharded or c.owner is not None for c in sub.plan.clusters):
+      return (f"the update cannot run on the blocks of the tensors split over "
+              f"{sorted(set(blocks.axes()))}: {outside[0]}; the step runs as jax.jit runs it")
     # Region input / output positions -> the step's flat leaves.
     sharded_leaves = {in_pos[region.invars[k]]: dataclasses.replace(layout, spec=in_specs[k])
                       for k, layout in sub.sharded_leaves.items()}
@@ -386,16 +383,27 @@ class JitStep:
                           for k, s in enumerate(wanted))
     run = jax.jit(functools.partial(global_view_program.run, flat, region, sub),
                   donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
-    plan = dataclasses.replace(sub.plan, split_by="its placement")
-    return _Compiled(plan, run, sharded_leaves, sharded_outputs, tuple(paths),
+    return _Compiled(sub.plan, run, sharded_leaves, sharded_outputs, tuple(paths),
                      traced.out_tree, sub.mesh, tuple(sub.plan.axes), in_shardings)
 
 
-def _refs(closed, paths: list[str]) -> list[str]:
-  """The arguments (and closed-over values) of the traced step that are JAX refs."""
-  out = [name for name, a in zip(paths, closed.in_avals, strict=True) if compat.is_ref_type(a)]
-  return out + [f"a ref the step closes over, {v.aval.str_short()}"
-                for v in closed.jaxpr.constvars if compat.is_ref_type(v.aval)]
+def _region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple[dict, dict]:
+  """The step's state pairs (`match`) as the region's: (region output -> region input,
+  region input -> how it was matched), for state only the region reads and writes."""
+  inside = set(region.eqns)
+  outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
+                   if not compat.is_literal(v)}
+  region_in = {v: k for k, v in enumerate(region.invars)}
+  region_out = {v: k for k, v in enumerate(region.outvars)}
+  returned = {w for w in jaxpr.outvars if not compat.is_literal(w)}
+  pairs, how = {}, {}
+  for o, i in match.pairs.items():
+    ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
+    if (not compat.is_literal(ov) and ov in region_out and iv in region_in
+        and iv not in outside_reads and iv not in returned):
+      pairs[region_out[ov]] = region_in[iv]
+      how[region_in[iv]] = match.how[i]
+  return pairs, how
 
 
 def _name_of(jaxpr, v, in_pos: dict, paths: list[str]) -> str:

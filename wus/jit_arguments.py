@@ -11,7 +11,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import compat, global_view
-from wus.analysis import model_splits as splits_lib
 from wus.sharded import is_sharded
 from wus.transforms import global_view as global_view_program
 from wus.transforms import inline
@@ -133,50 +132,6 @@ def batch_and_model_axes(leaves: list, declared: list, mesh: Mesh, state: set) -
   return batch, tuple(a for a in axes(lambda k: k in state) if a not in batch)
 
 
-def model_splits(jaxpr, region, leaves: list, declared: list, mesh: Mesh,
-                 model: tuple) -> splits_lib.ModelSplits | None | str:
-  """The model splits of the region's values (`analysis.model_splits`), seeded by the
-  placements of the step's arguments over the model axes, the region's constraints and,
-  on a mesh with Explicit axes, the types; None on a mesh without model axes, or why
-  the region cannot run on model blocks."""
-  if not model:
-    return None
-  axes = frozenset(model)
-  in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
-  eqns = [(i, jaxpr.eqns[i]) for i in region.eqns]
-  values = [*region.invars, *(v for _, e in eqns for v in e.outvars)]
-  seeds = {}
-  for v in region.invars:
-    if v in in_pos:
-      k = in_pos[v]
-      sharding = declared[k] or getattr(leaves[k], "sharding", None)
-      if is_sharded(leaves[k]):
-        sharding = NamedSharding(leaves[k].mesh, leaves[k].spec)
-      if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
-        if (split := splits_lib.restricted(sharding.spec, v.aval.ndim, axes)):
-          seeds[v] = split
-  seeds.update(splits_lib.seeds_of_constraints(eqns, axes))
-  if compat.explicit_axes(mesh) & axes:
-    seeds.update(splits_lib.seeds_of_types(values, axes))
-  return splits_lib.solve(eqns, values, seeds, dict(mesh.shape))
-
-
-def region_specs(region, blocks) -> tuple[tuple, tuple] | str:
-  """(in_specs, out_specs) of the region's shard_map: each value's batch split, then its
-  model split (`blocks`); or why they cannot be merged (a dim split both ways)."""
-  if blocks is None:
-    return region.in_specs, (P(),) * len(region.outvars)
-  ins = []
-  for v, spec in zip(region.invars, region.in_specs, strict=True):
-    batch = tuple(None if e is None else e if isinstance(e, tuple) else (e,) for e in spec)
-    merged = splits_lib.spec_with(batch + (None,) * (v.aval.ndim - len(batch)), blocks.split(v))
-    if merged is None:
-      return (f"a value {v.aval.str_short()} the update reads is split over the batch and "
-              f"the model axes on one dim ({spec}, {blocks.split(v)})")
-    ins.append(global_view.spec_of(merged))
-  return tuple(ins), tuple(global_view.spec_of(blocks.split(v)) for v in region.outvars)
-
-
 def abstract(x, mesh: Mesh | None):
   """A leaf as traced: sharded state as the whole value it stands for."""
   if is_sharded(x):
@@ -214,3 +169,10 @@ def flat_jaxpr(closed, mesh: Mesh):
 def sharding_of(aval, mesh: Mesh):
   spec, _ = compat.sharding_spec(aval)
   return NamedSharding(mesh, P(*spec)) if spec and compat.explicit_axes(mesh) else None
+
+
+def refs(closed, paths: list[str]) -> list[str]:
+  """The arguments (and closed-over values) of the traced step that are JAX refs."""
+  out = [name for name, a in zip(paths, closed.in_avals, strict=True) if compat.is_ref_type(a)]
+  return out + [f"a ref the step closes over, {v.aval.str_short()}"
+                for v in closed.jaxpr.constvars if compat.is_ref_type(v.aval)]

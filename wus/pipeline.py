@@ -42,6 +42,7 @@ class Step:
     split_reason: why an input its in_spec splits differs across replicas
       (for the Plan; `wus.pmap` names its per-device copies).
     split_by: what splits inputs over model axes, in the Plan's words (`make_plan`).
+    outside: why parts of the front end's update run outside this step (`Plan.outside`).
     signature: how the positional arguments map to the user's parameters.
     match_state: the front end's own state pairs (`wus.jit`'s region), or None
       for `matching.match_state`.
@@ -63,6 +64,7 @@ class Step:
   names: tuple[Sequence[str], Sequence[str]] | None = None
   copies: bool | None = None
   split_by: str = "its spec"
+  outside: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +408,8 @@ def plan(analysed: Analysed) -> Planned:
       objective=options.objective, shard_weights=options.shard_weights,
       topology=analysed.topology,
       copies=mesh_axes.copy_axes(copies, g.mesh, g.manual, f.axes, g.home),
-      group_size=m.request.size, grouping=g.grouping, split_by=step.split_by))
+      group_size=m.request.size, grouping=g.grouping, split_by=step.split_by,
+      outside=step.outside))
 
 
 def build(planned: Planned) -> Compiled:

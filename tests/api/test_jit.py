@@ -504,9 +504,11 @@ def test_boxed_partitioned_params_and_a_shard_map_inside_the_step():
   assert all(is_sharded(x) for x in _float_state(out.opt_state, 8))
 
 
-def test_state_split_over_the_batch_axis_runs_unchanged_with_the_reason():
-  """FSDP (weights split over the batch axis itself) is not served yet: nothing changes.
-  (Weights split over "model" are: tests/api/test_jit_tensor_parallel.py.)"""
+def test_state_split_over_the_batch_axis_is_fsdp_and_the_rest_is_served():
+  """FSDP (weights split over the batch axis itself, issue 29 item 3): their state stays as
+  placed and the Plan says FSDP; the state of the weights left whole is sharded by wus.
+  Bit for bit. (Weights split over "model": tests/api/test_jit_tensor_parallel.py; FSDP
+  and HSDP programs: tests/api/test_jit_fsdp.py.)"""
   mesh = _mesh("auto", 8)
   model, tx = MLP(), optax.adam(1e-2)
   step = classifier_step(model, tx)
@@ -518,8 +520,13 @@ def test_state_split_over_the_batch_axis_runs_unchanged_with_the_reason():
   ws = wus.jit(step)
   ref = _run(jax.jit(step), (params, opt_state), batches)
   out = _run(ws, (params, opt_state), batches)
-  assert_trees_equal(ref, out)
-  assert "fully sharded data parallelism" in str(ws.plan(*out[:2], batches[0]))
+  assert_trees_equal(ref, wus.unshard(out))
+  details = ws.plan(*out[:2], batches[0]).details()
+  assert "FSDP over ['data']: already split by its placement" in details
+  mu = out[1][0].mu["params"]
+  assert not is_sharded(mu["Dense_0"]["bias"]) and mu["Dense_0"]["bias"].sharding.spec == P(
+      "data")
+  assert is_sharded(mu["Dense_0"]["kernel"])  # [12, 32]: placed whole, sharded by wus.
 
 
 def test_checkpoint_saved_at_8_restored_at_4_with_state_target(tmp_path):

@@ -345,7 +345,8 @@ def test_a_step_writing_weights_into_refs_runs_as_jax_jit_with_the_reason():
 def test_a_constraint_splitting_state_over_the_batch_is_honoured():
   """ZeRO-1 written by hand (the new optimizer state constrained to P("data") where it
   divides): GSPMD keeps the user's layout, the step never raises, and once the state
-  comes back split the Plan says the step runs as jax.jit runs it, and why."""
+  comes back split the Plan says it is split by its placement (FSDP, whose constraint
+  runs outside the update region) and wus shards the rest."""
   mesh = _auto_mesh((8,), ("data",))
   model, tx = MLP(), optax.adam(1e-2)
   inner = classifier_step(model, tx)
@@ -363,5 +364,6 @@ def test_a_constraint_splitting_state_over_the_batch_is_honoured():
   _, out = _run_both(train_step, ws, (params, tx.init(params)), batches)
   kernel = out[1][0].mu["params"]["Dense_0"]["kernel"]  # [32, 10]: split as the user asked.
   assert kernel.sharding.spec == P("data")
-  assert "state is split over mesh axes itself" in str(
-      ws.plan(*out[:2], batches[0]))
+  lines = {ln.split()[0]: ln for ln in ws.plan(*out[:2], batches[0]).details().split(
+      "\ninputs:\n")[1].splitlines() if ln.startswith("    ")}
+  assert "FSDP over ['data']" in lines["opt_state[0].mu['params']['Dense_0']['kernel']"]

@@ -112,11 +112,36 @@ def test_adafactor_factored_moments_of_split_matrices_within_summation_order():
     optax.MultiSteps(optax.sgd(1e-2, momentum=0.9), 2)], ids=["apply_if_finite", "multi_steps"])
 def test_an_update_that_cannot_run_on_blocks_runs_as_jax_jit_with_the_reason(tx):
   """An update that reads a model-split tensor inside a conditional (no rule runs a `cond`
-  on blocks): the step runs as jax.jit runs it, bit for bit, and the Plan says why."""
+  on blocks), around every tensor's update: it runs outside the region, which then shards
+  nothing, so the whole step runs as jax.jit runs it, bit for bit, and the Plan says why."""
   ws, out, b = mlp_run(tx)
-  plan = str(ws.plan(*out, b))
-  assert "cannot run on the blocks of the tensors split over ['model']: cond at" in plan, plan
+  plan = ws.plan(*out, b)
+  assert "cannot run on the blocks of the tensors split over ['model']: cond at" in (
+      plan.unchanged), str(plan)
   assert not sharded(out)
+
+
+def test_muon_on_split_matrices_runs_as_jax_jit_the_rest_is_served():
+  """Muon orthogonalizes each matrix in a `scan` over its whole dims, which a matrix
+  split over "model" cannot give it (issue 29 item 6): each such update runs as jax.jit
+  runs it, with the reason in the Plan, and the rest of the step is served (the biases'
+  and LayerNorm's Adam state sharded over data x model). Bit for bit."""
+  tx = optax.contrib.muon(1e-2)
+  mesh = make_mesh(4)
+  model, params = linen_args(mesh, tx)
+  step, ws = classifier_step(model, tx), wus.jit(classifier_step(model, tx))
+  ref = out = (params, tx.init(params))
+  for b in batches(mesh, 3):
+    ref, out = jax.jit(step)(*ref, b)[:2], ws(*out, b)[:2]
+  assert_trees_equal(ref, wus.unshard(out))
+  plan = ws.plan(*out, b)
+  assert len(plan.outside) == 3, plan.outside  # The three kernels.
+  assert all(re.match(r"scan at .* needs dim \d of float32\[1,\d+,\d+\] whole, which is "
+                      r"split over \['model'\]", why) for why in plan.outside), plan.outside
+  kept = sharded(out[1])
+  assert kept and all(x.ndim == 1 for x in kept), kept
+  assert all(not is_sharded(x) for x in jax.tree.leaves(
+      out[1], is_leaf=is_sharded) if np.ndim(x) == 2)
 
 
 def test_unshard_state_target_and_lower_of_state_split_over_data_x_model():

@@ -1,0 +1,287 @@
+"""`wus.jit` on FSDP and HSDP steps (issue 29 item 3): a global-view step whose weights are
+placed over the batch axis itself (MaxText's "embed" -> "fsdp" logical axis rule). Those
+weights' gradients arrive reduce-scattered to their blocks and their update is already
+split: the Plan says FSDP for them, and the rest of the step is served (the biases' and
+LayerNorm's state sharded by wus). With a replica axis beside the FSDP axis (HSDP), each
+FSDP block's update is sharded over "replica" too (ZeRO-1 outside, FSDP inside). Each step
+runs beside the unmodified `jax.jit` step from the same inputs."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import wus
+from helpers import assert_trees_equal, classifier_step
+from wus.sharded import is_sharded
+
+
+class FSDPMLP(nn.Module):
+  """Flax's logical axis annotations, shrunk: kernels over ("embed", "mlp") and back, a
+  LayerNorm and biases between."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(32, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+    x = nn.LayerNorm()(nn.relu(x))
+    x = nn.Dense(16, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("mlp", "embed")))(x)
+    return nn.Dense(8, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "heads")))(nn.relu(x))
+
+
+# MaxText's rules, shrunk: the batch over every data-parallel axis, "embed" over "fsdp".
+FSDP = (("batch", "data"), ("embed", "data"), ("mlp", None), ("heads", None))
+FSDP_TP = (("batch", "data"), ("embed", "data"), ("mlp", "model"), ("heads", "model"))
+HSDP = (("batch", ("replica", "fsdp")), ("embed", "fsdp"), ("mlp", None), ("heads", None))
+
+
+def _mesh(shape, names, kind="auto"):
+  types = (AxisType.Auto if kind == "auto" else AxisType.Explicit,) * len(shape)
+  return jax.make_mesh(shape, names, axis_types=types,
+                       devices=jax.devices()[:int(np.prod(shape))])
+
+
+def _setup(mesh, rules, tx, steps=3):
+  model = FSDPMLP()
+  with nn.logical_axis_rules(rules):
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 16)))
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+  params = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), jnp.ones((1, 16)))
+  batch_spec = P(*nn.logical_to_mesh_axes(("batch",), rules))
+  rng = np.random.default_rng(0)
+  data = NamedSharding(mesh, batch_spec)
+  batches = [{"x": jax.device_put(rng.normal(size=(32, 16)).astype(np.float32), data),
+              "y": jax.device_put(rng.integers(0, 8, size=(32,)).astype(np.int32), data)}
+             for _ in range(steps)]
+  return classifier_step(model, tx), (params, tx.init(params)), batches
+
+
+def _run(step, args, batches, **tol):
+  ws = wus.jit(step)
+  ref = out = args
+  for b in batches:
+    *ref, ref_aux = jax.jit(step)(*ref, b)
+    *out, out_aux = ws(*out, b)
+    assert_trees_equal(ref_aux, out_aux, **tol)
+  assert_trees_equal(ref, wus.unshard(out), **tol)
+  return ref, out, ws.plan(*out, batches[0])
+
+
+def _lines(plan) -> dict:
+  return {ln.split()[0]: ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
+          if ln.startswith("    ")}
+
+
+def _sharded(tree) -> list:
+  return [x for x in jax.tree.leaves(tree, is_leaf=is_sharded) if is_sharded(x)]
+
+
+@pytest.mark.parametrize("tx", [optax.adam(1e-2), optax.sgd(1e-2, momentum=0.9)],
+                         ids=["adam", "momentum"])
+def test_fsdp_kernels_say_fsdp_the_rest_sharded_bit_for_bit(tx):
+  """On ("data", "model") = (8, 1) (a size-1 model axis, as users name it) the kernels
+  are placed over "data": their state stays as placed, 1/8 per device, and the Plan says
+  FSDP; the biases' and LayerNorm's state is sharded by wus. Bit for bit."""
+  mesh = _mesh((8, 1), ("data", "model"))
+  step, args, batches = _setup(mesh, FSDP, tx)
+  _, out, plan = _run(step, args, batches)
+  assert not plan.unchanged, plan.unchanged
+  lines = _lines(plan)
+  kernels = [k for k in lines if "['kernel']" in k and k.startswith("opt_state")]
+  assert kernels and all("FSDP over ['data']" in lines[k] for k in kernels), lines
+  biases = [x for x in _sharded(out[1]) if x.ndim == 1]
+  # The moments of 2 biases and LayerNorm's scale and bias (Dense_2's bias of 8 is tiny).
+  assert len(biases) == len([x for x in jax.tree.leaves(args[1]) if x.ndim == 1 and x.size > 8])
+  assert len(biases) in (4, 8)
+  for x in biases:
+    assert x.nbytes_per_device * 8 == x.size * x.dtype.itemsize, x
+  moments = out[1][0].mu if hasattr(out[1][0], "mu") else out[1][0].trace
+  for k in (0, 1, 2):
+    leaf = moments["params"][f"Dense_{k}"]["kernel"].value
+    assert not is_sharded(leaf) and "data" in str(leaf.sharding.spec), leaf.sharding
+
+
+def _dict_step(tx):
+  """A step on a dict of arrays, as the JAX docs write one: tanh MLP, mean squared error."""
+  def step(params, opt_state, x, y):
+    def loss_fn(p):
+      h = jnp.tanh(x @ p["w1"] + p["b1"])
+      return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def _dict_args(mesh, tx, fsdp, batch_spec, steps=3):
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = {"w1": jax.random.normal(keys[0], (16, 32)) * 0.1, "b1": jnp.zeros((32,)),
+            "w2": jax.random.normal(keys[1], (32, 8)) * 0.1, "b2": jnp.linspace(0, 1, 16)[:8]}
+  params = {k: jax.device_put(v, NamedSharding(mesh, P(fsdp) if v.ndim == 2 else P()))
+            for k, v in params.items()}
+  data = NamedSharding(mesh, batch_spec)
+  xs = [(jax.device_put(jax.random.normal(jax.random.fold_in(keys[2], i), (32, 16)), data),
+         jax.device_put(jax.random.normal(jax.random.fold_in(keys[3], i), (32, 8)), data))
+        for i in range(steps)]
+  return (params, tx.init(params)), xs
+
+
+def _run_dict(mesh, tx, fsdp, batch_spec, steps=3, **tol):
+  step = _dict_step(tx)
+  args, xs = _dict_args(mesh, tx, fsdp, batch_spec, steps)
+  ws = wus.jit(step)
+  ref = out = args
+  for x, y in xs:
+    *ref, ref_loss = jax.jit(step)(*ref, x, y)
+    *out, out_loss = ws(*out, x, y)
+    assert_trees_equal(ref_loss, out_loss, **tol)
+  return ref, out, ws.plan(*out, *xs[0])
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_fsdp_on_a_one_axis_mesh_auto_and_explicit_bit_for_bit(kind):
+  """`jax.make_mesh((8,), ("data",))` (Explicit axes by default) with the weights placed
+  P("data"): Adam bit for bit, the weights' state as placed, the biases' sharded by wus."""
+  mesh = _mesh((8,), ("data",), kind)
+  ref, out, plan = _run_dict(mesh, optax.adam(1e-2), "data", P("data"))
+  assert_trees_equal(ref, wus.unshard(out))
+  lines = _lines(plan)
+  assert "FSDP over ['data']" in lines["opt_state[0].mu['w1']"], lines
+  assert "sharded over ['data'] by wus" in lines["opt_state[0].mu['b1']"], lines
+  assert is_sharded(out[1][0].mu["b1"]) and not is_sharded(out[1][0].mu["w1"])
+  spec = out[1][0].mu["w1"].sharding.spec
+  assert tuple(spec)[:1] == ("data",) and set(tuple(spec)[1:]) <= {None}, spec
+
+
+def test_hsdp_blocks_sharded_over_replica_weights_bit_for_bit_in_one_step():
+  """HSDP on ("replica", "fsdp") = (2, 4), the batch over both, the weights over "fsdp":
+  each fsdp block's state is sharded over "replica" (1/8 of it per device); the weights'
+  gradients are summed over "fsdp" then "replica", as GSPMD sums them: bit for bit in one
+  step. A bias's sum is one all-reduce over both axes in the unmodified step, a
+  reduce-scatter over both here (in phases, "fsdp" first, §5.1): 1/8 of its state per
+  device, within summation order."""
+  mesh = _mesh((2, 4), ("replica", "fsdp"))
+  batch = P(("replica", "fsdp"))
+  ref, out, plan = _run_dict(mesh, optax.adam(1e-2), "fsdp", batch, steps=1)
+  whole = wus.unshard(out)
+  for k in ("w1", "w2"):
+    assert_trees_equal(ref[0][k], whole[0][k])
+    assert_trees_equal(ref[1][0].mu[k], whole[1][0].mu[k])
+    mu = out[1][0].mu[k]
+    assert is_sharded(mu) and mu.nbytes_per_device * 8 == mu.size * 4, mu
+  assert_trees_equal(ref, whole, rtol=1e-6, atol=1e-9)
+  assert plan.axes == ("replica",)
+  # The bias of 32, summed over both axes, is reduce-scattered over both: 1/8 per device.
+  mu = out[1][0].mu["b1"]
+  assert is_sharded(mu) and mu.nbytes_per_device * 8 == mu.size * 4, mu
+  line = next(ln for ln in str(plan).splitlines() if "params['b1']" in ln)
+  assert "its gradient all-reduce runs over ['fsdp'] too" in line, line
+  ref, out, _ = _run_dict(mesh, optax.adam(1e-2), "fsdp", batch, rtol=1e-6)
+  assert_trees_equal(ref, wus.unshard(out), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("name,make_tx", [
+    ("clip_adamw", lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2))),
+    ("lamb", lambda: optax.lamb(1e-2)),
+])
+def test_fsdp_norms_combine_across_blocks_within_summation_order(name, make_tx):
+  """Global-norm clipping and LAMB's trust ratios read the FSDP kernels' blocks: their
+  partial sums are completed over "data" as the unmodified step completes them."""
+  mesh = _mesh((8, 1), ("data", "model"))
+  step, args, batches = _setup(mesh, FSDP, make_tx())
+  _, _, plan = _run(step, args, batches, rtol=1e-6, atol=1e-8)
+  assert not plan.unchanged, plan.unchanged
+
+
+def test_fsdp_plus_tensor_parallel_linen_bit_for_bit():
+  """MaxText's rules on ("data", "model") = (4, 2): "embed" over "data" (FSDP), "mlp"
+  and "heads" over "model" (tensor parallelism), Adam bit for bit; the kernels' state as
+  placed over data x model, the biases' over "model" sharded by wus over "data"."""
+  mesh = _mesh((4, 2), ("data", "model"))
+  step, args, batches = _setup(mesh, FSDP_TP, optax.adam(1e-2))
+  _, out, plan = _run(step, args, batches)
+  assert not plan.unchanged, plan.unchanged
+  lines = _lines(plan)
+  name = "opt_state[0].mu['params']['Dense_0']['kernel'].value"
+  assert "FSDP over ['data']" in lines[name], lines[name]
+  bias = out[1][0].mu["params"]["Dense_0"]["bias"]
+  assert is_sharded(bias) and bias.layout.split_axes == ("model",), bias
+
+
+def test_hsdp_checkpoint_restores_on_fsdp_alone_through_state_target(tmp_path):
+  """HSDP state (2 x 4) saved with stock Orbax (`wus.checkpointable`) restores through
+  `state_target` on ("data",) = (4,) (FSDP alone, fewer replicas), equal to the saved
+  state, and trains on as jax.jit does from it."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  tx = optax.adam(1e-2)
+  _, out, _ = _run_dict(_mesh((2, 4), ("replica", "fsdp")), tx, "fsdp", P(("replica", "fsdp")),
+                        steps=1)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(tmp_path / "ckpt", wus.checkpointable({"params": out[0], "opt_state": out[1]}))
+  ckptr.wait_until_finished()
+  small = _mesh((4,), ("data",))
+  saved = wus.unshard((out[0], out[1]))
+  whole = jax.tree.map(lambda x: jax.device_put(np.asarray(x), NamedSharding(
+      small, P("data") if x.ndim == 2 else P())), saved)
+  (x, y), = _dict_args(small, tx, "data", P("data"), steps=1)[1]
+  step = _dict_step(tx)
+  ws = wus.jit(step)
+  target_params, target_opt, _, _ = ws.state_target(*whole, x, y)
+  restored = ckptr.restore(tmp_path / "ckpt", {"params": target_params, "opt_state": target_opt})
+  assert_trees_equal(whole, wus.unshard((restored["params"], restored["opt_state"])))
+  again = ws(restored["params"], restored["opt_state"], x, y)
+  assert_trees_equal(jax.jit(step)(*whole, x, y), wus.unshard(again))
+  assert is_sharded(again[1][0].mu["b1"]) and not is_sharded(again[1][0].mu["w1"])
+
+
+def _embedding_run(tx, steps=3):
+  """An embedding table placed over "data" (FSDP), a whole dense head: the table's
+  gradient is a scatter-add of the batch's rows."""
+  mesh = _mesh((8,), ("data",))
+  keys = jax.random.split(jax.random.key(3), 3)
+  params = {"table": jax.device_put(jax.random.normal(keys[0], (16, 8)),
+                                    NamedSharding(mesh, P("data"))),
+            "w": jax.device_put(jax.random.normal(keys[1], (8, 4)) * 0.1,
+                                NamedSharding(mesh, P()))}
+
+  def step(params, opt_state, ids, y):
+    def loss_fn(p):
+      return jnp.mean((jnp.take(p["table"], ids, axis=0) @ p["w"] - y) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  data = NamedSharding(mesh, P("data"))
+  batches = [(jax.device_put(jax.random.randint(jax.random.fold_in(keys[2], i), (32,), 0, 16),
+                             data),
+              jax.device_put(jax.random.normal(jax.random.fold_in(keys[2], 100 + i), (32, 4)),
+                             data)) for i in range(steps)]
+  ws = wus.jit(step)
+  ref = out = (params, tx.init(params))
+  for ids, y in batches:
+    ref, out = jax.jit(step)(*ref, ids, y)[:2], ws(*out, ids, y)[:2]
+  assert_trees_equal(ref, wus.unshard(out))
+  return out, ws.plan(*out, *batches[0])
+
+
+def test_fsdp_embedding_summed_as_gspmd_sums_it_bit_for_bit():
+  """An FSDP embedding table's gradient (a scatter-add) is summed outside the region, as
+  GSPMD sums it (a sum wus would reduce-scatter itself reorders the rows' sums); its block
+  enters the region, the dense head's state is sharded by wus. Bit for bit."""
+  out, plan = _embedding_run(optax.adam(1e-2))
+  assert not plan.unchanged, plan.unchanged
+  assert is_sharded(out[1][0].mu["w"]) and not is_sharded(out[1][0].mu["table"])
+
+
+def test_fsdp_embedding_under_multi_steps_runs_unchanged_bit_for_bit():
+  """Regression (fuzz case: an FSDP [10, 1] table, MultiSteps of nesterov momentum): the
+  MultiSteps `cond` needs the table whole, so it runs outside the region, and with nothing
+  left to shard the whole step runs as jax.jit runs it (a region sharding nothing would
+  only change how GSPMD partitions the rest: the table's sums differed by an ulp)."""
+  _, plan = _embedding_run(optax.MultiSteps(optax.trace(0.9, nesterov=True), 2))
+  assert "cond at" in plan.unchanged and "split over ['data']" in plan.unchanged, plan.unchanged

@@ -1,0 +1,147 @@
+"""The update region of a global-view step on a mesh (`wus.jit`): which equations run as a
+shard_map, on which model blocks, and what runs outside it as `jax.jit` runs it.
+
+`analysis.global_view` finds the region where the batch ends; `analysis.model_splits`
+solves which dims of its values the model axes split, and those the state is placed
+over among the batch axes (FSDP). An equation that needs a split dim whole (a `scan`
+over Muon's matrices, the `cond` of apply_if_finite) runs outside the region with what
+it reads, and so does an FSDP gradient summed by another primitive than a
+`dot_general` (summed as GSPMD sums it); the rest of the step is served.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from wus.analysis import compat, global_view
+from wus.analysis import model_splits as splits_lib
+from wus.sharded import is_sharded
+
+
+def update_region(flat, splits, mesh: Mesh, model: tuple, fsdp: tuple, leaves: list,
+                  declared: list, state: frozenset) -> tuple | str:
+  """(the flat jaxpr, its update region, the region's model splits, its (in_specs,
+  out_specs), why parts run outside it), or why the step has no region wus can run.
+
+  Args:
+    flat: the step's flat global jaxpr (`jit_arguments.flat_jaxpr`), closed.
+    splits: its values' splits over the batch axes (`global_view.splits_from_*`).
+    mesh: the step's mesh.
+    model: the model axes (the state is placed over them besides the batch axes).
+    fsdp: the batch axes some state leaf is placed over itself.
+    leaves, declared: the step's flat dynamic leaves and their declared shardings.
+    state: the flat positions of the leaves with a next value.
+  """
+  outside: dict[int, str] = {}  # Equations run outside the region -> why ("": no limit).
+  cannot = (f"the update cannot run on the blocks of the tensors split over "
+            f"{[*model, *fsdp]}: {{}}; the step runs as jax.jit runs it")
+  while True:
+    region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape),
+                                     frozenset(model) | frozenset(fsdp), frozenset(outside))
+    if isinstance(region, str):
+      why = next(filter(None, outside.values()), None)
+      return cannot.format(why) if why else region
+    blocks = model_splits(flat.jaxpr, region, leaves, declared, mesh, model, fsdp, state,
+                          splits)
+    position = getattr(blocks, "position", None)
+    if isinstance(blocks, splits_lib.ModelSplits) and (gspmd := {
+        i for i in blocks.scattered if i not in outside
+        and global_view.summing_primitive(flat.jaxpr, i) is not lax.dot_general_p}):
+      # An FSDP gradient summed by another primitive (an embedding's scatter-add) is
+      # summed as GSPMD sums it, outside: its block enters the region.
+      outside.update(dict.fromkeys(gspmd, ""))
+      continue
+    if position is None or position in outside:
+      break
+    outside[position] = blocks
+  if isinstance(blocks, str):
+    return cannot.format(blocks)
+  specs = region_specs(region, blocks)
+  return specs if isinstance(specs, str) else (flat, region, blocks, specs,
+                                               tuple(filter(None, outside.values())))
+
+
+def model_splits(jaxpr, region, leaves: list, declared: list, mesh: Mesh, model: tuple,
+                 fsdp: tuple = (), state: frozenset = frozenset(),
+                 batch_splits=None) -> splits_lib.ModelSplits | None | str:
+  """The model splits of the region's values (`analysis.model_splits`); None on a mesh
+  without model axes and no state split over the batch axes, or why the region cannot
+  run on blocks.
+
+  Over the model axes: seeded by the placements of the step's arguments, the region's
+  constraints and, on a mesh with Explicit axes, the types. Over `fsdp` (the batch axes
+  some state leaf, at a flat position in `state`, is placed over itself: FSDP): seeded
+  by the state's placements, constraints and types after the gradient sums alone, and
+  solved over the equations after them (`global_view.partial_eqns`, whose values carry
+  the batch, `batch_splits`): each sum is computed whole on this replica's rows and
+  reduce-scattered to the block its result is split into (`ModelSplits.scattered`).
+  """
+  if not model and not fsdp:
+    return None
+  eqns = [(i, jaxpr.eqns[i]) for i in region.eqns]
+  values = [*region.invars, *(v for _, e in eqns for v in e.outvars)]
+  parts = []
+  if model:
+    parts.append(_solve(jaxpr, eqns, values, region, leaves, declared, mesh,
+                        frozenset(model), range(len(leaves))))
+  scattered = {}
+  if fsdp:
+    batch_splits = batch_splits or {}
+    partial = global_view.partial_eqns(jaxpr, region, batch_splits)
+    carried = {v for i in partial if i not in region.sums for v in jaxpr.eqns[i].outvars}
+    parts.append(part := _solve(
+        jaxpr, [(i, e) for i, e in eqns if i not in partial],
+        [v for v in values if v not in carried and v not in batch_splits],
+        region, leaves, declared, mesh, frozenset(fsdp), state))
+    if not isinstance(part, str):
+      scattered = {i: s for i in region.sums if (s := part.split(jaxpr.eqns[i].outvars[0]))}
+  why = next((p for p in parts if isinstance(p, str)), None)
+  return why if why is not None else splits_lib.merged(parts, scattered)
+
+
+def _solve(jaxpr, eqns: list, values: list, region, leaves: list, declared: list, mesh: Mesh,
+           axes: frozenset, seeded) -> splits_lib.ModelSplits | str:
+  """`model_splits.solve` of `values` over `axes`, seeded by the placements of the step's
+  arguments at the flat positions in `seeded`, the constraints among `eqns` and, on a
+  mesh with Explicit axes, the types of `values`."""
+  in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
+  seeds = {}
+  for v in region.invars:
+    if v in in_pos and in_pos[v] in seeded:
+      k = in_pos[v]
+      sharding = declared[k] or getattr(leaves[k], "sharding", None)
+      if is_sharded(leaves[k]):
+        sharding = NamedSharding(leaves[k].mesh, leaves[k].spec)
+      if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+        if (split := splits_lib.restricted(sharding.spec, v.aval.ndim, axes)):
+          seeds[v] = split
+  seeds.update(splits_lib.seeds_of_constraints(eqns, axes))
+  if compat.explicit_axes(mesh) & axes:
+    seeds.update(splits_lib.seeds_of_types(values, axes))
+  return splits_lib.solve(eqns, values, seeds, dict(mesh.shape))
+
+
+def region_specs(region, blocks) -> tuple[tuple, tuple] | str:
+  """(in_specs, out_specs) of the region's shard_map: each value's batch split, then its
+  model split (`blocks`); or why they cannot be merged (a dim split both ways)."""
+  if blocks is None:
+    return region.in_specs, (P(),) * len(region.outvars)
+  ins = []
+  for v, spec in zip(region.invars, region.in_specs, strict=True):
+    batch = tuple(None if e is None else e if isinstance(e, tuple) else (e,) for e in spec)
+    merged = splits_lib.spec_with(batch + (None,) * (v.aval.ndim - len(batch)), blocks.split(v))
+    if merged is None:
+      return (f"a value {v.aval.str_short()} the update reads is split over the batch and "
+              f"the model axes on one dim ({spec}, {blocks.split(v)})")
+    ins.append(global_view.spec_of(merged))
+  return tuple(ins), tuple(global_view.spec_of(blocks.split(v)) for v in region.outvars)
+
+
+def update_axes(axes: tuple, blocks: splits_lib.ModelSplits | None) -> tuple:
+  """The batch axes the update is sharded over: those no weight is placed over itself
+  (HSDP's "replica" beside "fsdp", whose FSDP weights differ over "fsdp": each fsdp
+  block's update is sharded over "replica", the whole weights' over both, as copies),
+  or every batch axis (FSDP alone: nothing repeated in the FSDP weights' update)."""
+  fsdp = {a for s in (blocks.scattered.values() if blocks else ()) for e in s if e for a in e}
+  return tuple(a for a in axes if a not in fsdp) or axes
