@@ -254,6 +254,35 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
     gradients summed inside a loop, which GSPMD all-reduces there) still runs
     as a shard_map: the planner's roots slice its whole gradients locally.
   """
+  kind = _kinds(jaxpr, splits, axis_sizes, model_axes, outside)
+  moved = _move_sums(jaxpr, kind)
+  _pull_needed(jaxpr, kind)
+  inside = [i for i, k in enumerate(kind) if k is not None]
+  sums = frozenset(i for i in inside if kind[i] == "sum")
+  made = {v for i in inside for v in jaxpr.eqns[i].outvars}
+  outvars = tuple(dict.fromkeys(v for v in jaxpr.outvars
+                                if not compat.is_literal(v) and v in made))
+  used = _used(jaxpr, inside, outvars)
+  if not used:
+    return ("no update reads only whole values (the step's forward and backward pass read "
+            "every result)")
+  inside = [i for i in inside if i in used]
+  invars = tuple(dict.fromkeys(
+      v for i in inside for v in jaxpr.eqns[i].invars
+      if not compat.is_literal(v) and v not in made))
+  placements = frozenset(i for i in inside if is_placement(jaxpr.eqns[i], axis_sizes)
+                         or compat.is_sharding_constraint(jaxpr.eqns[i]))
+  return Region(tuple(inside), sums & set(inside), invars,
+                tuple(spec_of(None if compat.is_literal(v) else splits.get(v)) for v in invars),
+                outvars, frozenset(moved) & set(inside),
+                placements)
+
+
+def _kinds(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
+           model_axes: frozenset, outside: frozenset) -> list:
+  """Per equation: "sum" (a gradient sum, `sum_rules`, its split dims divisible by their
+  axes' sizes), "update" (reads and writes only whole values, no effect, no manual
+  code, no constraint splitting over the batch) or None (outside the region)."""
   producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
 
   def is_zero(v) -> bool:
@@ -273,16 +302,15 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
         e is None or n % math.prod(axis_sizes[a] for a in e) == 0
         for n, e in zip(v.aval.shape, s, strict=True))
 
-  kind = []  # Per equation: "sum", "update" or None (outside).
+  kind = []
   for i, eqn in enumerate(jaxpr.eqns):
-    if i in outside:
-      kind.append(None)
-      continue
     ins = [split(v) for v in eqn.invars]
     outs_whole = all(v not in splits for v in eqn.outvars)
     rule = sum_rules.get(eqn.primitive)
-    if (rule is not None and outs_whole and any(s is not None for s in ins)
-        and rule(eqn, ins, is_zero) and all(divisible(v) for v in eqn.invars)):
+    if i in outside:
+      kind.append(None)
+    elif (rule is not None and outs_whole and any(s is not None for s in ins)
+          and rule(eqn, ins, is_zero) and all(divisible(v) for v in eqn.invars)):
       kind.append("sum")
     elif (outs_whole and all(s is None for s in ins) and not compat.side_effects(eqn)
           and not compat.has_manual_code(eqn)
@@ -290,9 +318,13 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
       kind.append("update")
     else:
       kind.append(None)
-  # A sum's all-reduce moves past equations that only move its elements
-  # (the transpose of a kernel's gradient): the region then reduce-scatters
-  # the tensor the update reads.
+  return kind
+
+
+def _move_sums(jaxpr: Jaxpr, kind: list) -> set[int]:
+  """Moves each sum's all-reduce past the equations that only move its elements (the
+  transpose of a kernel's gradient), so the region reduce-scatters the tensor the update
+  reads: marks them in `kind` ("partial" before the new sum); the sums moved."""
   readers: dict = {}
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:
@@ -307,7 +339,12 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
       kind[i], kind[j], i = "partial", "sum", j
       v = jaxpr.eqns[j].outvars[0]
       moved.add(start)
-  # Whatever an equation outside reads is computed outside, before the region.
+  return moved
+
+
+def _pull_needed(jaxpr: Jaxpr, kind: list) -> None:
+  """Marks outside (None in `kind`) every equation whose result an equation outside
+  reads: it is computed outside, before the region."""
   needed: set = set()
   for i in reversed(range(len(jaxpr.eqns))):
     eqn = jaxpr.eqns[i]
@@ -315,24 +352,6 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
       kind[i] = None
     if kind[i] is None:
       needed.update(v for v in eqn.invars if not compat.is_literal(v))
-  inside = [i for i, k in enumerate(kind) if k is not None]
-  sums = frozenset(i for i in inside if kind[i] == "sum")
-  made = {v for i in inside for v in jaxpr.eqns[i].outvars}
-  outvars = tuple(dict.fromkeys(v for v in jaxpr.outvars
-                                if not compat.is_literal(v) and v in made))
-  used = _used(jaxpr, inside, outvars)
-  if not used:
-    return ("no update reads only whole values (the step's forward and backward pass read "
-            "every result)")
-  inside = [i for i in inside if i in used]
-  invars = tuple(dict.fromkeys(
-      v for i in inside for v in jaxpr.eqns[i].invars
-      if not compat.is_literal(v) and v not in made))
-  placements = frozenset(i for i in inside if is_placement(jaxpr.eqns[i], axis_sizes)
-                         or compat.is_sharding_constraint(jaxpr.eqns[i]))
-  return Region(tuple(inside), sums & set(inside), invars,
-                tuple(spec_of(split(v)) for v in invars), outvars, frozenset(moved) & set(inside),
-                placements)
 
 
 def partial_eqns(jaxpr: Jaxpr, region: Region, splits: Splits) -> frozenset[int]:

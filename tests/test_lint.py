@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -121,11 +120,6 @@ def test_core_tests_read_hlo_without_the_harness():
 
 
 MAX_FUNCTION_LINES = 60
-# Functions over the limit that other work of issue 31 splits (the front ends and the
-# planner: items 1-3; wus.jit on 2-D meshes): strict xfails, so that each fails here once
-# it is split, to be taken off this list.
-SPLIT_ELSEWHERE = ("analysis/global_view.py:find_region",)
-
 
 def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
   """Lines of code of a function, nested functions included: no blank or comment line, no
@@ -159,14 +153,8 @@ def test_no_function_over_60_lines_of_code():
   """STYLE/common standards: functions under ~60 lines of code (issue 31), each step of a
   longer one a named function of its own."""
   assert long_functions(10)  # The count sees functions.
-  found = {f: n for f, n in long_functions().items() if f not in SPLIT_ELSEWHERE}
+  found = long_functions()
   assert not found, f"functions over {MAX_FUNCTION_LINES} lines of code: {found}"
-
-
-@pytest.mark.xfail(strict=True, reason="split by issue 31's front-end and planner work")
-@pytest.mark.parametrize("name", SPLIT_ELSEWHERE)
-def test_functions_split_elsewhere(name):
-  assert name not in long_functions()
 
 
 if __name__ == "__main__":  # `python tests/test_lint.py`: the functions over the limit.

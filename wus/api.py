@@ -341,8 +341,3 @@ class ShardedStep:
     if key not in self._cache:
       self._cache[key] = pipeline.compile_step(call)
     return self._cache[key]
-
-  def _compiled(self, args: tuple) -> tuple[list, pipeline.Compiled]:
-    """(the flat leaves of `args`, their compiled step), for `wus.jit`'s region."""
-    call = self.per_call(args)
-    return list(call.leaves), self.compiled(call)

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import jit_arguments, jit_region, runtime
+from wus import jit_arguments, jit_region, pipeline, runtime
 from wus.analysis import compat, global_view, planner
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import Plan
@@ -105,30 +105,6 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
   return make if fun is None else make(fun)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Compiled:
-  """Everything compiled for one input signature."""
-
-  plan: Plan
-  run: Callable[..., Any]       # The jitted program of the flat dynamic leaves.
-  sharded_leaves: dict          # Flat leaf -> its ShardedLayout: passed sharded.
-  sharded_outputs: dict         # Flat output -> its ShardedLayout: returned sharded.
-  in_names: tuple[str, ...]
-  out_tree: Any
-  mesh: Mesh | None
-  axes: tuple
-  in_shardings: tuple = ()      # Per flat leaf: where the program takes it.
-
-  # What `runtime.operands` reads of a compiled step.
-  @property
-  def sources(self) -> tuple:
-    return tuple(("arg", k) for k in range(len(self.in_names)))
-
-  @property
-  def user_mesh(self) -> Mesh | None:
-    return self.mesh  # No sharding groups: the programs run on the user's mesh.
-
-
 class JitStep:
   """A global-view step whose weight update runs on shards (from `wus.jit`).
 
@@ -164,7 +140,7 @@ class JitStep:
     # Placed where the program takes them, so the next call compiles nothing new.
     ops = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
            for x, s in zip(ops, compiled.in_shardings, strict=True)]
-    outs = compiled.run(*ops)
+    outs = compiled.step(*ops)
     wrapped = [ShardedArray(x, compiled.sharded_outputs[k]) if k in compiled.sharded_outputs else x
                for k, x in enumerate(outs)]
     return jax.tree.unflatten(compiled.out_tree, wrapped)
@@ -202,7 +178,7 @@ class JitStep:
     ops = [jax.ShapeDtypeStruct(compiled.sharded_leaves[k].padded_shape, x.dtype,
                                 sharding=compiled.sharded_leaves[k].data_sharding)
            if k in compiled.sharded_leaves else x for k, x in enumerate(leaves)]
-    return compiled.run.lower(*ops)
+    return compiled.step.lower(*ops)
 
   def state_target(self, *args, **kwargs) -> tuple:
     """The arguments as this step reads them, abstract: the target to restore a checkpoint into.
@@ -237,7 +213,7 @@ class JitStep:
 
   # --- Tracing and planning. ----------------------------------------------------
 
-  def _compiled(self, args: tuple, kwargs: dict) -> tuple[list, _Compiled]:
+  def _compiled(self, args: tuple, kwargs: dict) -> tuple[list, pipeline.Compiled]:
     dyn = (tuple(x for i, x in enumerate(args) if i not in self._static),
            {k: v for k, v in kwargs.items() if k not in self._static_names})
     leaves, treedef = jax.tree.flatten(dyn, is_leaf=is_sharded)
@@ -248,7 +224,7 @@ class JitStep:
       self._cache[key] = self._build(args, kwargs, dyn, leaves)
     return leaves, self._cache[key]
 
-  def _build(self, args: tuple, kwargs: dict, dyn: tuple, leaves: list) -> _Compiled:
+  def _build(self, args: tuple, kwargs: dict, dyn: tuple, leaves: list) -> pipeline.Compiled:
     paths = argument_paths(self._fun, (*dyn[0], dyn[1]), keywords=True,
                            positions=self._dynamic_positions(args))
     if self.rename_paths is not None:
@@ -261,9 +237,9 @@ class JitStep:
     traced = self._trace(args, kwargs, whole)
     out_tree = traced.out_tree
 
-    def unchanged(reason: str) -> _Compiled:
+    def unchanged(reason: str) -> pipeline.Compiled:
       plan = _unchanged_plan(traced.jaxpr.jaxpr, paths, axes, mesh, reason)
-      return _Compiled(plan, self._jitted, {}, {}, tuple(paths), out_tree, None, axes)
+      return _compiled(plan, self._jitted, {}, {}, paths, out_tree, None)
 
     if mesh is None or not axes:
       return unchanged("no argument is split over a mesh axis (the batch), so there is no "
@@ -333,7 +309,8 @@ class JitStep:
 
   def _compile(self, flat, region: global_view.Region, blocks: ModelSplits | None,
                specs: tuple, outside: tuple[str, ...], args: tuple, dyn: tuple, traced,
-               mesh: Mesh, axes: tuple, paths: list[str], declared: list) -> _Compiled | str:
+               mesh: Mesh, axes: tuple, paths: list[str],
+               declared: list) -> pipeline.Compiled | str:
     """The compiled step; or, where parts of the update run outside the region and the
     region shards nothing, why the whole step runs as jax.jit runs it (the region would
     only change how GSPMD partitions the rest)."""
@@ -359,7 +336,7 @@ class JitStep:
     region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                              sharding=NamedSharding(mesh, s))
                         for v, s in zip(region.invars, in_specs, strict=True))
-    _, sub = step._compiled(region_args)
+    sub = step.compiled(step.per_call(region_args))
     if outside and not any(c.sharded or c.owner is not None for c in sub.plan.clusters):
       return (f"the update cannot run on the blocks of the tensors split over "
               f"{sorted(set(blocks.axes()))}: {outside[0]}; the step runs as jax.jit runs it")
@@ -383,8 +360,19 @@ class JitStep:
                           for k, s in enumerate(wanted))
     run = jax.jit(functools.partial(global_view_program.run, flat, region, sub),
                   donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
-    return _Compiled(sub.plan, run, sharded_leaves, sharded_outputs, tuple(paths),
-                     traced.out_tree, sub.mesh, tuple(sub.plan.axes), in_shardings)
+    return _compiled(sub.plan, run, sharded_leaves, sharded_outputs, paths, traced.out_tree,
+                     sub.mesh, in_shardings)
+
+
+def _compiled(plan: Plan, run: Callable, sharded_leaves: dict, sharded_outputs: dict,
+              paths: list[str], out_tree, mesh: Mesh | None,
+              in_shardings: tuple = ()) -> pipeline.Compiled:
+  """The pipeline's `Compiled` of a global-view step: `run` (the jitted program of the flat
+  dynamic leaves, or the user's `jax.jit` with `mesh` None: the step runs unchanged) takes
+  every leaf as an operand, on the user's mesh."""
+  return pipeline.Compiled(plan, run, tuple(("arg", k) for k in range(len(paths))),
+                           sharded_leaves, sharded_outputs, tuple(paths), (), (), out_tree,
+                           mesh, mesh, {}, in_shardings)
 
 
 def _region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple[dict, dict]:

@@ -80,9 +80,11 @@ class Compiled:
   out_specs: tuple      # Per flat output: its PartitionSpec in the user's step.
   out_replicated: tuple  # Per flat output: identical on every replica of the plan's axes.
   out_tree: Any
-  mesh: Mesh            # The mesh the programs run on (derived with shard_group_size).
-  user_mesh: Mesh       # The user's mesh: whole values enter and leave on it.
+  mesh: Mesh | None     # The mesh the programs run on (derived with shard_group_size);
+                        # None: `wus.jit`'s step runs unchanged, as `jax.jit` runs it.
+  user_mesh: Mesh | None  # The user's mesh: whole values enter and leave on it.
   timings: dict         # Seconds: "trace", "analysis" (inline, plan); "rewrite" once lowered.
+  in_shardings: tuple = ()  # `wus.jit`: per flat leaf, where its program takes it.
 
 
 def compile_step(call: Call) -> Compiled:

@@ -136,7 +136,7 @@ def test_no_recompilation_across_calls_and_donation_honoured(kind):
       old = opt_state
       params, opt_state, _ = ws(params, opt_state, b)
     assert len(traces) == first
-    assert ws._compiled((params, opt_state, batches[0]), {})[1].run._cache_size() == 1
+    assert ws._compiled((params, opt_state, batches[0]), {})[1].step._cache_size() == 1
     assert all(x.data.is_deleted() for x in jax.tree.leaves(old, is_leaf=is_sharded)
                if is_sharded(x))
     with pytest.raises(ValueError, match="donated"):
