@@ -122,7 +122,7 @@ def update_seconds(workload: Workload, topology: Topology, group_size: int = 1) 
   """
   tile = topology.tile_elements
   moved = sum(shard_elements(n, group_size, tile) * b for n, b in workload.updated)
-  return moved / topology.memory_bandwidth
+  return network.compute_seconds(moved, topology)
 
 
 def cast_seconds(workload: Workload, topology: Topology, group_size: int = 1) -> float:
@@ -136,7 +136,7 @@ def cast_seconds(workload: Workload, topology: Topology, group_size: int = 1) ->
   moved = (sum(padded_elements(n, tile) * (r + w) for n, r, w in workload.cast)
            if group_size == 1 else
            sum(shard_elements(n, group_size, tile) * w for n, _, w in workload.cast))
-  return moved / topology.memory_bandwidth
+  return network.compute_seconds(moved, topology)
 
 
 # --- Step predictions ----------------------------------------------------------

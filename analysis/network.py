@@ -403,6 +403,20 @@ def copied(sizes: Sequence[float], bucket_bytes: float = math.inf,
              if len(b) > 1 or (i < len(padded) and padded[i]))
 
 
+# Flops per second of one device for an update's arithmetic: an accelerator's order of
+# magnitude (the topology's figures are too); only its ratio to the memory bandwidth
+# matters to the decisions.
+FLOPS_PER_SECOND = 100e12
+
+
+def compute_seconds(nbytes: float, topology: Topology, flops: float = 0.0) -> float:
+  """Seconds of a computation on one device: `flops` of arithmetic at `FLOPS_PER_SECOND`
+  plus `nbytes` read and written at its memory bandwidth. The one formula for an update's
+  time: an elementwise update is memory-bound (`flops` 0, §2.2); a matrix-wise one
+  (ownership) counts its flops too."""
+  return flops / FLOPS_PER_SECOND + nbytes / topology.memory_bandwidth
+
+
 def copy_seconds(nbytes: float, topology: Topology) -> float:
   """Seconds to copy `nbytes` on each device: read and write them at its memory bandwidth."""
   return 2 * nbytes / topology.memory_bandwidth

@@ -9,7 +9,7 @@ first, to the replica with the least predicted work (ties: the lower
 replica, the earlier unit). Rows place each replica's tensors in that order.
 
 Costs: collectives by `network`'s ring model over the topology, and an
-update's flops at `FLOPS_PER_SECOND` plus its memory traffic (operands and
+update's flops at `network.FLOPS_PER_SECOND` plus its memory traffic (operands and
 results of every equation, unfused) at the topology's memory bandwidth.
 """
 
@@ -24,12 +24,6 @@ from wus.analysis import compat, costmodel, network
 from wus.analysis.compat import Jaxpr
 from wus.analysis.cost import nbytes, tensor
 from wus.analysis.owned import Ownership, OwnedFormat, OwnedUnit, Slot, build_bank
-
-# Flops per second of one device for the update's arithmetic: an accelerator's
-# order of magnitude (the topology's figures are too); only its ratio to the
-# memory bandwidth matters to the decisions.
-FLOPS_PER_SECOND = 100e12
-
 
 def work(eqns) -> tuple[float, float]:
   """(flops, bytes read and written) of equations, unfused; loops times their trip count."""
@@ -63,7 +57,7 @@ def _bytes(v) -> int:
 def update_seconds(jaxpr: Jaxpr, eqns, topology: network.Topology) -> float:
   """Predicted seconds of equations `eqns` of `jaxpr`: flops plus memory traffic."""
   flops, traffic = work([jaxpr.eqns[i] for i in sorted(eqns)])
-  return flops / FLOPS_PER_SECOND + traffic / topology.memory_bandwidth
+  return network.compute_seconds(traffic, topology, flops)
 
 
 def worth(jaxpr: Jaxpr, u, ctx) -> str | None:
@@ -76,7 +70,7 @@ def worth(jaxpr: Jaxpr, u, ctx) -> str | None:
   rep, own = costmodel.cluster_seconds(w, ctx.topology)
   rep, own = rep + u.cost, own + u.cost / ctx.num_shards
   moved = sum(n * b for n, b in (*w.gradients, *w.gathered))
-  own += 2 * moved / ctx.topology.memory_bandwidth  # Into and out of the rows.
+  own += network.copy_seconds(moved, ctx.topology)  # Into and out of the rows.
   u.predicted = (rep, own)
   if own > rep:
     return (f"its update is too cheap to own (predicted {own * 1e6:.3g} us owned, with the "
@@ -192,5 +186,5 @@ def whole_prediction(jaxpr: Jaxpr, units: list, ownership: Ownership,
   rep = costmodel.cluster_seconds(costmodel.Workload(grads), topo)[0] + sum(
       u.cost for u in units)
   own = (costmodel.cluster_seconds(costmodel.Workload(*rows), topo)[1] + max(ownership.loads)
-         + 2 * sum(k * b for k, b in (*rows[0], *rows[1])) / topo.memory_bandwidth)
+         + network.copy_seconds(sum(k * b for k, b in (*rows[0], *rows[1])), topo))
   return rep, own
