@@ -6,6 +6,11 @@ None when it cannot (the tensor must then be whole, DESIGN.md §4 invariant 2).
 Some kinds constrain the sharding formats of the tensors involved (a reduce
 never lets a reduced dim merge with a kept one); `layouts.assign` solves those
 constraints, and `wus.transforms.rewrite` implements each kind.
+
+Every rule is registered at its definition (`rules.registrar`): a primitive here by
+`@shardable_rule(prim)` (a family by `register_elementwise(prim)`), a Kind as a member
+of `Kind`, its layout rule by `@layouts.layout_rule(Kind.X)` and its shard rule by
+`@rewrite.shard_rule(Kind.X)` (tests/analysis/test_layouts.py names a missing one).
 """
 
 from __future__ import annotations
