@@ -3,6 +3,7 @@
 Modules, one concern each, in the order the passes run:
   compat      the one place that touches JAX internals (cond / while / scan records)
   primitives  the facts every pass reads about a primitive, one table
+  rules       rule tables filled by decorators at the rules (`registrar`)
   redundancy  which values are identical on every replica (§3.1)
   shardable   which equations can run on shards, and how (`Kind` and its `Traits`, §4.1)
   clusters    weight-update clusters around the gradient all-reduces (§3.2)

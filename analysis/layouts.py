@@ -22,7 +22,7 @@ import functools
 import math
 from collections.abc import Callable
 
-from wus.analysis import compat, reasons, redundancy
+from wus.analysis import compat, reasons, redundancy, rules
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, JaxprEqn, Var
 from wus.analysis.formats import ShardFormat, format_from_bounds, nonunit_dims
@@ -119,8 +119,10 @@ class _Constraints:
 # rule(constraints, eqn, big operands, big results, nested clusters) -> reason or None.
 LayoutRule = Callable[[_Constraints, JaxprEqn, list, list, tuple | None], str | None]
 layout_rules: dict[Kind, LayoutRule] = {}
+layout_rule = rules.registrar(layout_rules, "layout rule")
 
 
+@layout_rule(Kind.ELEMENTWISE)
 def _elementwise(c: _Constraints, eqn, ins, outs, nested) -> None:
   y = outs[0]
   for v in outs[1:]:
@@ -134,6 +136,8 @@ def _elementwise(c: _Constraints, eqn, ins, outs, nested) -> None:
       c.broadcast(x, y, range(len(y.aval.shape)))
 
 
+@layout_rule(Kind.LAYOUT, Kind.REDUCE_UNIT, Kind.REDUCE_SCATTER, Kind.SUM_OF_COPIES,
+             Kind.IDENTITY)
 def _same_elements(c: _Constraints, eqn, ins, outs, nested) -> None:
   """One operand, one result, the same elements: one format, or flat if dims regroup."""
   (x,), (y,) = ins, outs
@@ -143,10 +147,12 @@ def _same_elements(c: _Constraints, eqn, ins, outs, nested) -> None:
     c.classes.flat_only |= {c.classes.add(x), c.classes.add(y)}
 
 
+@layout_rule(Kind.REDUCE_ALL)
 def _reduce_all(c: _Constraints, eqn, ins, outs, nested) -> None:
   c.classes.add(ins[0])
 
 
+@layout_rule(Kind.DOT_ALL)
 def _dot_all(c: _Constraints, eqn, ins, outs, nested) -> None:
   if len(ins) == 2:
     c.classes.union(*ins)
@@ -154,6 +160,7 @@ def _dot_all(c: _Constraints, eqn, ins, outs, nested) -> None:
     c.classes.add(ins[0])
 
 
+@layout_rule(Kind.REDUCE)
 def _reduce(c: _Constraints, eqn, ins, outs, nested) -> str | None:
   (x,), (y,) = eqn.invars, eqn.outvars
   axes = set(eqn.params["axes"])
@@ -173,14 +180,19 @@ def _reduce(c: _Constraints, eqn, ins, outs, nested) -> str | None:
   return None
 
 
+@layout_rule(Kind.BROADCAST_DIMS)
 def _broadcast_dims(c: _Constraints, eqn, ins, outs, nested) -> None:
   c.broadcast(eqn.invars[0], outs[0], eqn.params["broadcast_dimensions"])
 
 
-def _broadcast(c: _Constraints, eqn, ins, outs, nested) -> None:
+@layout_rule(Kind.BROADCAST, Kind.SCATTER_BLOCKS)
+def _result_alone(c: _Constraints, eqn, ins, outs, nested) -> None:
+  """Its result's format alone: a broadcast scalar, or SCATTER_BLOCKS, whose operand's
+  blocks are cut to it in the collective."""
   c.classes.add(outs[0])
 
 
+@layout_rule(Kind.COND)
 def _cond(c: _Constraints, eqn, ins, outs, nested) -> str | None:
   cond = compat.cond(eqn)
   for branch, sub in zip(cond.branches, nested, strict=True):
@@ -196,19 +208,11 @@ def _cond(c: _Constraints, eqn, ins, outs, nested) -> str | None:
   return None
 
 
-layout_rules.update({
-    Kind.ELEMENTWISE: _elementwise,
-    **dict.fromkeys((Kind.LAYOUT, Kind.REDUCE_UNIT, Kind.REDUCE_SCATTER, Kind.SUM_OF_COPIES,
-                     Kind.IDENTITY), _same_elements),
-    Kind.REDUCE_ALL: _reduce_all, Kind.DOT_ALL: _dot_all, Kind.REDUCE: _reduce,
-    Kind.BROADCAST_DIMS: _broadcast_dims, Kind.BROADCAST: _broadcast, Kind.COND: _cond,
-    # Its result's format alone: the operand's blocks are cut to it in the collective.
-    Kind.SCATTER_BLOCKS: _broadcast,
-    # A loop's body has its own plan (planner._plan_body); no cluster holds the loop.
-    Kind.LOOP: lambda c, eqn, ins, outs, nested: None,
-    # Owned updates run on whole tensors (ownership.py); no cluster holds them.
-    **dict.fromkeys((Kind.OWNED, Kind.OWNED_SCATTER), lambda c, eqn, ins, outs, nested: None),
-})
+# A loop's body has its own plan (planner._plan_body); owned updates run on whole tensors
+# (ownership.py): no cluster holds either.
+@layout_rule(Kind.LOOP, Kind.OWNED, Kind.OWNED_SCATTER)
+def _unclustered(c: _Constraints, eqn, ins, outs, nested) -> None:
+  return None
 
 
 def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str:

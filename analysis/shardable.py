@@ -6,6 +6,11 @@ None when it cannot (the tensor must then be whole, DESIGN.md §4 invariant 2).
 Some kinds constrain the sharding formats of the tensors involved (a reduce
 never lets a reduced dim merge with a kept one); `layouts.assign` solves those
 constraints, and `wus.transforms.rewrite` implements each kind.
+
+Every rule is registered at its definition (`rules.registrar`): a primitive here by
+`@shardable_rule(prim)` (a family by `register_elementwise(prim)`), a Kind as a member
+of `Kind`, its layout rule by `@layouts.layout_rule(Kind.X)` and its shard rule by
+`@rewrite.shard_rule(Kind.X)` (tests/analysis/test_layouts.py names a missing one).
 """
 
 from __future__ import annotations
@@ -17,15 +22,15 @@ from collections.abc import Callable
 
 from jax import lax
 
-from wus.analysis import compat, primitives
+from wus.analysis import compat, primitives, rules
 from wus.analysis.compat import JaxprEqn
 from wus.analysis.redundancy import Redundancy
 
 
 @dataclasses.dataclass(frozen=True)
 class Traits:
-  """What the passes ask of a `Kind`, besides its layout rule (`layouts.layout_rules`)
-  and its shard rule (`wus.transforms.rewrite.shard_rules`), both keyed by Kind.
+  """What the passes ask of a `Kind`, besides its layout rule (`@layouts.layout_rule`)
+  and its shard rule (`@wus.transforms.rewrite.shard_rule`), each registered at the rule.
 
   Attributes:
     doc: how the equation runs on shards.
@@ -108,6 +113,7 @@ class Context:
 
 ShardableRule = Callable[[JaxprEqn, Context], Kind | None]
 shardable_rules: dict[compat.Primitive, ShardableRule] = {}
+shardable_rule = rules.registrar(shardable_rules, "shardable rule")
 
 
 def _shape(atom) -> tuple[int, ...]:
@@ -129,10 +135,26 @@ def _fits(operand: tuple[int, ...], out: tuple[int, ...]) -> bool:
                          and all(a in (b, 1) for a, b in zip(operand, out, strict=True)))
 
 
+def register_elementwise(*prims: compat.Primitive) -> None:
+  """Declares primitives elementwise (`primitives.ELEMENTWISE`'s family): on shards as
+  `Kind.ELEMENTWISE` when every operand has the result's shape, size-1 dims or rank 0."""
+  shardable_rule(*prims)(_elementwise_rule)
+
+
+register_elementwise(*primitives.ELEMENTWISE)
+
+
+@shardable_rule(lax.reshape_p)
 def _reshape_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return Kind.LAYOUT if eqn.params.get("dimensions") is None else None
 
 
+@shardable_rule(lax.squeeze_p, compat.pvary_p)  # pvary: a shard already varies.
+def _same_elements_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  return Kind.LAYOUT
+
+
+@shardable_rule(lax.broadcast_in_dim_p)
 def _broadcast_in_dim_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   operand = _shape(eqn.invars[0])
   if math.prod(operand) == 1:
@@ -142,6 +164,7 @@ def _broadcast_in_dim_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return Kind.BROADCAST_DIMS
 
 
+@shardable_rule(*primitives.REDUCE_OVER_UNIT_DIMS)
 def _reduce_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   operand = _shape(eqn.invars[0])
   axes = tuple(sorted(eqn.params["axes"]))
@@ -152,6 +175,7 @@ def _reduce_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return Kind.REDUCE_ALL if axes == tuple(range(len(operand))) else Kind.REDUCE
 
 
+@shardable_rule(lax.dot_general_p)
 def _dot_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   # An inner product (jnp.vdot, optax.tree.vdot): both operands of one shape,
   # every dim contracted in order, no batch dims.
@@ -164,6 +188,7 @@ def _dot_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return None
 
 
+@shardable_rule(compat.psum_p, compat.psum_invariant_p)
 def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   # Over more axes than the sharding axes A (A ∪ B, §5.2 partial sharding):
   # reduce-scatter over A, then all-reduce the shards over B (Fig. 10).
@@ -175,6 +200,7 @@ def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return Kind.REDUCE_SCATTER
 
 
+@shardable_rule(compat.reduce_scatter_p)
 def _reduce_scatter_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   # Tiled over dim 0 (blocks of rows, the transpose of an FSDP weight's all_gather),
   # over axes disjoint from the replica axes, of a value identical across those.
@@ -186,6 +212,7 @@ def _reduce_scatter_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return Kind.SCATTER_BLOCKS
 
 
+@shardable_rule(compat.pmax_p, compat.pmin_p)
 def _pmax_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   same = frozenset(compat.collective_axes(eqn)) == ctx.axes
   if (same and not compat.has_axis_index_groups(eqn)
@@ -194,29 +221,11 @@ def _pmax_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return None
 
 
-for _p in primitives.ELEMENTWISE:
-  shardable_rules[_p] = _elementwise_rule
-shardable_rules[lax.reshape_p] = _reshape_rule
-shardable_rules[lax.squeeze_p] = lambda eqn, ctx: Kind.LAYOUT
-shardable_rules[compat.pvary_p] = lambda eqn, ctx: Kind.LAYOUT  # A shard already varies.
-shardable_rules[lax.broadcast_in_dim_p] = _broadcast_in_dim_rule
-for _p in primitives.REDUCE_OVER_UNIT_DIMS:
-  shardable_rules[_p] = _reduce_rule
-shardable_rules[lax.dot_general_p] = _dot_rule
-shardable_rules[compat.psum_p] = _psum_rule
-shardable_rules[compat.psum_invariant_p] = _psum_rule
-shardable_rules[compat.reduce_scatter_p] = _reduce_scatter_rule
-shardable_rules[compat.pmax_p] = _pmax_rule
-shardable_rules[compat.pmin_p] = _pmax_rule
-
-
+@shardable_rule(compat.cond_p)
 def _cond_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   # The predicate is redundant (the outputs are); branches run on shards and
   # gather inside only what they read whole (a callback of the full state).
   return Kind.COND
-
-
-shardable_rules[compat.cond_p] = _cond_rule
 
 
 def shard_kind(eqn: JaxprEqn, ctx: Context) -> Kind | None:

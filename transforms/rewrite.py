@@ -6,7 +6,7 @@ is made on demand (`wus.transforms.values.Env`): a shard from a whole value
 that is identical on every replica is a local slice (`collectives.shard`), a
 whole value from a shard is an all-gather (`collectives.all_gather`).
 Equations the Plan puts on shards run by the rule for their `Kind`
-(`shard_rules`); every other equation is re-bound unchanged on whole values.
+(`@shard_rule`); every other equation is re-bound unchanged on whole values.
 A gradient all-reduce becomes a reduce-scatter with the padding fused in (Fig. 3).
 
 Before/after for one Adam tensor (N = 8, w: f32[4,3] → flat [12] → pad 4 →
@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from wus import collectives
-from wus.analysis import compat, formats
+from wus.analysis import compat, formats, rules
 from wus.analysis.compat import ClosedJaxpr, JaxprEqn
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import JaxprPlan, Plan
@@ -44,8 +44,10 @@ from wus.transforms.values import Env, Held
 
 ShardRule = Callable[[JaxprEqn, Env], list[Any]]
 shard_rules: dict[Kind, ShardRule] = {}
+shard_rule = rules.registrar(shard_rules, "shard rule")
 
 
+@shard_rule(Kind.ELEMENTWISE)
 def _elementwise(eqn: JaxprEqn, env: Env) -> list[Any]:
   y = eqn.outvars[0]
   ins = [env.whole(x) if compat.is_literal(x) or not x.aval.shape else
@@ -65,10 +67,13 @@ def _literal_key(atom) -> tuple:
   return ("literal", np.asarray(atom.val).tobytes(), atom.aval)
 
 
+@shard_rule(Kind.LAYOUT, Kind.IDENTITY)
 def _same_shard(eqn: JaxprEqn, env: Env) -> list[Any]:
-  return [env.shard(eqn.invars[0])]  # Same elements in the same row-major order.
+  # Same elements in the same row-major order; IDENTITY: pmax / pmin of equal values.
+  return [env.shard(eqn.invars[0])]
 
 
+@shard_rule(Kind.REDUCE_UNIT)
 def _reduce_unit(eqn: JaxprEqn, env: Env) -> list[Any]:
   # Each output element reduces one input element: reduce a unit dim of the shard.
   x = env.shard(eqn.invars[0])
@@ -90,6 +95,7 @@ def _masked(env: Env, v, x, reduction: Reduction) -> Any:
   return jnp.where(mask, x, reduction.identity(x.dtype))
 
 
+@shard_rule(Kind.REDUCE)
 def _reduce(eqn: JaxprEqn, env: Env) -> list[Any]:
   # The format keeps reduced and kept dims in separate merged dims. A kept
   # shard dim makes the reduction local; a reduced one gives partial results.
@@ -103,6 +109,7 @@ def _reduce(eqn: JaxprEqn, env: Env) -> list[Any]:
   return [_Partial(jnp.reshape(partial, y.aval.shape), reduction.op, env.axes(v))]
 
 
+@shard_rule(Kind.BROADCAST_DIMS)
 def _broadcast_dims(eqn: JaxprEqn, env: Env) -> list[Any]:
   (x,), (y,) = eqn.invars, eqn.outvars
   return [_broadcast_shard(env, x, y, eqn.params["broadcast_dimensions"])]
@@ -131,6 +138,7 @@ def _broadcast_shard(env: Env, x, y, dims) -> Any:
   return jnp.broadcast_to(jnp.reshape(source, target), fy.shard_shape)
 
 
+@shard_rule(Kind.REDUCE_ALL)
 def _reduce_all(eqn: JaxprEqn, env: Env) -> list[Any]:
   # Mask the padding with the reduction's identity, reduce locally; the partial
   # results of all replicas are combined by one batched all-reduce (Fig. 6).
@@ -140,6 +148,7 @@ def _reduce_all(eqn: JaxprEqn, env: Env) -> list[Any]:
   return [_Partial(_bind_reduce(eqn, x, tuple(range(x.ndim))), reduction.op, env.axes(v))]
 
 
+@shard_rule(Kind.DOT_ALL)
 def _dot_all(eqn: JaxprEqn, env: Env) -> list[Any]:
   # An inner product: the local dot of both shards, padding zeroed in both
   # (0 * inf would be NaN), summed across replicas with the other partials.
@@ -159,11 +168,13 @@ class _Partial(tuple):
     return super().__new__(cls, (value, op, tuple(axes)))
 
 
+@shard_rule(Kind.BROADCAST)
 def _broadcast(eqn: JaxprEqn, env: Env) -> list[Any]:
   one = jnp.reshape(env.whole(eqn.invars[0]), ())
   return [jnp.broadcast_to(one, env.fmt(eqn.outvars[0]).shard_shape)]
 
 
+@shard_rule(Kind.REDUCE_SCATTER)
 def _reduce_scatter(eqn: JaxprEqn, env: Env) -> list[Any]:
   # Waits for its first reader, which reduce-scatters every waiting gradient
   # together (`Env.scatter`).
@@ -173,17 +184,13 @@ def _reduce_scatter(eqn: JaxprEqn, env: Env) -> list[Any]:
   return [Held(summand=env.whole(v), across=across)]
 
 
+@shard_rule(Kind.SUM_OF_COPIES)
 def _sum_of_copies(eqn: JaxprEqn, env: Env) -> list[Any]:
   copies = math.prod(lax.axis_size(a) for a in compat.collective_axes(eqn))
   return [collectives.sum_of_copies(env.shard(eqn.invars[0]), copies)]
 
 
-shard_rules.update({Kind.ELEMENTWISE: _elementwise, Kind.LAYOUT: _same_shard,
-                    Kind.REDUCE_UNIT: _reduce_unit, Kind.REDUCE_ALL: _reduce_all,
-                    Kind.REDUCE: _reduce, Kind.DOT_ALL: _dot_all,
-                    Kind.BROADCAST_DIMS: _broadcast_dims})
-
-
+@shard_rule(Kind.COND)
 def _cond(eqn: JaxprEqn, env: Env) -> list[Any]:
   # Big operands enter every branch as shards; each branch is rewritten by its
   # own JaxprPlan and returns its big results as shards.
@@ -196,9 +203,7 @@ def _cond(eqn: JaxprEqn, env: Env) -> list[Any]:
   return cond.bind([env.whole(cond.index), *ops], fns)
 
 
-shard_rules[Kind.COND] = _cond
-
-
+@shard_rule(Kind.LOOP)
 def _loop(eqn: JaxprEqn, env: Env) -> list[Held]:
   # Carries the body's JaxprPlan holds as shards enter as shards (sliced before
   # the loop) and leave as shards; they are gathered after the loop only where
@@ -217,15 +222,14 @@ def _loop(eqn: JaxprEqn, env: Env) -> list[Held]:
           for k, x in enumerate(outs)]
 
 
-shard_rules[Kind.LOOP] = _loop
-
-
+@shard_rule(Kind.OWNED_SCATTER, Kind.OWNED)
 def _owned(eqn: JaxprEqn, env: Env) -> list[Any]:
   # Owned updates run on whole tensors, each on its owner (`owned.Region.meet`).
   columns = env.owned.meet(eqn, env.jaxpr_plan.shard_eqns[env.current], env)
   return [Held(shard=x) for x in columns]
 
 
+@shard_rule(Kind.SCATTER_BLOCKS)
 def _scatter_blocks(eqn: JaxprEqn, env: Env) -> list[Any]:
   # A gradient all-reduce read by nothing else: one reduce-scatter over the replica axes
   # of every block, then over the blocks' axes. Otherwise the all-reduced value, the
@@ -240,12 +244,6 @@ def _scatter_blocks(eqn: JaxprEqn, env: Env) -> list[Any]:
                                        compat.collective_axes(eqn))]
   (whole,) = compat.bind(eqn, env.whole(x))
   return [collectives.shard(whole, env.fmt(y), env.axes(y))]
-
-
-shard_rules.update({Kind.OWNED_SCATTER: _owned, Kind.OWNED: _owned, Kind.BROADCAST: _broadcast,
-                    Kind.REDUCE_SCATTER: _reduce_scatter, Kind.SUM_OF_COPIES: _sum_of_copies,
-                    Kind.SCATTER_BLOCKS: _scatter_blocks,
-                    Kind.IDENTITY: _same_shard})  # IDENTITY: pmax / pmin of equal values.
 
 
 def rewrite(jaxpr: ClosedJaxpr, plan: Plan) -> Callable[..., list[Any]]:

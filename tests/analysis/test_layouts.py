@@ -9,6 +9,9 @@ do not divide).
 
 from __future__ import annotations
 
+import importlib
+import inspect
+
 import jax.numpy as jnp
 import pytest
 from jax import lax
@@ -169,8 +172,22 @@ def test_boundaries_of_a_reduced_statistic_come_back_to_the_weight():
   assert layout.formats[second] == ShardFormat((3, 5), (3, 5), 8)
 
 
-def test_every_kind_has_a_layout_rule_and_a_shard_rule():
-  """A Kind added without its layout constraint or its rewrite fails here, not in a user's step."""
-  from wus.transforms import rewrite
-  assert set(layouts.layout_rules) == set(Kind)
-  assert set(rewrite.shard_rules) == set(Kind)
+def _declared_at(kind: Kind) -> str:
+  """`file:line` of `kind`'s member in `shardable.Kind`."""
+  lines, start = inspect.getsourcelines(Kind)
+  k = next(k for k, line in enumerate(lines) if line.lstrip().startswith(f"{kind.name} = "))
+  return f"{inspect.getsourcefile(Kind)}:{start + k}"
+
+
+@pytest.mark.parametrize("module, table, decorator", [
+    ("wus.analysis.layouts", "layout_rules", "layout_rule"),
+    ("wus.transforms.rewrite", "shard_rules", "shard_rule"),
+])
+def test_every_kind_has_a_layout_rule_and_a_shard_rule(module, table, decorator):
+  """A Kind added without its layout constraint or its rewrite fails here, not in a user's
+  step, naming the Kind's line and where its rule goes."""
+  mod = importlib.import_module(module)
+  missing = [f"{k} ({_declared_at(k)}): add @{decorator}({k}) at its rule in "
+             f"{inspect.getsourcefile(mod)}" for k in Kind if k not in getattr(mod, table)]
+  assert not missing, "\n".join(missing)
+  assert set(getattr(mod, table)) == set(Kind)
