@@ -114,11 +114,11 @@ def differs_over(jaxpr: Jaxpr, cluster, facts: Redundancy, axes: frozenset) -> s
   Returns:
     None, or the reason in words (`why_differs`).
   """
-  for i in cluster.seeds:
-    if set(compat.collective_axes(jaxpr.eqns[i])) & axes and not sums_over(jaxpr, cluster, axes):
+  summed = set(cluster.seeds) if sums_over(jaxpr, cluster, axes) else set()
+  for i in (i for i in cluster.seeds if i not in summed):
+    if set(compat.collective_axes(jaxpr.eqns[i])) & axes:
       return (f"its gradient all-reduce at {compat.source_line(jaxpr.eqns[i])} runs over "
               "some of them")
-  summed = set(cluster.seeds) if sums_over(jaxpr, cluster, axes) else set()
   for i in cluster.eqns:
     eqn = jaxpr.eqns[i]
     if compat.side_effects(eqn):

@@ -123,9 +123,10 @@ class Env:
     if dtypes:  # Rows of owned gradients, in the same batched reduce-scatters.
       self.owned.scattered(dtypes, outs[len(vs):])
     groups: dict = {}
-    for v, x, (copies, summed) in zip(vs, outs[:len(vs)], keys, strict=True):
+    for v, x, (copies, over_copies) in zip(vs, outs[:len(vs)], keys, strict=True):
       self.held[v].shard, self.held[v].summand = x, None
-      if (across := tuple(a for a in self.held[v].across if not summed or a not in copies)):
+      if (across := tuple(a for a in self.held[v].across
+                          if not over_copies or a not in copies)):
         groups.setdefault(across, []).append(v)
     for across, us in groups.items():
       shards = [self.held[u].shard for u in us]
