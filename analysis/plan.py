@@ -203,7 +203,7 @@ class Plan:
   Attributes:
     axes: the replica mesh axes the update is sharded over.
     num_shards: replicas along `axes` (N).
-    inputs: one entry per flat input.
+    inputs: one entry per flat argument leaf of the step.
     clusters: one entry per weight-update cluster.
     min_size: tensors with fewer elements (or fewer than N) stay whole.
     jaxpr_plan: the rewrite's instructions for the step; its `sharded_in` are
@@ -240,6 +240,10 @@ class Plan:
     outside: why parts of the update run outside the sharded region, as the front
       end's JAX function runs them (`wus.jit`: an equation that needs a dim whole
       that a model axis splits, and what it reads); () when none does.
+    input_of: per input of the planned jaxpr, the index in `inputs` of the argument it
+      is, or None for a value the rest of the step computes (`wus.jit`'s region reads
+      gradients and activations); () when the planned jaxpr's inputs are the
+      arguments themselves. `jaxpr_plan` and `state_inputs` are keyed by the former.
 
   `str(plan)` (what `print` shows) is one line per cluster, the totals first;
   `plan.details()` the full table: every tensor with its format, every input.
@@ -266,6 +270,7 @@ class Plan:
   copy_axes: tuple = ()
   copies: int = 1
   outside: tuple[str, ...] = ()
+  input_of: tuple[int | None, ...] = ()
 
   def shard_axes(self, fmt: Format) -> tuple:
     """The mesh axes a tensor's shards in `fmt` lie over, major first (shard r * copies + c)."""
@@ -315,15 +320,23 @@ class Plan:
   def state_bytes(self) -> tuple[int, int]:
     """(whole bytes, per-device bytes) of the inputs kept sharded between steps; whole
     over every block of a tensor the user's spec splits over other axes too."""
-    whole = sum(self.inputs[k].nbytes * self.inputs[k].blocks for k in self.state_inputs)
-    shard = sum(f.shard_size * self.inputs[k].itemsize for k, f in self.state_inputs.items())
+    kept = self.kept_sharded
+    whole = sum(self.inputs[k].nbytes * self.inputs[k].blocks for k in kept)
+    shard = sum(f.shard_size * self.inputs[k].itemsize for k, f in kept.items())
     return whole, shard
+
+  @property
+  def kept_sharded(self) -> Mapping[int, Format]:
+    """Index in `inputs` -> format, for the arguments kept sharded between steps."""
+    if not self.input_of:
+      return self.state_inputs
+    return {self.input_of[k]: f for k, f in self.state_inputs.items()}
 
   def _split_state(self) -> str:
     """The sharded state per device as a fraction of the layout of the user's specs
     alone (state split over a model axis), or "" when no spec splits any."""
     whole, shard = self.state_bytes
-    alone = sum(self.inputs[k].nbytes for k in self.state_inputs)
+    alone = sum(self.inputs[k].nbytes for k in self.kept_sharded)
     if whole == alone or not shard:
       return ""
     return (f"; {shard / whole:.3g} of a whole copy, {shard / alone:.3g} of what the "
@@ -334,7 +347,7 @@ class Plan:
     wus shards it over and what each device holds of it ("" for a whole replicated one)."""
     i = self.inputs[k]
     split = f"split over {[a for a, _ in i.split]} by {self.split_by}" if i.split else ""
-    fmt = self.state_inputs.get(k) if i.sharded else None
+    fmt = self.kept_sharded.get(k) if i.sharded else None
     if fmt is None and i.fsdp and i.state:
       return (f" [{', '.join(filter(None, [split, f'FSDP over {list(i.fsdp)}']))}: already "
               f"split by {self.split_by}, nothing repeated there: {_bytes(i.nbytes)} per device]")
@@ -431,18 +444,3 @@ def _label(c: ClusterPlan) -> str:
   name = main.name if main.role != "gradient" else "gradient"
   more = f" +{len(c.tensors) - 1}" if len(c.tensors) > 1 else ""
   return f"{name} {main.dtype}[{shape}]{more}"
-
-
-def replicated(plan: Plan, reason: str) -> Plan:
-  """`plan` with every cluster kept replicated and every input whole, for `reason`.
-
-  The rewrite then replays the step unchanged.
-  """
-  clusters = tuple(dataclasses.replace(
-      c, sharded=False, why=Reason(reason), owner=None,
-      tensors=tuple(dataclasses.replace(t, format=None) for t in c.tensors)) for c in plan.clusters)
-  inputs = tuple(dataclasses.replace(i, sharded=False, why=Reason(reason)) if i.sharded else i
-                 for i in plan.inputs)
-  return dataclasses.replace(plan, inputs=inputs, clusters=clusters,
-                             jaxpr_plan=JaxprPlan({}, {}, {}), formats={}, gather_dtypes={},
-                             owned=None)

@@ -11,17 +11,40 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from wus.analysis import clusters as clusters_lib
 from wus.analysis import (compat, cost, formats, kept_state, loops, network, ordering,
                           ownership, reasons)
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
-from wus.analysis.plan import Grouping, InputPlan, JaxprPlan, Plan, replicated
+from wus.analysis.plan import Grouping, InputPlan, JaxprPlan, Plan
 from wus.analysis.plan_cluster import Planning, Scope, plan_cluster
 from wus.analysis.redundancy import Redundancy
 from wus.analysis.shardable import Kind
 from wus.collectives import batched
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+  """One argument leaf of a step whose planned jaxpr is a region of it (`wus.jit`): a
+  planner input, so that the Plan lists the step's arguments rather than the region's
+  operands.
+
+  Attributes:
+    name: the argument's pytree path.
+    shape, dtype: its shape and dtype (a numpy dtype, or a typed PRNG key's).
+    operand: the region's input it enters as (through sharding constraints too), or None:
+      only the rest of the step (the forward and backward pass) reads it.
+    matched: its next value among the step's outputs and the rule that found it, or ""
+      when the step returns none (it is not state).
+  """
+
+  name: str
+  shape: tuple[int, ...]
+  dtype: Any
+  operand: int | None
+  matched: str = ""
 
 
 def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: int,
@@ -35,7 +58,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               fsdp: Mapping[int, tuple] | None = None,
               copies: Mapping[str, int] | None = None, group_size: int | None = None,
               grouping: Grouping | None = None, split_by: str = "its spec",
-              outside: tuple[str, ...] = ()) -> Plan:
+              outside: tuple[str, ...] = (),
+              arguments: Sequence[Argument] | None = None) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
@@ -83,6 +107,10 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
       "its spec" (`wus.shard_map`) or "its placement" (`wus.jit`).
     outside: why parts of the update run outside this step, as the front end's JAX
       function runs them (`wus.jit`'s equations outside its region: `Plan.outside`).
+    arguments: the step's argument leaves, when `jaxpr` is a region of the step
+      (`wus.jit`): the Plan's inputs are then these, each with the plan of the input
+      of `jaxpr` it enters as (`Plan.input_of`); None: the inputs of `jaxpr` are the
+      arguments, named `in_names`.
 
   Returns:
     The frozen Plan.
@@ -92,8 +120,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
              topology or network.default_topology(num_shards), shard_weights,
              frozenset(jaxpr.invars[k] for k in roots), dict(copies or {}))
   planned = _plan(graph, ctx, state_pairs, in_names, out_names)
-  inputs = []
   state = set(state_pairs.values()) | set(state_whole or ())
+  inputs = []
   for k, v in enumerate(jaxpr.invars):
     sharded, why = planned.input_reason.get(
         k, (False, _why_whole(v, facts, ctx, bool(planned.clusters), split_reason)))
@@ -103,6 +131,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
     inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, why,
                             k in state, v.aval.dtype.itemsize, (matched or {}).get(k, ""),
                             tuple((split or {}).get(k, ())), tuple((fsdp or {}).get(k, ()))))
+  inputs, input_of = (tuple(inputs), ()) if arguments is None else _of_arguments(
+      inputs, arguments, planned.jaxpr_plan.sharded_in)
   limit, alone, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology,
                                             objective)
   # In a step with clusters grown from roots, the copy-free order of donated weights
@@ -114,15 +144,31 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   after, tied = ordering.gather_after(graph, planned.jaxpr_plan.shard_eqns, planned.formats,
                                       planned.jaxpr_plan.sharded_out, read_tokens=not rooted)
   jaxpr_plan = dataclasses.replace(planned.jaxpr_plan, gather_after=after, tied_outputs=tied)
-  plan = Plan(tuple(axes), num_shards, min_size, tuple(inputs), tuple(planned.clusters),
+  plan = Plan(tuple(axes), num_shards, min_size, inputs, tuple(planned.clusters),
               jaxpr_plan, planned.formats, planned.gather_dtypes, objective=objective,
               bucket_bytes=limit, alone_bytes=alone, buckets=buckets, owned=planned.owned,
               resolution=network.resolution(ctx.topology), copy_axes=tuple(ctx.copies),
               copies=math.prod(ctx.copies.values()), group_size=group_size,
               groups=_with_across(grouping, planned.clusters, limit), split_by=split_by,
-              outside=tuple(outside))
+              outside=tuple(outside), input_of=input_of)
   # G = 1: groups of one replica shard nothing; the rewrite replays the step.
   return replicated(plan, grouping.layout) if group_size == 1 else plan
+
+
+def replicated(plan: Plan, reason: str) -> Plan:
+  """`plan` with every cluster kept replicated and every input whole, for `reason`.
+
+  The rewrite then replays the step unchanged.
+  """
+  why = reasons.Reason(reason)
+  clusters = tuple(dataclasses.replace(
+      c, sharded=False, why=why, owner=None,
+      tensors=tuple(dataclasses.replace(t, format=None) for t in c.tensors)) for c in plan.clusters)
+  inputs = tuple(dataclasses.replace(i, sharded=False, why=why) if i.sharded else i
+                 for i in plan.inputs)
+  return dataclasses.replace(plan, inputs=inputs, clusters=clusters,
+                             jaxpr_plan=JaxprPlan({}, {}, {}), formats={}, gather_dtypes={},
+                             owned=None)
 
 
 def unchanged_plan(jaxpr: Jaxpr, in_names: Sequence[str], axes: Sequence, num_shards: int,
@@ -140,6 +186,37 @@ def unchanged_plan(jaxpr: Jaxpr, in_names: Sequence[str], axes: Sequence, num_sh
                            reasons.Reason(reason))
                  for name, v in zip(in_names, jaxpr.invars, strict=True))
   return Plan(tuple(axes), num_shards, 0, inputs, (), JaxprPlan({}, {}, {}), unchanged=reason)
+
+
+def _of_arguments(operands: list[InputPlan], arguments: Sequence[Argument],
+                  sharded_in: Mapping[int, object]) -> tuple[tuple[InputPlan, ...], tuple]:
+  """The Plan's inputs when the planned jaxpr is a region of the step: one per argument
+  leaf, each the plan of the region input it enters as, named by its path and state if
+  the step returns its next value; and `Plan.input_of`.
+
+  Raises:
+    AssertionError: an input kept sharded that is no argument (the front end's state
+      pairs are arguments only).
+  """
+  input_of: list[int | None] = [None] * len(operands)
+  inputs = []
+  for k, a in enumerate(arguments):
+    if a.operand is None:
+      inputs.append(InputPlan(a.name, tuple(a.shape), a.dtype.name, False,
+                              reasons.Reason(_OUTSIDE), bool(a.matched), a.dtype.itemsize,
+                              a.matched))
+      continue
+    if input_of[a.operand] is None:
+      input_of[a.operand] = k
+    op = operands[a.operand]
+    inputs.append(dataclasses.replace(op, name=a.name, state=op.state or bool(a.matched),
+                                      matched=op.matched or a.matched))
+  assert all(input_of[k] is not None for k in sharded_in), "sharded state must be an argument"
+  return tuple(inputs), tuple(input_of)
+
+
+_OUTSIDE = ("read only by the rest of the step (the forward and backward pass), which runs "
+            "as jax.jit runs it")
 
 
 def _with_across(grouping: Grouping | None, cluster_plans, bucket_bytes: int) -> Grouping | None:

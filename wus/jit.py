@@ -35,7 +35,7 @@ from wus import jit_arguments, jit_region, pipeline, runtime
 from wus.analysis import compat, global_view, planner
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import Plan
-from wus.api import ShardedStep
+from wus.analysis.planner import Argument
 from wus.matching import Signature, StateMatch, argument_paths, match_state
 from wus.options import Options
 from wus.sharded import ShardedArray, check_alive, is_sharded
@@ -98,7 +98,8 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
                     static_argnums=static_argnums, static_argnames=static_argnames,
                     donate_argnums=donate_argnums, donate_argnames=donate_argnames)
   jit_kwargs = {k: v for k, v in jit_kwargs.items() if v is not None}
-  options = dict(min_shard_size=min_shard_size, objective=objective, topology=topology)
+  # Validated once, here: a bad objective= raises before any call.
+  options = Options(min_shard_size=min_shard_size, objective=objective, topology=topology)
 
   def make(f: Callable) -> JitStep:
     return JitStep(f, jit_kwargs, options)
@@ -116,8 +117,7 @@ class JitStep:
   are. A call raises `ValueError` for an argument donated to an earlier call.
   """
 
-  def __init__(self, fun: Callable, jit_kwargs: dict, options: dict):
-    Options(**options)  # Validated once, here: a bad objective= raises before any call.
+  def __init__(self, fun: Callable, jit_kwargs: dict, options: Options):
     self._fun = fun
     self._jit_kwargs = jit_kwargs
     self._options = options
@@ -318,25 +318,27 @@ class JitStep:
     in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
     out_shape = traced.out_info
     region_out = {v: k for k, v in enumerate(region.outvars)}
-    pairs, how = _region_state(jaxpr, region, self._state(args, dyn, out_shape))
+    match = self._state(args, dyn, out_shape)
+    pairs, how = _region_state(jaxpr, region, match)
     in_names = [_name_of(jaxpr, v, in_pos, paths) for v in region.invars]
     out_paths = ["output" + jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     out_names = [next(out_paths[k] for k, w in enumerate(jaxpr.outvars) if w is v)
                  for v in region.outvars]
     in_specs, out_specs = specs
-    step = ShardedStep(
+    step = pipeline.Step(
         global_view_program.region_fn(jaxpr, region, axes, blocks, dict(mesh.shape)),
-        mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
-        axis_names=frozenset(), axis_name=jit_region.update_axes(axes, blocks),
-        split_reason="split over the batch axes", copies=True,
+        in_specs, out_specs, check_vma=False, split_reason="split over the batch axes",
         match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
-        names=(in_names, out_names), split_by="its placement", outside=outside,
-        **self._options)
+        names=(in_names, out_names), copies=True, split_by="its placement", outside=outside,
+        arguments=_arguments(jaxpr, region, paths, match, out_paths))
     region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                              sharding=NamedSharding(mesh, s))
                         for v, s in zip(region.invars, in_specs, strict=True))
-    sub = step.compiled(step.per_call(region_args))
+    options = dataclasses.replace(self._options, axis_name=jit_region.update_axes(axes, blocks))
+    sub = pipeline.compile_step(pipeline.Call(
+        step, options, region_args, region_args, jax.tree.structure(region_args), frozenset(),
+        mesh, frozenset()))
     if outside and not any(c.sharded or c.owner is not None for c in sub.plan.clusters):
       return (f"the update cannot run on the blocks of the tensors split over "
               f"{sorted(set(blocks.axes()))}: {outside[0]}; the step runs as jax.jit runs it")
@@ -392,6 +394,22 @@ def _region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple
       pairs[region_out[ov]] = region_in[iv]
       how[region_in[iv]] = match.how[i]
   return pairs, how
+
+
+def _arguments(jaxpr, region: global_view.Region, paths: list[str], match: StateMatch,
+               out_paths: list[str]) -> tuple[Argument, ...]:
+  """The step's argument leaves for the planner (`planner.Argument`): each with the region
+  input it enters as (itself, or a sharding constraint of it) and its next value."""
+  operand = {v: k for k, v in enumerate(region.invars)}
+  for e in jaxpr.eqns:  # `x` of `eqx.filter_shard((x, y), sharding)` enters as its result.
+    if (compat.is_sharding_constraint(e) and not compat.is_literal(e.invars[0])
+        and e.outvars[0] in operand):
+      operand.setdefault(e.invars[0], operand[e.outvars[0]])
+  nexts = {i: o for o, i in match.pairs.items()}
+  return tuple(Argument(path, tuple(v.aval.shape), v.aval.dtype, operand.get(v),
+                        f"next value {out_paths[nexts[k]]} (by {match.how[k]})"
+                        if k in nexts else "")
+               for k, (path, v) in enumerate(zip(paths, jaxpr.invars, strict=True)))
 
 
 def _name_of(jaxpr, v, in_pos: dict, paths: list[str]) -> str:

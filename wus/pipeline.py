@@ -24,7 +24,7 @@ from wus import mesh_axes, runtime
 from wus.analysis import compat, cost, network, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Grouping, Plan
-from wus.analysis.planner import make_plan
+from wus.analysis.planner import Argument, make_plan
 from wus.matching import Signature, StateMatch, argument_paths, aval, match_state
 from wus.options import Options
 from wus.sharded import is_sharded
@@ -51,6 +51,8 @@ class Step:
     copies: whether an update identical across the other manual axes is sharded
       over them too (`Plan.copy_axes`); None: unless the user's `axis_name=`
       names the sharding axes (`wus.jit` names them itself and allows it).
+    arguments: the step's argument leaves when `f` is a region of it (`wus.jit`):
+      the Plan lists these (`planner.Argument`); None: `f`'s own.
   """
 
   f: Callable
@@ -65,6 +67,7 @@ class Step:
   copies: bool | None = None
   split_by: str = "its spec"
   outside: tuple[str, ...] = ()
+  arguments: tuple[Argument, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +414,10 @@ def plan(analysed: Analysed) -> Planned:
       topology=analysed.topology,
       copies=mesh_axes.copy_axes(copies, g.mesh, g.manual, f.axes, g.home),
       group_size=m.request.size, grouping=g.grouping, split_by=step.split_by,
-      outside=step.outside))
+      outside=step.outside, arguments=None if step.arguments is None else tuple(
+          # Each argument's operand of the region, as an operand of the traced step.
+          dataclasses.replace(a, operand=m.traced.body_pos.get(a.operand))
+          for a in step.arguments)))
 
 
 def build(planned: Planned) -> Compiled:

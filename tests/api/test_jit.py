@@ -191,6 +191,41 @@ def test_no_batch_split_runs_unchanged_with_the_reason():
   assert "no argument is split" in str(plan)
 
 
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plan_lists_the_step_arguments_not_the_region_operands(kind):
+  """The Plan's inputs are the step's argument leaves, by path and in order, with the same
+  decisions the region's inputs carry; arguments only the forward pass reads say so, and
+  the weights (whose next value the step returns) count as state kept whole."""
+  mesh = _mesh(kind)
+  model, tx = MLP(), optax.adam(1e-2)
+  step = classifier_step(model, tx)
+  with _context(mesh):
+    params, opt_state = _init(mesh, model, tx)
+    batch = _batches(mesh, 1)[0]
+    plan = wus.jit(step).plan(params, opt_state, batch)
+  paths = ["params" + jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(params)[0]]
+  paths += ["opt_state" + jax.tree_util.keystr(p) for p, _ in
+            jax.tree_util.tree_flatten_with_path(opt_state)[0]]
+  paths += ["batch" + jax.tree_util.keystr(p) for p, _ in
+            jax.tree_util.tree_flatten_with_path(batch)[0]]
+  assert [i.name for i in plan.inputs] == paths
+  by_name = {i.name: i for i in plan.inputs}
+  moments = [i for i in plan.inputs if ".mu[" in i.name or ".nu[" in i.name]
+  assert moments and all(i.sharded and i.state for i in moments)
+  assert plan.state_bytes[0] == sum(i.nbytes for i in moments)
+  weights = [i for i in plan.inputs if i.name.startswith("params")]
+  assert all(i.state and not i.sharded and "next value output[0]" in i.matched for i in weights)
+  assert plan.whole_state_bytes == sum(i.nbytes for i in weights) + 4  # + Adam's count.
+  labels = by_name["batch['y']"]
+  assert not labels.sharded and not labels.state and "forward and backward" in labels.reason
+  # Every sharded input of the region is an argument, and says where it is kept.
+  assert sorted(plan.kept_sharded) == sorted(paths.index(i.name) for i in moments)
+  assert all("sharded over ['data'] by wus" in line for line in plan.details().splitlines()
+             if ".mu[" in line and "float32" in line and "kernel" in line and "[" in line
+             and line.startswith("    opt_state"))
+
 # --- Steps as the Flax examples and guides write them (Auto mesh: Flax's Embed
 # cannot take a split batch on an Explicit mesh without an out_sharding). ---------
 
