@@ -363,18 +363,19 @@ class JitStep:
     run = jax.jit(functools.partial(global_view_program.run, flat, region, sub),
                   donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
     return _compiled(sub.plan, run, sharded_leaves, sharded_outputs, paths, traced.out_tree,
-                     sub.mesh, in_shardings)
+                     sub.mesh, in_shardings, sub)
 
 
 def _compiled(plan: Plan, run: Callable, sharded_leaves: dict, sharded_outputs: dict,
-              paths: list[str], out_tree, mesh: Mesh | None,
-              in_shardings: tuple = ()) -> pipeline.Compiled:
+              paths: list[str], out_tree, mesh: Mesh | None, in_shardings: tuple = (),
+              region: pipeline.Compiled | None = None) -> pipeline.Compiled:
   """The pipeline's `Compiled` of a global-view step: `run` (the jitted program of the flat
   dynamic leaves, or the user's `jax.jit` with `mesh` None: the step runs unchanged) takes
-  every leaf as an operand, on the user's mesh."""
+  every leaf as an operand, on the user's mesh; its timings are its `region`'s."""
   return pipeline.Compiled(plan, run, tuple(("arg", k) for k in range(len(paths))),
                            sharded_leaves, sharded_outputs, tuple(paths), (), (), out_tree,
-                           mesh, mesh, {}, in_shardings)
+                           mesh, mesh, region.seconds if region else {},
+                           region.lowering if region else {}, in_shardings)
 
 
 def _region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple[dict, dict]:

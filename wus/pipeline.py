@@ -13,7 +13,8 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -86,8 +87,14 @@ class Compiled:
   mesh: Mesh | None     # The mesh the programs run on (derived with shard_group_size);
                         # None: `wus.jit`'s step runs unchanged, as `jax.jit` runs it.
   user_mesh: Mesh | None  # The user's mesh: whole values enter and leave on it.
-  timings: dict         # Seconds: "trace", "analysis" (inline, plan); "rewrite" once lowered.
+  seconds: Mapping[str, float]  # Seconds of "trace" and "analysis" (inline, plan).
+  lowering: Mapping[str, float]  # The program's record, "rewrite" seconds once lowered.
   in_shardings: tuple = ()  # `wus.jit`: per flat leaf, where its program takes it.
+
+  @property
+  def timings(self) -> dict[str, float]:
+    """Seconds: "trace", "analysis"; "rewrite" once the step is lowered."""
+    return {**self.seconds, **self.lowering}
 
 
 def compile_step(call: Call) -> Compiled:
@@ -109,9 +116,8 @@ def compile_step(call: Call) -> Compiled:
     grouped = group(matched)
     traced_at = time.perf_counter()
     planned = plan(analyse(flatten(grouped)))
-    compiled = build(planned)
-    compiled.timings.update(trace=traced_at - start, analysis=time.perf_counter() - traced_at)
-    return compiled
+    return build(planned, {"trace": traced_at - start,
+                           "analysis": time.perf_counter() - traced_at})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,9 +426,9 @@ def plan(analysed: Analysed) -> Planned:
           for a in step.arguments)))
 
 
-def build(planned: Planned) -> Compiled:
+def build(planned: Planned, seconds: Mapping[str, float]) -> Compiled:
   """Stage 7: the rewritten step, jit-compiled (lowered at its first call), and how its
-  operands and outputs map to the user's leaves."""
+  operands and outputs map to the user's leaves; `seconds` the earlier stages' times."""
   a, p, f = planned.analysed, planned.plan, planned.analysed.flat
   g, t = f.grouped, f.grouped.matched.traced
   call, mesh, home = t.call, g.mesh, g.home
@@ -430,11 +436,11 @@ def build(planned: Planned) -> Compiled:
                  for _ in jax.tree.leaves(arg, is_leaf=is_sharded)]
   donated = [k for k, s in enumerate(t.sources)
              if s[0] == "arg" and arg_of_leaf[s[1]] in call.donate_argnums]
-  timings: dict = {}
+  lowering: dict = {}  # The program records its rewrite's seconds here when lowered.
   program = programs.step_program(ClosedJaxpr(f.jaxpr, ()), p, mesh=mesh, in_specs=g.in_specs,
                                   out_specs=g.out_specs, axis_names=g.manual,
                                   check_vma=t.check_vma, donate_argnums=donated,
-                                  timings=timings, home=home)
+                                  timings=lowering, home=home)
   # The Plan's state inputs are positions among the step's operands; the runtime's are
   # positions among the user's flat argument leaves.
   sharded_leaves = {t.sources[k][1]: ShardedLayout(fmt, p.shard_axes(fmt), g.in_specs[k], mesh,
@@ -447,4 +453,4 @@ def build(planned: Planned) -> Compiled:
   out_replicated = tuple(a.facts.is_redundant(v, same) for v in f.jaxpr.outvars)
   return Compiled(p, program, t.sources, sharded_leaves, sharded_outputs, a.names,
                   g.out_specs, out_replicated, jax.tree.structure(t.out_shape), mesh,
-                  call.mesh, timings)
+                  call.mesh, types.MappingProxyType(dict(seconds)), lowering)

@@ -96,7 +96,7 @@ def test_plan_and_build_keep_m_sharded(size):
   n = 8 if size is None else size
   assert planned.plan.state_inputs == {1: ShardFormat((64,), (64,), n)}
   assert planned.plan.group_size == size
-  compiled = pipeline.build(planned)
+  compiled = pipeline.build(planned, {"trace": 1.0, "analysis": 2.0})
   assert compiled.plan is planned.plan
   assert set(compiled.sharded_leaves) == {1} and set(compiled.sharded_outputs) == {1}
   assert compiled.out_replicated == (True, True) and compiled.user_mesh is mesh(8)
@@ -115,3 +115,21 @@ def test_compile_step_is_the_chain(size):
     assert compiled.plan.group_size is None
     assert compiled.plan.groups.chosen.startswith("shard_group_size='auto'")
   assert set(compiled.timings) >= {"trace", "analysis"}
+
+
+def test_timings_are_the_stages_and_the_rewrite_once_lowered():
+  """The stages' seconds are fixed when `Compiled` is made; the rewrite's appear when the
+  program is lowered, recorded by the program, and nothing else changes."""
+  call = _call()
+  compiled = pipeline.compile_step(call)
+  before = compiled.timings
+  assert set(before) == {"trace", "analysis"} and min(before.values()) >= 0
+  with pytest.raises(TypeError):
+    compiled.seconds["trace"] = 0.0  # A read-only view.
+  layout = compiled.sharded_leaves[1]
+  ops = [call.leaves[0], jax.ShapeDtypeStruct(layout.padded_shape, jnp.float32,
+                                              sharding=layout.data_sharding), call.leaves[2]]
+  compiled.step.lower(*ops)
+  after = compiled.timings
+  assert set(after) == {"trace", "analysis", "rewrite"} and after["rewrite"] > 0
+  assert {k: after[k] for k in before} == before
