@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import compat, global_view
+from wus import runtime
 from wus.sharded import is_sharded
 from wus.transforms import global_view as global_view_program
 from wus.transforms import inline
@@ -30,33 +31,23 @@ def dyn_structure(args: tuple, kwargs: dict, static_nums: frozenset, static_name
 
 
 def leaf_key(x) -> tuple:
-  """The cache key of one leaf: logical shape, dtype, weak type, and the mesh axes it is
-  split over (sharded state keys as the whole value it stands for)."""
+  """The cache key of one leaf: `runtime.leaf_signature` (logical shape, dtype, weak type;
+  sharded state keys as the whole value it stands for) and the mesh axes of size > 1 it is
+  split over (a weight placed over an (8, 1) mesh's "model" axis is whole, and keys as such)."""
   if is_sharded(x):
-    return (x.shape, x.dtype, False, split_axes(x.spec))
-  if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+    spec = x.spec
+  else:
     sharding = getattr(x, "sharding", None)
-    split = (split_axes(_without_size_1(sharding.spec, sharding.mesh))
-             if isinstance(sharding, NamedSharding) else None)
-    return (tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False)), split)
-  return (type(x), ())
+    spec = (P(*[_without_size_1(e, sharding.mesh) for e in sharding.spec])
+            if isinstance(sharding, NamedSharding) else None)
+  return (*runtime.leaf_signature(x), (runtime.normal(spec) or None) if spec is not None else None)
 
 
-def _without_size_1(spec: P, mesh) -> P:
-  """`spec` without the mesh axes of size 1 (they split nothing: a weight placed over an
-  (8, 1) mesh's "model" axis is whole, and keys as such)."""
-  def keep(e):
-    names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if mesh.shape.get(n, 2) > 1)
-    return None if e is None or not names else names[0] if len(names) == 1 else names
-  return P(*[keep(e) for e in spec])
-
-
-def split_axes(spec: P) -> tuple | None:
-  """A PartitionSpec without trailing Nones; None when it splits nothing."""
-  entries = list(spec)
-  while entries and entries[-1] is None:
-    entries.pop()
-  return tuple(entries) or None
+def _without_size_1(entry, mesh):
+  """One PartitionSpec entry without the mesh axes of size 1 (they split nothing)."""
+  names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,))
+                if entry is not None and mesh.shape.get(n, 2) > 1)
+  return None if not names else names[0] if len(names) == 1 else names
 
 
 def declared(shardings: Any, tree: Any, leaves: list) -> list:
