@@ -52,7 +52,7 @@ _LOCAL = (Kind.SUM_OF_COPIES, Kind.IDENTITY)  # Collectives of equal values: loc
 
 
 @dataclasses.dataclass
-class Owned:
+class OwnershipPart:
   """What `plan_ownership` adds to a step's plan.
 
   Attributes:
@@ -92,7 +92,7 @@ class _Unit:
 
 
 def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind],
-                   state_pairs: Mapping[int, int], in_names, out_names) -> Owned:
+                   state_pairs: Mapping[int, int], in_names, out_names) -> OwnershipPart:
   """Plans ownership for the replicated clusters `candidates` of a step (module docstring).
 
   Args:
@@ -107,7 +107,7 @@ def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind
   Returns:
     The additions to the plan.
   """
-  out, jaxpr = Owned(), graph.jaxpr
+  out, jaxpr = OwnershipPart(), graph.jaxpr
   units: list[_Unit] = []
   kind_ctx = shardable.Context(ctx.facts, ctx.axes)
   for idx, c, cp in candidates:

@@ -360,10 +360,10 @@ def _whole_readers(s: Scope, ctx: _Ctx, acc: Planning, found: list, clustered: s
       acc.reasons.whole(in_pos, reasons.NoShardRule(reader))
 
 
-def _own(s: Scope, ctx: _Ctx, acc: Planning) -> ownership.Owned:
+def _own(s: Scope, ctx: _Ctx, acc: Planning) -> ownership.OwnershipPart:
   """Stage 5: replicated clusters run on whole tensors by their owners (`ownership`)."""
   if not acc.candidates:
-    return ownership.Owned()
+    return ownership.OwnershipPart()
   owned = ownership.plan_ownership(s.graph, ctx, acc.candidates, acc.shard_eqns,
                                    s.state_pairs, s.in_names, s.out_names)
   for idx, cluster_plan in owned.clusters.items():

@@ -41,7 +41,7 @@ from wus.collectives import owned as rows_lib
 from wus.transforms import interpret
 
 
-class Region:
+class OwnedUpdates:
   """The owned updates of one step, as the rewrite meets them.
 
   Attributes:
@@ -194,7 +194,7 @@ class _Owners:
   rows of owned state (one per bank, `banks`), the `external` values read whole.
   """
 
-  def __init__(self, region: Region, jaxpr, banks: list, seeds: set[int], external: list,
+  def __init__(self, region: OwnedUpdates, jaxpr, banks: list, seeds: set[int], external: list,
                dtypes: list):
     self.region, self.own, self.jaxpr = region, region.own, jaxpr
     self.banks, self.seeds, self.external, self.dtypes = banks, seeds, external, dtypes

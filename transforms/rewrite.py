@@ -224,7 +224,7 @@ def _loop(eqn: JaxprEqn, env: Env) -> list[Held]:
 
 @shard_rule(Kind.OWNED_SCATTER, Kind.OWNED)
 def _owned(eqn: JaxprEqn, env: Env) -> list[Any]:
-  # Owned updates run on whole tensors, each on its owner (`owned.Region.meet`).
+  # Owned updates run on whole tensors, each on its owner (`owned.OwnedUpdates.meet`).
   columns = env.owned.meet(eqn, env.jaxpr_plan.shard_eqns[env.current], env)
   return [Held(shard=x) for x in columns]
 

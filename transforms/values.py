@@ -48,8 +48,8 @@ class Env:
     self.summands: list = []  # Variables waiting for their reduce-scatter.
     self.casts: dict = {}    # Whole values cast to varying (compat.match_varying).
     self.current = -1        # Index of the equation being rewritten.
-    self.owned = (owned.Region(plan) if plan.owned is not None and jaxpr_plan is plan.jaxpr_plan
-                  else None)
+    self.owned = (owned.OwnedUpdates(plan)
+                  if plan.owned is not None and jaxpr_plan is plan.jaxpr_plan else None)
 
   def fmt(self, v) -> ShardFormat:
     return self.plan.formats[v]
