@@ -202,9 +202,9 @@ def _of_arguments(operands: list[InputPlan], arguments: Sequence[Argument],
   inputs = []
   for k, a in enumerate(arguments):
     if a.operand is None:
-      inputs.append(InputPlan(a.name, tuple(a.shape), a.dtype.name, False,
-                              reasons.Reason(_OUTSIDE), bool(a.matched), a.dtype.itemsize,
-                              a.matched))
+      outside = reasons.Reason(reasons.OutsideRegion())
+      inputs.append(InputPlan(a.name, tuple(a.shape), a.dtype.name, False, outside,
+                              bool(a.matched), a.dtype.itemsize, a.matched))
       continue
     if input_of[a.operand] is None:
       input_of[a.operand] = k
@@ -214,9 +214,6 @@ def _of_arguments(operands: list[InputPlan], arguments: Sequence[Argument],
   assert all(input_of[k] is not None for k in sharded_in), "sharded state must be an argument"
   return tuple(inputs), tuple(input_of)
 
-
-_OUTSIDE = ("read only by the rest of the step (the forward and backward pass), which runs "
-            "as jax.jit runs it")
 
 
 def _with_across(grouping: Grouping | None, cluster_plans, bucket_bytes: int) -> Grouping | None:

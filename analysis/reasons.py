@@ -252,6 +252,12 @@ class NotRead:
   """Whole: no weight-update cluster reads it (the forward pass only)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class OutsideRegion:
+  """Whole: an argument only the rest of a `wus.jit` step reads (the forward and backward
+  pass), which runs as `jax.jit` runs it."""
+
+
 def shifted(x, offset: int):
   """`x` with the cluster it names numbered `offset` later (a loop body's clusters
   listed in the step's Plan after others)."""
@@ -364,4 +370,6 @@ _RENDER: dict[type, Callable] = {
                                     "axis_name= the data-parallel axes)"),
     NotRead: lambda x: ("no weight-update cluster reads it (read whole only, e.g. by the "
                         "forward pass)"),
+    OutsideRegion: lambda x: ("read only by the rest of the step (the forward and backward "
+                              "pass), which runs as jax.jit runs it"),
 }
