@@ -146,11 +146,12 @@ def larger(x, sharding, axes: tuple):
 
 
 def flat_jaxpr(closed, mesh: Mesh):
-  """The traced jaxpr with its calls inlined, the placements of its inputs dropped
+  """The traced jaxpr with its calls inlined, the refs it creates discharged into values
+  (`compat.without_refs`), the placements of its inputs dropped
   (`global_view.without_input_placements`) and dead code dropped."""
   avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
                                 sharding=sharding_of(a, mesh)) for a in closed.in_avals]
-  flat = jax.make_jaxpr(inline.inlined(closed))(*avals)
+  flat = compat.without_refs(jax.make_jaxpr(inline.inlined(closed))(*avals))
   sizes = dict(mesh.shape)
   if any(global_view.is_placement(e, sizes) for e in flat.jaxpr.eqns):
     flat = jax.make_jaxpr(global_view_program.without_input_placements(flat, sizes))(*avals)

@@ -168,6 +168,15 @@ def sharding_spec(aval: Any) -> tuple[tuple, frozenset]:
   return tuple(spec), frozenset(getattr(spec, "unreduced", ()) or ())
 
 
+def type_axes(aval: Any) -> tuple:
+  """The (name, type) of each axis of the mesh in a value's type: `jax.sharding.auto_axes`
+  retypes a value onto Auto axes without moving it; () when its type carries no mesh."""
+  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+  if mesh is None or not getattr(mesh, "axis_names", ()):
+    return ()
+  return tuple(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+
 def explicit_axes(mesh: Any) -> frozenset:
   """The mesh axes of type Explicit (sharding in types, `jax.make_mesh`'s default)."""
   from jax.sharding import AxisType

@@ -161,6 +161,19 @@ def dce(jaxpr: Jaxpr) -> Jaxpr:
   return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
 
 
+def without_refs(closed: _core.ClosedJaxpr) -> _core.ClosedJaxpr:
+  """`closed` with the refs it creates itself (`jax.new_ref` inside the step) discharged
+  into values (JAX's `discharge_state`): a pure jaxpr that computes the same, each read a
+  value and each write a new one; unchanged when it creates none. (Refs it takes as inputs
+  stay: their writes are the caller's to see.)"""
+  from jax._src.state import discharge as _discharge  # noqa: PLC0415
+  from jax._src.state.types import AbstractRef  # noqa: PLC0415
+  made = any(isinstance(v.aval, AbstractRef) for e in closed.jaxpr.eqns for v in e.outvars)
+  if not made or any(isinstance(a, AbstractRef) for a in closed.in_avals):
+    return closed
+  return _discharge.discharge_state(closed)
+
+
 def attributed(eqn: JaxprEqn, caller: JaxprEqn) -> JaxprEqn:
   """`eqn` attributed to `caller`'s place in user code, for an equation of a
   call being inlined whose own traceback ends inside JAX (`jnp.where`'s jit)."""

@@ -226,6 +226,44 @@ def test_plan_lists_the_step_arguments_not_the_region_operands(kind):
              if ".mu[" in line and "float32" in line and "kernel" in line and "[" in line
              and line.startswith("    opt_state"))
 
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_refs_made_inside_the_step_are_discharged_and_the_update_sharded(kind):
+  """A step that keeps its momentum in `jax.new_ref`s it makes itself and updates them in
+  place (`ref[...] = ...`): the refs are discharged into values, so the momentum is
+  kept sharded, bit for bit with jax.jit."""
+  mesh = _mesh(kind)
+  model = MLP()
+
+  def train_step(params, momentum, batch):
+    def loss_fn(p):
+      logits = model.apply(p, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    p_refs, m_refs = jax.tree.map(jax.new_ref, params), jax.tree.map(jax.new_ref, momentum)
+
+    def sgd(p, m, g):
+      m[...] = 0.9 * m[...] + g
+      p[...] -= 0.05 * m[...]
+    jax.tree.map(sgd, p_refs, m_refs, grads)
+    return jax.tree.map(jax.ref.get, p_refs), jax.tree.map(jax.ref.get, m_refs), {"loss": loss}
+
+  with _context(mesh):
+    params, _ = _init(mesh, model, optax.sgd(0.1))
+    momentum = jax.tree.map(jnp.zeros_like, params)
+    batches = _batches(mesh, 3)
+    ref, out = (params, momentum), (params, momentum)
+    ws = wus.jit(train_step)
+    for b in batches:
+      *ref, ref_m = jax.jit(train_step)(*ref, b)
+      *out, out_m = ws(*out, b)
+    assert_trees_equal((ref, ref_m), (wus.unshard(out), out_m))
+    plan = ws.plan(*out, batches[0])
+  assert all(is_sharded(x) for x in _float_state(out[1], 8))
+  assert {i.name for i in plan.inputs if i.sharded} == {
+      "momentum" + jax.tree_util.keystr(p) for p, x in
+      jax.tree_util.tree_flatten_with_path(momentum)[0] if x.size > 8}
+
 # --- Steps as the Flax examples and guides write them (Auto mesh: Flax's Embed
 # cannot take a split batch on an Explicit mesh without an out_sharding). ---------
 

@@ -2,9 +2,11 @@
 Transformer decoder with its kernels placed over "fsdp" on an Explicit mesh, the train
 state held in `jax.Ref`s and Adam written by hand, updating them in place. Under `wus.jit`
 it runs as `jax.jit` runs it (wus shards updates of values a step takes and returns;
-refs passed in run unchanged, with the reason in the Plan), bit for bit. (Refs created
-inside a step are effects the update region leaves out too: their update runs as
-jax.jit runs it; discharging them, `discharge_state`, is the next slice.)"""
+refs passed in run unchanged, with the reason in the Plan), bit for bit. The same step
+taking and returning values, its refs made inside it, is served: its refs are discharged
+into values (`compat.without_refs`), and the embeddings' Adam state is sharded, bit for
+bit. (It also needed the gather of `x.at[i].get(out_sharding=...)`, an `auto_axes`
+region inside the Explicit mesh, to be left typed as JAX types it.)"""
 
 import functools as ft
 import itertools as it
@@ -193,3 +195,33 @@ def test_cookbook_step_with_refs_runs_as_jax_jit_with_the_reason(config):
     assert_trees_equal(step(config, ref_state, b), ws(config, state, b))
   assert_trees_equal(jax.tree.map(jax.ref.get, ref_state), jax.tree.map(jax.ref.get, state))
   assert "JAX refs it does not create" in ws.plan(config, state, batches[0]).unchanged
+
+
+def value_train_step(config: Config, train_state: dot_dict, batch: dict):
+  """The cookbook's step taking and returning values: the refs are made inside it, so the
+  cookbook's `train_step` and `adam_update` run as written."""
+  refs = jax.tree.map(jax.new_ref, train_state)
+  metrics = train_step(config, refs, batch)
+  return jax.tree.map(jax.ref.get, refs), metrics
+
+
+def test_cookbook_step_making_its_refs_inside_is_served(config):
+  """Refs the step makes itself are discharged into values (`compat.without_refs`): the
+  update region is found, the Adam state of the weights left whole by the cookbook (the
+  embeddings) is sharded over "fsdp", the kernels' stays as placed, and every step
+  matches jax.jit's bit for bit."""
+  batches = _batches(config, 3)
+  step = jax.jit(value_train_step, static_argnums=0)
+  ws = wus.jit(value_train_step, static_argnums=0)
+  ref, out = init_train_state(config), init_train_state(config)
+  for b in batches:
+    ref, ref_m = step(config, ref, b)
+    out, out_m = ws(config, out, b)
+  assert_trees_equal((ref, ref_m), (wus.unshard(out), out_m))
+  plan = ws.plan(config, out, batches[0])
+  assert not plan.unchanged
+  sharded = {i.name for i in plan.inputs if i.sharded}
+  assert {"train_state['opt']['embedding']['mu']", "train_state['opt']['embedding']['nu']",
+          "train_state['opt']['pos_embed']['mu']"} <= sharded, sharded
+  assert all(".kernel" not in n and "qkv" not in n for n in sharded), sharded
+  assert wus.sharded.is_sharded(out["opt"]["embedding"]["mu"])
