@@ -277,7 +277,7 @@ class Layer:
               f"total = total + jnp.mean(jnp.tanh(a * {p}['scale']{shift}) ** 2)"]
     if self.kind == "embed":
       vocab, width = d
-      lines = [f"e = {p}['table']{cast}[ids % {vocab}]  # [batch, {NUM_IDS}, {width}]",
+      lines = [f"e = lookup({p}['table']{cast}, ids % {vocab})  # [batch, {NUM_IDS}, {width}]",
                "total = total + jnp.mean(jnp.tanh(e.sum(1) * x[:, :1]) ** 2)"]
       if self.flag:
         lines.append(f"total = total + jnp.mean(jnp.tanh(x[:, :{width}] @ {p}['table'].T) ** 2)"
@@ -699,6 +699,14 @@ def make_params():
 def param_specs():
   """Each parameter's in_spec: column-parallel dense layers split over "model"."""
   return {specs_src}
+
+
+def lookup(table, rows):
+  """An embedding lookup as users write it: on an Explicit mesh JAX asks for the result's
+  sharding (`.at[...].get(out_sharding=...)`, a gather in Auto axes); else indexing."""
+  if {self.front == "explicit"}:
+    return table.at[rows].get(out_sharding=P("data", *[None] * (rows.ndim)))
+  return table[rows]
 
 
 def over_model(term):

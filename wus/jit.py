@@ -339,9 +339,8 @@ class JitStep:
     sub = pipeline.compile_step(pipeline.Call(
         step, options, region_args, region_args, jax.tree.structure(region_args), frozenset(),
         mesh, frozenset()))
-    if outside and not any(c.sharded or c.owner is not None for c in sub.plan.clusters):
-      return (f"the update cannot run on the blocks of the tensors split over "
-              f"{sorted(set(blocks.axes()))}: {outside[0]}; the step runs as jax.jit runs it")
+    if not any(c.sharded or c.owner is not None for c in sub.plan.clusters):
+      return _shards_nothing(sub.plan, blocks, outside)
     # Region input / output positions -> the step's flat leaves.
     sharded_leaves = {in_pos[region.invars[k]]: dataclasses.replace(layout, spec=in_specs[k])
                       for k, layout in sub.sharded_leaves.items()}
@@ -377,6 +376,18 @@ def _compiled(plan: Plan, run: Callable, sharded_leaves: dict, sharded_outputs: 
                            sharded_leaves, sharded_outputs, tuple(paths), (), (), out_tree,
                            mesh, mesh, region.seconds if region else {},
                            region.lowering if region else {}, in_shardings)
+
+
+def _shards_nothing(plan: Plan, blocks: ModelSplits | None, outside: tuple[str, ...]) -> str:
+  """Why a step whose region would shard nothing runs as jax.jit runs it: the region would
+  only change how GSPMD partitions the rest (the order of a sum, an ulp), for no saving."""
+  if outside:
+    return (f"the update cannot run on the blocks of the tensors split over "
+            f"{sorted(set(blocks.axes()))}: {outside[0]}; the step runs as jax.jit runs it")
+  why = (f"every weight-update cluster stays replicated, cluster 0: {plan.clusters[0].reason}"
+         if plan.clusters else "no weight-update cluster with a tensor to shard: each has "
+         f"at most N={plan.num_shards} elements or fewer than min_shard_size={plan.min_size}")
+  return f"the update region shards nothing ({why}); the step runs as jax.jit runs it"
 
 
 def _region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple[dict, dict]:
