@@ -52,3 +52,13 @@ def registrar(table: dict, what: str) -> Callable[..., Callable[[F], F]]:
     return decorate
 
   return register
+
+
+def distinct(*keys: Hashable) -> tuple:
+  """`keys` once each, in the order given: the keys of one registration.
+
+  Two names may be one object (a JAX release can alias one primitive under two names,
+  which `compat` hands out as they are); the registrar refuses a key registered twice,
+  so a rule registered for a set of primitives names them through `distinct`.
+  """
+  return tuple(dict.fromkeys(keys))
