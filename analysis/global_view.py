@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from wus.analysis import compat
 from wus.analysis.compat import Jaxpr, JaxprEqn, Var
+from wus.analysis.graph import Graph
 
 # Per value split over the batch axes: one entry per dim, None (not split) or
 # the tuple of mesh axes the dim is split over. A value not in the map is
@@ -283,15 +284,7 @@ def _kinds(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
   """Per equation: "sum" (a gradient sum, `sum_rules`, its split dims divisible by their
   axes' sizes), "update" (reads and writes only whole values, no effect, no manual
   code, no constraint splitting over the batch) or None (outside the region)."""
-  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-
-  def is_zero(v) -> bool:
-    if not compat.is_literal(v):
-      eqn = producer.get(v)
-      if eqn is None or eqn.primitive is not lax.broadcast_in_dim_p:
-        return False
-      v = eqn.invars[0]
-    return compat.is_literal(v) and compat.is_zero_literal(v)
+  is_zero = Graph(jaxpr).is_zero
 
   def split(v):
     return None if compat.is_literal(v) else splits.get(v)
@@ -325,17 +318,13 @@ def _move_sums(jaxpr: Jaxpr, kind: list) -> set[int]:
   """Moves each sum's all-reduce past the equations that only move its elements (the
   transpose of a kernel's gradient), so the region reduce-scatters the tensor the update
   reads: marks them in `kind` ("partial" before the new sum); the sums moved."""
-  readers: dict = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if not compat.is_literal(v):
-        readers.setdefault(v, []).append(i)
-  outputs = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  graph = Graph(jaxpr)
   moved = set()
   for i in [i for i, k in enumerate(kind) if k == "sum"]:
     start, v = i, jaxpr.eqns[i].outvars[0]
-    while (len(jaxpr.eqns[i].outvars) == 1 and v not in outputs and len(readers.get(v, ())) == 1
-           and kind[j := readers[v][0]] == "update" and _moves_elements(jaxpr.eqns[j])):
+    while (len(jaxpr.eqns[i].outvars) == 1 and v not in graph.outputs
+           and len(readers := graph.readers(v)) == 1
+           and kind[j := readers[0]] == "update" and _moves_elements(jaxpr.eqns[j])):
       kind[i], kind[j], i = "partial", "sum", j
       v = jaxpr.eqns[j].outvars[0]
       moved.add(start)
@@ -373,10 +362,9 @@ def partial_eqns(jaxpr: Jaxpr, region: Region, splits: Splits) -> frozenset[int]
 def summing_primitive(jaxpr: Jaxpr, i: int) -> compat.Primitive:
   """The primitive that sums at gradient sum `i`: its own, or, for a sum moved past
   equations that only move elements (`Region.moved`), the one before them."""
-  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-  eqn = jaxpr.eqns[i]
-  while _moves_elements(eqn) and eqn.invars[0] in producer:
-    eqn = producer[eqn.invars[0]]
+  graph, eqn = Graph(jaxpr), jaxpr.eqns[i]
+  while _moves_elements(eqn) and (p := graph.producing(eqn.invars[0])) is not None:
+    eqn = p
   return eqn.primitive
 
 

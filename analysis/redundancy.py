@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from wus.analysis import compat, primitives, rules
 from wus.analysis.compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+from wus.analysis.graph import Graph
 
 Rep = frozenset  # The mesh axes a value is replicated over.
 
@@ -66,7 +67,7 @@ def why_differs(jaxpr: Jaxpr, facts: Redundancy, v, axes: frozenset) -> str:
   without a redundancy rule (which the analysis conservatively calls
   differing). Names the first such equation and its place in user code.
   """
-  producer = {u: eqn for eqn in jaxpr.eqns for u in eqn.outvars}
+  graph = Graph(jaxpr)
   inputs = {u: k for k, u in enumerate(jaxpr.invars)}
   seen, todo = set(), [v]
   while todo:
@@ -74,7 +75,7 @@ def why_differs(jaxpr: Jaxpr, facts: Redundancy, v, axes: frozenset) -> str:
     if u in seen or compat.is_literal(u) or facts.is_redundant(u, axes):
       continue
     seen.add(u)
-    eqn = producer.get(u)
+    eqn = graph.producing(u)
     if eqn is None:
       if u in inputs:
         return f"it depends on input {inputs[u]}, which differs across replicas"
