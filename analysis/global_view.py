@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from wus.analysis import compat
+from wus.analysis import compat, rules
 from wus.analysis.compat import Jaxpr, JaxprEqn, Var
 from wus.analysis.graph import Graph
 
@@ -134,18 +134,20 @@ def _only(entry, axes: frozenset) -> tuple | None:
 # A sum rule says whether an equation, given its operands' splits, sums over
 # every dim any operand is split on (its result is then whole, and the
 # equation run on each replica's rows gives that replica's part of the sum).
+# Each is registered at its definition (`@sum_rule(prim)`, `rules.registrar`).
 SumRule = Callable[[JaxprEqn, list, Callable[[Var], bool]], bool]
 sum_rules: dict[compat.Primitive, SumRule] = {}
+sum_rule = rules.registrar(sum_rules, "sum rule")
 
 
 def _split_dims(split) -> set[int]:
   return {d for d, e in enumerate(split or ()) if e is not None}
 
 
+@sum_rule(lax.reduce_sum_p)
 def _reduce_sum(eqn, splits, is_zero) -> bool:
   (split,) = splits
   return split is not None and _split_dims(split) <= set(eqn.params["axes"])
-sum_rules[lax.reduce_sum_p] = _reduce_sum
 
 
 def _paired(lhs, rhs, lhs_dims, rhs_dims) -> bool:
@@ -156,13 +158,14 @@ def _paired(lhs, rhs, lhs_dims, rhs_dims) -> bool:
              for d, e in zip(lhs_dims, rhs_dims, strict=True))
 
 
+@sum_rule(lax.dot_general_p)
 def _dot_general(eqn, splits, is_zero) -> bool:
   (lc, rc), _ = eqn.params["dimension_numbers"]
   lhs, rhs = splits
   return (lhs is not None or rhs is not None) and _paired(lhs, rhs, lc, rc)
-sum_rules[lax.dot_general_p] = _dot_general
 
 
+@sum_rule(lax.conv_general_dilated_p)
 def _conv(eqn, splits, is_zero) -> bool:
   # A kernel's gradient: the batch is the contracted feature dim of both
   # operands (JAX's transpose of a convolution with respect to its kernel).
@@ -171,9 +174,9 @@ def _conv(eqn, splits, is_zero) -> bool:
   return (eqn.params["feature_group_count"] == 1 and eqn.params["batch_group_count"] == 1
           and (lhs is not None or rhs is not None)
           and _paired(lhs, rhs, (dn.lhs_spec[1],), (dn.rhs_spec[1],)))
-sum_rules[lax.conv_general_dilated_p] = _conv
 
 
+@sum_rule(lax.scatter_add_p)
 def _scatter_add(eqn, splits, is_zero) -> bool:
   # An embedding table's gradient: split rows of updates added into zeros.
   operand, indices, updates = splits
@@ -182,7 +185,6 @@ def _scatter_add(eqn, splits, is_zero) -> bool:
   batch = [d for d in range(eqn.invars[1].aval.ndim) if d != eqn.invars[1].aval.ndim - 1]
   return (operand is None and is_zero(eqn.invars[0]) and updates is not None
           and len(batch) == len(scatter) and _paired(indices, updates, batch, scatter))
-sum_rules[lax.scatter_add_p] = _scatter_add
 
 
 # --- The update region. ----------------------------------------------------------

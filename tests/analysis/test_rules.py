@@ -8,7 +8,8 @@ import sys
 import pytest
 from jax import lax
 
-from wus.analysis import compat, layouts, primitives, redundancy, rules, shardable
+from wus.analysis import (compat, global_view, layouts, primitives, redundancy, rules,
+                          shardable)
 from wus.analysis.shardable import Kind
 
 
@@ -98,11 +99,16 @@ def test_the_tables_import_when_compat_names_one_primitive_twice(monkeypatch):
   assert fresh.shardable_rules[compat.psum_p] is fresh._psum_rule
 
 
-def test_a_second_redundancy_rule_for_a_primitive_is_refused():
-  before = dict(redundancy.redundancy_rules)
-  with pytest.raises(ValueError, match="two redundancy rules for add"):
-    redundancy.redundancy_rule(lax.add_p)(lambda eqn, ins, facts: ins)
-  assert redundancy.redundancy_rules == before
+@pytest.mark.parametrize("module, table, decorator, key, what", [
+    (redundancy, "redundancy_rules", "redundancy_rule", lax.add_p, "redundancy rules for add"),
+    (shardable, "shardable_rules", "shardable_rule", lax.add_p, "shardable rules for add"),
+    (global_view, "sum_rules", "sum_rule", lax.dot_general_p, "sum rules for dot_general"),
+])
+def test_a_second_rule_for_a_primitive_is_refused(module, table, decorator, key, what):
+  before = dict(getattr(module, table))
+  with pytest.raises(ValueError, match=f"two {what}"):
+    getattr(module, decorator)(key)(lambda *args: None)
+  assert getattr(module, table) == before
 
 
 # Every primitive that communicates between replicas or reads the replica's index
