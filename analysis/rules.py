@@ -55,10 +55,11 @@ def registrar(table: dict, what: str) -> Callable[..., Callable[[F], F]]:
 
 
 def distinct(*keys: Hashable) -> tuple:
-  """`keys` once each, in the order given: the keys of one registration.
+  """`keys` once each, in the order given, None left out: the keys of one registration.
 
-  Two names may be one object (a JAX release can alias one primitive under two names,
-  which `compat` hands out as they are); the registrar refuses a key registered twice,
-  so a rule registered for a set of primitives names them through `distinct`.
+  `compat` hands out primitives as the installed JAX has them: two names may be one
+  object (a release can alias one primitive under two names), and a primitive the
+  release lacks is None. The registrar refuses a key registered twice, so a rule
+  registered for a set of primitives names them through `distinct`.
   """
-  return tuple(dict.fromkeys(keys))
+  return tuple(k for k in dict.fromkeys(keys) if k is not None)
