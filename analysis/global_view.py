@@ -44,8 +44,9 @@ from collections.abc import Callable, Mapping, Sequence
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from wus.analysis import compat
+from wus.analysis import compat, rules
 from wus.analysis.compat import Jaxpr, JaxprEqn, Var
+from wus.analysis.graph import Graph
 
 # Per value split over the batch axes: one entry per dim, None (not split) or
 # the tuple of mesh axes the dim is split over. A value not in the map is
@@ -133,18 +134,20 @@ def _only(entry, axes: frozenset) -> tuple | None:
 # A sum rule says whether an equation, given its operands' splits, sums over
 # every dim any operand is split on (its result is then whole, and the
 # equation run on each replica's rows gives that replica's part of the sum).
+# Each is registered at its definition (`@sum_rule(prim)`, `rules.registrar`).
 SumRule = Callable[[JaxprEqn, list, Callable[[Var], bool]], bool]
 sum_rules: dict[compat.Primitive, SumRule] = {}
+sum_rule = rules.registrar(sum_rules, "sum rule")
 
 
 def _split_dims(split) -> set[int]:
   return {d for d, e in enumerate(split or ()) if e is not None}
 
 
+@sum_rule(lax.reduce_sum_p)
 def _reduce_sum(eqn, splits, is_zero) -> bool:
   (split,) = splits
   return split is not None and _split_dims(split) <= set(eqn.params["axes"])
-sum_rules[lax.reduce_sum_p] = _reduce_sum
 
 
 def _paired(lhs, rhs, lhs_dims, rhs_dims) -> bool:
@@ -155,13 +158,14 @@ def _paired(lhs, rhs, lhs_dims, rhs_dims) -> bool:
              for d, e in zip(lhs_dims, rhs_dims, strict=True))
 
 
+@sum_rule(lax.dot_general_p)
 def _dot_general(eqn, splits, is_zero) -> bool:
   (lc, rc), _ = eqn.params["dimension_numbers"]
   lhs, rhs = splits
   return (lhs is not None or rhs is not None) and _paired(lhs, rhs, lc, rc)
-sum_rules[lax.dot_general_p] = _dot_general
 
 
+@sum_rule(lax.conv_general_dilated_p)
 def _conv(eqn, splits, is_zero) -> bool:
   # A kernel's gradient: the batch is the contracted feature dim of both
   # operands (JAX's transpose of a convolution with respect to its kernel).
@@ -170,9 +174,9 @@ def _conv(eqn, splits, is_zero) -> bool:
   return (eqn.params["feature_group_count"] == 1 and eqn.params["batch_group_count"] == 1
           and (lhs is not None or rhs is not None)
           and _paired(lhs, rhs, (dn.lhs_spec[1],), (dn.rhs_spec[1],)))
-sum_rules[lax.conv_general_dilated_p] = _conv
 
 
+@sum_rule(lax.scatter_add_p)
 def _scatter_add(eqn, splits, is_zero) -> bool:
   # An embedding table's gradient: split rows of updates added into zeros.
   operand, indices, updates = splits
@@ -181,7 +185,6 @@ def _scatter_add(eqn, splits, is_zero) -> bool:
   batch = [d for d in range(eqn.invars[1].aval.ndim) if d != eqn.invars[1].aval.ndim - 1]
   return (operand is None and is_zero(eqn.invars[0]) and updates is not None
           and len(batch) == len(scatter) and _paired(indices, updates, batch, scatter))
-sum_rules[lax.scatter_add_p] = _scatter_add
 
 
 # --- The update region. ----------------------------------------------------------
@@ -283,15 +286,7 @@ def _kinds(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
   """Per equation: "sum" (a gradient sum, `sum_rules`, its split dims divisible by their
   axes' sizes), "update" (reads and writes only whole values, no effect, no manual
   code, no constraint splitting over the batch) or None (outside the region)."""
-  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-
-  def is_zero(v) -> bool:
-    if not compat.is_literal(v):
-      eqn = producer.get(v)
-      if eqn is None or eqn.primitive is not lax.broadcast_in_dim_p:
-        return False
-      v = eqn.invars[0]
-    return compat.is_literal(v) and compat.is_zero_literal(v)
+  is_zero = Graph(jaxpr).is_zero
 
   def split(v):
     return None if compat.is_literal(v) else splits.get(v)
@@ -325,17 +320,13 @@ def _move_sums(jaxpr: Jaxpr, kind: list) -> set[int]:
   """Moves each sum's all-reduce past the equations that only move its elements (the
   transpose of a kernel's gradient), so the region reduce-scatters the tensor the update
   reads: marks them in `kind` ("partial" before the new sum); the sums moved."""
-  readers: dict = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if not compat.is_literal(v):
-        readers.setdefault(v, []).append(i)
-  outputs = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  graph = Graph(jaxpr)
   moved = set()
   for i in [i for i, k in enumerate(kind) if k == "sum"]:
     start, v = i, jaxpr.eqns[i].outvars[0]
-    while (len(jaxpr.eqns[i].outvars) == 1 and v not in outputs and len(readers.get(v, ())) == 1
-           and kind[j := readers[v][0]] == "update" and _moves_elements(jaxpr.eqns[j])):
+    while (len(jaxpr.eqns[i].outvars) == 1 and v not in graph.outputs
+           and len(readers := graph.readers(v)) == 1
+           and kind[j := readers[0]] == "update" and _moves_elements(jaxpr.eqns[j])):
       kind[i], kind[j], i = "partial", "sum", j
       v = jaxpr.eqns[j].outvars[0]
       moved.add(start)
@@ -373,10 +364,9 @@ def partial_eqns(jaxpr: Jaxpr, region: Region, splits: Splits) -> frozenset[int]
 def summing_primitive(jaxpr: Jaxpr, i: int) -> compat.Primitive:
   """The primitive that sums at gradient sum `i`: its own, or, for a sum moved past
   equations that only move elements (`Region.moved`), the one before them."""
-  producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-  eqn = jaxpr.eqns[i]
-  while _moves_elements(eqn) and eqn.invars[0] in producer:
-    eqn = producer[eqn.invars[0]]
+  graph, eqn = Graph(jaxpr), jaxpr.eqns[i]
+  while _moves_elements(eqn) and (p := graph.producing(eqn.invars[0])) is not None:
+    eqn = p
   return eqn.primitive
 
 

@@ -15,8 +15,10 @@ import dataclasses
 import weakref
 from collections.abc import Collection
 
+from jax import lax
+
 from wus.analysis import compat, formats
-from wus.analysis.compat import Jaxpr, Var
+from wus.analysis.compat import Jaxpr, JaxprEqn, Var
 
 
 class Graph:
@@ -37,6 +39,18 @@ class Graph:
     self.producer: dict[Var, int] = maps.producer
     self._readers, self._uses = maps.readers, maps.uses
     self.outputs: dict[Var, tuple[int, ...]] = maps.outputs
+
+  def producing(self, v) -> JaxprEqn | None:
+    """The equation that computes `v`, or None (an input, a constant or a literal)."""
+    i = None if compat.is_literal(v) else self.producer.get(v)
+    return None if i is None else self.jaxpr.eqns[i]
+
+  def is_zero(self, v) -> bool:
+    """Whether `v` is a literal zero or a broadcast of one (every element zero)."""
+    eqn = self.producing(v)
+    if eqn is not None and eqn.primitive is lax.broadcast_in_dim_p:
+      v = eqn.invars[0]
+    return compat.is_zero_literal(v)
 
   def readers(self, v) -> tuple[int, ...]:
     """The indices of the equations that read `v`, ascending, each once (none for a literal)."""

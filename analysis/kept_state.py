@@ -175,15 +175,12 @@ def continued(graph: Graph, c: clusters_lib.Cluster, clustered: set[int],
   reads = {v: None for r in sorted(seen) for v in jaxpr.eqns[r].invars
            if not compat.is_literal(v) and v in inputs and ctx.big(v)}
   made = {v for r in seen for v in jaxpr.eqns[r].outvars}
-  outputs: dict = {}
-  for p, v in enumerate(jaxpr.outvars):
-    if not compat.is_literal(v) and v in made and ctx.big(v) and v not in c.returned:
-      outputs.setdefault(v, []).append(p)
+  outputs = {v: p for v, p in graph.outputs.items()
+             if v in made and ctx.big(v) and v not in c.returned}
   update = seen | set(c.eqns)
   pairs = {o: k for o, k in state_pairs.items()
            if jaxpr.invars[k] in reads and graph.only_read_by(jaxpr.invars[k], update)}
-  return (clusters_lib.Cluster((), {}, (), (), tuple(reads), {},
-                               {v: tuple(p) for v, p in outputs.items()}), pairs)
+  return clusters_lib.Cluster((), {}, (), (), tuple(reads), {}, outputs), pairs
 
 
 def whole_reader(graph: Graph, x, clustered: set[int], ctx) -> str | None:

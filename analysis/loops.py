@@ -97,13 +97,12 @@ def planned_loop(eqn, planned) -> PlannedLoop | None:
 
 def counts(body: Jaxpr, in_pos: int, out_pos: int) -> bool:
   """Whether carry `in_pos` -> `out_pos` of a loop body is `i + 1` (an iteration counter)."""
-  x, y = body.invars[in_pos], body.outvars[out_pos]
-  for eqn in body.eqns:
-    if y in eqn.outvars and eqn.primitive is lax.add_p:
-      a, b = eqn.invars
-      return ((a is x and compat.is_literal(b) and b.val == 1)
-              or (b is x and compat.is_literal(a) and a.val == 1))
-  return False
+  x, eqn = body.invars[in_pos], Graph(body).producing(body.outvars[out_pos])
+  if eqn is None or eqn.primitive is not lax.add_p:
+    return False
+  a, b = eqn.invars
+  return ((a is x and compat.is_literal(b) and b.val == 1)
+          or (b is x and compat.is_literal(a) and a.val == 1))
 
 
 def rare_conds(jaxpr: Jaxpr, counters: frozenset) -> set[int]:

@@ -33,13 +33,14 @@ from collections.abc import Callable, Iterable, Mapping
 
 from jax import lax
 
-from wus.analysis import compat, primitives
+from wus.analysis import compat, primitives, rules
 from wus.analysis.compat import JaxprEqn, Var
 
 Node = tuple  # (value, dim)
 # A split rule: the dim pairs an equation makes equal, and the dims it needs whole.
 Joins = tuple[list[tuple[Node, Node]], list[Node]]
 split_rules: dict[compat.Primitive, Callable[[JaxprEqn], Joins]] = {}
+split_rule = rules.registrar(split_rules, "split rule")
 
 # Reductions whose result over a split dim is completed by an all-reduce over its axes.
 REDUCE_OPS = {lax.reduce_sum_p: "sum", lax.reduce_max_p: "max", lax.reduce_min_p: "min"}
@@ -53,6 +54,7 @@ def _shape(v) -> tuple:
   return tuple(getattr(v.aval, "shape", ()))
 
 
+@split_rule(*primitives.ELEMENTWISE)
 def _elementwise(eqn) -> Joins:
   joins, whole = [], []
   for out in eqn.outvars:
@@ -62,17 +64,16 @@ def _elementwise(eqn) -> Joins:
       for d, (m, n) in enumerate(zip(_shape(v), _shape(out), strict=True)):
         (joins.append(((v, d), (out, d))) if m == n else whole.append((v, d)))
   return joins, whole
-for _p in primitives.ELEMENTWISE:
-  split_rules[_p] = _elementwise
 
 
+@split_rule(lax.optimization_barrier_p)
 def _same_dims(eqn) -> Joins:
   """Operand k's dims are result k's (optimization_barrier, sharding constraints)."""
   return ([((v, d), (o, d)) for v, o in zip(eqn.invars, eqn.outvars, strict=True) if _var(v)
            for d in range(len(_shape(o)))], [])
-split_rules[lax.optimization_barrier_p] = _same_dims
 
 
+@split_rule(*rules.distinct(lax.sharding_constraint_p, compat.reshard_p))
 def _constraint(eqn) -> Joins:
   """A sharding constraint: its result's dims are its operand's, and a dim its spec leaves
   None is whole (a block the constraint replicates cannot be laid out so: the region then
@@ -84,11 +85,9 @@ def _constraint(eqn) -> Joins:
   out = eqn.outvars[0]
   entries = (*spec, *(None,) * (len(_shape(out)) - len(spec)))
   return joins, [(out, d) for d, e in enumerate(entries[:len(_shape(out))]) if e is None]
-split_rules[lax.sharding_constraint_p] = _constraint
-if compat.reshard_p is not None:
-  split_rules[compat.reshard_p] = _constraint
 
 
+@split_rule(lax.broadcast_in_dim_p)
 def _broadcast(eqn) -> Joins:
   (v,), (out,) = eqn.invars, eqn.outvars
   if not _var(v):
@@ -98,23 +97,22 @@ def _broadcast(eqn) -> Joins:
     (joins.append(((v, d), (out, e))) if _shape(v)[d] == _shape(out)[e]
      else whole.append((v, d)))
   return joins, whole
-split_rules[lax.broadcast_in_dim_p] = _broadcast
 
 
+@split_rule(*REDUCE_OPS)
 def _reduce(eqn) -> Joins:
   (v,), (out,) = eqn.invars, eqn.outvars
   kept = [d for d in range(len(_shape(v))) if d not in eqn.params["axes"]]
   return [((v, d), (out, e)) for e, d in enumerate(kept)], []
-for _p in REDUCE_OPS:
-  split_rules[_p] = _reduce
 
 
+@split_rule(lax.transpose_p)
 def _transpose(eqn) -> Joins:
   (v,), (out,) = eqn.invars, eqn.outvars
   return [((v, d), (out, e)) for e, d in enumerate(eqn.params["permutation"])], []
-split_rules[lax.transpose_p] = _transpose
 
 
+@split_rule(lax.dot_general_p)
 def _dot_general(eqn) -> Joins:
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   lhs, rhs = eqn.invars
@@ -126,9 +124,9 @@ def _dot_general(eqn) -> Joins:
   joins += [((lhs, d), (out, len(lb) + k)) for k, d in enumerate(lfree)]
   joins += [((rhs, d), (out, len(lb) + len(lfree) + k)) for k, d in enumerate(rfree)]
   return [(a, b) for a, b in joins if _var(a[0]) and _var(b[0])], []
-split_rules[lax.dot_general_p] = _dot_general
 
 
+@split_rule(lax.reshape_p)
 def _reshape(eqn) -> Joins:
   """A dim keeps its split through a reshape where it stays whole: the same size after
   the same number of elements (merged or split dims stay whole)."""
@@ -141,14 +139,13 @@ def _reshape(eqn) -> Joins:
   joins = [((v, a[k]), (out, b[k])) for k in a.keys() & b.keys()]
   whole = [(v, a[k]) for k in a.keys() - b.keys()] + [(out, b[k]) for k in b.keys() - a.keys()]
   return joins, whole
-split_rules[lax.reshape_p] = _reshape
 
 
+@split_rule(lax.squeeze_p)
 def _squeeze(eqn) -> Joins:
   (v,), (out,) = eqn.invars, eqn.outvars
   kept = [d for d in range(len(_shape(v))) if d not in eqn.params["dimensions"]]
   return [((v, d), (out, e)) for e, d in enumerate(kept) if _var(v)], []
-split_rules[lax.squeeze_p] = _squeeze
 
 
 def _whole(eqn) -> Joins:

@@ -254,7 +254,7 @@ def _value_name(v, s: Scope) -> str:
   """An input's pytree path, or the equation that computes `v`."""
   if v in (invar_pos := s.invar_pos):
     return s.in_names[invar_pos[v]]
-  eqn = next(e for e in s.jaxpr.eqns if v in e.outvars)
+  eqn = s.graph.producing(v)
   return f"{eqn.primitive} at {source_line(eqn)}"
 
 

@@ -13,7 +13,9 @@ Control flow recurses: cond meets its predicate with all branches; while and
 scan run a bounded fixed point over their carries.
 
 Rules live in `redundancy_rules`, keyed by primitive, as JAX's own checkers
-do. A primitive without a rule is conservatively varying over every axis.
+do, each registered at its definition (`@redundancy_rule(prims...)`,
+`rules.registrar`); a family of pure primitives by `register_standard`. A
+primitive without a rule is conservatively varying over every axis.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from wus.analysis import compat, primitives
+from wus.analysis import compat, primitives, rules
 from wus.analysis.compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+from wus.analysis.graph import Graph
 
 Rep = frozenset  # The mesh axes a value is replicated over.
 
@@ -64,7 +67,7 @@ def why_differs(jaxpr: Jaxpr, facts: Redundancy, v, axes: frozenset) -> str:
   without a redundancy rule (which the analysis conservatively calls
   differing). Names the first such equation and its place in user code.
   """
-  producer = {u: eqn for eqn in jaxpr.eqns for u in eqn.outvars}
+  graph = Graph(jaxpr)
   inputs = {u: k for k, u in enumerate(jaxpr.invars)}
   seen, todo = set(), [v]
   while todo:
@@ -72,7 +75,7 @@ def why_differs(jaxpr: Jaxpr, facts: Redundancy, v, axes: frozenset) -> str:
     if u in seen or compat.is_literal(u) or facts.is_redundant(u, axes):
       continue
     seen.add(u)
-    eqn = producer.get(u)
+    eqn = graph.producing(u)
     if eqn is None:
       if u in inputs:
         return f"it depends on input {inputs[u]}, which differs across replicas"
@@ -143,6 +146,7 @@ def sums_over(jaxpr: Jaxpr, cluster, axes: frozenset) -> bool:
 
 RedundancyRule = Callable[[JaxprEqn, list[Rep], Redundancy], list[Rep]]
 redundancy_rules: dict[compat.Primitive, RedundancyRule] = {}
+redundancy_rule = rules.registrar(redundancy_rules, "redundancy rule")
 
 
 def analyze(jaxpr: Jaxpr | ClosedJaxpr, in_rep: Sequence[Rep],
@@ -206,8 +210,7 @@ def _standard_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep
 
 def register_standard(*prims: compat.Primitive) -> None:
   """Declares primitives pure and deterministic: output fact = meet of inputs."""
-  for p in prims:
-    redundancy_rules[p] = _standard_rule
+  redundancy_rule(*rules.distinct(*prims))(_standard_rule)
 
 
 register_standard(*primitives.ELEMENTWISE, *primitives.PURE)
@@ -215,6 +218,10 @@ register_standard(*primitives.ELEMENTWISE, *primitives.PURE)
 
 # --- Collectives. ------------------------------------------------------------
 
+# Sets of primitives (`rules.distinct`): compat may name one primitive twice.
+@redundancy_rule(*rules.distinct(compat.psum_p, compat.psum_invariant_p, compat.pmax_p,
+                                 compat.pmin_p, compat.all_gather_p,
+                                 compat.all_gather_invariant_p, compat.pbroadcast_p))
 def _all_reduce_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   axes = frozenset(compat.collective_axes(eqn))
   if compat.has_axis_index_groups(eqn):
@@ -222,41 +229,38 @@ def _all_reduce_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[R
   return [(r | axes) & facts.all_axes for r in ins]
 
 
+@redundancy_rule(*rules.distinct(compat.reduce_scatter_p, compat.ppermute_p,
+                                 compat.all_to_all_p))
 def _scatter_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   axes = frozenset(compat.collective_axes(eqn))
   return [ins[0] - axes] * len(eqn.outvars)
 
 
+@redundancy_rule(compat.ragged_all_to_all_p)
 def _ragged_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   # The result is the `output` operand with received rows written where the
   # offsets and sizes say: it depends on every operand.
   return [_meet(ins, facts.all_axes) - frozenset(compat.collective_axes(eqn))]
 
 
+@redundancy_rule(compat.pvary_p)
 def _identity_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   return list(ins)  # pvary changes a type, not a value.
 
 
+@redundancy_rule(compat.axis_index_p)
 def _axis_index_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   return [facts.all_axes - frozenset(compat.collective_axes(eqn))]
 
 
-for _p in (compat.psum_p, compat.psum_invariant_p, compat.pmax_p, compat.pmin_p,
-           compat.all_gather_p, compat.all_gather_invariant_p, compat.pbroadcast_p):
-  redundancy_rules[_p] = _all_reduce_rule
-for _p in (compat.reduce_scatter_p, compat.ppermute_p, compat.all_to_all_p):
-  redundancy_rules[_p] = _scatter_rule
-redundancy_rules[compat.ragged_all_to_all_p] = _ragged_rule
-redundancy_rules[compat.pvary_p] = _identity_rule
-redundancy_rules[compat.axis_index_p] = _axis_index_rule
-
-
 # --- Calls and control flow: recurse. --------------------------------------
 
+@redundancy_rule(*rules.distinct(*compat.CALL_JAXPR_PARAM))
 def _call_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   return _eval(compat.call_jaxpr(eqn), ins, facts)
 
 
+@redundancy_rule(compat.cond_p)
 def _cond_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   cond = compat.cond(eqn)
   pred, ops = cond.split(ins)
@@ -280,6 +284,7 @@ def _fixed_point(step: Callable[[list[Rep]], list[Rep]], init: list[Rep],
   raise RuntimeError(f"redundancy of the {what} carry did not reach a fixed point")
 
 
+@redundancy_rule(compat.while_p)
 def _while_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   loop = compat.loop(eqn)
   cond_consts, body_consts, init, _ = loop.split(ins)
@@ -293,6 +298,7 @@ def _while_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   return _fixed_point(step, init, len(facts.all_axes), "while")
 
 
+@redundancy_rule(compat.scan_p)
 def _scan_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   loop = compat.loop(eqn)
   _, consts, init, xs = loop.split(ins)
@@ -302,12 +308,6 @@ def _scan_rule(eqn: JaxprEqn, ins: list[Rep], facts: Redundancy) -> list[Rep]:
   return carry + ys
 
 
-for _p in compat.CALL_JAXPR_PARAM:
-  redundancy_rules[_p] = _call_rule
-redundancy_rules[compat.cond_p] = _cond_rule
-redundancy_rules[compat.while_p] = _while_rule
-redundancy_rules[compat.scan_p] = _scan_rule
-
 # Rules that look inside and see the effects themselves.
-_RECURSIVE = frozenset({*compat.CALL_JAXPR_PARAM, compat.cond_p, compat.while_p,
-                        compat.scan_p})
+_RECURSIVE = frozenset(p for p, rule in redundancy_rules.items()
+                       if rule in (_call_rule, _cond_rule, _while_rule, _scan_rule))

@@ -52,3 +52,14 @@ def registrar(table: dict, what: str) -> Callable[..., Callable[[F], F]]:
     return decorate
 
   return register
+
+
+def distinct(*keys: Hashable) -> tuple:
+  """`keys` once each, in the order given, None left out: the keys of one registration.
+
+  `compat` hands out primitives as the installed JAX has them: two names may be one
+  object (a release can alias one primitive under two names), and a primitive the
+  release lacks is None. The registrar refuses a key registered twice, so a rule
+  registered for a set of primitives names them through `distinct`.
+  """
+  return tuple(k for k in dict.fromkeys(keys) if k is not None)

@@ -188,7 +188,7 @@ def _dot_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return None
 
 
-@shardable_rule(compat.psum_p, compat.psum_invariant_p)
+@shardable_rule(*rules.distinct(compat.psum_p, compat.psum_invariant_p))  # Maybe one object.
 def _psum_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   # Over more axes than the sharding axes A (A ∪ B, §5.2 partial sharding):
   # reduce-scatter over A, then all-reduce the shards over B (Fig. 10).

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 from jax import lax
 
 from wus.analysis import compat, precision
@@ -116,11 +115,7 @@ def hoistable(jaxpr: Jaxpr, outputs: Sequence[int]) -> dict[int, Any]:
     binding it on the output after the equation changes no value.
   """
   graph = Graph(jaxpr)
-
-  def producer(v):
-    i = None if compat.is_literal(v) else graph.producer.get(v)
-    return None if i is None else jaxpr.eqns[i]
-
+  producer = graph.producing
   found = {}
   for k in outputs:
     v = jaxpr.outvars[k]
@@ -191,7 +186,7 @@ def _cond(eqn, ins, rename):
   hoisted = {}
   for k in every:
     found = [p[k] for p in psums if k in p]
-    if (found and all(k in p or _is_zero(b, b.outvars[k]) for b, p in zip(branches, psums))
+    if (found and all(k in p or Graph(b).is_zero(b.outvars[k]) for b, p in zip(branches, psums))
         and all(e.primitive is found[0].primitive and e.params == found[0].params
                 for e in found)):
       hoisted[k] = found[0]
@@ -205,16 +200,6 @@ def _cond(eqn, ins, rename):
     return body
   outs = cond.bind(ins, [branch(b, p) for b, p in zip(cond.branches, psums)])
   return [_all_reduce(hoisted[k], x, rename) if k in hoisted else x for k, x in enumerate(outs)]
-
-
-def _is_zero(jaxpr: Jaxpr, v) -> bool:
-  """Whether `v` is a literal zero or a broadcast of one in `jaxpr`."""
-  if not compat.is_literal(v):
-    eqn = next((e for e in jaxpr.eqns if v in e.outvars), None)
-    if eqn is None or eqn.primitive is not lax.broadcast_in_dim_p:
-      return False
-    v = eqn.invars[0]
-  return compat.is_literal(v) and not np.any(np.asarray(v.val))
 
 
 def _loop(eqn, ins, rename):

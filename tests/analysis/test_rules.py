@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import importlib.util
+import sys
 
-from wus.analysis import layouts, rules
+import pytest
+from jax import lax
+
+from wus.analysis import (compat, global_view, layouts, model_splits, primitives, redundancy,
+                          rules, shardable)
 from wus.analysis.shardable import Kind
 
 
@@ -49,3 +54,80 @@ def test_where_names_the_file_and_line_of_the_definition():
     pass
 
   assert rules.where(rule) == f"{__file__}:{rule.__code__.co_firstlineno}"
+
+
+def test_distinct_names_each_key_once_in_the_order_given_without_none():
+  """None: a primitive the installed JAX lacks (`compat.relayout_p` on jax 0.10)."""
+  assert rules.distinct("a", "b", None, "a", "c", "b") == ("a", "b", "c")
+
+
+def test_two_names_of_one_primitive_register_through_distinct():
+  """A JAX release may alias a primitive under two names (psum / psum_invariant): the
+  registrar still refuses the key twice; `distinct` names it once."""
+  table: dict = {}
+  register = rules.registrar(table, "test rule")
+  alias = compat.psum_p
+
+  def rule():
+    pass
+
+  with pytest.raises(ValueError, match="two test rules for psum"):
+    register(compat.psum_p, alias)(rule)
+  table.clear()
+  register(*rules.distinct(compat.psum_p, alias))(rule)
+  assert table == {compat.psum_p: rule}
+
+
+def _load_fresh(module, monkeypatch):
+  """Runs `module`'s source again as a new module (its registrations at import included)."""
+  name = f"{module.__name__}_fresh"
+  spec = importlib.util.spec_from_file_location(name, module.__file__)
+  fresh = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, name, fresh)
+  spec.loader.exec_module(fresh)
+  return fresh
+
+
+def test_the_tables_import_when_compat_names_one_primitive_twice(monkeypatch):
+  """As they would on a JAX that aliased them: each rule registers the object once."""
+  aliased = {compat.psum_invariant_p, compat.all_gather_invariant_p}
+  monkeypatch.setattr(compat, "psum_invariant_p", compat.psum_p)
+  monkeypatch.setattr(compat, "all_gather_invariant_p", compat.all_gather_p)
+  fresh = _load_fresh(redundancy, monkeypatch)
+  assert fresh.redundancy_rules[compat.psum_p] is fresh._all_reduce_rule
+  assert set(fresh.redundancy_rules) == set(redundancy.redundancy_rules) - aliased
+  fresh = _load_fresh(shardable, monkeypatch)
+  assert fresh.shardable_rules[compat.psum_p] is fresh._psum_rule
+
+
+@pytest.mark.parametrize("module, table, decorator, key, what", [
+    (redundancy, "redundancy_rules", "redundancy_rule", lax.add_p, "redundancy rules for add"),
+    (shardable, "shardable_rules", "shardable_rule", lax.add_p, "shardable rules for add"),
+    (global_view, "sum_rules", "sum_rule", lax.dot_general_p, "sum rules for dot_general"),
+    (model_splits, "split_rules", "split_rule", lax.reshape_p, "split rules for reshape"),
+])
+def test_a_second_rule_for_a_primitive_is_refused(module, table, decorator, key, what):
+  before = dict(getattr(module, table))
+  with pytest.raises(ValueError, match=f"two {what}"):
+    getattr(module, decorator)(key)(lambda *args: None)
+  assert getattr(module, table) == before
+
+
+# Every primitive that communicates between replicas or reads the replica's index
+# (`compat.has_manual_code`'s, less shard_map): a rule of its own, not the meet.
+COLLECTIVES = (compat.psum_p, compat.psum_invariant_p, compat.pmax_p, compat.pmin_p,
+               compat.pvary_p, compat.all_gather_p, compat.all_gather_invariant_p,
+               compat.reduce_scatter_p, compat.all_to_all_p, compat.ragged_all_to_all_p,
+               compat.ppermute_p, compat.pbroadcast_p, compat.axis_index_p)
+
+
+def test_every_redundancy_rule_is_registered_once_and_the_table_covers_the_passes():
+  """Pure primitives take the meet; collectives, calls and control flow have rules of
+  their own (the recursive ones see effects inside); nothing else is in the table."""
+  table = redundancy.redundancy_rules
+  pure = primitives.ELEMENTWISE | primitives.PURE
+  recursive = {*compat.CALL_JAXPR_PARAM, compat.cond_p, compat.while_p, compat.scan_p}
+  assert {p for p, r in table.items() if r is redundancy._standard_rule} == pure
+  assert set(table) == pure | set(COLLECTIVES) | recursive
+  assert not any(table[p] is redundancy._standard_rule for p in (*COLLECTIVES, *recursive))
+  assert redundancy._RECURSIVE == recursive
