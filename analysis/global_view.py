@@ -229,7 +229,8 @@ def is_placement(eqn: JaxprEqn, axis_sizes: Mapping[str, int]) -> bool:
 
 def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
                 model_axes: frozenset = frozenset(),
-                outside: frozenset = frozenset()) -> Region | str:
+                outside: frozenset = frozenset(),
+                state_out: frozenset = frozenset()) -> Region | str:
   """The sums and the update of a global step.
 
   An equation joins the region if it is a gradient sum (`sum_rules`, its
@@ -251,6 +252,9 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
     outside: equation positions that run outside the region, whatever they read
       (an update that cannot run on model blocks: `wus.jit` runs it, and what
       it reads, as GSPMD partitions it).
+    state_out: the output positions that are the next values of the step's state: with
+      the sums, the region holds what computes them, what feeds that and what reads
+      it (`_joined`); the rest runs outside. Empty: every whole-value equation.
 
   Returns:
     The Region, or why the step has none. A region without gradient sums (the
@@ -262,6 +266,9 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
   _pull_needed(jaxpr, kind)
   inside = [i for i, k in enumerate(kind) if k is not None]
   sums = frozenset(i for i in inside if kind[i] == "sum")
+  if state_out:
+    producer = Graph(jaxpr).producer
+    inside = _joined(jaxpr, inside, sums | {producer.get(jaxpr.outvars[k]) for k in state_out})
   made = {v for i in inside for v in jaxpr.eqns[i].outvars}
   outvars = tuple(dict.fromkeys(v for v in jaxpr.outvars
                                 if not compat.is_literal(v) and v in made))
@@ -331,6 +338,33 @@ def _move_sums(jaxpr: Jaxpr, kind: list) -> set[int]:
       v = jaxpr.eqns[j].outvars[0]
       moved.add(start)
   return moved
+
+
+def _joined(jaxpr: Jaxpr, inside: list[int], seeds: set) -> list[int]:
+  """The equations of `inside` joined to `seeds` (the sums, and what computes the state's
+  next values): after one (reading what a seed, or such an equation, computes), feeding
+  one, or after such a feeding one. The rest read and write whole values the update never
+  meets (a metric, `loss_a + loss_b`): they run outside, as GSPMD partitions them, so the
+  region changes nothing there."""
+  graph = Graph(jaxpr)
+
+  def after(seed: set) -> set:
+    out = set(seed)
+    for i in inside:  # In jaxpr order: what an equation reads is computed before it.
+      if any(graph.producer.get(v) in out for v in jaxpr.eqns[i].invars
+             if not compat.is_literal(v)):
+        out.add(i)
+    return out
+
+  def feeding(seed: set) -> set:
+    out = set(seed)
+    for i in reversed(inside):
+      if any(r in out for v in jaxpr.eqns[i].outvars for r in graph.readers(v)):
+        out.add(i)
+    return out
+
+  joined = after(feeding(after(set(seeds) & set(inside))))
+  return [i for i in inside if i in joined]
 
 
 def _pull_needed(jaxpr: Jaxpr, kind: list) -> None:

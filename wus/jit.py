@@ -250,7 +250,8 @@ class JitStep:
                        "wus.jit shards updates of values the step takes and returns, so the "
                        "step runs as jax.jit runs it; pass the values (ref[...]) and return "
                        "the new ones to shard the update")
-    state = frozenset(self._state(args, dyn, traced.out_info).pairs.values())
+    pairs = self._state(args, dyn, traced.out_info).pairs  # Output -> the input it follows.
+    state = frozenset(pairs.values())
     axes, model = jit_arguments.batch_and_model_axes(leaves, declared, mesh, state)
     if not axes:
       return unchanged("no argument but the state is split over a mesh axis (the batch), so "
@@ -258,7 +259,7 @@ class JitStep:
     fsdp = jit_arguments.batch_axes([leaves[k] for k in state], [declared[k] for k in state],
                                     mesh, axes)
     found = self._region(args, kwargs, traced, whole, leaves, declared, mesh, axes, model,
-                         fsdp, state)
+                         fsdp, state, frozenset(pairs))
     if isinstance(found, str):
       return unchanged(found)
     compiled = self._compile(*found, args, dyn, traced, mesh, axes, paths, declared)
@@ -266,7 +267,7 @@ class JitStep:
 
   def _region(self, args: tuple, kwargs: dict, traced, whole: list, leaves: list,
               declared: list, mesh: Mesh, axes: tuple, model: tuple, fsdp: tuple,
-              state: frozenset) -> tuple | str:
+              state: frozenset, state_out: frozenset) -> tuple | str:
     """(the flat jaxpr, its update region, the region's model splits, its (in_specs,
     out_specs)), or why the step has no region wus can run (`analysis.global_view`,
     `analysis.model_splits`). The state is placed over the `fsdp` batch axes itself
@@ -283,7 +284,8 @@ class JitStep:
       splits = global_view.splits_from_sizes(flat.jaxpr, larger.jaxpr, axes)
       if isinstance(splits, str):
         return splits
-    return jit_region.update_region(flat, splits, mesh, model, fsdp, leaves, declared, state)
+    return jit_region.update_region(flat, splits, mesh, model, fsdp, leaves, declared, state,
+                                    state_out)
 
   def _dynamic_positions(self, args: tuple) -> tuple[int, ...]:
     return tuple(i for i in range(len(args)) if i not in self._static)

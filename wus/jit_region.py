@@ -20,7 +20,8 @@ from wus.sharded import is_sharded
 
 
 def update_region(flat, splits, mesh: Mesh, model: tuple, fsdp: tuple, leaves: list,
-                  declared: list, state: frozenset) -> tuple | str:
+                  declared: list, state: frozenset,
+                  state_out: frozenset = frozenset()) -> tuple | str:
   """(the flat jaxpr, its update region, the region's model splits, its (in_specs,
   out_specs), why parts run outside it), or why the step has no region wus can run.
 
@@ -32,13 +33,15 @@ def update_region(flat, splits, mesh: Mesh, model: tuple, fsdp: tuple, leaves: l
     fsdp: the batch axes some state leaf is placed over itself.
     leaves, declared: the step's flat dynamic leaves and their declared shardings.
     state: the flat positions of the leaves with a next value.
+    state_out: the flat output positions that are such next values.
   """
   outside: dict[int, str] = {}  # Equations run outside the region -> why ("": no limit).
   cannot = (f"the update cannot run on the blocks of the tensors split over "
             f"{[*model, *fsdp]}: {{}}; the step runs as jax.jit runs it")
   while True:
     region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape),
-                                     frozenset(model) | frozenset(fsdp), frozenset(outside))
+                                     frozenset(model) | frozenset(fsdp), frozenset(outside),
+                                     state_out)
     if isinstance(region, str):
       why = next(filter(None, outside.values()), None)
       return cannot.format(why) if why else region
