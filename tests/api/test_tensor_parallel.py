@@ -32,6 +32,7 @@ from tensor_parallel import (GELU_SPEC, HSDP_SPEC, LN_MLP_REPLICATED, LN_MLP_SPE
                              hsdp_step, ln_mlp_inputs, ln_mlp_step, megatron_inputs,
                              megatron_step, opt_specs, put, reduce_from_model_region, run,
                              two_axis_mesh, use_tx)
+from wus.analysis import reasons, verdicts
 
 
 def _of_the_loss(all_reduce_line: str) -> bool:
@@ -268,7 +269,8 @@ def test_the_plan_says_how_each_tensor_is_split_and_what_a_device_holds():
   whole, shard = plan.state_bytes
   assert (whole, shard) == (4 * 512 * 4, 4 * 512 * 4 // 8)
   assert "(predicted; 0.125 of a whole copy, 0.25 of what the specs alone leave" in str(plan)
-  assert all(c.sharded and "more than the" not in c.reason for c in plan.clusters), str(plan)
+  assert all(c.sharded and isinstance(c.why.verdict, verdicts.OnShards)
+             for c in plan.clusters), [c.why for c in plan.clusters]
 
 
 def test_flax_nnx_model_annotated_with_partitioning_under_shard_map():
@@ -352,7 +354,8 @@ def test_weights_in_no_model_spec_have_state_sharded_over_data_x_model(check_vma
   assert sum(x.nbytes_per_device for x in sharded) <= whole / (n_data * 2) + padding
   plan = ws.plan(*b, batch)
   ln = next(c for c in plan.clusters if any("ln_scale" in t.name for t in c.tensors))
-  assert ln.sharded and "sharded over ['data', 'model']: identical on every replica" in ln.reason
+  # Sharded over "model" too: identical on its replicas (§3.1).
+  assert ln.sharded and ln.why.notes == (reasons.OverCopies(("data",), ("model",)),), ln.why
   assert (f"3 of them over ('data', 'model') (N={2 * n_data}, identical across ['model'])"
           in str(plan)), str(plan)
   line = next(ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
@@ -374,7 +377,10 @@ def test_a_replicated_weight_whose_gradient_differs_across_model_ranks_stays_ove
   assert b[1][0].mu["b2"].axes == ("data", "model")  # Its gradient is the same on both.
   plan = ws.plan(*b, batch)
   ln = next(c for c in plan.clusters if any("ln_scale" in t.name for t in c.tensors))
-  assert "sharded over ['data'] only, not ['model']: its update may differ" in ln.reason
+  (note,) = ln.why.notes  # Over "data" only, and why not "model".
+  assert note == reasons.OverCopies(("data",), ("model",), note.why) and note.why, ln.why
+  assert note.why.startswith("it depends on input ") and note.why.endswith(
+      ", which differs across replicas"), note.why
 
 
 def test_replicated_weights_gradients_reduce_scattered_over_data_then_split_locally():
