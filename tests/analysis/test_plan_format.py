@@ -166,6 +166,15 @@ def test_a_reason_is_worded_place_verdict_then_notes():
       "128 B per iteration instead of 256 B (Fig. 4 right, Fig. 7); partial sharding (§5.2): "
       "reduce-scatter over ['data'], the shards all-reduced across ['replica']")
   assert str(reasons.Reason(reasons.OnlyCluster(3))) == "optimizer state: only cluster 3 reads it"
+  # The cost model's verdicts (test_cost, test_objective check them as values).
+  assert str(reasons.Reason(verdicts.MoreAllGather(8000, 4000))) == (
+      "needs 8000 B of all-gather, more than the 4000 B all-reduce it replaces")
+  assert str(reasons.Reason(verdicts.KeepsStateSharded(3500))) == (
+      "update on 1/N shards; optimizer state kept sharded at the cost of 3500 B more all-gather "
+      "than the reduce-scatter saves")
+  assert str(reasons.Reason(verdicts.SlowerSharded(2e-6, 1e-6))) == (
+      "predicted slower sharded (2 us of collectives and update against 1 us replicated; "
+      "objective='time'; objective='memory' shards it)")
   assert reasons.render(reasons.Reason("the caller keeps it whole", (reasons.NotRead(),))) == (
       "the caller keeps it whole; no weight-update cluster reads it (read whole only, e.g. by "
       "the forward pass)")
