@@ -356,12 +356,13 @@ def test_weights_in_no_model_spec_have_state_sharded_over_data_x_model(check_vma
   ln = next(c for c in plan.clusters if any("ln_scale" in t.name for t in c.tensors))
   # Sharded over "model" too: identical on its replicas (§3.1).
   assert ln.sharded and ln.why.notes == (reasons.OverCopies(("data",), ("model",)),), ln.why
-  assert (f"3 of them over ('data', 'model') (N={2 * n_data}, identical across ['model'])"
-          in str(plan)), str(plan)
-  line = next(ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
-              if "opt_state[0].mu['ln_scale']" in ln)
-  shard = -(-16 // (2 * n_data)) * 4
-  assert line.endswith(f"[sharded over ['data', 'model'] by wus: {shard} B per device of 64 B]")
+  # Three clusters (the LayerNorm's scale and bias, the row-parallel bias) over both axes.
+  over_both = [c for c in plan.clusters if reasons.OverCopies(("data",), ("model",)) in c.why.notes]
+  assert len(over_both) == 3 and (plan.copy_axes, plan.copies) == (("model",), 2), plan
+  (mu,) = [k for k, i in enumerate(plan.inputs) if i.name == "opt_state[0].mu['ln_scale']"]
+  fmt = plan.state_inputs[mu]
+  assert plan.shard_axes(fmt) == ("data", "model") and fmt.num_shards == 2 * n_data
+  assert fmt.shard_size == -(-16 // (2 * n_data))  # Elements per device of the 16.
 
 
 def test_a_replicated_weight_whose_gradient_differs_across_model_ranks_stays_over_data():
