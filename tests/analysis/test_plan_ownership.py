@@ -9,8 +9,10 @@ weight's update reads only its own gradient, momentum and weight.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -133,3 +135,54 @@ def test_every_owned_unit_is_one_replicas_and_the_loads_balance(k):
   per = [sum(u.owner == r for u in units) for r in range(N)]
   assert per == [k // N] * N
   assert max(owned.ownership.loads) == pytest.approx(min(owned.ownership.loads))
+
+
+class _MLP(nn.Module):
+  """Nine [32, 32] hidden Dense kernels and a [32, 4] head, with biases."""
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(N + 1):
+      x = nn.tanh(nn.Dense(32)(x))
+    return nn.Dense(4)(x)
+
+
+def test_muon_over_flax_dense_layers_owns_each_kernel_and_its_momentum():
+  """optax.contrib.muon on a Flax MLP (the step as the shard_map examples write it, flattened
+  for `analysed_body`): the kernels' Newton-Schulz updates are the candidates, each owned
+  with its momentum on its owner; the biases' Adam is no candidate (it runs on shards).
+  The nine equal kernels fill one round of slots and one remainder; the head is a stack
+  of its own."""
+  model, tx = _MLP(), optax.contrib.muon(1e-2)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 32)))["params"]
+  paths, treedef = jax.tree_util.tree_flatten_with_path((params, tx.init(params)))
+  k, names = len(paths), [jax.tree_util.keystr(p) for p, _ in paths]
+
+  def step(*args):
+    params, opt_state = jax.tree.unflatten(treedef, args[:k])
+    loss = lambda p: jnp.mean(model.apply({"params": p}, args[k]) ** 2)  # noqa: E731
+    grads = lax.pmean(jax.grad(loss)(params), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return tuple(jax.tree.leaves((optax.apply_updates(params, updates), opt_state)))
+
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in paths] + [(2, 32)]
+  jaxpr, facts = analysed_body(step, [P()] * k + [P("data")], shapes, (P(),) * k, mesh=mesh(N))
+  graph = Graph(jaxpr, N)
+  ctx = planner._Ctx(facts, frozenset({"data"}), N, 0, graph.big, "memory",
+                     network.default_topology(N))
+  scope = Scope(graph, {i: i for i in range(k)}, [*names, "x"], names)
+  acc = Planning()
+  found = planner._find_clusters(scope, ctx, acc)
+  clustered = {i for c in found for i in c.eqns}
+  for c in found:
+    plan_cluster(scope, ctx, acc, c, clustered)
+  owned = ownership.plan_ownership(graph, ctx, acc.candidates, acc.shard_eqns,
+                                   scope.state_pairs, scope.in_names, scope.out_names)
+  kernels = {n for n in names if n.endswith("['kernel']")}
+  assert len(acc.candidates) == len(owned.ownership.units) == N + 2
+  assert {names[p] for p in owned.input_reason} == kernels  # Each kernel and its mu; no bias.
+  for p, (kept, on) in owned.input_reason.items():
+    assert kept == on.state == ("mu" in names[p]) and owned.clusters[on.index].owner == on.owner
+  wheres = sorted(c.why.verdict.where for c in owned.clusters.values())
+  assert wheres == sorted([f"slot {r} of stack 1 (1 contiguous per replica)" for r in range(N)]
+                          + [f"stack {s} remainder, balanced by predicted cost" for s in (0, 1)])
