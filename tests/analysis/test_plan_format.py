@@ -17,6 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import test_planner_groups as planner_groups
 import wus
 from helpers import analysed_body, mesh
+from tensor_parallel import GELU_SPEC, gelu_inputs, gelu_step, two_axis_mesh
+from tensor_parallel import run as tp_run
 from wus.analysis import network, planner, reasons, verdicts
 from wus.analysis.plan import Grouping
 
@@ -253,3 +255,21 @@ def test_ownership_lines():
     (line,) = [ln for ln in text if ln.startswith(f"cluster {c.index:<3d} OWNED ")]
     assert f"OWNED by replica {c.owner}, " in line, line
   assert "optimizer state owned by replica" in plan.details()
+
+
+def test_a_model_split_inputs_line_says_its_split_its_shards_and_its_bytes():
+  """Tensor parallelism (test_tensor_parallel checks the values): each input line names the
+  axes its spec splits it over, those wus shards it over and the bytes per device; the
+  totals give the state per device as a fraction of a whole copy and of what the specs
+  alone leave."""
+  params, batches = gelu_inputs(4, steps=1)  # w1 [16,32], w2 [32,16]; blocks [16,16].
+  _, b, ws, batch = tp_run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
+  plan = ws.plan(*b, batch)
+  lines = {ln.split()[0]: ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
+           if ln.startswith("    ")}
+  for name in ("opt_state[0].mu['w1']", "opt_state[0].nu['w2']"):
+    assert lines[name].endswith("[split over ['model'] by its spec, sharded over ['data'] by "
+                                "wus: 256 B per device of 2 KiB]"), lines[name]
+  assert lines["params['w1']"].endswith("[split over ['model'] by its spec]")
+  assert lines["opt_state[0].count"].endswith("(by position)")  # Replicated: no layout.
+  assert "(predicted; 0.125 of a whole copy, 0.25 of what the specs alone leave" in str(plan)

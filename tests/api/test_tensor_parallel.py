@@ -251,24 +251,34 @@ def test_equal_shards_of_different_shapes_round_as_the_unmodified_step():
   assert_trees_equal(a, wus.unshard(b))
 
 
-def test_the_plan_says_how_each_tensor_is_split_and_what_a_device_holds():
-  """Item 4: each input's line names the axes its spec splits it over, those wus shards
-  it over and the bytes per device; the totals give the state per device as a fraction
-  of a whole copy and of the model-parallel layout; the clusters are sharded (not kept
-  whole with the reason of a memory-objective cluster whose state stays whole)."""
-  params, batches = gelu_inputs(4, steps=1)  # w1 [16,32], w2 [32,16]; blocks [16,16].
+def tp_plan():
+  """The Plan of the GELU MLP on a (data 4, model 2) mesh: w1 [16,32], w2 [32,16] split over
+  "model" by their specs into [16,16] blocks (test_plan_format words it)."""
+  params, batches = gelu_inputs(4, steps=1)
   _, b, ws, batch = run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
-  plan = ws.plan(*b, batch)
-  lines = {ln.split()[0]: ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
-           if ln.startswith("    ")}
+  return ws.plan(*b, batch)
+
+
+def test_the_plan_says_how_each_tensor_is_split_and_what_a_device_holds():
+  """Item 4: each input holds the axes its spec splits it over, the format wus shards it
+  in and so the bytes per device; the totals give the state per device as a fraction of a
+  whole copy and of the model-parallel layout; the clusters are sharded (not kept whole
+  with the reason of a memory-objective cluster whose state stays whole)."""
+  plan = tp_plan()
+  inputs = {i.name: (k, i) for k, i in enumerate(plan.inputs)}
   for name in ("opt_state[0].mu['w1']", "opt_state[0].nu['w2']"):
-    assert lines[name].endswith("[split over ['model'] by its spec, sharded over ['data'] by "
-                                "wus: 256 B per device of 2 KiB]"), lines[name]
-  assert lines["params['w1']"].endswith("[split over ['model'] by its spec]")
-  assert lines["opt_state[0].count"].endswith("(by position)")  # Replicated: no layout.
+    k, i = inputs[name]
+    fmt = plan.state_inputs[k]  # A [16,16] block of a [16,32] / [32,16] tensor, over "data".
+    assert i.split == (("model", 2),) and i.shape == (16, 16) and i.nbytes * i.blocks == 2048
+    assert plan.shard_axes(fmt) == ("data",) and fmt.shard_size * i.itemsize == 256
+  _, w1 = inputs["params['w1']"]
+  assert w1.split == (("model", 2),) and not w1.sharded
+  _, count = inputs["opt_state[0].count"]
+  assert not count.split and count.matched.endswith("(by position)")  # Replicated.
   whole, shard = plan.state_bytes
   assert (whole, shard) == (4 * 512 * 4, 4 * 512 * 4 // 8)
-  assert "(predicted; 0.125 of a whole copy, 0.25 of what the specs alone leave" in str(plan)
+  alone = sum(plan.inputs[k].nbytes for k in plan.state_inputs)  # What the specs leave.
+  assert (shard / whole, shard / alone) == (0.125, 0.25)
   assert all(c.sharded and isinstance(c.why.verdict, verdicts.OnShards)
              for c in plan.clusters), [c.why for c in plan.clusters]
 
