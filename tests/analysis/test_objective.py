@@ -126,10 +126,6 @@ def test_memory_objective_keeps_the_momentum_sharded_at_the_cost_of_a_gather():
   assert len(sharded_leaves(got[1])) == 2 and all(c.sharded for c in plan.clusters)
   assert all(isinstance(c.why.verdict, verdicts.KeepsStateSharded) for c in plan.clusters)
   assert plan.objective == "memory"
-  # Each cluster's prediction is printed where the cost model resolves it.
-  resolved = [c for c in plan.clusters
-              if max(c.sharded_seconds, c.replicated_seconds) >= plan.resolution]
-  assert plan.details().count("(collectives and update, memory objective)") == len(resolved)
 
 
 def test_time_objective_keeps_it_replicated_where_predicted_slower():

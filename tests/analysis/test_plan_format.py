@@ -120,6 +120,11 @@ def test_no_prediction_below_the_models_resolution(plan):
   assert all("predicted" in line for line in lines)
   for line in lines:
     assert all(t > 0 for t in _times(line)), line
+  # In the details, each resolved cluster's prediction has a line of its own.
+  resolved = [c for c in fine.clusters
+              if max(c.sharded_seconds, c.replicated_seconds) >= fine.resolution]
+  assert resolved and fine.details().count(
+      f"(collectives and update, {fine.objective} objective)") == len(resolved)
   assert network.format_seconds(1.43e-9) == "1.43 ns"
   assert network.format_seconds(7.13e-5) == "71.3 us"
   assert network.format_seconds(0.0117) == "11.7 ms"
