@@ -63,7 +63,6 @@ def test_momentum_gathered_every_step_costs_more_than_the_all_reduce_and_is_refu
   assert d == Decision(False, Reason(verdicts.MoreAllGather(8000, 4000)),
                        all_reduce_bytes=4000, all_gather_bytes=8000,
                        saved_bytes=16000 - 16000 // N)
-  assert d.reason == "needs 8000 B of all-gather, more than the 4000 B all-reduce it replaces"
 
 
 def test_state_also_returned_whole_is_taken_for_the_state_kept_sharded():
@@ -77,8 +76,6 @@ def test_state_also_returned_whole_is_taken_for_the_state_kept_sharded():
   d = decide(step, [R, R, X], [(1000,)] * 3, (R, R, R), state_outputs={1})
   assert d.shard and (d.all_reduce_bytes, d.all_gather_bytes) == (4000, 8000)
   assert d.why == Reason(verdicts.KeepsStateSharded(3500))
-  assert d.reason == ("update on 1/N shards; optimizer state kept sharded at the cost of 3500 B "
-                      "more all-gather than the reduce-scatter saves")
   assert d.saved_bytes == 20000 - 20000 // N  # w, m read; w written once, m twice.
 
 
@@ -101,7 +98,7 @@ def test_refusal_names_the_reader_that_needs_a_sharded_value_whole():
   assert not d.shard and (d.all_reduce_bytes, d.all_gather_bytes) == (256, 512)
   assert d.why.verdict == verdicts.MoreAllGather(512, 256, d.why.verdict.reader)
   assert d.why.verdict.reader.startswith(" (float32[64]{V:data} is read whole by mul at ")
-  assert "differs across replicas" in d.reason
+  assert d.why.verdict.reader.endswith(", which differs across replicas)"), d.why
 
 
 def test_norm_counts_as_a_reduction_and_its_scalar_is_not_gathered():

@@ -77,7 +77,6 @@ def test_time_objective_refuses_an_extra_gather_on_slow_links():
   d = _decide("time", SLOW_LINKS)
   assert not d.shard and d.sharded_seconds > d.replicated_seconds
   assert d.why == Reason(verdicts.SlowerSharded(d.sharded_seconds, d.replicated_seconds))
-  assert d.reason.startswith("predicted slower sharded (") and "objective='memory'" in d.reason
 
 
 def test_time_objective_takes_it_when_the_update_dominates():
@@ -126,11 +125,7 @@ def test_memory_objective_keeps_the_momentum_sharded_at_the_cost_of_a_gather():
   plan, got = _byol("memory")
   assert len(sharded_leaves(got[1])) == 2 and all(c.sharded for c in plan.clusters)
   assert all(isinstance(c.why.verdict, verdicts.KeepsStateSharded) for c in plan.clusters)
-  assert "memory objective" in str(plan)
-  # Each cluster's prediction is printed where the cost model resolves it.
-  resolved = [c for c in plan.clusters
-              if max(c.sharded_seconds, c.replicated_seconds) >= plan.resolution]
-  assert plan.details().count("(collectives and update, memory objective)") == len(resolved)
+  assert plan.objective == "memory"
 
 
 def test_time_objective_keeps_it_replicated_where_predicted_slower():

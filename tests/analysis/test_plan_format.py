@@ -3,6 +3,7 @@ gradient all-reduce at the user's own line (not inside Flax), one line per clust
 the totals first (the table behind `plan.details()`), times in units, none below what the
 cost model resolves."""
 
+import dataclasses
 import re
 
 import flax.linen as nn
@@ -13,9 +14,13 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import test_planner_groups as planner_groups
 import wus
-from helpers import mesh
-from wus.analysis import network
+from helpers import analysed_body, mesh
+from tensor_parallel import GELU_SPEC, gelu_inputs, gelu_step, two_axis_mesh
+from tensor_parallel import run as tp_run
+from wus.analysis import network, planner, reasons, verdicts
+from wus.analysis.plan import Grouping
 
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
 
@@ -115,6 +120,11 @@ def test_no_prediction_below_the_models_resolution(plan):
   assert all("predicted" in line for line in lines)
   for line in lines:
     assert all(t > 0 for t in _times(line)), line
+  # In the details, each resolved cluster's prediction has a line of its own.
+  resolved = [c for c in fine.clusters
+              if max(c.sharded_seconds, c.replicated_seconds) >= fine.resolution]
+  assert resolved and fine.details().count(
+      f"(collectives and update, {fine.objective} objective)") == len(resolved)
   assert network.format_seconds(1.43e-9) == "1.43 ns"
   assert network.format_seconds(7.13e-5) == "71.3 us"
   assert network.format_seconds(0.0117) == "11.7 ms"
@@ -132,3 +142,139 @@ def test_source_lines_skip_flax_optax_and_jax():
   for eqn, layer in zip(dots, ("Dense_0", "Dense_1"), strict=True):
     assert compat.source_line(eqn).startswith(f"{__file__}:{LINES[layer]}:"), \
         compat.source_line(eqn)
+
+
+# --- The Plan's words, one test per kind of line (issue 31 item 7). The other tests check
+# decisions on their values (`reasons`, `verdicts`, the Plan's fields); these check that the
+# text says them.
+
+
+def test_each_cluster_and_input_line_says_its_reason_as_render_words_it(plan):
+  lines = [line for line in str(plan).splitlines() if line.startswith("cluster ")]
+  for c, line in zip(plan.clusters, lines, strict=True):
+    assert line.startswith(f"cluster {c.index:<3d} ") and c.reason == reasons.render(c.why)
+    assert f"  {c.reason}" in line, line
+    assert (" SHARDED " if c.sharded else " replicated ") in line
+  details = plan.details().split("\ninputs:\n")[1].splitlines()
+  for i in plan.inputs:
+    (line,) = [ln for ln in details if ln.split()[0] == i.name]
+    assert f" {'sharded' if i.sharded else 'whole'}: {reasons.render(i.why)}" in line, line
+
+
+def test_a_reason_is_worded_place_verdict_then_notes():
+  """`reasons.render`: the loop it sits in, the verdict, the notes in order, "; "-separated."""
+  why = reasons.Reason(verdicts.OnShards(reductions=1, gathers=2),
+                       (reasons.LoopGathers((reasons.Gather("w", "bfloat16", 128, 256, True),)),
+                        reasons.PartialSharding(("data",), ("replica",))),
+                       where="loop at f.py:3: ")
+  assert reasons.render(why) == (
+      "loop at f.py:3: update on 1/N shards, 1 reduction(s); 2 all-gather(s); w kept sharded "
+      "across iterations and all-gathered in bfloat16 right before the forward pass reads it: "
+      "128 B per iteration instead of 256 B (Fig. 4 right, Fig. 7); partial sharding (§5.2): "
+      "reduce-scatter over ['data'], the shards all-reduced across ['replica']")
+  assert str(reasons.Reason(reasons.OnlyCluster(3))) == "optimizer state: only cluster 3 reads it"
+  # The cost model's verdicts (test_cost, test_objective check them as values).
+  assert str(reasons.Reason(verdicts.MoreAllGather(8000, 4000))) == (
+      "needs 8000 B of all-gather, more than the 4000 B all-reduce it replaces")
+  assert str(reasons.Reason(verdicts.KeepsStateSharded(3500))) == (
+      "update on 1/N shards; optimizer state kept sharded at the cost of 3500 B more all-gather "
+      "than the reduce-scatter saves")
+  assert str(reasons.Reason(verdicts.SlowerSharded(2e-6, 1e-6))) == (
+      "predicted slower sharded (2 us of collectives and update against 1 us replicated; "
+      "objective='time'; objective='memory' shards it)")
+  assert reasons.render(reasons.Reason("the caller keeps it whole", (reasons.NotRead(),))) == (
+      "the caller keeps it whole; no weight-update cluster reads it (read whole only, e.g. by "
+      "the forward pass)")
+
+
+def test_every_verdict_and_note_has_words():
+  """A verdict or note added without its words would raise at print time."""
+  kinds = [x for m in (reasons, verdicts) for x in vars(m).values() if dataclasses.is_dataclass(x)
+           and x.__module__ == m.__name__ and x not in (reasons.Reason, reasons.Gather)]
+  assert len(kinds) > 30
+  for kind in kinds:  # Empty parts render as nothing; every kind renders (no KeyError).
+    fields = {f.name: (0 if f.type in ("int", "float") else () if f.type.startswith("tuple")
+                       else "x") for f in dataclasses.fields(kind)}
+    assert isinstance(reasons.render(reasons.Reason(kind(**fields))), str), kind
+
+
+def test_totals_and_bucket_lines(plan):
+  text = str(plan).splitlines()
+  whole, shard = plan.state_bytes
+  assert text[1].startswith(f"  state kept sharded between steps: {network.format_bytes(whole)} "
+                            f"whole -> {network.format_bytes(shard)} per device")
+  assert f"state kept whole: {network.format_bytes(plan.whole_state_bytes)}" in text[1]
+  assert plan.buckets.startswith("collectives batched in buckets of at most")
+  assert f"  {plan.buckets}" in text
+  assert f"state kept whole {plan.whole_state_bytes} B" in plan.details().splitlines()[-1]
+
+
+def test_what_the_planner_is_told_is_said():
+  """Planner inputs (test_planner_groups): the groups, what splits an input over a model
+  axis, why a step runs unchanged."""
+  grouped = planner_groups._plan(group_size=2, grouping=Grouping("", "groups of 2", 4))
+  assert "  groups of 2; the gradient shards are all-reduced across the 4 groups in 2 batched " \
+         "all-reduce(s)" in str(grouped).splitlines()
+  for split_by in ("its spec", "its placement"):
+    split = planner_groups._plan(split={0: (("model", 2),)}, split_by=split_by)
+    (w,) = [ln for ln in split.details().splitlines() if ln.startswith("    w ")]
+    assert w.endswith(f"[split over ['model'] by {split_by}]"), w
+  jaxpr = analysed_body(
+      planner_groups._step, [P(), P(), P(), P("data")], [(64,)] * 3 + [(1, 4)],
+      (P(), P(), P()), mesh=mesh())[0]
+  why = "no batch split: the step runs as jax.jit runs it"
+  unchanged = planner.unchanged_plan(jaxpr, ["w", "m", "b", "x"], ("data",), 8, why)
+  assert f"  the step runs unchanged: {why}" in str(unchanged).splitlines()
+
+
+class Deep(nn.Module):
+  """Eight [32,32] hidden kernels: Muon's update needs each whole, so each is owned."""
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(9):
+      x = nn.tanh(nn.Dense(32)(x))
+    return nn.Dense(4)(x)
+
+
+def test_ownership_lines():
+  model, tx, m = Deep(), optax.contrib.muon(1e-2), mesh()
+
+  def step(params, opt_state, x):
+    grads = jax.lax.pmean(jax.grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(
+        params), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = model.init(jax.random.key(0), jnp.zeros((1, 32)))["params"]
+  x = jax.device_put(jnp.ones((16, 32)), NamedSharding(m, P("data")))
+  plan = wus.shard_map(step, mesh=m, in_specs=(P(), P(), P("data")),
+                       out_specs=(P(), P())).plan(params, tx.init(params), x)
+  owned = [c for c in plan.clusters if c.owner is not None]
+  assert len(owned) >= 8, plan
+  text = str(plan).splitlines()
+  assert f", {len(owned)} owned over " in text[0]
+  assert f"  {plan.owned}" in text and "imbalance" in str(plan.owned)
+  assert "padding of the gradient and weight rows" in str(plan.owned)
+  for c in owned:
+    (line,) = [ln for ln in text if ln.startswith(f"cluster {c.index:<3d} OWNED ")]
+    assert f"OWNED by replica {c.owner}, " in line, line
+  assert "optimizer state owned by replica" in plan.details()
+
+
+def test_a_model_split_inputs_line_says_its_split_its_shards_and_its_bytes():
+  """Tensor parallelism (test_tensor_parallel checks the values): each input line names the
+  axes its spec splits it over, those wus shards it over and the bytes per device; the
+  totals give the state per device as a fraction of a whole copy and of what the specs
+  alone leave."""
+  params, batches = gelu_inputs(4, steps=1)  # w1 [16,32], w2 [32,16]; blocks [16,16].
+  _, b, ws, batch = tp_run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
+  plan = ws.plan(*b, batch)
+  lines = {ln.split()[0]: ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
+           if ln.startswith("    ")}
+  for name in ("opt_state[0].mu['w1']", "opt_state[0].nu['w2']"):
+    assert lines[name].endswith("[split over ['model'] by its spec, sharded over ['data'] by "
+                                "wus: 256 B per device of 2 KiB]"), lines[name]
+  assert lines["params['w1']"].endswith("[split over ['model'] by its spec]")
+  assert lines["opt_state[0].count"].endswith("(by position)")  # Replicated: no layout.
+  assert "(predicted; 0.125 of a whole copy, 0.25 of what the specs alone leave" in str(plan)

@@ -48,7 +48,6 @@ def test_groups_the_programs_run_in_count_the_all_reduces_across_them():
   plan = _plan(group_size=2, grouping=Grouping("", "groups of 2", 4))
   assert plan.group_size == 2 and plan.across_groups == 2
   assert plan.groups == Grouping("", "groups of 2", 4, 2)
-  assert "all-reduced across the 4 groups in 2 batched all-reduce(s)" in str(plan)
   assert [c.sharded for c in plan.clusters] == [c.sharded for c in _plan().clusters]
 
 
@@ -59,7 +58,6 @@ def test_auto_choice_is_an_input_said_in_the_plan(size):
   grouping = Grouping("shard_group_size='auto': chose", "" if size is None else "one group")
   plan = _plan(group_size=size, grouping=grouping)
   assert plan.groups == grouping and plan.across_groups == 0
-  assert str(plan.groups) in str(plan)
 
 
 def test_groups_of_one_replica_keep_every_update_replicated_for_the_grouping_reason():
@@ -80,8 +78,8 @@ def test_what_splits_inputs_over_model_axes_is_a_planner_input():
   the Plan says it as the front end told the planner."""
   for split_by in ("its spec", "its placement"):
     plan = _plan(split={0: (("model", 2),)}, split_by=split_by)
-    assert plan.split_by == split_by
-    assert f"split over ['model'] by {split_by}" in plan.details()
+    assert plan.split_by == split_by and plan.inputs[0].split == (("model", 2),)
+    assert not any(i.split for i in plan.inputs[1:])
 
 
 def test_a_step_run_unchanged_is_planned_with_every_input_whole_for_the_reason():
@@ -92,4 +90,3 @@ def test_a_step_run_unchanged_is_planned_with_every_input_whole_for_the_reason()
   assert plan.unchanged == why and not plan.clusters and not plan.state_inputs
   assert [i.name for i in plan.inputs] == ["w", "m", "b", "x"]
   assert all(not i.sharded and i.why == reasons.Reason(why) for i in plan.inputs)
-  assert why in str(plan)

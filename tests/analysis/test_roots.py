@@ -22,8 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 from helpers import (analysed_body, assert_trees_equal, collective_arrays, mesh,
                      parameter_copies, run_both)
-from wus.analysis import clusters, planner
+from wus.analysis import clusters, planner, reasons, verdicts
 from wus.analysis.graph import Graph
+from wus.analysis.reasons import Reason
 
 TX = optax.adam(1e-2)
 
@@ -83,7 +84,9 @@ def test_position_embedding_state_shards_under_check_vma(n):
   assert sharded and all(sharded.values()), sharded
   plan = step.plan(*b, tokens[0])
   (table,) = [c for c in plan.clusters if any("position" in t.name for t in c.tensors)]
-  assert table.sharded and "scatter-add at" in table.reason, str(plan)
+  # Its root is the scatter-add's result, sliced locally (no all-reduce to replace).
+  assert table.sharded and isinstance(table.why.verdict, verdicts.RootsSliced), table.why
+  assert table.why.verdict.what.startswith("scatter-add at "), table.why
   assert [t.role for t in table.tensors if t.role == "root"] == ["root"]
 
 
@@ -156,10 +159,10 @@ def test_update_not_rooted_at_an_all_reduce_shards_with_objective_memory(n):
   assert all(_float_state_sharded(b[1], n).values())
   plan = step.plan(*b, x)
   c = _cluster_of(plan, "opt_state[0].mu['w']")
-  assert c.sharded and "no all-reduce to make a reduce-scatter" in c.reason, str(plan)
-  assert "local slices (no communication) of params['w']" in c.reason
+  assert c.sharded and isinstance(c.why.verdict, verdicts.RootsSliced), c.why
+  assert c.why.verdict.what.startswith("params['w']"), c.why
   mu = next(i for i in plan.inputs if i.name == "opt_state[0].mu['w']")
-  assert mu.sharded and mu.reason.startswith("optimizer state: only cluster")
+  assert mu.sharded and mu.why == Reason(reasons.OnlyCluster(c.index))
 
 
 def test_cheap_update_that_keeps_no_state_is_not_made_worse():
@@ -170,8 +173,8 @@ def test_cheap_update_that_keeps_no_state_is_not_made_worse():
   assert not any(isinstance(v, wus.ShardedArray) for v in b[0].values())
   plan = step.plan(*b, x)
   c = _cluster_of(plan, "params['w']")
-  assert not c.sharded and "would keep no optimizer state sharded" in c.reason, str(plan)
-  assert f"would only add {9 * 7 * 4} B of all-gather" in c.reason
+  assert not c.sharded and isinstance(c.why.verdict, verdicts.OnlyAddsGathers), c.why
+  assert c.why.verdict.all_gather == 9 * 7 * 4 and "params['w']" in c.why.verdict.what
   hlo = step.lower(*b, x).compile().as_text().splitlines()
   gathered = [math.prod(map(int, s.split("[")[1][:-1].split(",")))
               for s in collective_arrays(hlo, "all-gather")]
@@ -206,7 +209,8 @@ def test_update_with_no_collective_shards_from_local_slices():
   plan = step.plan(*b, xs[0])
   assert plan.clusters and all(c.sharded and not any(t.role == "gradient" for t in c.tensors)
                                for c in plan.clusters), str(plan)
-  assert all("local slices (no communication)" in c.reason for c in plan.clusters)
+  assert all(isinstance(c.why.verdict, verdicts.RootsSliced) for c in plan.clusters), [
+      c.why for c in plan.clusters]
   assert all(any(t.role == "root" for t in c.tensors) for c in plan.clusters)
   hlo = step.lower(*b, xs[0]).compile().as_text().splitlines()
   assert not collective_arrays(hlo, "all-reduce") and not collective_arrays(hlo, "reduce-scatter")
@@ -258,6 +262,7 @@ def test_planner_shards_a_rooted_update_and_names_the_root(declared):
                            in_names=["w", "m", "g"], out_names=["w", "m"],
                            state_pairs={0: 0, 1: 1}, roots=[2] if declared else [])
   (c,) = plan.clusters
-  assert c.sharded and "local slices (no communication) of g," in c.reason, str(plan)
+  assert c.sharded and isinstance(c.why.verdict, verdicts.RootsSliced), c.why
+  assert c.why.verdict.what.startswith("g, "), c.why
   assert {t.name: t.role for t in c.tensors} == {"g": "root", "m": "state", "w": "state"}
   assert set(plan.state_inputs) == {0, 1}  # Only the update reads w here.

@@ -18,6 +18,7 @@ import wus
 from helpers import assert_trees_equal, classifier_step, sharded_leaves
 from test_jit import _context, _mesh  # How test_jit writes its meshes.
 from test_ownership import OPTIMIZERS as ownership_optimizers
+from wus.analysis import reasons
 from wus.analysis.owned import OwnedFormat
 
 
@@ -76,7 +77,12 @@ def test_muon_under_wus_jit_owned_and_bit_for_bit(name, n, kind):
     plan = ws.plan(*got[:2], batch)
   assert sum(c.owner is not None for c in plan.clusters) >= 2 * n
   assert any(c.sharded for c in plan.clusters)  # The biases' Adam(W).
-  assert "OWNED" in str(plan) and "ownership:" in str(plan)
+  assert plan.owned is not None and len(plan.owned.units) >= 2 * n
+  for c in plan.clusters:  # Each owned cluster says by whom, or with which it is owned.
+    if c.owner is not None:
+      verdict = c.why.verdict
+      assert (verdict.owner == c.owner if isinstance(verdict, reasons.Owned) else
+              plan.clusters[verdict.index].owner == c.owner), c.why
 
 
 def test_explicit_mesh_computes_what_jax_jit_computes_on_an_auto_mesh():

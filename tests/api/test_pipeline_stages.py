@@ -8,15 +8,19 @@ against what that stage decides; the whole chain against `compile_step`.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import mesh
 from wus import pipeline
+from wus.analysis import reasons
 from wus.analysis.formats import ShardFormat
+from wus.analysis.reasons import Reason
 from wus.matching import Signature
 from wus.options import Options
 
@@ -133,3 +137,40 @@ def test_timings_are_the_stages_and_the_rewrite_once_lowered():
   after = compiled.timings
   assert set(after) == {"trace", "analysis", "rewrite"} and after["rewrite"] > 0
   assert {k: after[k] for k in before} == before
+
+
+def test_adam_over_a_flax_dense_plan_then_build():
+  """The usual subject, through the stages: optax.adam over a Flax Dense's kernel and bias.
+  The plan keeps each mu and nu sharded for the one cluster that updates its leaf
+  (`reasons.OnlyCluster`) and the params whole (the forward pass reads them); build passes
+  exactly those leaves sharded and returns their next values sharded."""
+  model, tx = nn.Dense(16), optax.adam(1e-2)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 32)))["params"]
+
+  def step(params, opt_state, x):
+    loss = lambda p: jnp.mean(model.apply({"params": p}, x) ** 2)  # noqa: E731
+    grads = lax.pmean(jax.grad(loss)(params), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  args = (params, tx.init(params),
+          jax.device_put(jnp.ones((16, 32)), NamedSharding(mesh(8), P("data"))))
+  leaves, treedef = jax.tree.flatten(args)
+  call = pipeline.Call(
+      pipeline.Step(step, (P(), P(), P("data")), (P(), P()), signature=Signature.of(step)),
+      Options(), args, tuple(leaves), treedef, frozenset(), mesh(8), frozenset())
+  planned = pipeline.plan(pipeline.analyse(pipeline.flatten(pipeline.group(pipeline.match(
+      pipeline.trace(call))))))
+  plan = planned.plan
+  moments = {k for k, i in enumerate(plan.inputs) if ".mu[" in i.name or ".nu[" in i.name}
+  assert len(moments) == 4 and set(plan.state_inputs) == moments
+  for k in moments:
+    i = plan.inputs[k]
+    leaf = i.name.split("]", 1)[1].split("[", 1)[1]  # "'bias']" or "'kernel']"
+    (c,) = [c for c in plan.clusters if f"params[{leaf}" in {t.name for t in c.tensors}]
+    assert c.sharded and i.why == Reason(reasons.OnlyCluster(c.index)), i
+  assert not any(i.sharded for i in plan.inputs if i.name.startswith("params"))
+  compiled = pipeline.build(planned, {"trace": 0.0, "analysis": 0.0})
+  assert set(compiled.sharded_leaves) == moments
+  assert {compiled.sharded_leaves[k].format for k in moments} == {
+      plan.state_inputs[k] for k in moments}

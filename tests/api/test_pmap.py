@@ -8,6 +8,8 @@ import pytest
 import wus
 from helpers import (PMAP_TX as TX, assert_trees_equal, pmap_params, pmap_step, pmap_xs,
                      sharded_leaves, stack)
+from wus.analysis import reasons
+from wus.analysis.reasons import Reason
 
 
 def test_keyword_arguments_are_mapped():
@@ -99,7 +101,8 @@ def test_one_state_argument_with_per_device_statistics():
   assert sharded_leaves(b[2]) and not sharded_leaves(b[1])
   plan = ws.plan(b, pmap_xs(1)[0])
   stat = next(i for i in plan.inputs if i.name == "train_state[1]")
-  assert not stat.sharded and "per-device copies differ" in stat.reason
+  differs = reasons.Differs(("batch",), "mapped, and its per-device copies differ")
+  assert not stat.sharded and stat.why == Reason(differs), stat.why
 
 
 def test_typed_key_arguments():

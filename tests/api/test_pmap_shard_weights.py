@@ -31,8 +31,9 @@ import pytest
 
 import wus
 from helpers import assert_trees_equal, collective_arrays, sharded_leaves
-from wus.analysis import network, precision
+from wus.analysis import network, precision, reasons, verdicts
 from wus.analysis.graph import Graph
+from wus.analysis.reasons import Reason
 
 N = 8
 TX = optax.sgd(optax.linear_schedule(0.0, 0.1, 5), momentum=0.9, nesterov=True)
@@ -119,11 +120,15 @@ def _run(weight_decay: bool, steps: int = 3, **kw):
   return a, b, ws
 
 
-def _clusters(plan, names) -> list[str]:
-  """The Plan's entries of the clusters that update one of `names`."""
-  return [c for c in re.split(r"\n(?=cluster)", plan.details().split("inputs:")[0])
-          if c.startswith("cluster") and any(f"train_state[0]{k}" in c or f" [0][0]{k}" in c
-                                             for k in names)]
+def _clusters(plan, names) -> list:
+  """The Plan's clusters that update one of `names` (train_state[0]'s paths)."""
+  return [c for c in plan.clusters if {t.name for t in c.tensors} & {
+      f"{prefix}{k}" for k in names for prefix in ("train_state[0]", "[0][0]")}]
+
+
+def _input(plan, name: str):
+  (i,) = [i for i in plan.inputs if i.name == name]
+  return i
 
 
 def _named(tree) -> dict:
@@ -146,11 +151,14 @@ def test_weights_stay_sharded_and_match_jax_pmap(objective):
   assert_trees_equal(a[1], b[1])  # BatchNorm statistics, per device.
   assert_trees_equal(a[2], wus.unshard(b[2]))
   plan = ws.plan(b, _batch(0))
-  assert plan.details().count("kept sharded between steps (shard_weights=True) and all-gathered in "
-                    "bfloat16") == len(narrow)
+  gathers = [g for c in plan.clusters for note in c.why.notes
+             if isinstance(note, reasons.KeptShardedWeights) for g in note.gathers]
+  assert sorted(g.name for g in gathers) == sorted(f"train_state[0]{k}" for k in narrow)
+  assert all(g.dtype == "bfloat16" and g.narrow for g in gathers), gathers
   # Sharded under "time" too: the gather moves as many bytes as the bfloat16
   # all-reduce's second half. BatchNorm's are slower sharded (a float32 gather).
-  assert [c.split(": ")[1] for c in _clusters(plan, narrow)] == ["SHARDED"] * len(narrow)
+  clusters = _clusters(plan, narrow)
+  assert len(clusters) == len(narrow) and all(c.sharded for c in clusters), plan
 
 
 def test_the_weight_all_gather_is_bfloat16():
@@ -179,11 +187,14 @@ def test_weight_decay_keeps_the_weights_whole():
   assert_trees_equal(a[0], b[0])
   assert_trees_equal(a[2], wus.unshard(b[2]))
   assert sharded_leaves(b[2])
-  inputs = ws.plan(b, _batch(0)).details().split("inputs:")[1]
-  for k in KERNELS:
-    line = next(s for s in inputs.splitlines() if s.strip().startswith(f"train_state[0]{k}"))
-    assert "whole" in line and "not kept sharded by shard_weights=True" in line, line
-    assert re.search(r"square at .* reads it in float32", line), line
+  plan = ws.plan(b, _batch(0))
+  for k in KERNELS:  # Whole, updated by its cluster: the L2 term's square reads it in float32.
+    kernel = _input(plan, f"train_state[0]{k}")
+    assert not kernel.sharded and isinstance(kernel.why.verdict, reasons.ClusterUpdates)
+    assert plan.clusters[kernel.why.verdict.index].sharded  # For its optimizer state.
+    (note,) = kernel.why.notes
+    assert isinstance(note, reasons.NotKeptByShardWeights), kernel.why
+    assert note.why.startswith("square at ") and note.why.endswith(" reads it in float32")
 
 
 def test_without_shard_weights_time_keeps_bfloat16_gradient_updates_replicated():
@@ -198,9 +209,10 @@ def test_without_shard_weights_time_keeps_bfloat16_gradient_updates_replicated()
   time = wus.pmap(step, axis_name="i", objective="time",
                   topology=network.default_topology(8, platform="tpu")).plan(*args)
   assert len(_clusters(memory, KERNELS)) == len(_clusters(time, KERNELS)) == len(KERNELS)
-  assert all("SHARDED: update on 1/N shards; optimizer state kept sharded at the cost of" in c
-             for c in _clusters(memory, KERNELS))
-  assert all("replicated: predicted slower sharded" in c for c in _clusters(time, KERNELS))
+  assert all(c.sharded and isinstance(c.why.verdict, verdicts.KeepsStateSharded)
+             for c in _clusters(memory, KERNELS)), memory
+  assert all(not c.sharded and isinstance(c.why.verdict, verdicts.SlowerSharded)
+             for c in _clusters(time, KERNELS)), time
 
 
 def test_off_by_default():
@@ -259,7 +271,8 @@ def test_dense_weights_stay_sharded(variant):
   a, b, ws, x = _run_dense(variant)
   assert len(sharded_leaves(b[0])) == 2
   assert_trees_equal(a, wus.unshard(b))
-  assert "params['w'] kept sharded between steps (shard_weights=True)" in ws.plan(*b, x).details()
+  w = _input(ws.plan(*b, x), "params['w']")
+  assert w.sharded and w.why == Reason(reasons.NarrowWeight(w.why.verdict.index, "bfloat16"))
 
 
 def test_a_weight_the_step_returns_stays_whole():
@@ -267,7 +280,8 @@ def test_a_weight_the_step_returns_stays_whole():
   a, b, ws, x = _run_dense("returned")
   assert isinstance(b[0]["b"], wus.ShardedArray) and not isinstance(b[0]["w"], wus.ShardedArray)
   assert_trees_equal(a, wus.unshard(b))
-  assert "float32[1,64,96] is returned" in ws.plan(*b, x).details()
+  w = _input(ws.plan(*b, x), "params['w']")
+  assert w.why.notes == (reasons.NotKeptByShardWeights("float32[1,64,96] is returned"),), w.why
 
 
 def test_unmapped_params_as_the_flax_imagenet_example():

@@ -32,6 +32,7 @@ from tensor_parallel import (GELU_SPEC, HSDP_SPEC, LN_MLP_REPLICATED, LN_MLP_SPE
                              hsdp_step, ln_mlp_inputs, ln_mlp_step, megatron_inputs,
                              megatron_step, opt_specs, put, reduce_from_model_region, run,
                              two_axis_mesh, use_tx)
+from wus.analysis import reasons, verdicts
 
 
 def _of_the_loss(all_reduce_line: str) -> bool:
@@ -250,25 +251,36 @@ def test_equal_shards_of_different_shapes_round_as_the_unmodified_step():
   assert_trees_equal(a, wus.unshard(b))
 
 
-def test_the_plan_says_how_each_tensor_is_split_and_what_a_device_holds():
-  """Item 4: each input's line names the axes its spec splits it over, those wus shards
-  it over and the bytes per device; the totals give the state per device as a fraction
-  of a whole copy and of the model-parallel layout; the clusters are sharded (not kept
-  whole with the reason of a memory-objective cluster whose state stays whole)."""
-  params, batches = gelu_inputs(4, steps=1)  # w1 [16,32], w2 [32,16]; blocks [16,16].
+def tp_plan():
+  """The Plan of the GELU MLP on a (data 4, model 2) mesh: w1 [16,32], w2 [32,16] split over
+  "model" by their specs into [16,16] blocks (test_plan_format words it)."""
+  params, batches = gelu_inputs(4, steps=1)
   _, b, ws, batch = run(two_axis_mesh(4, 2), gelu_step, GELU_SPEC, params, batches)
-  plan = ws.plan(*b, batch)
-  lines = {ln.split()[0]: ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
-           if ln.startswith("    ")}
+  return ws.plan(*b, batch)
+
+
+def test_the_plan_says_how_each_tensor_is_split_and_what_a_device_holds():
+  """Item 4: each input holds the axes its spec splits it over, the format wus shards it
+  in and so the bytes per device; the totals give the state per device as a fraction of a
+  whole copy and of the model-parallel layout; the clusters are sharded (not kept whole
+  with the reason of a memory-objective cluster whose state stays whole)."""
+  plan = tp_plan()
+  inputs = {i.name: (k, i) for k, i in enumerate(plan.inputs)}
   for name in ("opt_state[0].mu['w1']", "opt_state[0].nu['w2']"):
-    assert lines[name].endswith("[split over ['model'] by its spec, sharded over ['data'] by "
-                                "wus: 256 B per device of 2 KiB]"), lines[name]
-  assert lines["params['w1']"].endswith("[split over ['model'] by its spec]")
-  assert lines["opt_state[0].count"].endswith("(by position)")  # Replicated: no layout.
+    k, i = inputs[name]
+    fmt = plan.state_inputs[k]  # A [16,16] block of a [16,32] / [32,16] tensor, over "data".
+    assert i.split == (("model", 2),) and i.shape == (16, 16) and i.nbytes * i.blocks == 2048
+    assert plan.shard_axes(fmt) == ("data",) and fmt.shard_size * i.itemsize == 256
+  _, w1 = inputs["params['w1']"]
+  assert w1.split == (("model", 2),) and not w1.sharded
+  _, count = inputs["opt_state[0].count"]
+  assert not count.split and count.matched.endswith("(by position)")  # Replicated.
   whole, shard = plan.state_bytes
   assert (whole, shard) == (4 * 512 * 4, 4 * 512 * 4 // 8)
-  assert "(predicted; 0.125 of a whole copy, 0.25 of what the specs alone leave" in str(plan)
-  assert all(c.sharded and "more than the" not in c.reason for c in plan.clusters), str(plan)
+  alone = sum(plan.inputs[k].nbytes for k in plan.state_inputs)  # What the specs leave.
+  assert (shard / whole, shard / alone) == (0.125, 0.25)
+  assert all(c.sharded and isinstance(c.why.verdict, verdicts.OnShards)
+             for c in plan.clusters), [c.why for c in plan.clusters]
 
 
 def test_flax_nnx_model_annotated_with_partitioning_under_shard_map():
@@ -352,13 +364,15 @@ def test_weights_in_no_model_spec_have_state_sharded_over_data_x_model(check_vma
   assert sum(x.nbytes_per_device for x in sharded) <= whole / (n_data * 2) + padding
   plan = ws.plan(*b, batch)
   ln = next(c for c in plan.clusters if any("ln_scale" in t.name for t in c.tensors))
-  assert ln.sharded and "sharded over ['data', 'model']: identical on every replica" in ln.reason
-  assert (f"3 of them over ('data', 'model') (N={2 * n_data}, identical across ['model'])"
-          in str(plan)), str(plan)
-  line = next(ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
-              if "opt_state[0].mu['ln_scale']" in ln)
-  shard = -(-16 // (2 * n_data)) * 4
-  assert line.endswith(f"[sharded over ['data', 'model'] by wus: {shard} B per device of 64 B]")
+  # Sharded over "model" too: identical on its replicas (§3.1).
+  assert ln.sharded and ln.why.notes == (reasons.OverCopies(("data",), ("model",)),), ln.why
+  # Three clusters (the LayerNorm's scale and bias, the row-parallel bias) over both axes.
+  over_both = [c for c in plan.clusters if reasons.OverCopies(("data",), ("model",)) in c.why.notes]
+  assert len(over_both) == 3 and (plan.copy_axes, plan.copies) == (("model",), 2), plan
+  (mu,) = [k for k, i in enumerate(plan.inputs) if i.name == "opt_state[0].mu['ln_scale']"]
+  fmt = plan.state_inputs[mu]
+  assert plan.shard_axes(fmt) == ("data", "model") and fmt.num_shards == 2 * n_data
+  assert fmt.shard_size == -(-16 // (2 * n_data))  # Elements per device of the 16.
 
 
 def test_a_replicated_weight_whose_gradient_differs_across_model_ranks_stays_over_data():
@@ -374,7 +388,10 @@ def test_a_replicated_weight_whose_gradient_differs_across_model_ranks_stays_ove
   assert b[1][0].mu["b2"].axes == ("data", "model")  # Its gradient is the same on both.
   plan = ws.plan(*b, batch)
   ln = next(c for c in plan.clusters if any("ln_scale" in t.name for t in c.tensors))
-  assert "sharded over ['data'] only, not ['model']: its update may differ" in ln.reason
+  (note,) = ln.why.notes  # Over "data" only, and why not "model".
+  assert note == reasons.OverCopies(("data",), ("model",), note.why) and note.why, ln.why
+  assert note.why.startswith("it depends on input ") and note.why.endswith(
+      ", which differs across replicas"), note.why
 
 
 def test_replicated_weights_gradients_reduce_scattered_over_data_then_split_locally():

@@ -13,6 +13,7 @@ import wus
 from helpers import assert_trees_equal, sharded_leaves
 from tensor_parallel import (GELU_SPEC, HSDP_SPEC, TX, gelu_inputs, gelu_step, hsdp_step,
                              megatron_inputs, run, two_axis_mesh, use_tx)
+from wus.analysis import reasons
 
 # --- FSDP + TP (the tutorial's "FSDP + TP" section) and HSDP (issue 29 item 3). -----------
 
@@ -57,11 +58,12 @@ def test_fsdp_plus_tp_weights_say_fsdp_and_the_rest_of_the_step_is_served():
                         batch_spec=P("data", "model"))
   assert_trees_equal(a, wus.unshard(b))
   plan = ws.plan(*b, batch)
-  lines = {ln.split()[0]: ln for ln in plan.details().split("\ninputs:\n")[1].splitlines()
-           if ln.startswith("    ")}
+  inputs = {i.name: i for i in plan.inputs}
   for name in ("params[0][0][0]", "opt_state[0].mu[0][0][0]"):
-    assert "FSDP over ['data']: already split by its spec" in lines[name], lines[name]
-  assert "FSDP" not in lines["batch[0]"]
+    # State its spec already splits over "data": FSDP, nothing repeated there to shard.
+    i = inputs[name]
+    assert i.state and i.fsdp == ("data",) and not i.sharded, i
+  assert not inputs["batch[0]"].state  # Split over "data" too, but a batch: no FSDP.
   scale = [x for x in sharded_leaves(b[1]) if x.shape == (width,)]
   assert len(scale) == 2 and all(x.layout.split_axes == ("model",) for x in scale)
   assert sum(c.sharded for c in plan.clusters) == 1, str(plan)
@@ -119,5 +121,7 @@ def test_muon_on_model_split_blocks_runs_as_written_with_the_reason(monkeypatch)
   plan = ws.plan(*b, batch)
   kernels = [c for c in plan.clusters if any(t.shape in ((16, 16),) for t in c.tensors)]
   assert kernels and all(not c.sharded and c.owner is None for c in kernels)
-  for c in kernels:
-    assert "is one block of a tensor split over ['model'] (tensor parallelism)" in c.reason
+  for c in kernels:  # Replicated, and not owned: its gradient is one model rank's block.
+    note = c.why.notes[-1]
+    assert isinstance(note, reasons.NotOwned) and note.why.startswith("its gradient at "), c.why
+    assert "is one block of a tensor split over ['model'] (tensor parallelism)" in note.why

@@ -24,6 +24,8 @@ import wus
 from helpers import (PMAP_TX, SPECS, assert_trees_equal, collective_lines, dense_inputs,
                      dense_step, inputs, make_params, make_step, mesh, pmap_params, pmap_step,
                      pmap_xs, replica_groups, run, sharded_leaves, stack)
+from wus.analysis import reasons
+from wus.analysis.reasons import Reason
 
 CASES = [(8, 2), (8, 4), (6, 3)]  # (N, G)
 CASE_IDS = [f"N{n}G{g}" for n, g in CASES]
@@ -174,11 +176,10 @@ def test_collectives_run_in_groups_of_g_and_across_them_batched(n, g):
   assert reduces.count(across) == plan.across_groups
   # The rest are the all-reduces the step keeps whole (the loss, the scalar's gradient).
   assert all(r in (across, [tuple(ids)]) for r in reduces)
-  text = str(plan)
-  assert f"shard_group_size={g}" in text and "partial sharding (§5.2)" in text
-  assert f"in {n // g} groups of {g} consecutive replicas" in text
-  assert f"in {plan.across_groups} batched all-reduce(s)" in text
-  assert all("partial sharding (§5.2)" in c.reason for c in plan.clusters if c.sharded)
+  assert (plan.group_size, plan.groups.num_groups, plan.groups.across) == (
+      g, n // g, plan.across_groups)
+  partial = reasons.PartialSharding(("data.in_group",), ("data.groups",))
+  assert all(c.why.notes == (partial,) for c in plan.clusters if c.sharded), plan
   assert plan.num_shards == g and sum(c.sharded for c in plan.clusters) >= 5
 
 
@@ -269,7 +270,8 @@ def test_g_equal_to_n_is_plain_sharding_and_g_one_shards_nothing():
   step8 = wus.shard_map(make_step(tx), shard_group_size=8, **kw)
   assert_trees_equal(wus.unshard(plain), wus.unshard(run(step8, params, state, extra, data)))
   plan8 = step8.plan(params, state, extra, data[0])
-  assert plan8.num_shards == 8 and "plain sharding" in str(plan8)
+  assert plan8.num_shards == 8 and plan8.axes == ("data",) and not plan8.groups.num_groups
+  assert not any(c.why.notes for c in plan8.clusters if c.sharded)  # No partial sharding.
 
   ref = run(jax.jit(jax.shard_map(make_step(tx), **kw)), params, state, extra, data)
   step1 = wus.shard_map(make_step(tx), shard_group_size=1, **kw)
@@ -278,8 +280,10 @@ def test_g_equal_to_n_is_plain_sharding_and_g_one_shards_nothing():
   assert not sharded_leaves(got)
   plan1 = step1.plan(params, state, extra, data[0])
   assert plan1.clusters and not any(c.sharded for c in plan1.clusters)
-  assert all("shard_group_size=1" in c.reason for c in plan1.clusters)
-  assert not any(i.sharded for i in plan1.inputs) and "shard_group_size=1" in str(plan1)
+  # Each cluster's verdict is the groups' own words: one replica per group.
+  assert plan1.groups.layout.startswith("shard_group_size=1: groups of one replica")
+  assert all(c.why == Reason(plan1.groups.layout) for c in plan1.clusters), plan1
+  assert not any(i.sharded for i in plan1.inputs)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True, "automatic", "4"])

@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, collectives, dense_step, sharded_leaves, two_axis_run
+from wus.analysis import reasons
 
 BATCH = P(("replica", "data"))
 
@@ -27,7 +28,9 @@ def test_sharded_within_the_data_axis_all_reduced_across_replica(shape, check_vm
   mu = b[1][0].mu["w"].data
   assert {s.data.shape for s in mu.addressable_shards} == {(24 * 40 // group,)}
   plan = ws.plan(*b, x)
-  assert all("partial sharding" in c.reason for c in plan.clusters if c.sharded)
+  assert plan.clusters and all(
+      c.sharded and c.why.notes == (reasons.PartialSharding(("data",), ("replica",)),)
+      for c in plan.clusters), [c.why for c in plan.clusters]
   found = collectives(ws.lower(*b, x).compile().as_text())
   assert found["reduce-scatter"].count == 1 and found["all-gather"].count == 1
   assert found["all-reduce"].count == 1 and found["all-reduce"].bytes == 4 * (960 + 40) // group

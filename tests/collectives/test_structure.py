@@ -15,7 +15,7 @@ import wus
 from helpers import (SPECS, assert_trees_equal, batches, collective_arrays, collective_shapes,
                      collectives, first_args, make_params, make_step, mesh, parameter_copies,
                      run, shape_bytes)
-from wus.analysis import network
+from wus.analysis import network, reasons
 
 N = 8
 
@@ -61,7 +61,9 @@ def test_gradients_reduce_scattered_and_weights_all_gathered():
   assert sum(_collective_shapes(text, "all-reduce")) < big // N
   assert sum(_collective_shapes(text, "reduce-scatter")) >= big // N
   assert max(_collective_shapes(ref.as_text(), "all-reduce")) >= big
-  assert any("pad" in c.reason and not c.sharded for c in plan.clusters)
+  (kept,) = [c for c in plan.clusters if not c.sharded]  # The scalar and the [7] leaf's.
+  assert isinstance(kept.why.verdict, reasons.KeptWhole), kept.why
+  assert [p.reader.split(" at ")[0] for p in kept.why.verdict.parts] == ["pad"], kept.why
 
 
 def test_argument_bytes_drop_by_optimizer_state_shards():

@@ -13,6 +13,7 @@ import wus
 from helpers import (LOOP_STEPS as K, assert_trees_equal, collective_shapes, hlo_computations,
                      loop_bodies, loop_setup, loop_xs, loss_fn, make_params, mesh, sharded_leaves,
                      shape_bytes)
+from wus.analysis import reasons
 
 
 def collective_bytes(lines, kind: str) -> list[int]:
@@ -95,7 +96,12 @@ def test_weights_sharded_across_iterations_and_gathered_in_bfloat16(n, make_tx, 
   assert_trees_equal(a[0], b[0], **tol)  # Weights come back whole ...
   assert_trees_equal(a[1], wus.unshard(b[1]), **tol)  # ... optimizer state sharded.
   plan = ws.plan(params, state, xs)
-  assert all("Fig. 4 right" in c.reason for c in plan.clusters if c.sharded), plan
+  # Fig. 4 right: each weight gathered narrow, half its float32 bytes, before the forward pass.
+  gathers = [g for c in plan.clusters if c.sharded for note in c.why.notes
+             if isinstance(note, reasons.LoopGathers) for g in note.gathers]
+  assert sorted(g.name for g in gathers) == ["params['conv']", "params['w']"], plan
+  assert all(g.narrow and g.dtype == "bfloat16" and 2 * g.nbytes == g.whole_bytes
+             for g in gathers), gathers
   # The compiled program gathers w in 16 bits inside the loop (its bf16 bits,
   # which XLA cannot widen back to f32), and once in f32 after it, batched
   # with conv (§5.2): [16384] at N = 8, padded to a multiple of N at N = 6.
@@ -141,7 +147,15 @@ def test_conditional_on_the_loop_counter_gathers_inside_its_branch(n):
   assert_trees_equal(a[1], wus.unshard(b[1]))
   assert_trees_equal(a[2], b[2])
   plan = ws.plan(params, state, xs)
-  assert any(c.sharded and "follows the loop counter" in c.reason for c in plan.clusters)
+  # The one conditional on the counter, at its own line, noted on the cluster of `big` (whose
+  # mu it reads); that cluster still runs on shards.
+  rare = [(c, note) for c in plan.clusters for note in c.why.notes
+          if isinstance(note, reasons.RareConditionals)]
+  ((c, note),) = rare
+  cond_line = train.__code__.co_firstlineno + 5  # Its jax.lax.cond.
+  assert c.sharded and "opt_state[0].mu['big']" in {t.name for t in c.tensors}, c.why
+  (line,) = note.lines
+  assert f"test_loops.py:{cond_line}:" in line and line.endswith(".<locals>.body)"), line
   hlo = ws.lower(params, state, xs).compile().as_text()
   comps, bodies = hlo_computations(hlo), loop_bodies(hlo)
   big = 4 * math.prod(b[1][0].mu["big"].format.padded_shape)  # 4 MiB at N = 8, padded at 6.

@@ -2,14 +2,13 @@
 as in the original step; the rest of the update, and its optimizer state, still shards;
 the Plan names the equation (DESIGN.md §4, invariant 2)."""
 
-import re
-
 import jax.numpy as jnp
 import optax
 import pytest
 
 import wus
 from helpers import SPECS, assert_trees_equal, both, first_args, make_params, make_step, mesh
+from wus.analysis import reasons
 
 SHAPES = {"big": (64, 33), "conv": (3, 3, 5, 7), "v": (130,)}  # None a multiple of 6 or 8.
 STATE, WEIGHT = "opt_state[1][0].trace['big']", "params['big']"  # Momentum of `big`, `big`.
@@ -53,20 +52,20 @@ def test_update_with_an_unshardable_equation_is_exact_at_six_replicas(make_tx, w
 
 @pytest.mark.parametrize("make_tx,why,tol,momentum_sharded", CASES)
 def test_plan_names_the_equation_that_runs_whole(make_tx, why, tol, momentum_sharded):
-  """The printed Plan: `big`'s cluster line names the primitive that made its
-  all-reduce run whole; its momentum is kept sharded or whole accordingly,
-  and its tensors are listed with the cluster."""
+  """The Plan: `big`'s cluster names the primitive that made its all-reduce run whole
+  (`reasons.RunsWhole`); its momentum is kept sharded or whole accordingly, for that
+  cluster, and its tensors are listed with the cluster."""
   tx = make_tx()
   step = wus.shard_map(make_step(tx), mesh=mesh(8), **SPECS)
-  text = step.plan(*first_args(tx, mesh(8), params=make_params(SHAPES))).details()
-  inputs = dict(re.findall(r"^    (\S+) +\[[\d, ]*\] +\w+ +(.*)$", text, re.M))
-  if momentum_sharded:
-    k = re.match(r"sharded: optimizer state: only cluster (\d+)", inputs[STATE]).group(1)
-  else:
-    k = re.match(r"whole: cluster (\d+) stays replicated", inputs[STATE]).group(1)
-  verdict = "SHARDED" if momentum_sharded else "replicated"
-  block = re.search(rf"^cluster {k}: {verdict}: (.*)\n((?:    .*\n)+)", text, re.M)
-  assert block, text
-  assert f"run whole: {why} at" in block.group(1) and "has no shard rule" in block.group(1)
-  names = re.findall(r"^    \w+ +(\S+)", block.group(2), re.M)
-  assert STATE in names and WEIGHT in names
+  plan = step.plan(*first_args(tx, mesh(8), params=make_params(SHAPES)))
+  (state,) = [i for i in plan.inputs if i.name == STATE]
+  assert state.sharded == momentum_sharded
+  kind = reasons.OnlyCluster if momentum_sharded else reasons.ClusterReplicated
+  assert isinstance(state.why.verdict, kind) and not state.why.notes, state.why
+  c = plan.clusters[state.why.verdict.index]
+  assert c.sharded == momentum_sharded
+  (kept,) = [x for x in (c.why.verdict, *c.why.notes) if isinstance(x, reasons.KeptWhole)]
+  (part,) = kept.parts
+  assert part.what.startswith("the all-reduce at ") and part.reader.startswith(f"{why} at "), (
+      c.why)
+  assert {STATE, WEIGHT} <= {t.name for t in c.tensors}

@@ -1,0 +1,126 @@
+"""wus/runtime.py alone (issue 31 item 7): `operands` on a `pipeline.Compiled` and the leaves a
+caller passes (whole state sharded, sharded state passed as its shards, state of another
+group size re-sharded, donated or foreign state refused), and the front ends' shared
+helpers (`donated_positions`, `leaf_signature`, `normal`).
+
+The step is momentum SGD on 8 replicas (the forward pass reads w, only the update reads m,
+so m is kept sharded: `sharded_leaves == {1: ...}`); m has 60 elements, padded to 8 x 8.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import wus
+from helpers import mesh
+from wus import pipeline, runtime
+from wus.errors import StateMismatchError
+from wus.matching import Signature
+from wus.options import Options
+
+N = 8
+
+
+def _step(w, m, x):
+  g = lax.pmean(jnp.cos(w) * x.mean(), "data")
+  m = 0.9 * m + g
+  return w - 0.1 * m, m
+
+
+def _leaves(n=N):
+  return [jnp.ones(60), jnp.arange(60.0),
+          jax.device_put(jnp.ones((2 * n, 4)), NamedSharding(mesh(n), P("data")))]
+
+
+def _compiled(shard_group_size=None) -> pipeline.Compiled:
+  leaves = _leaves()
+  step = pipeline.Step(_step, (P(), P(), P("data")), (P(), P()), signature=Signature.of(_step))
+  call = pipeline.Call(step, Options(shard_group_size=shard_group_size), tuple(leaves),
+                       tuple(leaves), jax.tree.structure(tuple(leaves)), frozenset(), mesh(N),
+                       frozenset())
+  return pipeline.compile_step(call)
+
+
+def _sharded_m(n=N):
+  """m after one step of `wus.shard_map` on `n` replicas: a ShardedArray."""
+  ws = wus.shard_map(_step, mesh=mesh(n), in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  _, m = ws(*_leaves(n))
+  assert isinstance(m, wus.ShardedArray)
+  return m
+
+
+def test_whole_state_is_sharded_and_the_rest_passes_as_it_came():
+  compiled = _compiled()
+  assert set(compiled.sharded_leaves) == {1}
+  leaves = _leaves()
+  w, m, x = runtime.operands(list(leaves), compiled)
+  assert w is leaves[0] and x is leaves[2]
+  # m as its 8 padded shards of 8, replica r holding elements 8r..8r+7, split over "data".
+  assert m.shape == (64,) and m.sharding.spec == P("data")
+  np.testing.assert_array_equal(np.asarray(m), np.concatenate([np.arange(60.0), np.zeros(4)]))
+  for shard in m.addressable_shards:
+    r = shard.index[0].start // 8
+    np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(m)[8 * r:8 * r + 8])
+
+
+def test_state_sharded_as_the_step_expects_passes_its_shards_with_no_copy():
+  compiled = _compiled()
+  m = _sharded_m()
+  leaves = _leaves()
+  ops = runtime.operands([leaves[0], m, leaves[2]], compiled)
+  assert ops[1] is m.data
+
+
+def test_state_sharded_in_groups_of_another_size_is_gathered_and_sharded_again():
+  """m sharded 8 ways, passed to a step sharded in groups of 2 on the same devices: one
+  program gathers it, one shards it in the groups' layout; its value is unchanged."""
+  compiled = _compiled(shard_group_size=2)
+  layout = compiled.sharded_leaves[1]
+  m = _sharded_m()
+  leaves = _leaves()
+  ops = runtime.operands([leaves[0], m, leaves[2]], compiled)
+  assert ops[1] is not m.data and ops[1].sharding.mesh == compiled.mesh
+  assert ops[1].sharding.is_equivalent_to(layout.data_sharding, 1)
+  assert ops[1].shape == (60,)  # 2 shards of 30: no padding.
+  np.testing.assert_array_equal(np.asarray(ops[1]), np.asarray(m.whole()))
+
+
+def test_a_donated_argument_is_refused_by_name():
+  compiled = _compiled()
+  leaves = _leaves()
+  leaves[1].delete()
+  with pytest.raises(ValueError, match=r"\bm\b"):
+    runtime.operands(leaves, compiled)
+
+
+def test_state_sharded_on_another_mesh_is_refused():
+  compiled = _compiled()
+  m = _sharded_m(4)
+  leaves = _leaves()
+  with pytest.raises(StateMismatchError, match="argument m was sharded on another mesh"):
+    runtime.operands([leaves[0], m, leaves[2]], compiled)
+
+
+def test_donated_positions_from_numbers_and_names_as_jax_jit():
+  def f(params, opt_state, batch, *, rng=None):
+    del rng
+    return params, opt_state, batch
+  assert runtime.donated_positions(f, (0, 1), ()) == {0, 1}
+  assert runtime.donated_positions(f, 0, "opt_state") == {0, 1}
+  assert runtime.donated_positions(f, (), ("batch", "params")) == {0, 2}
+  with pytest.raises(ValueError, match="'rng' is not a positional parameter of f"):
+    runtime.donated_positions(f, (), "rng")
+
+
+def test_a_leaf_keys_the_cache_alike_sharded_or_whole():
+  """After the first call state comes back sharded: the same key, so the same program."""
+  m = _sharded_m()
+  assert runtime.leaf_signature(m) == runtime.leaf_signature(m.whole())
+  assert runtime.leaf_signature(m) != runtime.leaf_signature(jnp.arange(61.0))
+  assert runtime.leaf_signature(jnp.float32(1)) != runtime.leaf_signature(1.0)  # Weak type.
+  assert runtime.normal(P(None,)) == runtime.normal(P()) != runtime.normal(P("data"))
