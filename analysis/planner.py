@@ -33,7 +33,10 @@ class Argument:
 
   Attributes:
     name: the argument's pytree path.
-    shape, dtype: its shape and dtype (a numpy dtype, or a typed PRNG key's).
+    shape, dtype: its shape and dtype (a numpy dtype, or a typed PRNG key's). The Plan
+      shows an argument the region reads as the region reads it (one replica's rows of a
+      batch split over the batch axes, one block of a weight split over model axes), one
+      it does not read whole.
     operand: the region's input it enters as (through sharding constraints too), or None:
       only the rest of the step (the forward and backward pass) reads it.
     matched: its next value among the step's outputs and the rule that found it, or ""

@@ -377,3 +377,40 @@ def test_jit_update_reading_a_constant_the_step_closes_over():
       want, got = jax.jit(step)(*want[:2], x), ws(*got[:2], x)
     assert_trees_equal(wus.unshard(got), want)
     assert "<constant float32[6]>" in ws.plan(*got[:2], xs[0]).details()
+
+
+
+def test_jit_region_that_shards_nothing_runs_as_jax_jit():
+  """Fuzz case (Explicit 2 x 2 data x model mesh, a bfloat16 [1, 1] embedding table read
+  with `.at[ids].get(out_sharding=...)`, `optax.MultiSteps(add_decayed_weights)`): every
+  tensor is tiny, so the update region shards nothing, yet running it as a shard_map
+  reordered the table's bfloat16 gradient sum (one bfloat16 ulp). Such a step runs as
+  jax.jit runs it, bit for bit, and the Plan says why."""
+  m = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4],
+                    axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  tx = optax.MultiSteps(optax.add_decayed_weights(1e-2), every_k_schedule=2)
+
+  def train_step(params, opt_state, batch):
+    def loss(p):
+      x = batch["x"]
+      e = p["table"].at[batch["ids"] % 1].get(out_sharding=P("data", None, None))
+      return (jnp.mean(jnp.tanh(x * p["s"]) ** 2)
+              + jnp.mean(jnp.tanh(e.sum(1) * x[:, :1]) ** 2))
+    grads = jax.grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  table = 0.5 * np.random.default_rng(21).standard_normal((1, 1), np.float32)
+  with jax.set_mesh(m):
+    params = jax.device_put({"s": jnp.float32(0.3), "table": jnp.asarray(table, jnp.bfloat16)},
+                            P())
+    batches = [jax.device_put({"x": rng.standard_normal((4, 16), np.float32),
+                               "ids": rng.integers(0, 64, (4, 4), np.int32)}, P("data"))
+               for rng in (np.random.default_rng(1000 * i) for i in range(2))]
+    ref = out = (params, tx.init(params))
+    ws = wus.jit(train_step)
+    for b in batches:
+      ref, out = jax.jit(train_step)(*ref, b), ws(*out, b)
+    plan = ws.plan(*out, batches[0])
+  assert_trees_equal(ref, out)
+  assert "the update region shards nothing" in plan.unchanged
