@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from wus import jit_arguments, jit_region, pipeline, runtime
 from wus.analysis import compat, global_view, planner
+from wus.analysis.graph import Graph
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import Plan
 from wus.analysis.planner import Argument
@@ -432,9 +433,9 @@ def _name_of(jaxpr, v, in_pos: dict, paths: list[str]) -> str:
   through sharding constraints (`x` of `eqx.filter_shard((x, y), sharding)`); else where
   the forward or backward pass computes it, or a constant the step closes over
   (optax.contrib.mechanize's, say)."""
-  eqn = None
+  eqn, producing = None, Graph(jaxpr).producing
   while v not in in_pos:
-    eqn = next((e for e in jaxpr.eqns if v in e.outvars), None)
+    eqn = producing(v)
     if eqn is None or not compat.is_sharding_constraint(eqn) or compat.is_literal(eqn.invars[0]):
       break
     v = eqn.invars[0]

@@ -35,7 +35,14 @@ def update_region(flat, splits, mesh: Mesh, model: tuple, fsdp: tuple, leaves: l
     state: the flat positions of the leaves with a next value.
     state_out: the flat output positions that are such next values.
   """
-  outside: dict[int, str] = {}  # Equations run outside the region -> why ("": no limit).
+  # Equations run outside the region -> why ("": no limit). First, those reading a value
+  # typed on other axis types than the mesh's: `auto_axes` computes them in Auto axes
+  # inside an Explicit mesh (the gather of `x.at[i].get(out_sharding=...)` and its
+  # gradient's scatter-add), where GSPMD orders their sums; the update reads the results.
+  types = tuple(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  outside: dict[int, str] = {
+      i: "" for i, e in enumerate(flat.jaxpr.eqns)
+      if any(compat.type_axes(v.aval) not in ((), types) for v in e.invars)}
   cannot = (f"the update cannot run on the blocks of the tensors split over "
             f"{[*model, *fsdp]}: {{}}; the step runs as jax.jit runs it")
   while True:

@@ -414,3 +414,40 @@ def test_jit_region_that_shards_nothing_runs_as_jax_jit():
     plan = ws.plan(*out, batches[0])
   assert_trees_equal(ref, out)
   assert "the update region shards nothing" in plan.unchanged
+
+
+def test_jit_embedding_gradient_summed_in_auto_axes_stays_outside_the_region():
+  """Fuzz case (Explicit 2 x 2 data x model mesh, a [3] tensor the region shards and a
+  float32 [1, 1] table read with `.at[ids].get(out_sharding=...)`, `MultiSteps(sgd)`):
+  the table's gradient is a scatter-add that `auto_axes` computes in Auto axes; summed in
+  the region it differed from GSPMD's sum by an ulp. Equations reading values typed on
+  other axis types than the mesh's run outside the region, as GSPMD partitions them."""
+  m = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4],
+                    axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  tx = optax.MultiSteps(optax.inject_hyperparams(optax.sgd)(learning_rate=1e-2),
+                        every_k_schedule=2)
+
+  def train_step(params, opt_state, batch):
+    def loss(p):
+      x = batch["x"]
+      e = p["table"].at[batch["ids"] % 1].get(out_sharding=P("data", None, None))
+      return (jnp.sum(jnp.sin(p["t"] * jnp.mean(jnp.tanh(x))))
+              + jnp.mean(jnp.tanh(e.sum(1) * x[:, :1]) ** 2))
+    grads = jax.grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  init = lambda seed, shape, scale: jnp.asarray(  # noqa: E731
+      scale * np.random.default_rng(seed).standard_normal(shape, np.float32))
+  with jax.set_mesh(m):
+    params = jax.device_put({"t": init(1, (3,), 0.1), "table": init(21, (1, 1), 0.5)}, P())
+    batches = [jax.device_put({"x": rng.standard_normal((4, 16), np.float32),
+                               "ids": rng.integers(0, 64, (4, 4), np.int32)}, P("data"))
+               for rng in (np.random.default_rng(1000 * i) for i in range(2))]
+    ref = out = (params, tx.init(params))
+    ws = wus.jit(train_step)
+    for b in batches:
+      ref, out = jax.jit(train_step)(*ref, b), ws(*out, b)
+    plan = ws.plan(*out, batches[0])
+  assert_trees_equal(ref, wus.unshard(out))
+  assert [c.sharded for c in plan.clusters] == [True]
