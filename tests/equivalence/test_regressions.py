@@ -380,74 +380,62 @@ def test_jit_update_reading_a_constant_the_step_closes_over():
 
 
 
-def test_jit_region_that_shards_nothing_runs_as_jax_jit():
-  """Fuzz case (Explicit 2 x 2 data x model mesh, a bfloat16 [1, 1] embedding table read
-  with `.at[ids].get(out_sharding=...)`, `optax.MultiSteps(add_decayed_weights)`): every
-  tensor is tiny, so the update region shards nothing, yet running it as a shard_map
-  reordered the table's bfloat16 gradient sum (one bfloat16 ulp). Such a step runs as
-  jax.jit runs it, bit for bit, and the Plan says why."""
+
+def _explicit_2x2(tx, table_term, params):
+  """The fuzzer's global-view step on an Explicit 2 x 2 ("data", "model") mesh: the loss
+  `table_term(p, x)` plus a [1, 1] table read with `.at[ids].get(out_sharding=...)`, as
+  JAX asks on Explicit axes; `params(init)` makes the parameters. Runs jax.jit and wus.jit
+  for 2 steps from the same state: (jax.jit's, wus.jit's, the Plan)."""
   m = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4],
                     axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-  tx = optax.MultiSteps(optax.add_decayed_weights(1e-2), every_k_schedule=2)
 
   def train_step(params, opt_state, batch):
     def loss(p):
       x = batch["x"]
       e = p["table"].at[batch["ids"] % 1].get(out_sharding=P("data", None, None))
-      return (jnp.mean(jnp.tanh(x * p["s"]) ** 2)
-              + jnp.mean(jnp.tanh(e.sum(1) * x[:, :1]) ** 2))
+      return table_term(p, x) + jnp.mean(jnp.tanh(e.sum(1) * x[:, :1]) ** 2)
     grads = jax.grad(loss)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  table = 0.5 * np.random.default_rng(21).standard_normal((1, 1), np.float32)
+  init = lambda seed, shape, scale: (  # noqa: E731
+      scale * np.random.default_rng(seed).standard_normal(shape, np.float32))
   with jax.set_mesh(m):
-    params = jax.device_put({"s": jnp.float32(0.3), "table": jnp.asarray(table, jnp.bfloat16)},
-                            P())
+    args = jax.device_put(params(init), P())
     batches = [jax.device_put({"x": rng.standard_normal((4, 16), np.float32),
                                "ids": rng.integers(0, 64, (4, 4), np.int32)}, P("data"))
                for rng in (np.random.default_rng(1000 * i) for i in range(2))]
-    ref = out = (params, tx.init(params))
+    ref = out = (args, tx.init(args))
     ws = wus.jit(train_step)
     for b in batches:
       ref, out = jax.jit(train_step)(*ref, b), ws(*out, b)
-    plan = ws.plan(*out, batches[0])
+    return ref, out, ws.plan(*out, batches[0])
+
+
+def test_jit_region_that_shards_nothing_runs_as_jax_jit():
+  """Fuzz case (a bfloat16 [1, 1] table, `optax.MultiSteps(add_decayed_weights)`): every
+  tensor is tiny, so the update region shards nothing, yet running it as a shard_map
+  reordered the table's bfloat16 gradient sum (one bfloat16 ulp). Such a step runs as
+  jax.jit runs it, bit for bit, and the Plan says why."""
+  ref, out, plan = _explicit_2x2(
+      optax.MultiSteps(optax.add_decayed_weights(1e-2), every_k_schedule=2),
+      lambda p, x: jnp.mean(jnp.tanh(x * p["s"]) ** 2),
+      lambda init: {"s": jnp.float32(0.3),
+                    "table": jnp.asarray(init(21, (1, 1), 0.5), jnp.bfloat16)})
   assert_trees_equal(ref, out)
   assert "the update region shards nothing" in plan.unchanged
 
 
 def test_jit_embedding_gradient_summed_in_auto_axes_stays_outside_the_region():
-  """Fuzz case (Explicit 2 x 2 data x model mesh, a [3] tensor the region shards and a
-  float32 [1, 1] table read with `.at[ids].get(out_sharding=...)`, `MultiSteps(sgd)`):
-  the table's gradient is a scatter-add that `auto_axes` computes in Auto axes; summed in
-  the region it differed from GSPMD's sum by an ulp. Equations reading values typed on
-  other axis types than the mesh's run outside the region, as GSPMD partitions them."""
-  m = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4],
-                    axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-  tx = optax.MultiSteps(optax.inject_hyperparams(optax.sgd)(learning_rate=1e-2),
-                        every_k_schedule=2)
-
-  def train_step(params, opt_state, batch):
-    def loss(p):
-      x = batch["x"]
-      e = p["table"].at[batch["ids"] % 1].get(out_sharding=P("data", None, None))
-      return (jnp.sum(jnp.sin(p["t"] * jnp.mean(jnp.tanh(x))))
-              + jnp.mean(jnp.tanh(e.sum(1) * x[:, :1]) ** 2))
-    grads = jax.grad(loss)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  init = lambda seed, shape, scale: jnp.asarray(  # noqa: E731
-      scale * np.random.default_rng(seed).standard_normal(shape, np.float32))
-  with jax.set_mesh(m):
-    params = jax.device_put({"t": init(1, (3,), 0.1), "table": init(21, (1, 1), 0.5)}, P())
-    batches = [jax.device_put({"x": rng.standard_normal((4, 16), np.float32),
-                               "ids": rng.integers(0, 64, (4, 4), np.int32)}, P("data"))
-               for rng in (np.random.default_rng(1000 * i) for i in range(2))]
-    ref = out = (params, tx.init(params))
-    ws = wus.jit(train_step)
-    for b in batches:
-      ref, out = jax.jit(train_step)(*ref, b), ws(*out, b)
-    plan = ws.plan(*out, batches[0])
+  """Fuzz case (a [3] tensor the region shards and a float32 [1, 1] table,
+  `MultiSteps(sgd)`): the table's gradient is a scatter-add that `auto_axes` computes in
+  Auto axes; summed in the region it differed from GSPMD's sum by an ulp. Equations
+  reading values typed on other axis types than the mesh's run outside the region, as
+  GSPMD partitions them."""
+  ref, out, plan = _explicit_2x2(
+      optax.MultiSteps(optax.inject_hyperparams(optax.sgd)(learning_rate=1e-2),
+                       every_k_schedule=2),
+      lambda p, x: jnp.sum(jnp.sin(p["t"] * jnp.mean(jnp.tanh(x)))),
+      lambda init: {"t": init(1, (3,), 0.1), "table": init(21, (1, 1), 0.5)})
   assert_trees_equal(ref, wus.unshard(out))
   assert [c.sharded for c in plan.clusters] == [True]
