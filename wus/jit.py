@@ -33,10 +33,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from wus import jit_arguments, jit_region, pipeline, runtime
 from wus.analysis import compat, global_view, planner
-from wus.analysis.graph import Graph
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import Plan
-from wus.analysis.planner import Argument
 from wus.matching import Signature, StateMatch, argument_paths, match_state
 from wus.options import Options
 from wus.sharded import ShardedArray, check_alive, is_sharded
@@ -322,8 +320,8 @@ class JitStep:
     out_shape = traced.out_info
     region_out = {v: k for k, v in enumerate(region.outvars)}
     match = self._state(args, dyn, out_shape)
-    pairs, how = _region_state(jaxpr, region, match)
-    in_names = [_name_of(jaxpr, v, in_pos, paths) for v in region.invars]
+    pairs, how = jit_region.region_state(jaxpr, region, match)
+    in_names = [jit_region.name_of(jaxpr, v, in_pos, paths) for v in region.invars]
     out_paths = ["output" + jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     out_names = [next(out_paths[k] for k, w in enumerate(jaxpr.outvars) if w is v)
@@ -334,7 +332,7 @@ class JitStep:
         in_specs, out_specs, check_vma=False, split_reason="split over the batch axes",
         match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
         names=(in_names, out_names), copies=True, split_by="its placement", outside=outside,
-        arguments=_arguments(jaxpr, region, paths, match, out_paths))
+        arguments=jit_region.arguments(jaxpr, region, paths, match, out_paths))
     region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                              sharding=NamedSharding(mesh, s))
                         for v, s in zip(region.invars, in_specs, strict=True))
@@ -393,57 +391,7 @@ def _shards_nothing(plan: Plan, blocks: ModelSplits | None, outside: tuple[str, 
   return f"the update region shards nothing ({why}); the step runs as jax.jit runs it"
 
 
-def _region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple[dict, dict]:
-  """The step's state pairs (`match`) as the region's: (region output -> region input,
-  region input -> how it was matched), for state only the region reads and writes."""
-  inside = set(region.eqns)
-  outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
-                   if not compat.is_literal(v)}
-  region_in = {v: k for k, v in enumerate(region.invars)}
-  region_out = {v: k for k, v in enumerate(region.outvars)}
-  returned = {w for w in jaxpr.outvars if not compat.is_literal(w)}
-  pairs, how = {}, {}
-  for o, i in match.pairs.items():
-    ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
-    if (not compat.is_literal(ov) and ov in region_out and iv in region_in
-        and iv not in outside_reads and iv not in returned):
-      pairs[region_out[ov]] = region_in[iv]
-      how[region_in[iv]] = match.how[i]
-  return pairs, how
 
-
-def _arguments(jaxpr, region: global_view.Region, paths: list[str], match: StateMatch,
-               out_paths: list[str]) -> tuple[Argument, ...]:
-  """The step's argument leaves for the planner (`planner.Argument`): each with the region
-  input it enters as (itself, or a sharding constraint of it) and its next value."""
-  operand = {v: k for k, v in enumerate(region.invars)}
-  for e in jaxpr.eqns:  # `x` of `eqx.filter_shard((x, y), sharding)` enters as its result.
-    if (compat.is_sharding_constraint(e) and not compat.is_literal(e.invars[0])
-        and e.outvars[0] in operand):
-      operand.setdefault(e.invars[0], operand[e.outvars[0]])
-  nexts = {i: o for o, i in match.pairs.items()}
-  return tuple(Argument(path, tuple(v.aval.shape), v.aval.dtype, operand.get(v),
-                        f"next value {out_paths[nexts[k]]} (by {match.how[k]})"
-                        if k in nexts else "")
-               for k, (path, v) in enumerate(zip(paths, jaxpr.invars, strict=True)))
-
-
-def _name_of(jaxpr, v, in_pos: dict, paths: list[str]) -> str:
-  """A name for a value the region reads: the step's argument path for an argument, also
-  through sharding constraints (`x` of `eqx.filter_shard((x, y), sharding)`); else where
-  the forward or backward pass computes it, or a constant the step closes over
-  (optax.contrib.mechanize's, say)."""
-  eqn, producing = None, Graph(jaxpr).producing
-  while v not in in_pos:
-    eqn = producing(v)
-    if eqn is None or not compat.is_sharding_constraint(eqn) or compat.is_literal(eqn.invars[0]):
-      break
-    v = eqn.invars[0]
-  if v in in_pos:
-    return paths[in_pos[v]]
-  if eqn is None:
-    return f"<constant {v.aval.str_short()}>"
-  return f"<{eqn.primitive} at {compat.source_line(eqn)}>"
 
 
 def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: str) -> Plan:

@@ -29,6 +29,7 @@ from wus.analysis.planner import Argument, make_plan
 from wus.matching import Signature, StateMatch, argument_paths, aval, match_state
 from wus.options import Options
 from wus.sharded import is_sharded
+from wus.runtime import Compiled
 from wus.transforms import gc_pause, groups, inline, programs
 from wus.transforms.layout import ShardedLayout
 
@@ -69,32 +70,6 @@ class Step:
   split_by: str = "its spec"
   outside: tuple[str, ...] = ()
   arguments: tuple[Argument, ...] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Compiled:
-  """Everything compiled for one input signature: the pipeline's result."""
-
-  plan: Plan
-  step: Callable[..., tuple]
-  sources: tuple        # Per step operand: ("arg", leaf index) or ("const", value).
-  sharded_leaves: dict  # Arg leaf index -> its ShardedLayout, for inputs passed sharded.
-  sharded_outputs: dict  # Flat output -> its ShardedLayout, for outputs returned sharded.
-  in_names: tuple[str, ...]
-  out_specs: tuple      # Per flat output: its PartitionSpec in the user's step.
-  out_replicated: tuple  # Per flat output: identical on every replica of the plan's axes.
-  out_tree: Any
-  mesh: Mesh | None     # The mesh the programs run on (derived with shard_group_size);
-                        # None: `wus.jit`'s step runs unchanged, as `jax.jit` runs it.
-  user_mesh: Mesh | None  # The user's mesh: whole values enter and leave on it.
-  seconds: Mapping[str, float]  # Seconds of "trace" and "analysis" (inline, plan).
-  lowering: Mapping[str, float]  # The program's record, "rewrite" seconds once lowered.
-  in_shardings: tuple = ()  # `wus.jit`: per flat leaf, where its program takes it.
-
-  @property
-  def timings(self) -> dict[str, float]:
-    """Seconds: "trace", "analysis"; "rewrite" once the step is lowered."""
-    return {**self.seconds, **self.lowering}
 
 
 def compile_step(call: Call) -> Compiled:

@@ -3,18 +3,22 @@
 A compiled step takes sharded state as its padded shards; `operands` checks
 what the caller passes (donated buffers, state made for another mesh or
 another plan) and shards whole state in one program, as the paper's runtime
-"invokes the sharding program when there is a state mismatch".
+"invokes the sharding program when there is a state mismatch". `Compiled` is what the
+pipeline compiles for one input signature and what `operands` reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from wus.analysis.plan import Plan
 from wus.errors import StateMismatchError
 from wus.sharded import ShardedArray, check_alive, is_sharded, unshard
 from wus.transforms import programs
@@ -147,3 +151,29 @@ def fits(x: ShardedArray, layout: ShardedLayout | None, mesh: Mesh, user_mesh: M
   return (layout is not None and x.format == layout.format and x.axes == layout.axes
           and normal(x.spec) == normal(layout.spec)
           and (traced or x.data.sharding.is_equivalent_to(layout.data_sharding, x.data.ndim)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """Everything compiled for one input signature: the pipeline's result."""
+
+  plan: Plan
+  step: Callable[..., tuple]
+  sources: tuple        # Per step operand: ("arg", leaf index) or ("const", value).
+  sharded_leaves: dict  # Arg leaf index -> its ShardedLayout, for inputs passed sharded.
+  sharded_outputs: dict  # Flat output -> its ShardedLayout, for outputs returned sharded.
+  in_names: tuple[str, ...]
+  out_specs: tuple      # Per flat output: its PartitionSpec in the user's step.
+  out_replicated: tuple  # Per flat output: identical on every replica of the plan's axes.
+  out_tree: Any
+  mesh: Mesh | None     # The mesh the programs run on (derived with shard_group_size);
+                        # None: `wus.jit`'s step runs unchanged, as `jax.jit` runs it.
+  user_mesh: Mesh | None  # The user's mesh: whole values enter and leave on it.
+  seconds: Mapping[str, float]  # Seconds of "trace" and "analysis" (inline, plan).
+  lowering: Mapping[str, float]  # The program's record, "rewrite" seconds once lowered.
+  in_shardings: tuple = ()  # `wus.jit`: per flat leaf, where its program takes it.
+
+  @property
+  def timings(self) -> dict[str, float]:
+    """Seconds: "trace", "analysis"; "rewrite" once the step is lowered."""
+    return {**self.seconds, **self.lowering}
