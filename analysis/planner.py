@@ -218,7 +218,6 @@ def _of_arguments(operands: list[InputPlan], arguments: Sequence[Argument],
   return tuple(inputs), tuple(input_of)
 
 
-
 def _with_across(grouping: Grouping | None, cluster_plans, bucket_bytes: int) -> Grouping | None:
   """`grouping` with the batched all-reduces of the gradient shards across its groups
   per step (§5.2, Fig. 10 right), predicted: one per dtype bucket of the sharded
