@@ -49,20 +49,26 @@ def _owned(k: int, dim: int = 16, metric: bool = False):
   out_specs = (P(),) * (2 * k) + ((P("data"),) if metric else ())
   jaxpr, facts = analysed_body(_step(k, metric), [P()] * (2 * k) + [P("data")],
                                [(dim, dim)] * (2 * k) + [(2, dim)], out_specs, mesh=mesh(N))
+  names = [f"w{i}" for i in range(k)] + [f"m{i}" for i in range(k)]
+  candidates, owned = _own(jaxpr, facts, {i: i for i in range(2 * k)}, [*names, "x"],
+                           names + (["metric"] if metric else []))
+  return jaxpr, candidates, owned
+
+
+def _own(jaxpr, facts, state_pairs, in_names, out_names):
+  """The planner's stages up to ownership, on N replicas: (the replicated clusters
+  ownership may take, what `ownership.plan_ownership` adds)."""
   graph = Graph(jaxpr, N)
   ctx = planner._Ctx(facts, frozenset({"data"}), N, 0, graph.big, "memory",
                      network.default_topology(N))
-  names = [f"w{i}" for i in range(k)] + [f"m{i}" for i in range(k)]
-  scope = Scope(graph, {i: i for i in range(2 * k)}, [*names, "x"],
-                names + (["metric"] if metric else []))
+  scope = Scope(graph, state_pairs, in_names, out_names)
   acc = Planning()
   found = planner._find_clusters(scope, ctx, acc)
   clustered = {i for c in found for i in c.eqns}
   for c in found:
     plan_cluster(scope, ctx, acc, c, clustered)
-  owned = ownership.plan_ownership(graph, ctx, acc.candidates, acc.shard_eqns,
-                                   scope.state_pairs, scope.in_names, scope.out_names)
-  return jaxpr, acc.candidates, owned
+  return acc.candidates, ownership.plan_ownership(graph, ctx, acc.candidates, acc.shard_eqns,
+                                                  state_pairs, in_names, out_names)
 
 
 def test_equal_updates_one_per_replica_each_with_its_own_state_and_weight():
@@ -167,19 +173,9 @@ def test_muon_over_flax_dense_layers_owns_each_kernel_and_its_momentum():
 
   shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in paths] + [(2, 32)]
   jaxpr, facts = analysed_body(step, [P()] * k + [P("data")], shapes, (P(),) * k, mesh=mesh(N))
-  graph = Graph(jaxpr, N)
-  ctx = planner._Ctx(facts, frozenset({"data"}), N, 0, graph.big, "memory",
-                     network.default_topology(N))
-  scope = Scope(graph, {i: i for i in range(k)}, [*names, "x"], names)
-  acc = Planning()
-  found = planner._find_clusters(scope, ctx, acc)
-  clustered = {i for c in found for i in c.eqns}
-  for c in found:
-    plan_cluster(scope, ctx, acc, c, clustered)
-  owned = ownership.plan_ownership(graph, ctx, acc.candidates, acc.shard_eqns,
-                                   scope.state_pairs, scope.in_names, scope.out_names)
+  candidates, owned = _own(jaxpr, facts, {i: i for i in range(k)}, [*names, "x"], names)
   kernels = {n for n in names if n.endswith("['kernel']")}
-  assert len(acc.candidates) == len(owned.ownership.units) == N + 2
+  assert len(candidates) == len(owned.ownership.units) == N + 2
   assert {names[p] for p in owned.input_reason} == kernels  # Each kernel and its mu; no bias.
   for p, (kept, on) in owned.input_reason.items():
     assert kept == on.state == ("mu" in names[p]) and owned.clusters[on.index].owner == on.owner
