@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 
-import jax
 from jax import lax
 
 from wus.analysis import compat, global_view
@@ -15,17 +14,13 @@ from wus.analysis.model_splits import ModelSplits
 from wus.transforms import inline, interpret, model_local
 
 
-def run(flat, region: global_view.Region, sub, retype: Mapping[int, object], *ops):
+def run(flat, region: global_view.Region, sub, *ops):
   """The step: the forward and backward pass as traced, then the region's sharded step.
 
   Args:
     flat: the step's global jaxpr (calls inlined), closed.
     region: its update region.
     sub: the region's compiled sharded step (`pipeline.Compiled`).
-    retype: region input position -> the sharding it enters the region's shard_map
-      with, for a value typed on other axis types than the mesh's (one `auto_axes`
-      computes inside an Explicit mesh: Flax's and the cookbook's `x.at[i].get(
-      out_sharding=...)`), resharded as `auto_axes` itself leaves its region.
     *ops: one value per input of `flat` (sharded state as its padded shards).
 
   Returns:
@@ -36,9 +31,8 @@ def run(flat, region: global_view.Region, sub, retype: Mapping[int, object], *op
   env.update(zip(jaxpr.invars, ops, strict=True))
   inside = set(region.eqns)
   interpret.eval_eqns(jaxpr, env, order=[i for i in range(len(jaxpr.eqns)) if i not in inside])
-  region_ops = [(jax.sharding.reshard(interpret.read(env, region.invars[s[1]]), retype[s[1]])
-                 if s[1] in retype else interpret.read(env, region.invars[s[1]]))
-                if s[0] == "arg" else s[1] for s in sub.sources]
+  region_ops = [interpret.read(env, region.invars[s[1]]) if s[0] == "arg" else s[1]
+                for s in sub.sources]
   env.update(zip(region.outvars, sub.step(*region_ops), strict=True))
   return tuple(interpret.read(env, v) for v in jaxpr.outvars)
 
@@ -115,15 +109,6 @@ def without_input_placements(closed, axis_sizes) -> Callable[..., list]:
       return compat.bind(eqn, *ins)
     return interpret.eval_jaxpr(jaxpr, closed.consts, args, hook)
   return fn
-
-
-def retyped_inputs(region: global_view.Region, in_specs: tuple, mesh) -> dict:
-  """`run`'s `retype`: the region's inputs typed on other axis types than `mesh`'s, each
-  with the sharding of its in_spec."""
-  types = tuple(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  return {k: jax.sharding.NamedSharding(mesh, spec)
-          for k, (v, spec) in enumerate(zip(region.invars, in_specs, strict=True))
-          if compat.type_axes(v.aval) not in ((), types)}
 
 
 def _same_type(a, b) -> bool:

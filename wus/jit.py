@@ -360,8 +360,7 @@ class JitStep:
     out_shardings = tuple(sharded_outputs[k].data_sharding if k in sharded_outputs
                           else jit_arguments.named(s, mesh)
                           for k, s in enumerate(wanted))
-    retype = global_view_program.retyped_inputs(region, in_specs, mesh)
-    run = jax.jit(functools.partial(global_view_program.run, flat, region, sub, retype),
+    run = jax.jit(functools.partial(global_view_program.run, flat, region, sub),
                   donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
     return _compiled(sub.plan, run, sharded_leaves, sharded_outputs, paths, traced.out_tree,
                      sub.mesh, in_shardings, sub)
