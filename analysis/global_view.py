@@ -6,16 +6,14 @@ summed into one that is not. Its weight update is still the computation every
 replica repeats: the equations that read no value split over the batch. This
 module finds, in the step's global jaxpr (calls inlined),
 
-* which values are split over the data-parallel (batch) mesh axes, and on
-  which dims (`Splits`): from the values' types on a mesh with Explicit axes
-  (`splits_from_types`), or, with Auto axes, from a second trace at another
-  batch size (`splits_from_sizes`: a dim whose size follows the batch is
-  split);
-* the gradient sums: equations that sum a split value over every dim it is
-  split on (`sum_rules`, keyed by primitive: `reduce_sum`, a `dot_general` or
-  convolution contracting those dims, a scatter-add of split updates into
-  zeros). Computed on this replica's rows, each gives this replica's part of
-  the sum, which an all-reduce completes: where GSPMD puts its all-reduce;
+* given which values are split over the data-parallel (batch) mesh axes, and
+  on which dims (`Splits`, propagated from the user's placements by
+  `analysis.propagation`), the gradient sums: equations that sum a split value
+  over every dim it is split on (`propagation.sum_rules`: `reduce_sum`, a
+  `dot_general` or convolution contracting those dims, a scatter-add of split
+  updates into zeros). Computed on this replica's rows, each gives this
+  replica's part of the sum, which an all-reduce completes: where GSPMD puts
+  its all-reduce;
 * the update region (`find_region`): the sums whose results only the update
   reads, and the equations that read no split value and whose results no
   other equation needs (the forward and backward pass never read them);
@@ -39,12 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from wus.analysis import compat, rules
+from wus.analysis import compat, propagation
 from wus.analysis.compat import Jaxpr, JaxprEqn, Var
 from wus.analysis.graph import Graph
 
@@ -60,131 +58,6 @@ def spec_of(split: tuple | None) -> P:
   if split is None:
     return P()
   return P(*[None if e is None else (e[0] if len(e) == 1 else e) for e in split])
-
-
-def splits_from_types(jaxpr: Jaxpr, axes: frozenset) -> dict[Var, tuple]:
-  """The splits over `axes` that a mesh with Explicit axes writes in the types.
-
-  Args:
-    jaxpr: a global jaxpr traced on such a mesh (`f32[16@data,4]`).
-    axes: the batch mesh axes.
-
-  Returns:
-    Value -> its split, for the values split over (or unreduced along) `axes`.
-  """
-  out = {}
-  for v in _values(jaxpr):
-    spec, unreduced = compat.sharding_spec(v.aval)
-    entries = tuple(_only(e, axes) for e in spec) + (None,) * (v.aval.ndim - len(spec))
-    if any(entries) or unreduced & axes:
-      out[v] = entries if not unreduced & axes else (None,) * v.aval.ndim
-  return out
-
-
-def splits_from_sizes(jaxpr: Jaxpr, larger: Jaxpr, axes: tuple) -> dict[Var, tuple] | str:
-  """The splits of `jaxpr`'s values, from a trace of the same step at a larger batch.
-
-  A dim whose size differs between the two traces follows the batch; it is
-  taken to be split over `axes`, as the batch inputs are.
-
-  Args:
-    jaxpr: the step's global jaxpr (Auto axes: no splits in the types).
-    larger: the same step traced with every batch input's split dims larger.
-    axes: the batch mesh axes.
-
-  Returns:
-    Value -> its split; or why the traces cannot be compared (the step's
-    equations depend on the batch size).
-  """
-  if len(jaxpr.eqns) != len(larger.eqns) or len(jaxpr.invars) != len(larger.invars):
-    return "the step's equations change with the batch size"
-  pairs = list(zip(jaxpr.invars, larger.invars, strict=True))
-  for e, f in zip(jaxpr.eqns, larger.eqns, strict=True):
-    if e.primitive is not f.primitive or len(e.outvars) != len(f.outvars):
-      return (f"the step's equations change with the batch size ({e.primitive} at "
-              f"{compat.source_line(e)})")
-    pairs += zip(e.outvars, f.outvars, strict=True)
-  entry = tuple(axes)
-  out = {}
-  for v, w in pairs:
-    a, b = getattr(v.aval, "shape", ()), getattr(w.aval, "shape", ())
-    if len(a) != len(b):
-      return f"a value's rank changes with the batch size ({v.aval.str_short()})"
-    if a != b:
-      out[v] = tuple(entry if m != n else None for m, n in zip(a, b, strict=True))
-  return out
-
-
-def _values(jaxpr: Jaxpr):
-  yield from jaxpr.invars
-  for eqn in jaxpr.eqns:
-    yield from eqn.outvars
-
-
-def _only(entry, axes: frozenset) -> tuple | None:
-  """A PartitionSpec entry restricted to `axes` (None if it names none)."""
-  if entry is None:
-    return None
-  names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n in axes)
-  return names or None
-
-
-# --- Gradient sums. ------------------------------------------------------------
-
-# A sum rule says whether an equation, given its operands' splits, sums over
-# every dim any operand is split on (its result is then whole, and the
-# equation run on each replica's rows gives that replica's part of the sum).
-# Each is registered at its definition (`@sum_rule(prim)`, `rules.registrar`).
-SumRule = Callable[[JaxprEqn, list, Callable[[Var], bool]], bool]
-sum_rules: dict[compat.Primitive, SumRule] = {}
-sum_rule = rules.registrar(sum_rules, "sum rule")
-
-
-def _split_dims(split) -> set[int]:
-  return {d for d, e in enumerate(split or ()) if e is not None}
-
-
-@sum_rule(lax.reduce_sum_p)
-def _reduce_sum(eqn, splits, is_zero) -> bool:
-  (split,) = splits
-  return split is not None and _split_dims(split) <= set(eqn.params["axes"])
-
-
-def _paired(lhs, rhs, lhs_dims, rhs_dims) -> bool:
-  """Every split dim of each operand is one of its `dims`, paired dims split alike."""
-  if not (_split_dims(lhs) <= set(lhs_dims) and _split_dims(rhs) <= set(rhs_dims)):
-    return False
-  return all((lhs or (None,) * (d + 1))[d] == (rhs or (None,) * (e + 1))[e]
-             for d, e in zip(lhs_dims, rhs_dims, strict=True))
-
-
-@sum_rule(lax.dot_general_p)
-def _dot_general(eqn, splits, is_zero) -> bool:
-  (lc, rc), _ = eqn.params["dimension_numbers"]
-  lhs, rhs = splits
-  return (lhs is not None or rhs is not None) and _paired(lhs, rhs, lc, rc)
-
-
-@sum_rule(lax.conv_general_dilated_p)
-def _conv(eqn, splits, is_zero) -> bool:
-  # A kernel's gradient: the batch is the contracted feature dim of both
-  # operands (JAX's transpose of a convolution with respect to its kernel).
-  dn = eqn.params["dimension_numbers"]
-  lhs, rhs = splits
-  return (eqn.params["feature_group_count"] == 1 and eqn.params["batch_group_count"] == 1
-          and (lhs is not None or rhs is not None)
-          and _paired(lhs, rhs, (dn.lhs_spec[1],), (dn.rhs_spec[1],)))
-
-
-@sum_rule(lax.scatter_add_p)
-def _scatter_add(eqn, splits, is_zero) -> bool:
-  # An embedding table's gradient: split rows of updates added into zeros.
-  operand, indices, updates = splits
-  dn = eqn.params["dimension_numbers"]
-  scatter = [d for d in range(eqn.invars[2].aval.ndim) if d not in dn.update_window_dims]
-  batch = [d for d in range(eqn.invars[1].aval.ndim) if d != eqn.invars[1].aval.ndim - 1]
-  return (operand is None and is_zero(eqn.invars[0]) and updates is not None
-          and len(batch) == len(scatter) and _paired(indices, updates, batch, scatter))
 
 
 # --- The update region. ----------------------------------------------------------
@@ -308,11 +181,10 @@ def _kinds(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
   for i, eqn in enumerate(jaxpr.eqns):
     ins = [split(v) for v in eqn.invars]
     outs_whole = all(v not in splits for v in eqn.outvars)
-    rule = sum_rules.get(eqn.primitive)
     if i in outside:
       kind.append(None)
-    elif (rule is not None and outs_whole and any(s is not None for s in ins)
-          and rule(eqn, ins, is_zero) and all(divisible(v) for v in eqn.invars)):
+    elif (outs_whole and propagation.is_sum(eqn, ins, is_zero)
+          and all(divisible(v) for v in eqn.invars)):
       kind.append("sum")
     elif (outs_whole and all(s is None for s in ins) and not compat.side_effects(eqn)
           and not compat.has_manual_code(eqn)

@@ -12,10 +12,11 @@ the region reads or computes, which of its dims each model axis splits, so the
 region's equations can run on those blocks (`transforms.model_local`).
 
 The splits are solved as equalities between dims: a union-find over (value,
-dim) nodes, joined by the rule of each equation's primitive (`split_rules`,
-keyed by primitive: an elementwise op joins the same dims of its operands and
-result, a transpose permutes them, a reduction keeps its kept dims, a
-dot_general pairs batch, contracting and free dims). Seeds are the placements
+dim) nodes, joined by the rule of each equation's primitive (`analysis.dims`,
+the table sharding propagation reads too: an elementwise op joins the same dims
+of its operands and result, a transpose permutes them, a reduction keeps its
+kept dims, a dot_general pairs batch, contracting and free dims, a reshape its
+major factors). Seeds are the placements
 of the step's inputs over the model axes (and, on a mesh with Explicit axes,
 the types of every value) and the model axes a sharding constraint in the
 region names. A dim that a primitive without a rule reads or writes, or that
@@ -29,129 +30,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from jax import lax
 
-from wus.analysis import compat, primitives, rules
+from wus.analysis import compat, dims as dims_lib
 from wus.analysis.compat import JaxprEqn, Var
-
-Node = tuple  # (value, dim)
-# A split rule: the dim pairs an equation makes equal, and the dims it needs whole.
-Joins = tuple[list[tuple[Node, Node]], list[Node]]
-split_rules: dict[compat.Primitive, Callable[[JaxprEqn], Joins]] = {}
-split_rule = rules.registrar(split_rules, "split rule")
-
-# Reductions whose result over a split dim is completed by an all-reduce over its axes.
-REDUCE_OPS = {lax.reduce_sum_p: "sum", lax.reduce_max_p: "max", lax.reduce_min_p: "min"}
-
-
-def _var(v) -> bool:
-  return not compat.is_literal(v)
 
 
 def _shape(v) -> tuple:
   return tuple(getattr(v.aval, "shape", ()))
-
-
-@split_rule(*primitives.ELEMENTWISE)
-def _elementwise(eqn) -> Joins:
-  joins, whole = [], []
-  for out in eqn.outvars:
-    for v in filter(_var, eqn.invars):
-      if len(_shape(v)) != len(_shape(out)):
-        continue
-      for d, (m, n) in enumerate(zip(_shape(v), _shape(out), strict=True)):
-        (joins.append(((v, d), (out, d))) if m == n else whole.append((v, d)))
-  return joins, whole
-
-
-@split_rule(lax.optimization_barrier_p)
-def _same_dims(eqn) -> Joins:
-  """Operand k's dims are result k's (optimization_barrier, sharding constraints)."""
-  return ([((v, d), (o, d)) for v, o in zip(eqn.invars, eqn.outvars, strict=True) if _var(v)
-           for d in range(len(_shape(o)))], [])
-
-
-@split_rule(*rules.distinct(lax.sharding_constraint_p, compat.reshard_p))
-def _constraint(eqn) -> Joins:
-  """A sharding constraint: its result's dims are its operand's, and a dim its spec leaves
-  None is whole (a block the constraint replicates cannot be laid out so: the region then
-  does not run on blocks, and the step keeps the constraint's meaning under jax.jit)."""
-  joins, _ = _same_dims(eqn)
-  spec = compat.constraint_spec(eqn)
-  if spec is None or not compat.lays_out(eqn):  # JAX's own reshards on Auto axes: none.
-    return joins, []
-  out = eqn.outvars[0]
-  entries = (*spec, *(None,) * (len(_shape(out)) - len(spec)))
-  return joins, [(out, d) for d, e in enumerate(entries[:len(_shape(out))]) if e is None]
-
-
-@split_rule(lax.broadcast_in_dim_p)
-def _broadcast(eqn) -> Joins:
-  (v,), (out,) = eqn.invars, eqn.outvars
-  if not _var(v):
-    return [], []
-  joins, whole = [], []
-  for d, e in enumerate(eqn.params["broadcast_dimensions"]):
-    (joins.append(((v, d), (out, e))) if _shape(v)[d] == _shape(out)[e]
-     else whole.append((v, d)))
-  return joins, whole
-
-
-@split_rule(*REDUCE_OPS)
-def _reduce(eqn) -> Joins:
-  (v,), (out,) = eqn.invars, eqn.outvars
-  kept = [d for d in range(len(_shape(v))) if d not in eqn.params["axes"]]
-  return [((v, d), (out, e)) for e, d in enumerate(kept)], []
-
-
-@split_rule(lax.transpose_p)
-def _transpose(eqn) -> Joins:
-  (v,), (out,) = eqn.invars, eqn.outvars
-  return [((v, d), (out, e)) for e, d in enumerate(eqn.params["permutation"])], []
-
-
-@split_rule(lax.dot_general_p)
-def _dot_general(eqn) -> Joins:
-  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  lhs, rhs = eqn.invars
-  (out,) = eqn.outvars
-  joins = [((lhs, d), (rhs, e)) for d, e in zip((*lc, *lb), (*rc, *rb), strict=True)]
-  joins += [((lhs, d), (out, k)) for k, d in enumerate(lb)]
-  lfree = [d for d in range(len(_shape(lhs))) if d not in (*lc, *lb)]
-  rfree = [d for d in range(len(_shape(rhs))) if d not in (*rc, *rb)]
-  joins += [((lhs, d), (out, len(lb) + k)) for k, d in enumerate(lfree)]
-  joins += [((rhs, d), (out, len(lb) + len(lfree) + k)) for k, d in enumerate(rfree)]
-  return [(a, b) for a, b in joins if _var(a[0]) and _var(b[0])], []
-
-
-@split_rule(lax.reshape_p)
-def _reshape(eqn) -> Joins:
-  """A dim keeps its split through a reshape where it stays whole: the same size after
-  the same number of elements (merged or split dims stay whole)."""
-  v, out = eqn.invars[0], eqn.outvars[0]
-  if eqn.params.get("dimensions") is not None or not _var(v):
-    return [], []
-  def starts(shape):
-    return {(math.prod(shape[:d]), n): d for d, n in enumerate(shape) if n > 1}
-  a, b = starts(_shape(v)), starts(_shape(out))
-  joins = [((v, a[k]), (out, b[k])) for k in a.keys() & b.keys()]
-  whole = [(v, a[k]) for k in a.keys() - b.keys()] + [(out, b[k]) for k in b.keys() - a.keys()]
-  return joins, whole
-
-
-@split_rule(lax.squeeze_p)
-def _squeeze(eqn) -> Joins:
-  (v,), (out,) = eqn.invars, eqn.outvars
-  kept = [d for d in range(len(_shape(v))) if d not in eqn.params["dimensions"]]
-  return [((v, d), (out, e)) for e, d in enumerate(kept) if _var(v)], []
-
-
-def _whole(eqn) -> Joins:
-  return [], [(v, d) for v in (*filter(_var, eqn.invars), *eqn.outvars)
-              for d in range(len(_shape(v)))]
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelSplits:
@@ -160,7 +48,8 @@ class ModelSplits:
   Attributes:
     of: value -> per dim, None or the tuple of model axes splitting it; values
       split over no model axis are absent.
-    reduced: equation position -> the model axes its result is a partial
+    reduced: equation position (its `dims.nested` key inside a conditional's branch) ->
+      the model axes its result is a partial
       reduction over (a reduce or a dot_general over a split dim), which an
       all-reduce over those axes completes.
     scattered: gradient sum position -> per dim of its result, None or the
@@ -170,7 +59,7 @@ class ModelSplits:
   """
 
   of: Mapping[Var, tuple]
-  reduced: Mapping[int, tuple]
+  reduced: Mapping[Any, tuple]
   scattered: Mapping[int, tuple] = dataclasses.field(default_factory=dict)
 
   def split(self, v) -> tuple | None:
@@ -233,11 +122,13 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
     The `ModelSplits`, or why the region cannot run on model blocks (a `Refusal`
     naming the equation, for one that needs a split dim whole).
   """
-  eqns = list(eqns)
+  eqns = dims_lib.nested(eqns)  # A conditional's branches run on blocks too.
+  values = [*values, *(v for _, e in eqns for v in e.outvars),
+            *(v for _, e in eqns if e.primitive is compat.cond_p
+              for b in compat.cond(e).branches for v in b.jaxpr.invars)]
   classes, whole, by_class = _Classes(), [], {}
   for i, eqn in eqns:
-    rule = split_rules.get(eqn.primitive, _whole)
-    joins, must = rule(eqn)
+    joins, must, _ = dims_lib.of(eqn)
     for a, b in joins:
       classes.join(a, b)
     whole += [(n, i, eqn) for n in must]
@@ -251,9 +142,10 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
   for (v, d), i, eqn in whole:
     if (entry := by_class.get(classes.find((v, d)))):
       return Refusal(f"{eqn.primitive} at {compat.source_line(eqn)} needs dim {d} of "
-                     f"{v.aval.str_short()} whole, which is split over {list(entry)}", i)
+                     f"{v.aval.str_short()} whole, which is split over {list(entry)}",
+                     dims_lib.top(i))
   out = {}
-  for v in values:
+  for v in dict.fromkeys(values):
     split = tuple(by_class.get(classes.find((v, d))) for d in range(len(_shape(v))))
     if not any(split):
       continue
@@ -268,17 +160,14 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
   return ModelSplits(out, _reduced(eqns, out))
 
 
-def _reduced(eqns, splits: Mapping[Var, tuple]) -> dict[int, tuple]:
-  """Per equation that sums (or maxes) over a split dim, the axes of those dims."""
+def _reduced(eqns, splits: Mapping[Var, tuple]) -> dict:
+  """Per equation (its `dims.nested` key) that sums (or maxes) over a split dim
+  (`Dims.summed`), the axes of those dims."""
   out = {}
   for i, eqn in eqns:
-    dims: list = []
-    if eqn.primitive in REDUCE_OPS:
-      dims = [(eqn.invars[0], d) for d in eqn.params["axes"]]
-    elif eqn.primitive is lax.dot_general_p:
-      (lc, _), _ = eqn.params["dimension_numbers"]
-      dims = [(eqn.invars[0], d) for d in lc]
-    axes = tuple(a for v, d in dims if _var(v) and (s := splits.get(v)) and s[d] for a in s[d])
+    summed = dims_lib.of(eqn).summed
+    axes = tuple(dict.fromkeys(a for v, d in summed if (s := splits.get(v)) and s[d]
+                               for a in s[d]))
     if axes:
       out[i] = axes
   return out

@@ -14,13 +14,16 @@ from wus.analysis.model_splits import ModelSplits
 from wus.transforms import inline, interpret, model_local
 
 
-def run(flat, region: global_view.Region, sub, *ops):
+def run(flat, region: global_view.Region, sub, in_specs: tuple, *ops):
   """The step: the forward and backward pass as traced, then the region's sharded step.
 
   Args:
     flat: the step's global jaxpr (calls inlined), closed.
     region: its update region.
     sub: the region's compiled sharded step (`pipeline.Compiled`).
+    in_specs: per region input, the PartitionSpec the region reads it by; on a mesh with
+      Explicit axes a value typed otherwise (a size-1 axis its type names, a weight
+      placed over "fsdp") is resharded to it, as GSPMD would lay it out there.
     *ops: one value per input of `flat` (sharded state as its padded shards).
 
   Returns:
@@ -31,7 +34,9 @@ def run(flat, region: global_view.Region, sub, *ops):
   env.update(zip(jaxpr.invars, ops, strict=True))
   inside = set(region.eqns)
   interpret.eval_eqns(jaxpr, env, order=[i for i in range(len(jaxpr.eqns)) if i not in inside])
-  region_ops = [interpret.read(env, region.invars[s[1]]) if s[0] == "arg" else s[1]
+  region_ops = [s[1] if s[0] != "arg" else
+                interpret.read(env, region.invars[s[1]]) if s[1] in sub.sharded_leaves else
+                compat.laid_out(interpret.read(env, region.invars[s[1]]), in_specs[s[1]])
                 for s in sub.sources]
   env.update(zip(region.outvars, sub.step(*region_ops), strict=True))
   return tuple(interpret.read(env, v) for v in jaxpr.outvars)

@@ -15,16 +15,23 @@ ratios).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jax import lax
 
-from wus.analysis import compat, model_splits
+from wus.analysis import compat, dims
+from wus.transforms import inline, interpret
 from wus.analysis.model_splits import ModelSplits
 
-_ALL_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+_ALL_REDUCE = {
+    "sum": lax.psum, "max": lax.pmax, "min": lax.pmin,
+    # All (any) over the ranks' booleans: the least (greatest) of them as integers.
+    "and": lambda x, axes: lax.pmin(x.astype("int32"), axes).astype(bool),
+    "or": lambda x, axes: lax.pmax(x.astype("int32"), axes).astype(bool),
+}
 
 
 def local_shape(shape: Sequence[int], split: tuple | None,
@@ -43,19 +50,26 @@ local_params: dict[compat.Primitive, Callable[[Any, tuple], dict]] = {
 }
 
 
-def is_local(eqn, position: int, splits: ModelSplits) -> bool:
-  """Whether the equation reads or writes a block (and must run as one here)."""
-  return (position in splits.reduced
-          or any(splits.split(v) for v in (*eqn.invars, *eqn.outvars)))
+def is_local(eqn, position, splits: ModelSplits) -> bool:
+  """Whether the equation reads or writes a block (and must run as one here); a
+  conditional, whether one of its branches' equations does."""
+  if (position in splits.reduced
+      or any(splits.split(v) for v in (*eqn.invars, *eqn.outvars))):
+    return True
+  return eqn.primitive is compat.cond_p and any(
+      is_local(e, (position, b, j), splits)
+      for b, branch in enumerate(compat.cond(eqn).branches)
+      for j, e in enumerate(branch.jaxpr.eqns))
 
 
-def eval_local(eqn, position: int, ins: Sequence[Any], splits: ModelSplits,
+def eval_local(eqn, position, ins: Sequence[Any], splits: ModelSplits,
                axis_sizes: Mapping[str, int]) -> list[Any]:
   """`eqn` on this rank's blocks of `ins`.
 
   Args:
     eqn: an equation of the region (`is_local`).
-    position: its position in the step's jaxpr (`ModelSplits.reduced` key).
+    position: its position in the step's jaxpr (`ModelSplits.reduced` key; inside a
+      conditional's branch, its `dims.nested` key).
     ins: its operands, the split ones as this rank's blocks.
     splits: the region's model splits.
     axis_sizes: mesh axis -> size.
@@ -65,6 +79,11 @@ def eval_local(eqn, position: int, ins: Sequence[Any], splits: ModelSplits,
   """
   if compat.is_sharding_constraint(eqn) or eqn.primitive is lax.optimization_barrier_p:
     outs = list(ins) if compat.is_sharding_constraint(eqn) else lax.optimization_barrier(ins)
+  elif eqn.primitive is compat.cond_p:
+    cond = compat.cond(eqn)
+    outs = cond.bind(ins, [functools.partial(_branch, branch, (position, b), splits,
+                                             axis_sizes)
+                           for b, branch in enumerate(cond.branches)])
   else:
     # On the region's mesh, every axis manual: a result's layout names none of them.
     eqn = compat.in_current_mesh(eqn)
@@ -75,7 +94,18 @@ def eval_local(eqn, position: int, ins: Sequence[Any], splits: ModelSplits,
                                           axis_sizes)))
     outs = compat.rebind(eqn, *ins, **params)
   if (axes := splits.reduced.get(position)):
-    combine = _ALL_REDUCE[model_splits.REDUCE_OPS.get(eqn.primitive, "sum")]
+    combine = _ALL_REDUCE[dims.combine(eqn)]
     with compat.source_of(eqn):
       outs = [combine(x, axes) for x in outs]
   return list(outs)
+
+
+def _branch(branch, key: tuple, splits: ModelSplits, axis_sizes: Mapping[str, int],
+            ins: list) -> list:
+  """One branch of a conditional on this rank's blocks: each equation as `eval_local`
+  runs it (keyed `key + (position,)`), or as it is where it touches no block."""
+  def hook(j, eqn, args):
+    if is_local(eqn, (*key, j), splits):
+      return eval_local(eqn, (*key, j), args, splits, axis_sizes)
+    return inline.eval_eqn(eqn, args, rename={})
+  return interpret.eval_jaxpr(branch.jaxpr, branch.consts, ins, hook, interpret.retyped)

@@ -114,7 +114,10 @@ def shard_program(layouts: tuple[ShardedLayout, ...]) -> Callable[..., list[jax.
   def body(*xs):
     return _shard_all(xs, fmts, axes)
   if home is None:
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=padded))
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=padded)
+    # A whole value typed with an axis of size 1 (Explicit axes) takes the spec's type.
+    return jax.jit(lambda *xs: sharded(*[compat.laid_out(x, s)
+                                         for x, s in zip(xs, specs, strict=True)]))
   # A mesh derived for sharding groups: whole values may come on the user's mesh,
   # and `wus.pmap`'s stacked copies, split over the groups too, are equal copies.
   split = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=padded, check_vma=False)

@@ -152,14 +152,15 @@ class ShardedStep:
                split_reason: str = "its in_spec splits it", signature: Signature | None = None,
                match_state: Callable[[tuple, Any], StateMatch] | None = None,
                names: tuple[Sequence[str], Sequence[str]] | None = None,
-               copies: bool | None = None, options: Options | None = None,
+               options: Options | None = None,
                split_by: str = "its spec", outside: tuple[str, ...] = ()):
     """The step of `f`; `options` (built and validated by a front end) or, without it,
     the option arguments (validated here: ValueError as for `Options`)."""
     self._f = f
-    self._step = pipeline.Step(f, in_specs, out_specs, check_vma, frozenset(axis_names),
-                               split_reason, Signature.of(f) if signature is None else signature,
-                               match_state, names, copies, split_by, outside)
+    self._step = pipeline.Step(
+        f, in_specs, out_specs, check_vma, frozenset(axis_names), split_reason,
+        Signature.of(f) if signature is None else signature, match_state=match_state,
+        names=names, split_by=split_by, outside=outside)
     self._options = options if options is not None else Options(
         min_shard_size, shard_group_size, objective, topology, shard_weights, axis_name)
     self._mesh = mesh  # None: the mesh set with jax.set_mesh at call time.

@@ -1,5 +1,9 @@
 """Errors `wus` raises, and the one-line form of a library error quoted in them."""
 
+import os
+import sys
+import traceback
+
 
 class StateMismatchError(ValueError):
   """Sharded state does not fit the step it was passed to.
@@ -31,3 +35,19 @@ def first_line(error: BaseException) -> str:
   text = (str(error).strip().splitlines() or [type(error).__name__])[0]
   text = text.split(" [tensorstore_spec")[0].split(" [source locations")[0]
   return text if len(text) <= 300 else text[:297] + "..."
+
+
+def where(error: BaseException) -> str:
+  """`file:line` of the innermost frame of `error`'s traceback in wus's own code (the
+  innermost frame at all if none is), for a Plan that quotes one of wus's own errors."""
+  import wus.analysis  # noqa: PLC0415 -- the packages' folders, not their contents.
+  import wus.collectives  # noqa: PLC0415
+  import wus.transforms  # noqa: PLC0415
+  roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (
+      sys.modules["wus"], wus.analysis, wus.transforms, wus.collectives))
+  frames = traceback.extract_tb(error.__traceback__)
+  ours = [f for f in frames if os.path.abspath(f.filename).startswith(roots)] or frames
+  if not ours:
+    return "<unknown>"
+  return f"{os.path.basename(os.path.dirname(ours[-1].filename))}/" \
+         f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno}"

@@ -16,7 +16,7 @@ sharded over the batch axes, and the state is split over data x model (one
 over a batch axis itself (FSDP) is a block the same way: its gradient sum is
 reduce-scattered to it (`transforms.global_view.summed`), and with a replica
 axis beside (HSDP) the update is sharded over the axes no weight is placed
-over (`jit_region.update_axes`).
+over (`mesh_axes.Roles`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,8 +33,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import jit_arguments, jit_region, pipeline, runtime
-from wus.analysis import compat, global_view, planner
+from wus import errors, jit_arguments, jit_region, mesh_axes, pipeline, runtime
+from wus.analysis import compat, global_view, planner, propagation
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import Plan
 from wus.matching import Signature, StateMatch, argument_paths, match_state
@@ -174,10 +176,22 @@ class JitStep:
     leaves, compiled = self._compiled(args, kwargs)
     if compiled.mesh is None:
       return self._jitted.lower(*args, **kwargs)
-    ops = [jax.ShapeDtypeStruct(compiled.sharded_leaves[k].padded_shape, x.dtype,
-                                sharding=compiled.sharded_leaves[k].data_sharding)
-           if k in compiled.sharded_leaves else x for k, x in enumerate(leaves)]
-    return compiled.step.lower(*ops)
+    return compiled.step.lower(*_abstract_operands(leaves, compiled))
+
+  def timings(self, *args, **kwargs) -> dict[str, float]:
+    """Seconds wus spends on these arguments' program, beside XLA's compile time.
+
+    Args:
+      *args: the step's arguments, concrete or abstract, whole or sharded.
+      **kwargs: its keyword arguments, the same.
+
+    Returns:
+      {"trace": tracing the step once, as `jax.jit` does too; "analysis": propagating
+      the placements, finding the update region and planning it; "rewrite": the
+      rewrite interpreter emitting the region's sharded program, present once the step
+      has been called or lowered, or whenever wus traced it to check it}.
+    """
+    return dict(self._compiled(args, kwargs)[1].timings)
 
   def state_target(self, *args, **kwargs) -> tuple:
     """The arguments as this step reads them, abstract: the target to restore a checkpoint into.
@@ -224,6 +238,9 @@ class JitStep:
     return leaves, self._cache[key]
 
   def _build(self, args: tuple, kwargs: dict, dyn: tuple, leaves: list) -> pipeline.Compiled:
+    """The step for these arguments: the user's function traced once, as `jax.jit` traces
+    it (its errors are the user's), then analysed and rewritten; an error of wus's own
+    there makes the step run as `jax.jit` runs it, with the error in the Plan."""
     paths = argument_paths(self._fun, (*dyn[0], dyn[1]), keywords=True,
                            positions=self._dynamic_positions(args))
     if self.rename_paths is not None:
@@ -231,18 +248,33 @@ class JitStep:
     declared = jit_arguments.declared(self._jit_kwargs.get("in_shardings"), dyn[0], leaves)
     mesh = jit_arguments.mesh_of(leaves, declared)
     declared = [jit_arguments.named(s, mesh) for s in declared]
-    axes = jit_arguments.batch_axes(leaves, declared, mesh)
-    whole = [jit_arguments.abstract(x, mesh) for x in leaves]
-    traced = self._trace(args, kwargs, whole)
-    out_tree = traced.out_tree
+    start = time.perf_counter()
+    traced = self._trace(args, kwargs, [jit_arguments.abstract(x, mesh) for x in leaves])
+    traced_at = time.perf_counter()
 
-    def unchanged(reason: str) -> pipeline.Compiled:
+    def unchanged(reason: str, axes: tuple = ()) -> pipeline.Compiled:
       plan = _unchanged_plan(traced.jaxpr.jaxpr, paths, axes, mesh, reason)
-      return _compiled(plan, self._jitted, {}, {}, paths, out_tree, None)
+      return _compiled(plan, self._jitted, {}, {}, paths, traced.out_tree, None)
 
-    if mesh is None or not axes:
-      return unchanged("no argument is split over a mesh axis (the batch), so there is no "
-                       "data parallelism to shard the update over")
+    try:
+      compiled = self._analyse(args, dyn, leaves, paths, declared, mesh, traced, unchanged)
+    except Exception as e:  # noqa: BLE001 -- wus's own error never reaches the user's program.
+      compiled = unchanged(f"wus could not shard this step (an error of its own, at "
+                           f"{errors.where(e)}: {type(e).__name__}: {e}); it runs as jax.jit "
+                           "runs it")
+    # The user's function traced once; the rest is wus's own (the rewrite's seconds are
+    # recorded when the region's program is traced).
+    spent = time.perf_counter() - traced_at - compiled.lowering.get("rewrite", 0.0)
+    return dataclasses.replace(compiled, seconds=types.MappingProxyType(
+        {"trace": traced_at - start, "analysis": spent}))
+
+  def _analyse(self, args: tuple, dyn: tuple, leaves: list, paths: list[str], declared: list,
+               mesh: Mesh | None, traced, unchanged: Callable) -> pipeline.Compiled:
+    """The batch's splits propagated from the placements, the update region, and the
+    region's sharded program (`_compile`); or the step unchanged, and why."""
+    if mesh is None:
+      return unchanged("no argument is placed on a mesh of more than one device, so there is "
+                       "no data parallelism to shard the update over")
     refs = jit_arguments.refs(traced.jaxpr, paths)
     if refs:
       return unchanged(f"the step reads or writes JAX refs it does not create ({refs[0]}): "
@@ -251,40 +283,27 @@ class JitStep:
                        "the new ones to shard the update")
     pairs = self._state(args, dyn, traced.out_info).pairs  # Output -> the input it follows.
     state = frozenset(pairs.values())
-    axes, model = jit_arguments.batch_and_model_axes(leaves, declared, mesh, state)
-    if not axes:
-      return unchanged("no argument but the state is split over a mesh axis (the batch), so "
-                       "there is no data parallelism to shard the update over")
-    fsdp = jit_arguments.batch_axes([leaves[k] for k in state], [declared[k] for k in state],
-                                    mesh, axes)
-    found = self._region(args, kwargs, traced, whole, leaves, declared, mesh, axes, model,
-                         fsdp, state, frozenset(pairs))
-    if isinstance(found, str):
-      return unchanged(found)
-    compiled = self._compile(*found, args, dyn, traced, mesh, axes, paths, declared)
-    return unchanged(compiled) if isinstance(compiled, str) else compiled
-
-  def _region(self, args: tuple, kwargs: dict, traced, whole: list, leaves: list,
-              declared: list, mesh: Mesh, axes: tuple, model: tuple, fsdp: tuple,
-              state: frozenset, state_out: frozenset) -> tuple | str:
-    """(the flat jaxpr, its update region, the region's model splits, its (in_specs,
-    out_specs)), or why the step has no region wus can run (`analysis.global_view`,
-    `analysis.model_splits`). The state is placed over the `fsdp` batch axes itself
-    (FSDP): its splits there are no batch, so the sizes say which values carry it."""
     flat = jit_arguments.flat_jaxpr(traced.jaxpr, mesh)
-    if compat.explicit_axes(mesh) >= set(axes) and not fsdp:
-      splits = global_view.splits_from_types(flat.jaxpr, frozenset(axes))
-    else:
-      larger = jit_arguments.flat_jaxpr(self._trace(args, kwargs, [
-          x if is_sharded(a) or k in state
-          else jit_arguments.larger(x, d or getattr(a, "sharding", None), axes)
-          for k, (x, a, d) in enumerate(zip(whole, leaves, declared, strict=True))]).jaxpr,
-          mesh)
-      splits = global_view.splits_from_sizes(flat.jaxpr, larger.jaxpr, axes)
-      if isinstance(splits, str):
-        return splits
-    return jit_region.update_region(flat, splits, mesh, model, fsdp, leaves, declared, state,
-                                    state_out)
+    splits = jit_arguments.batch_splits(flat.jaxpr, leaves, declared, mesh, state)
+    placed = jit_arguments.batch_axes([leaves[k] for k in state], [declared[k] for k in state],
+                                      mesh)
+    roles = mesh_axes.Roles.of(mesh, propagation.batch_axes(splits, dict(mesh.shape)), placed)
+    if not roles.batch:
+      return unchanged("no argument is split over a mesh axis as the batch (the state aside), "
+                       "nor laid out so by a sharding constraint in the step, so there is no "
+                       "data parallelism to shard the update over")
+    found = jit_region.update_region(flat, splits, mesh, roles.model, roles.fsdp, leaves,
+                                     declared, state, frozenset(pairs))
+    if isinstance(found, str):
+      return unchanged(found, roles.batch)
+    blocks = found[2]
+    roles = mesh_axes.Roles.of(mesh, roles.batch, placed, jit_region.blocked(blocks))
+    compiled = self._compile(*found, args, dyn, traced, mesh, roles, paths, declared)
+    if isinstance(compiled, str):
+      return unchanged(compiled, roles.batch)
+    runtime.trace(leaves, compiled)  # Raises here, not at the user's call.
+    compiled.step.trace(*_abstract_operands(leaves, compiled))
+    return compiled
 
   def _dynamic_positions(self, args: tuple) -> tuple[int, ...]:
     return tuple(i for i in range(len(args)) if i not in self._static)
@@ -310,7 +329,7 @@ class JitStep:
 
   def _compile(self, flat, region: global_view.Region, blocks: ModelSplits | None,
                specs: tuple, outside: tuple[str, ...], args: tuple, dyn: tuple, traced,
-               mesh: Mesh, axes: tuple, paths: list[str],
+               mesh: Mesh, roles: mesh_axes.Roles, paths: list[str],
                declared: list) -> pipeline.Compiled | str:
     """The compiled step; or, where parts of the update run outside the region and the
     region shards nothing, why the whole step runs as jax.jit runs it (the region would
@@ -328,18 +347,17 @@ class JitStep:
                  for v in region.outvars]
     in_specs, out_specs = specs
     step = pipeline.Step(
-        global_view_program.region_fn(jaxpr, region, axes, blocks, dict(mesh.shape)),
+        global_view_program.region_fn(jaxpr, region, roles.batch, blocks, dict(mesh.shape)),
         in_specs, out_specs, check_vma=False, split_reason="split over the batch axes",
         match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
-        names=(in_names, out_names), copies=True, split_by="its placement", outside=outside,
+        names=(in_names, out_names), split_by="its placement", outside=outside,
         arguments=jit_region.arguments(jaxpr, region, paths, match, out_paths))
     region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                              sharding=NamedSharding(mesh, s))
                         for v, s in zip(region.invars, in_specs, strict=True))
-    options = dataclasses.replace(self._options, axis_name=jit_region.update_axes(axes, blocks))
     sub = pipeline.compile_step(pipeline.Call(
-        step, options, region_args, region_args, jax.tree.structure(region_args), frozenset(),
-        mesh, frozenset()))
+        step, self._options, region_args, region_args, jax.tree.structure(region_args),
+        frozenset(), mesh, frozenset(), roles))
     if not any(c.sharded or c.owner is not None for c in sub.plan.clusters):
       return _shards_nothing(sub.plan, blocks, outside)
     # Region input / output positions -> the step's flat leaves.
@@ -360,7 +378,7 @@ class JitStep:
     out_shardings = tuple(sharded_outputs[k].data_sharding if k in sharded_outputs
                           else jit_arguments.named(s, mesh)
                           for k, s in enumerate(wanted))
-    run = jax.jit(functools.partial(global_view_program.run, flat, region, sub),
+    run = jax.jit(functools.partial(global_view_program.run, flat, region, sub, in_specs),
                   donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
     return _compiled(sub.plan, run, sharded_leaves, sharded_outputs, paths, traced.out_tree,
                      sub.mesh, in_shardings, sub)
@@ -378,19 +396,28 @@ def _compiled(plan: Plan, run: Callable, sharded_leaves: dict, sharded_outputs: 
                            region.lowering if region else {}, in_shardings)
 
 
+def _abstract_operands(leaves: list, compiled: pipeline.Compiled) -> list:
+  """The step program's operands for `leaves`, abstract where it keeps them sharded (their
+  padded shards)."""
+  return [jax.ShapeDtypeStruct(compiled.sharded_leaves[k].padded_shape, x.dtype,
+                               sharding=compiled.sharded_leaves[k].data_sharding)
+          if k in compiled.sharded_leaves else
+          jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=compiled.in_shardings[k],
+                               weak_type=bool(getattr(x, "weak_type", False)))
+          for k, x in enumerate(leaves)]
+
+
 def _shards_nothing(plan: Plan, blocks: ModelSplits | None, outside: tuple[str, ...]) -> str:
   """Why a step whose region would shard nothing runs as jax.jit runs it: the region would
   only change how GSPMD partitions the rest (the order of a sum, an ulp), for no saving."""
-  if outside:
-    return (f"the update cannot run on the blocks of the tensors split over "
-            f"{sorted(set(blocks.axes()))}: {outside[0]}; the step runs as jax.jit runs it")
   why = (f"every weight-update cluster stays replicated, cluster 0: {plan.clusters[0].reason}"
-         if plan.clusters else "no weight-update cluster with a tensor to shard: each has "
-         f"at most N={plan.num_shards} elements or fewer than min_shard_size={plan.min_size}")
+         if plan.clusters else "no weight-update cluster with a tensor to shard: each is "
+         "split by its placement already (FSDP), or has at most "
+         f"N={plan.num_shards} elements or fewer than min_shard_size={plan.min_size}")
+  if outside:
+    why += (f"; parts of the update run outside it, on the blocks of the tensors split over "
+            f"{sorted(set(blocks.axes()))}: {outside[0]}")
   return f"the update region shards nothing ({why}); the step runs as jax.jit runs it"
-
-
-
 
 
 def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: str) -> Plan:

@@ -7,10 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wus.analysis import compat, global_view
+from wus.analysis import compat, global_view, propagation
 from wus import runtime
 from wus.sharded import is_sharded
 from wus.transforms import global_view as global_view_program
@@ -110,17 +109,27 @@ def batch_axes(leaves: list, declared: list, mesh: Mesh | None, among=None) -> t
                and (among is None or a in among))
 
 
-def batch_and_model_axes(leaves: list, declared: list, mesh: Mesh, state: set) -> tuple:
-  """(the batch axes, the model axes): those the arguments that are not state (the batch)
-  are split over, and those the state (`state`: flat positions of leaves with a next
-  value) is placed over besides them: tensor parallelism's "model" on a ("data",
-  "model") mesh. A state leaf split over a batch axis is FSDP (`split_state` in
-  `wus.jit`)."""
-  def axes(keep):
-    ks = [k for k in range(len(leaves)) if keep(k)]
-    return batch_axes([leaves[k] for k in ks], [declared[k] for k in ks], mesh)
-  batch = axes(lambda k: k not in state)
-  return batch, tuple(a for a in axes(lambda k: k in state) if a not in batch)
+def in_mesh_order(axes, mesh: Mesh) -> tuple:
+  """`axes` as a tuple in the mesh's order."""
+  return tuple(a for a in mesh.axis_names if a in axes)
+
+
+def batch_splits(jaxpr, leaves: list, declared: list, mesh: Mesh,
+                 state: frozenset) -> dict:
+  """The batch's splits of the flat jaxpr's values (`analysis.propagation`): seeded by the
+  placements of the arguments that are not state (`state`: flat positions of the leaves
+  with a next value), carried through the step with its sharding constraints and, on a
+  mesh with Explicit axes, its types."""
+  seeds = {}
+  for k, (x, d, v) in enumerate(zip(leaves, declared, jaxpr.invars, strict=True)):
+    sharding = d or getattr(x, "sharding", None)
+    if k in state or is_sharded(x) or not isinstance(sharding, NamedSharding):
+      continue
+    entries = (*sharding.spec, *(None,) * (v.aval.ndim - len(sharding.spec)))[:v.aval.ndim]
+    seeds[v] = tuple(tuple(a for a in (e if isinstance(e, tuple) else (e,))
+                           if e is not None and mesh.shape[a] > 1) or None for e in entries)
+  return propagation.batch_splits(jaxpr, seeds, frozenset(jaxpr.invars[k] for k in state),
+                                  dict(mesh.shape), types=bool(compat.explicit_axes(mesh)))
 
 
 def abstract(x, mesh: Mesh | None):
@@ -128,21 +137,6 @@ def abstract(x, mesh: Mesh | None):
   if is_sharded(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(x.mesh, x.spec))
   return x
-
-
-def larger(x, sharding, axes: tuple):
-  """`x` with every dim `sharding` splits over `axes` twice as large (`splits_from_sizes`)."""
-  if not isinstance(sharding, NamedSharding):
-    return x
-  shape = list(np.shape(x))
-  for d, e in enumerate(sharding.spec):
-    names = () if e is None else e if isinstance(e, tuple) else (e,)
-    if set(names) & set(axes):
-      shape[d] *= 2
-  if shape == list(np.shape(x)):
-    return x
-  return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=sharding,
-                              weak_type=bool(getattr(x, "weak_type", False)))
 
 
 def flat_jaxpr(closed, mesh: Mesh):

@@ -153,13 +153,11 @@ def region_specs(region, blocks) -> tuple[tuple, tuple] | str:
   return tuple(ins), tuple(global_view.spec_of(blocks.split(v)) for v in region.outvars)
 
 
-def update_axes(axes: tuple, blocks: splits_lib.ModelSplits | None) -> tuple:
-  """The batch axes the update is sharded over: those no weight is placed over itself
-  (HSDP's "replica" beside "fsdp", whose FSDP weights differ over "fsdp": each fsdp
-  block's update is sharded over "replica", the whole weights' over both, as copies),
-  or every batch axis (FSDP alone: nothing repeated in the FSDP weights' update)."""
-  fsdp = {a for s in (blocks.scattered.values() if blocks else ()) for e in s if e for a in e}
-  return tuple(a for a in axes if a not in fsdp) or axes
+def blocked(blocks: splits_lib.ModelSplits | None) -> frozenset:
+  """The batch axes some weight's gradient is reduce-scattered over to its block (FSDP):
+  nothing is repeated over them in that weight's update (`mesh_axes.Roles.update`)."""
+  return frozenset(a for s in (blocks.scattered.values() if blocks else ()) for e in s if e
+                   for a in e)
 
 
 def region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple[dict, dict]:

@@ -20,6 +20,45 @@ from wus.transforms import groups
 from wus.transforms.layout import split_axes
 
 
+@dataclasses.dataclass(frozen=True)
+class Roles:
+  """What each mesh axis is to a step, as its front end derives it (DESIGN.md §1).
+
+  Only axes of size > 1 have a role (`Roles.of` drops the others: an axis of size 1
+  splits nothing); each tuple is in mesh order.
+
+  Attributes:
+    batch: the axes the batch is split over (data parallelism).
+    model: the axes the state is placed over besides them (tensor parallelism).
+    fsdp: the batch axes the state is placed over itself (FSDP).
+    update: the axes each update is sharded over (§3.2): the batch axes no weight's
+      gradient is reduce-scattered over to its block (HSDP's "replica" beside "fsdp"),
+      or every batch axis.
+    copies: the other axes an update identical on all their replicas is sharded over
+      too (`Plan.copy_axes`).
+  """
+
+  batch: tuple[str, ...]
+  model: tuple[str, ...] = ()
+  fsdp: tuple[str, ...] = ()
+  update: tuple[str, ...] = ()
+  copies: tuple[str, ...] = ()
+
+  @staticmethod
+  def of(mesh: Mesh, batch, placed=(), blocked=()) -> Roles:
+    """The roles on `mesh` of the axes the batch is split over (`batch`), the state is
+    placed over (`placed`) and FSDP gradients are reduce-scattered over to their blocks
+    (`blocked`); each an iterable of axis names."""
+    def ordered(names) -> tuple:
+      names = set(names)
+      return tuple(a for a in mesh.axis_names if a in names and mesh.shape[a] > 1)
+    batch, placed = ordered(batch), ordered(placed)
+    update = tuple(a for a in batch if a not in set(blocked)) or batch
+    return Roles(batch, tuple(a for a in placed if a not in batch),
+                 tuple(a for a in placed if a in batch), update,
+                 ordered(a for a in mesh.axis_names if a not in update))
+
+
 def copy_axes(allowed: bool, mesh: Mesh, manual: frozenset, axes: tuple, home) -> dict:
   """The other manual axes (size > 1, mesh order) an update repeated on all their replicas
   is sharded over too (`Plan.copy_axes`): none unless `allowed` (`Step.copies`), nor

@@ -50,9 +50,6 @@ class Step:
       for `matching.match_state`.
     names: the front end's names of the flat inputs and outputs, or None for
       the argument paths.
-    copies: whether an update identical across the other manual axes is sharded
-      over them too (`Plan.copy_axes`); None: unless the user's `axis_name=`
-      names the sharding axes (`wus.jit` names them itself and allows it).
     arguments: the step's argument leaves when `f` is a region of it (`wus.jit`):
       the Plan lists these (`planner.Argument`); None: `f`'s own.
   """
@@ -66,7 +63,6 @@ class Step:
   signature: Signature = Signature()
   match_state: Callable[[tuple, Any], StateMatch] | None = None
   names: tuple[Sequence[str], Sequence[str]] | None = None
-  copies: bool | None = None
   split_by: str = "its spec"
   outside: tuple[str, ...] = ()
   arguments: tuple[Argument, ...] | None = None
@@ -108,6 +104,11 @@ class Call:
       splits them (`wus.pmap`'s equal per-device copies, §3.1).
     mesh: the user's mesh.
     donate_argnums: positional arguments whose buffers the step may reuse.
+    roles: the mesh axes' roles, where the front end derives them (`wus.jit`, from
+      the step's placements); None: the pipeline reads them off the step (the
+      gradients' all-reduces, the user's `axis_name=`), and an update identical
+      across the other manual axes is sharded over them too unless `axis_name=`
+      names the sharding axes.
   """
 
   step: Step
@@ -118,6 +119,7 @@ class Call:
   replicated: frozenset
   mesh: Mesh
   donate_argnums: frozenset
+  roles: mesh_axes.Roles | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,8 +319,8 @@ def group(matched: Matched) -> Grouped:
   if request.size is None:
     return Grouped(matched, None, None, chosen, mesh, t.in_specs, t.out_specs, t.manual,
                    t.operand_avals)
-  axes = mesh_axes.replica_axes(options.axis_name, mesh, t.manual, t.body,
-                       [t.body.invars[i] for i in matched.pairs.values()])
+  axes = t.call.roles.update if t.call.roles else mesh_axes.replica_axes(
+      options.axis_name, mesh, t.manual, t.body, [t.body.invars[i] for i in matched.pairs.values()])
   home, words = mesh_axes.sharding_groups(mesh, axes, request.size)
   if home is None:
     return Grouped(matched, None, axes, Grouping(request.chosen, words), mesh, t.in_specs,
@@ -350,8 +352,9 @@ def flatten(grouped: Grouped) -> Flat:
         axis_names=g.manual))(*g.operand_avals)
   flat = compat.body_without_dead_code(compat.shard_map_eqn(flat_outer))
   pairs = dict(g.matched.pairs)
-  axes = g.axes if g.axes is not None else mesh_axes.replica_axes(
-      t.call.options.axis_name, g.mesh, g.manual, flat, [flat.invars[i] for i in pairs.values()])
+  axes = (g.axes if g.axes is not None else t.call.roles.update if t.call.roles
+          else mesh_axes.replica_axes(t.call.options.axis_name, g.mesh, g.manual, flat,
+                                      [flat.invars[i] for i in pairs.values()]))
   # State split over other mesh axes too (tensor parallelism): each block is sharded
   # over the replica axes (ShardedLayout.split_axes), if it comes back as it came in.
   split_state = mesh_axes.split_differently(pairs, g.in_specs, g.out_specs, g.matched.out_names)
@@ -383,7 +386,10 @@ def plan(analysed: Analysed) -> Planned:
   """Stage 6: the complete Plan (`planner.make_plan`), groups and all."""
   f, g, m = analysed.flat, analysed.flat.grouped, analysed.flat.grouped.matched
   call, options, step = m.traced.call, m.traced.call.options, m.traced.call.step
-  copies = options.axis_name is None if step.copies is None else step.copies
+  roles = call.roles
+  copies = ({a: g.mesh.shape[a] for a in roles.copies} if roles and g.home is None else
+            mesh_axes.copy_axes(roles is None and options.axis_name is None, g.mesh, g.manual,
+                                f.axes, g.home))
   return Planned(analysed, make_plan(
       f.jaxpr, analysed.facts, axes=f.axes, num_shards=analysed.num_shards,
       in_names=analysed.in_names, out_names=list(m.out_names), state_pairs=f.pairs,
@@ -393,7 +399,7 @@ def plan(analysed: Analysed) -> Planned:
       min_size=options.min_shard_size, split_reason=step.split_reason,
       objective=options.objective, shard_weights=options.shard_weights,
       topology=analysed.topology,
-      copies=mesh_axes.copy_axes(copies, g.mesh, g.manual, f.axes, g.home),
+      copies=copies,
       group_size=m.request.size, grouping=g.grouping, split_by=step.split_by,
       outside=step.outside, arguments=None if step.arguments is None else tuple(
           # Each argument's operand of the region, as an operand of the traced step.

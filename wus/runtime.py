@@ -25,6 +25,19 @@ from wus.transforms import programs
 from wus.transforms.layout import ShardedLayout, spec_axes  # noqa: F401 -- re-exported
 
 
+def trace(leaves: list, compiled) -> None:
+  """Traces the sharding program the first call with `leaves` runs for the whole state
+  among them, without running it: an error of the rewrite's own then surfaces while the
+  step is built, where the front end can run the step as JAX runs it instead, not at the
+  user's call."""
+  whole = [(layout, leaves[k]) for k, layout in compiled.sharded_leaves.items()
+           if not is_sharded(leaves[k])]
+  if whole:
+    programs.shard_program(tuple(layout for layout, _ in whole)).trace(
+        *[jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+          for _, x in whole])
+
+
 def operands(leaves: list, compiled) -> list:
   """The step's operands: sharded state checked, whole state sharded (§4.2).
 

@@ -222,3 +222,24 @@ def placement_axes(eqn: JaxprEqn) -> frozenset | None:
   for entry in spec:
     names.update(() if entry is None else entry if isinstance(entry, tuple) else (entry,))
   return frozenset(names)
+
+
+def laid_out(x: Any, spec: P) -> Any:
+  """`x` resharded to `spec` where its type lays it out otherwise (a mesh with Explicit
+  axes: `jax.sharding.reshard`, which moves data only where the layouts differ: not for
+  an axis of size 1); `x` itself on Auto axes, where types carry no layout."""
+  import jax
+  aval = jax.typeof(x)
+  have, _ = sharding_spec(aval)
+  if not any(t == jax.sharding.AxisType.Explicit for _, t in type_axes(aval)):
+    return x
+  ndim = len(aval.shape)
+  if _entries(have, ndim) == _entries(tuple(spec), ndim):
+    return x
+  return jax.sharding.reshard(x, spec)
+
+
+def _entries(spec: tuple, ndim: int) -> tuple:
+  """Per dim, the tuple of axes a PartitionSpec's entry names."""
+  padded = (*spec, *(None,) * (ndim - len(spec)))[:ndim]
+  return tuple(() if e is None else e if isinstance(e, tuple) else (e,) for e in padded)

@@ -1,4 +1,5 @@
-"""analysis/global_view.py: the batch splits, gradient sums and update region of a jax.jit step."""
+"""analysis/global_view.py: the gradient sums and update region of a jax.jit step, given the
+batch splits `analysis.propagation` derives."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,7 @@ import optax
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from wus.analysis import global_view
+from wus.analysis import global_view, propagation
 from wus.transforms import inline
 
 N = 8
@@ -43,41 +44,28 @@ def _args(mesh, batch=16):
   return params, x
 
 
-def test_splits_from_types_on_an_explicit_mesh():
+def test_splits_on_an_explicit_mesh_follow_the_types():
+  """On Explicit axes the types lay the batch out (`propagation`, `types=True`)."""
   mesh = _mesh("explicit")
   with jax.set_mesh(mesh):
     params, x = _args(mesh)
     tx = optax.sgd(0.1)
     jaxpr = _jaxpr(_step(tx), params, tx.init(params), x)
-  splits = global_view.splits_from_types(jaxpr, frozenset({"data"}))
-  w, b, x_var = jaxpr.invars[1], jaxpr.invars[0], jaxpr.invars[-1]
+  x_var, state = jaxpr.invars[-1], frozenset(jaxpr.invars[:-1])
+  splits = propagation.batch_splits(jaxpr, {x_var: (("data",), None)}, state, {"data": N},
+                                    types=True)
+  w, b = jaxpr.invars[1], jaxpr.invars[0]
   assert splits[x_var] == (("data",), None)
   assert w not in splits and b not in splits
-
-
-def test_splits_from_sizes_follow_the_batch_and_refuse_another_structure():
-  mesh = _mesh("auto")
-  params, x = _args(mesh)
-  tx = optax.sgd(0.1)
-  small = _jaxpr(_step(tx), params, tx.init(params), x)
-  _, x2 = _args(mesh, batch=32)
-  large = _jaxpr(_step(tx), params, tx.init(params), x2)
-  splits = global_view.splits_from_sizes(small, large, ("data",))
-  assert splits[small.invars[-1]] == (("data",), None)
-  assert small.invars[0] not in splits
-
-  def branchy(params, opt_state, x):  # Python control flow on the batch size.
-    return _step(tx)(params, opt_state, x if x.shape[0] < 20 else x * 2)
-  other = _jaxpr(branchy, params, tx.init(params), x2)
-  assert global_view.splits_from_sizes(small, other, ("data",)) == (
-      "the step's equations change with the batch size")
+  assert not any(v in splits for v in jaxpr.outvars)
 
 
 def _region(f, mesh, *args):
+  """The region of `f`, its last argument the batch over "data"."""
   jaxpr = _jaxpr(f, *args)
-  _, x2 = _args(mesh, batch=32)
-  large = _jaxpr(f, *args[:-1], x2)
-  splits = global_view.splits_from_sizes(jaxpr, large, ("data",))
+  x = jaxpr.invars[-1]
+  splits = propagation.batch_splits(jaxpr, {x: (("data",), None)},
+                                    frozenset(jaxpr.invars[:-1]), {"data": N})
   return jaxpr, global_view.find_region(jaxpr, splits, {"data": N})
 
 
@@ -131,6 +119,6 @@ def test_sum_rules_need_every_split_dim_summed():
   assert region == ("no update reads only whole values (the step's forward and backward pass "
                     "read every result)")
   (eqn,) = [e for e in jaxpr.eqns if e.primitive is lax.reduce_sum_p]
-  rule, batch = global_view.sum_rules[lax.reduce_sum_p], (("data",), None)
+  rule, batch = propagation.sum_rules[lax.reduce_sum_p], (("data",), None)
   assert eqn.params["axes"] == (1,) and not rule(eqn, [batch], lambda v: False)
   assert rule(eqn.replace(params={**eqn.params, "axes": (0,)}), [batch], lambda v: False)

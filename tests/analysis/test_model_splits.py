@@ -42,10 +42,17 @@ def test_a_global_norm_over_a_split_dim_is_a_partial_sum_over_model():
   assert out.split(jaxpr.outvars[0]) == (M, None)
 
 
-def test_a_reshape_keeps_a_dim_it_does_not_merge_and_needs_merged_dims_whole():
+def test_a_reshape_keeps_a_split_on_the_major_factor_and_needs_minor_dims_whole():
+  """GSPMD's rule: a split of the dims a reshape merges or splits is on their major
+  factor, the same run of whole rows on both sides."""
   jaxpr, out = _solve(lambda w: w.reshape(8, 3, 2) * 2.0, (8, 6), seeds=[(M, None)])
   assert out.split(jaxpr.outvars[0]) == (M, None, None)
-  _, why = _solve(lambda w: w.reshape(48) * 2.0, (8, 6), seeds=[(M, None)])
+  jaxpr, out = _solve(lambda w: w.reshape(48) * 2.0, (8, 6), seeds=[(M, None)])
+  assert out.split(jaxpr.outvars[0]) == (M,)
+  # Attention's projection to heads: [B, heads * head_dim] split over model -> heads.
+  jaxpr, out = _solve(lambda w: w.reshape(16, 4, 16) * 2.0, (16, 64), seeds=[(None, M)])
+  assert out.split(jaxpr.outvars[0]) == (None, M, None)
+  _, why = _solve(lambda w: w.reshape(48) * 2.0, (8, 6), seeds=[(None, M)])
   assert isinstance(why, str) and "reshape" in why and "whole" in why, why
 
 

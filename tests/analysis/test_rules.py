@@ -8,7 +8,7 @@ import sys
 import pytest
 from jax import lax
 
-from wus.analysis import (compat, global_view, layouts, model_splits, primitives, redundancy,
+from wus.analysis import (compat, dims, layouts, primitives, propagation, redundancy,
                           rules, shardable)
 from wus.analysis.shardable import Kind
 
@@ -103,8 +103,8 @@ def test_the_tables_import_when_compat_names_one_primitive_twice(monkeypatch):
 @pytest.mark.parametrize("module, table, decorator, key, what", [
     (redundancy, "redundancy_rules", "redundancy_rule", lax.add_p, "redundancy rules for add"),
     (shardable, "shardable_rules", "shardable_rule", lax.add_p, "shardable rules for add"),
-    (global_view, "sum_rules", "sum_rule", lax.dot_general_p, "sum rules for dot_general"),
-    (model_splits, "split_rules", "split_rule", lax.reshape_p, "split rules for reshape"),
+    (propagation, "sum_rules", "sum_rule", lax.dot_general_p, "sum rules for dot_general"),
+    (dims, "dim_rules", "dim_rule", lax.reshape_p, "dim rules for reshape"),
 ])
 def test_a_second_rule_for_a_primitive_is_refused(module, table, decorator, key, what):
   before = dict(getattr(module, table))

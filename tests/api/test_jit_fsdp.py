@@ -285,3 +285,42 @@ def test_fsdp_embedding_under_multi_steps_runs_unchanged_bit_for_bit():
   only change how GSPMD partitions the rest: the table's sums differed by an ulp)."""
   _, plan = _embedding_run(optax.MultiSteps(optax.trace(0.9, nesterov=True), 2))
   assert "cond at" in plan.unchanged and "split over ['data']" in plan.unchanged, plan.unchanged
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_fsdp_position_embedding_summed_outside_the_rest_served(kind):
+  """A GPT's token and learned position embeddings placed over "fsdp" (1-D FSDP), looked
+  up as JAX asks on each mesh kind: their gradients are scatter-adds, summed outside the
+  region as GSPMD sums them (issue 37 item 4: one equation no longer refuses the step);
+  the bias's state is sharded. Bit for bit."""
+  mesh = _mesh((8,), ("fsdp",), kind)
+  explicit = kind == "explicit"
+  vocab, seq, embed = 64, 16, 32
+
+  def loss(p, idx):
+    pos = jnp.arange(idx.shape[1])
+    if explicit:
+      x = (p["wte"].at[idx].get(out_sharding=P("fsdp", None, None))
+           + p["wpe"].at[pos].get(out_sharding=P(None, None)))
+    else:
+      x = p["wte"][idx] + p["wpe"][pos]
+    h = jnp.tanh(x @ p["w"] + p["b"])
+    logits = jnp.einsum("bte,ve->btv", h, p["wte"],
+                        out_sharding=P("fsdp", None, None) if explicit else None)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, idx).mean()
+  tx, rng = optax.adamw(1e-2), np.random.default_rng(0)
+
+  def step(p, s, idx):
+    value, grads = jax.value_and_grad(loss)(p, idx)
+    updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s, value
+  shapes = {"wte": (vocab, embed), "wpe": (seq, embed), "w": (embed, embed), "b": (embed,)}
+  with jax.set_mesh(mesh):
+    params = {k: jax.device_put(rng.normal(size=s).astype(np.float32) * 0.02,
+                                NamedSharding(mesh, P("fsdp") if len(s) == 2 else P()))
+              for k, s in shapes.items()}
+    batches = [jax.device_put(rng.integers(0, vocab, (16, seq)).astype(np.int32),
+                              NamedSharding(mesh, P("fsdp"))) for _ in range(2)]
+    _, out, plan = _run(step, (params, tx.init(params)), batches)
+  assert not plan.unchanged, plan.unchanged
+  assert [x.shape for x in _sharded(out[1])] == [(embed,)] * 2  # mu and nu of the bias.

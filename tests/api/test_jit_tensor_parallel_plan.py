@@ -110,15 +110,15 @@ def test_adafactor_factored_moments_of_split_matrices_within_summation_order():
 @pytest.mark.parametrize("tx", [
     optax.apply_if_finite(optax.sgd(1e-2, momentum=0.9), 3),
     optax.MultiSteps(optax.sgd(1e-2, momentum=0.9), 2)], ids=["apply_if_finite", "multi_steps"])
-def test_an_update_that_cannot_run_on_blocks_runs_as_jax_jit_with_the_reason(tx):
-  """An update that reads a model-split tensor inside a conditional (no rule runs a `cond`
-  on blocks), around every tensor's update: it runs outside the region, which then shards
-  nothing, so the whole step runs as jax.jit runs it, bit for bit, and the Plan says why."""
+def test_a_conditional_in_the_update_runs_on_blocks(tx):
+  """The `cond` of apply_if_finite and MultiSteps around every tensor's update, reading
+  model-split tensors: its branches run on each rank's blocks (the all-finite check an
+  "and" completed over "model"), so the state is sharded over data x model. Bit for bit
+  (`mlp_run` compares every step)."""
   ws, out, b = mlp_run(tx)
   plan = ws.plan(*out, b)
-  assert "cannot run on the blocks of the tensors split over ['model']: cond at" in (
-      plan.unchanged), str(plan)
-  assert not sharded(out)
+  assert not plan.unchanged and not plan.outside, str(plan)
+  assert_split_state(out[1], 4)
 
 
 def test_muon_on_split_matrices_runs_as_jax_jit_the_rest_is_served():

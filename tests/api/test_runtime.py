@@ -124,3 +124,15 @@ def test_a_leaf_keys_the_cache_alike_sharded_or_whole():
   assert runtime.leaf_signature(m) != runtime.leaf_signature(jnp.arange(61.0))
   assert runtime.leaf_signature(jnp.float32(1)) != runtime.leaf_signature(1.0)  # Weak type.
   assert runtime.normal(P(None,)) == runtime.normal(P()) != runtime.normal(P("data"))
+
+
+def test_mesh_roles_drop_size_1_axes_and_shard_the_update_where_nothing_is_blocked():
+  """`mesh_axes.Roles`: what each axis is to a step, size-1 axes none (built once)."""
+  from wus.mesh_axes import Roles  # noqa: PLC0415
+  mesh = jax.make_mesh((2, 2, 2, 1), ("replica", "data", "model", "one"))
+  roles = Roles.of(mesh, batch={"replica", "data", "one"}, placed={"data", "model", "one"},
+                   blocked={"data"})
+  assert roles == Roles(batch=("replica", "data"), model=("model",), fsdp=("data",),
+                        update=("replica",), copies=("data", "model"))
+  # Every batch axis blocked (FSDP alone): the update is sharded over them all.
+  assert Roles.of(mesh, {"data"}, {"data"}, {"data"}).update == ("data",)

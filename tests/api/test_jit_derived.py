@@ -1,0 +1,150 @@
+"""`wus.jit` derives the step's shardings from one trace at the user's shapes (issue 37).
+
+Trainers fix their batch in their configuration: MaxText slices every batch input to
+its configured micro-batch (`v[:micro_batch_size_to_train_on]`, a no-op at the real
+size) and accumulates gradients over micro-batches with a `lax.scan` when the batch is
+larger; pjit-era programs pass the batch whole and split it with a sharding constraint
+inside the step. Each step here is written so, shrunk, and compared with the unmodified
+`jax.jit` step on the same inputs (bit for bit: the updates are elementwise).
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import wus
+from helpers import assert_trees_equal, classifier_batches
+from wus.sharded import is_sharded
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """As a trainer's config fixes them (MaxText's names)."""
+  micro_batch_size_to_train_on: int
+  gradient_accumulation_steps: int = 1
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(32)(x))
+    return nn.Dense(10)(x)
+
+
+def _mesh(n=8):
+  return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+
+
+def _loss_fn(model, config, data, params):
+  """MaxText's `loss_fn` shape: every batch input sliced to the configured micro-batch."""
+  for k, v in data.items():
+    data[k] = v[:config.micro_batch_size_to_train_on]
+  logits = model.apply(params, data["x"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, data["y"]).mean()
+
+
+def _grads(model, config, params, data):
+  """MaxText's gradient accumulation: the batch reshaped to [steps, micro, ...] (its
+  `reshape_to_microbatch_accumulations`) and the gradients summed in a `lax.scan`."""
+  steps = config.gradient_accumulation_steps
+  grad_fn = jax.value_and_grad(lambda p, d: _loss_fn(model, config, d, p))
+  if steps == 1:
+    return grad_fn(params, dict(data))
+
+  def reshape(x):
+    x = jnp.reshape(x, (x.shape[0] // steps, steps) + x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+
+  def accumulate(acc, micro):
+    loss, grads = grad_fn(params, micro)
+    return {"loss": acc["loss"] + loss,
+            "grad": jax.tree.map(jnp.add, acc["grad"], grads)}, None
+  init = {"loss": 0.0, "grad": jax.tree.map(jnp.zeros_like, params)}
+  acc, _ = jax.lax.scan(accumulate, init, jax.tree.map(reshape, data), length=steps)
+  return acc["loss"] / steps, jax.tree.map(lambda g: g / steps, acc["grad"])
+
+
+def _step(model, tx, config, constrain=None):
+  def train_step(params, opt_state, data):
+    if constrain is not None:  # pjit-era: the batch enters whole, split here.
+      data = jax.lax.with_sharding_constraint(data, constrain)
+    loss, grads = _grads(model, config, params, data)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+  return train_step
+
+
+def _run(step, mesh, batches, tx, model=MLP()):
+  params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 12))),
+                          NamedSharding(mesh, P()))
+  out = (params, tx.init(params))
+  for b in batches:
+    out = step(*out[:2], b)
+  return out
+
+
+def _check(train_step, mesh, batches, tx=optax.adam(1e-2)):
+  """The wus.jit step equals jax.jit's, and keeps Adam's state sharded."""
+  ref = _run(jax.jit(train_step), mesh, batches, tx)
+  got = _run(wus.jit(train_step), mesh, batches, tx)
+  assert_trees_equal(ref, wus.unshard(got))
+  mu = got[1][0].mu["params"]
+  assert all(is_sharded(x) for x in jax.tree.leaves(mu, is_leaf=is_sharded)), mu
+
+
+def test_a_batch_sliced_to_its_configured_micro_batch_is_served():
+  mesh, model = _mesh(), MLP()
+  _check(_step(model, optax.adam(1e-2), Config(64)), mesh, classifier_batches(mesh, 2, 64))
+
+
+def test_gradient_accumulation_above_the_configured_micro_batch_is_served():
+  """The micro-batches' gradients are summed inside the scan (GSPMD all-reduces there);
+  the update reads the sum whole and runs on shards."""
+  mesh, model = _mesh(), MLP()
+  step = _step(model, optax.adam(1e-2), Config(32, gradient_accumulation_steps=2))
+  _check(step, mesh, classifier_batches(mesh, 2, 64))
+
+
+def test_a_batch_split_by_a_constraint_inside_the_step_is_served():
+  mesh, model = _mesh(), MLP()
+  batches = [{k: np.asarray(v) for k, v in b.items()}
+             for b in classifier_batches(mesh, 2, 64)]  # Whole, on the host.
+  step = _step(model, optax.adam(1e-2), Config(64), constrain=NamedSharding(mesh, P("data")))
+  _check(step, mesh, batches)
+
+
+def test_the_step_is_traced_once_per_signature():
+  """As `jax.jit` traces it: once for each new signature, never again at other shapes."""
+  mesh, model, tx, traces = _mesh(), MLP(), optax.adam(1e-2), []
+  inner = _step(model, tx, Config(64))
+
+  def train_step(params, opt_state, data):
+    traces.append(jax.tree.map(jnp.shape, data))
+    return inner(params, opt_state, data)
+  step = wus.jit(train_step)
+  _run(step, mesh, classifier_batches(mesh, 3, 64), tx)
+  assert len(traces) == 1, traces
+  _run(step, mesh, classifier_batches(mesh, 2, 32), tx)
+  assert len(traces) == 2, traces
+
+
+def test_an_error_of_wus_own_runs_the_step_as_jax_jit_with_the_reason(monkeypatch):
+  """Nothing wus does while analysing reaches the user's program as an exception."""
+  from wus import jit_region  # noqa: PLC0415
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("injected")
+  monkeypatch.setattr(jit_region, "update_region", broken)
+  mesh, model, tx = _mesh(), MLP(), optax.adam(1e-2)
+  step, batches = _step(model, tx, Config(64)), classifier_batches(mesh, 2, 64)
+  ws = wus.jit(step)
+  assert_trees_equal(_run(jax.jit(step), mesh, batches, tx), _run(ws, mesh, batches, tx))
+  params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 12))),
+                          NamedSharding(mesh, P()))
+  plan = ws.plan(params, tx.init(params), batches[0])
+  assert "RuntimeError: injected" in plan.unchanged and "jit.py" in plan.unchanged
