@@ -18,7 +18,8 @@ Example: a `jax.jit` training step, the batch placed over the mesh's "data" axis
 `wus.shard_map`, `wus.pmap`, `wus.filter_jit` (Equinox) and `wus.nnx_jit` (Flax NNX)
 take the place of `jax.shard_map`, `jax.pmap`, `eqx.filter_jit` and `nnx.jit` the same
 way. `step.plan(*args)` says what is sharded and why; a step that saves little warns
-once (`wus.NotShardedWarning`). examples/ has whole programs.
+once (`wus.NotShardedWarning`). The repository's examples/ folder has whole
+programs.
 
 Xu et al., "Automatic Cross-Replica Sharding of Weight Update in
 Data-Parallel Training", arXiv:2004.13336 (2020).
@@ -101,7 +102,7 @@ class _Missing:
     self._raise()
 
   def __getattr__(self, attribute: str):
-    if attribute.startswith("__"):  # What pydoc and copy ask of any object.
+    if attribute.startswith("_"):  # What pydoc, copy and IPython ask of any object.
       raise AttributeError(attribute)
     self._raise()
 

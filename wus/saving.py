@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from wus.analysis import reasons
 from wus.analysis.network import format_bytes
 from wus.analysis.plan import Plan
 from wus.errors import NotShardedWarning
@@ -49,15 +50,16 @@ def not_sharded(plan: Plan) -> str | None:
     return "shards nothing" + (f": {why}" if why else ": it has no weight update")
   replicated = [c for c in plan.clusters if not c.sharded and c.owner is None]
   largest = max(replicated, key=lambda c: sum(t.nbytes for t in c.tensors), default=None)
+  why = largest and reasons.render(largest.why, cite=False)  # In `str(plan)`'s words.
   if len(replicated) == len(plan.clusters):
     return (f"shards none of its {len(plan.clusters)} weight-update cluster(s); cluster "
-            f"{largest.index}: {largest.reason}")
+            f"{largest.index}: {why}")
   if plan.replicated_bytes > plan.sharded_bytes + plan.owned_bytes:
     total = plan.replicated_bytes + plan.sharded_bytes + plan.owned_bytes
     return (f"keeps most of its weight update whole: {format_bytes(plan.replicated_bytes)} "
             f"of the {format_bytes(total)} of weights and optimizer state it updates are in "
             f"replicated clusters (whole on every device); the largest, cluster "
-            f"{largest.index}: {largest.reason}")
+            f"{largest.index}: {why}")
   return None
 
 

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, mesh
+from wus.analysis import reasons
 from wus.saving import not_sharded
 
 TX = optax.adam(1e-2)
@@ -172,7 +173,7 @@ def test_what_saves_little_is_said_by_one_rule():
   assert not_sharded(most) == (
       f"keeps most of its weight update whole: 6 KiB of the {whole / 1024:.3g} KiB of weights "
       f"and optimizer state it updates are in replicated clusters (whole on every device); "
-      f"the largest, cluster {w.index}: {w.reason}")
+      f"the largest, cluster {w.index}: {reasons.render(w.why, cite=False)}")
   assert not_sharded(replicated(w, b)).startswith(
       f"shards none of its 2 weight-update cluster(s); cluster {w.index}: ")
   unchanged = dataclasses.replace(plan, unchanged="no batch")
