@@ -46,11 +46,11 @@ def not_sharded(plan: Plan) -> str | None:
   if plan.unchanged:
     return f"runs unchanged: {plan.unchanged}"
   if not plan.clusters:
-    why = next((i.reason for i in plan.inputs if i.state), "")
+    why = next((reasons.render(i.why, cite=False) for i in plan.inputs if i.state), "")
     return "shards nothing" + (f": {why}" if why else ": it has no weight update")
   replicated = [c for c in plan.clusters if not c.sharded and c.owner is None]
   largest = max(replicated, key=lambda c: sum(t.nbytes for t in c.tensors), default=None)
-  why = largest and reasons.render(largest.why, cite=False)  # In `str(plan)`'s words.
+  why = reasons.render(largest.why, cite=False) if largest else ""  # As `str(plan)` words it.
   if len(replicated) == len(plan.clusters):
     return (f"shards none of its {len(plan.clusters)} weight-update cluster(s); cluster "
             f"{largest.index}: {why}")
