@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from wus.analysis import compat
 from wus.analysis import costmodel, network, reasons, verdicts
@@ -110,14 +111,16 @@ def _branch_gathers(cluster: Cluster, rare: set[int]) -> list[Var]:
   return out
 
 
-def _first_whole_reader(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes) -> str:
+def _first_whole_reader(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes,
+                        names: Sequence[str]) -> str:
   """", read whole by <eqn> ... (why it differs)" for the first outside reader, or ""."""
   for v, readers in cluster.outside_readers.items():
     eqn = jaxpr.eqns[readers[0]]
     out = f" ({v.aval.str_short()} is read whole by {eqn.primitive} at {compat.source_line(eqn)}"
     varying = [o for o in eqn.outvars if not facts.is_redundant(o, axes)]
     if varying:
-      out += ", which differs across replicas: " + why_differs(jaxpr, facts, varying[0], axes)
+      out += ", which differs across replicas: " + why_differs(jaxpr, facts, varying[0], axes,
+                                                               names)
     return out + ")"
   return ""
 
@@ -127,7 +130,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
            rare: set[int] = frozenset(), *, objective: str = "memory",
            topology: network.Topology | None = None,
            extra_gather: tuple[costmodel.Tensor, ...] = (),
-           sliced: list[str] | tuple = ()) -> Decision:
+           sliced: list[str] | tuple = (), names: Sequence[str] = ()) -> Decision:
   """Decides one cluster.
 
   Args:
@@ -151,6 +154,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
       narrow dtype).
     sliced: for a cluster grown from roots (`Cluster.roots`), the names of
       the values identical on every replica it reads by a local slice.
+    names: a name per input of `jaxpr` (its pytree path), for the reasons.
 
   Returns:
     The decision, with byte counts (whole-tensor bytes, before sharding) and
@@ -204,7 +208,7 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
     return slower() or verdict(True, verdicts.KeepsStateSharded(extra))
   if extra > 0:
     return verdict(False, verdicts.MoreAllGather(
-        all_gather, all_reduce, _first_whole_reader(cluster, jaxpr, facts, axes)))
+        all_gather, all_reduce, _first_whole_reader(cluster, jaxpr, facts, axes, names)))
   reductions = sum(k in REDUCING for k in cluster.kinds.values())
   return slower() or verdict(True, verdicts.OnShards(reductions, len(gathered)))
 
@@ -287,7 +291,7 @@ def step_workload(clusters) -> costmodel.Workload | None:
 
 
 def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
-                 objective: str = "memory") -> tuple[int, int | None, str]:
+                 objective: str = "memory") -> tuple[int, int | None, str, str]:
   """How the batched collectives group tensors (§5.2), chosen by the cost model, and why.
 
   `costmodel.choose_batching` on the sharded clusters' workload: tensors of
@@ -308,11 +312,12 @@ def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
     objective: "memory" or "time" (`decide`).
 
   Returns:
-    (bucket limit in bytes, alone_bytes or None, the choice in words for the Plan).
+    (bucket limit in bytes, alone_bytes or None, the choice in words with its arithmetic
+    for `Plan.buckets`, the collectives it makes in brief for `Plan.collectives`).
   """
   workload = step_workload(clusters)
   if workload is None:
-    return costmodel.DEFAULT_BUCKET_BYTES, None, ""
+    return costmodel.DEFAULT_BUCKET_BYTES, None, "", ""
   candidates = [c for c in costmodel.BUCKET_CANDIDATES
                 if objective == "time" or c <= costmodel.DEFAULT_BUCKET_BYTES]
   limit, alone = costmodel.choose_batching(workload, topology, num_shards, candidates=candidates)
@@ -327,6 +332,9 @@ def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
   copied = network.copied(sizes, limit, alone, padded)
   by_size = ("every tensor under the limit shares one" if alone is None else
              f"tensors of {_mib(alone)} or more keep their own unless padded")
+  brief = (f"collectives per step: {counts['reduce-scatter']} reduce-scatter(s) of the "
+           f"gradients, {counts['all-gather']} all-gather(s) of the new weights, batched "
+           "(predicted)")
   return limit, alone, (
       f"collectives batched in buckets of at most {_mib(limit)} ({by_size}: "
       f"{apart} of {len(sizes)} tensors alone; {copied / 2 ** 20:.3g} MiB of gradients copied "
@@ -335,7 +343,7 @@ def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
       f"{counts['reduce-scatter']} reduce-scatter(s), {counts['all-gather']} all-gather(s), "
       f"predicted {network.format_seconds(chosen.communication + chosen.copies)} with the "
       f"copies (one bucket: {network.format_seconds(one.communication + one.copies)}; cost "
-      f"model, {objective} objective)")
+      f"model, {objective} objective)"), brief
 
 
 def _mib(nbytes: int) -> str:

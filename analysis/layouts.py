@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from wus.analysis import compat, reasons, redundancy, rules
 from wus.analysis.clusters import Cluster
@@ -242,8 +242,8 @@ def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str
   return Layout(formats, frozenset(c.whole_reads), frozenset(c.partial))
 
 
-def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx,
-                    in_loop: bool = False) -> tuple[Layout | str, reasons.OverCopies | None]:
+def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx, in_loop: bool = False,
+                    names: Sequence[str] = ()) -> tuple[Layout | str, reasons.OverCopies | None]:
   """`assign` over the replica axes, or over the other axes `ctx.copies` too.
 
   A cluster that every replica of `ctx.copies` repeats (`redundancy.differs_over`: in
@@ -257,6 +257,7 @@ def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx,
     ctx: the planner's context (`axes`, `num_shards`, `copies`: axis -> size,
       `facts`, `big`).
     in_loop: whether `jaxpr` is a loop body.
+    names: a name per input of `jaxpr` (its pytree path), for the reason.
 
   Returns:
     (`assign`'s result, the Plan's note on the copy axes: None without them).
@@ -265,7 +266,7 @@ def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx,
   if copies == 1 or in_loop:
     return assign(jaxpr, cluster, n, ctx.big), None
   note = functools.partial(reasons.OverCopies, tuple(sorted(ctx.axes)), tuple(ctx.copies))
-  why = redundancy.differs_over(jaxpr, cluster, ctx.facts, frozenset(ctx.copies))
+  why = redundancy.differs_over(jaxpr, cluster, ctx.facts, frozenset(ctx.copies), names)
   if why is None:
     wide = assign(jaxpr, cluster, n * copies, ctx.big)
     if not isinstance(wide, Layout):

@@ -8,192 +8,20 @@ why the others are not. `wus.analysis.planner.make_plan` makes it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
-
-import numpy as np
 
 from wus.analysis import costmodel, network, reasons
 from wus.analysis.formats import Format
 from wus.analysis.network import format_bytes as _bytes
 from wus.analysis.owned import Ownership
-from wus.analysis.reasons import Reason
+# The Plan's parts, re-exported: `from wus.analysis.plan import ClusterPlan` as before.
+from wus.analysis.plan_parts import ClusterPlan as ClusterPlan
+from wus.analysis.plan_parts import Grouping as Grouping
+from wus.analysis.plan_parts import InputPlan as InputPlan
+from wus.analysis.plan_parts import JaxprPlan as JaxprPlan
+from wus.analysis.plan_parts import TensorPlan as TensorPlan
 from wus.analysis.shardable import Kind
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorPlan:
-  """One tensor a cluster reads or writes.
-
-  Attributes:
-    name: the pytree path of the input or output (`params['w']`), or what
-      produced it.
-    shape: logical shape.
-    dtype: numpy dtype name.
-    role: "gradient" (an all-reduce it replaces), "root" (a value identical
-      on every replica that an update no all-reduce reaches grows from, read
-      by a local slice: `clusters.find_roots`), "state" (an input kept
-      sharded between steps), "weight" (an input the step also reads whole,
-      sliced locally), or "output" (a result returned whole).
-    format: its sharding format (None when the cluster stays replicated).
-    itemsize: bytes per element (typed PRNG keys have no numpy dtype).
-  """
-
-  name: str
-  shape: tuple[int, ...]
-  dtype: str
-  role: str
-  format: Format | None
-  itemsize: int = 4
-
-  @property
-  def nbytes(self) -> int:
-    return int(np.prod(self.shape)) * self.itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterPlan:
-  """The decision for one weight-update cluster (§3.2).
-
-  Attributes:
-    index: position in `Plan.clusters`.
-    tensors: the tensors it reads and writes.
-    sharded: whether it runs on shards.
-    why: why, as a value (`reasons.Reason`); `reason` is its text.
-    all_reduce_bytes: whole bytes of its gradient all-reduces.
-    all_gather_bytes: whole bytes it all-gathers per step when sharded.
-    saved_bytes: predicted bytes of weights, state and outputs each replica no
-      longer reads or writes per step when sharded.
-    replicated_seconds, sharded_seconds: the cost model's prediction of the
-      cluster's collectives and update, replicated and sharded (seconds;
-      `costmodel.cluster_seconds`), 0 where not predicted; for an owned
-      cluster, owned.
-    owner: the replica that runs the cluster's update on whole tensors
-      (ownership, `Plan.owned`), or None; an owned cluster is not `sharded`.
-    workload: what the cost model priced (`cost.Decision.workload`): the
-      step's batching and group size price the sharded clusters' together.
-  """
-
-  index: int
-  tensors: tuple[TensorPlan, ...]
-  sharded: bool
-  why: Reason
-  all_reduce_bytes: int
-  all_gather_bytes: int
-  saved_bytes: int
-  replicated_seconds: float = 0.0
-  sharded_seconds: float = 0.0
-  owner: int | None = None
-  workload: costmodel.Workload | None = dataclasses.field(default=None, compare=False,
-                                                          repr=False)
-
-  @property
-  def reason(self) -> str:
-    """Why, in the Plan's words (`reasons.render`)."""
-    return reasons.render(self.why)
-
-
-@dataclasses.dataclass(frozen=True)
-class InputPlan:
-  """How one flat input of the step is passed.
-
-  Attributes:
-    name: pytree path of the argument leaf.
-    shape, dtype: logical shape and numpy dtype name.
-    sharded: whether it is kept sharded between steps (optimizer state).
-    why: why it is, or why it stays whole, as a value (`reasons.Reason`); `reason`
-      is its text.
-    state: whether an output is its next value (the step's state: weights,
-      optimizer state), whether or not it is sharded.
-    itemsize: bytes per element (typed PRNG keys have no numpy dtype).
-    matched: the output the step's state matching took for its next value and
-      the rule that found it (position, name, structure), or why it found
-      none although outputs share its tree structure; "" otherwise.
-    split: the mesh axes of size > 1 the user's spec splits it over besides
-      the replica axes, with their sizes (tensor parallelism's model axis:
-      `shape` is one rank's block, and there are `blocks` of them); () on a
-      1-D mesh.
-    fsdp: the replica axes of size > 1 the user's spec splits it over itself
-      (FSDP: each replica updates its own part, nothing is repeated there).
-  """
-
-  name: str
-  shape: tuple[int, ...]
-  dtype: str
-  sharded: bool
-  why: Reason
-  state: bool = False
-  itemsize: int = 4
-  matched: str = ""
-  split: tuple[tuple[str, int], ...] = ()
-  fsdp: tuple[str, ...] = ()
-
-  @property
-  def blocks(self) -> int:
-    """Blocks the user's spec splits the whole tensor into (1: none)."""
-    return int(np.prod([n for _, n in self.split]))
-
-  @property
-  def reason(self) -> str:
-    """Why, in the Plan's words (`reasons.render`)."""
-    return reasons.render(self.why)
-
-  @property
-  def nbytes(self) -> int:
-    return int(np.prod(self.shape)) * self.itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class JaxprPlan:
-  """The plan of one jaxpr (the step, a conditional's branch, a loop body): how the rewrite
-  runs it. (Programs are what `transforms/programs.py` compiles from the step's.)
-
-  Attributes:
-    shard_eqns: equation index -> shard kind, for every equation that runs on
-      shards (valid for the jaxpr the plan was made from).
-    sharded_in: input position -> format, for inputs that arrive as shards.
-    sharded_out: output position -> format, for outputs returned as shards.
-    bodies: for each conditional in `shard_eqns`, one JaxprPlan per branch; for
-      each loop, its body's JaxprPlan.
-    gather_after: values the all-gathers of the outputs returned whole must
-      follow, so that donated inputs' buffers hold them with no copy
-      (`wus.analysis.ordering`; the step's JaxprPlan only).
-    tied_outputs: positions of outputs computed whole that follow
-      `gather_after` too.
-  """
-
-  shard_eqns: Mapping[int, Kind]
-  sharded_in: Mapping[int, Format]
-  sharded_out: Mapping[int, Format]
-  bodies: Mapping[int, tuple[JaxprPlan, ...]] = dataclasses.field(default_factory=dict)
-  gather_after: tuple = ()
-  tied_outputs: frozenset = frozenset()
-
-
-@dataclasses.dataclass(frozen=True)
-class Grouping:
-  """The sharding groups of `shard_group_size` (§5.2, Fig. 10), as the Plan says them.
-
-  Attributes:
-    chosen: with `shard_group_size="auto"`, how the cost model chose G; "" otherwise.
-    layout: the groups in words (`transforms.groups.Groups.describe`), or why
-      there are none to speak of (G = 1, G = N); "" when "auto" kept G = N.
-    num_groups: M = N / G.
-    across: the batched all-reduces of the gradient shards across the groups
-      per step, predicted (0: none, or one group).
-  """
-
-  chosen: str = ""
-  layout: str = ""
-  num_groups: int = 0
-  across: int = 0
-
-  def __str__(self) -> str:
-    across = (f"the gradient shards are all-reduced across the {self.num_groups} groups in "
-              f"{self.across} batched all-reduce(s)") if self.across else ""
-    return "; ".join(filter(None, [self.chosen, self.layout, across]))
-
-  def __bool__(self) -> bool:
-    return bool(str(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +53,10 @@ class Plan:
       have a reduce-scatter and an all-gather of their own, with no copy
       into or out of a bucket (`wus.collectives.batched.buckets`); None:
       every tensor under `bucket_bytes` is batched.
-    buckets: that choice in words ("" when nothing is sharded).
+    buckets: that choice in words, with the cost model's arithmetic ("" when nothing is
+      sharded; `details()` prints it).
+    collectives: the batched collectives per step in brief, predicted (`str(plan)`
+      prints it; "" when nothing is sharded).
     owned: the updates run on whole tensors by one replica each
       (`wus.analysis.owned.Ownership`), or None.
     resolution: seconds; the cost model's predictions of a cluster below this are
@@ -245,8 +76,13 @@ class Plan:
       gradients and activations); () when the planned jaxpr's inputs are the
       arguments themselves. `jaxpr_plan` and `state_inputs` are keyed by the former.
 
-  `str(plan)` (what `print` shows) is one line per cluster, the totals first;
-  `plan.details()` the full table: every tensor with its format, every input.
+  `str(plan)` (what `print` shows) is the totals, then one line per cluster: its
+  verdict, its weight (or state) tensor, the other weights and state it updates named by
+  their paths ("params['w'] float32[64] and its opt_state.mu, .nu": each path with the
+  end it shares with the first one's left off), why, and where its gradient is summed.
+  `plan.details()` is the full table: every tensor with its format, every input and why,
+  the paper's sections (§) and figures behind each reason, and the cost model's
+  arithmetic (buckets).
   """
 
   axes: tuple
@@ -263,6 +99,7 @@ class Plan:
   bucket_bytes: int = costmodel.DEFAULT_BUCKET_BYTES
   alone_bytes: int | None = None
   buckets: str = ""
+  collectives: str = ""
   owned: Ownership | None = None
   resolution: float = 0.0
   unchanged: str = ""
@@ -362,7 +199,8 @@ class Plan:
     """Bytes of the step's state (inputs with a next value) each replica keeps whole."""
     return sum(i.nbytes for i in self.inputs if i.state and not i.sharded)
 
-  def _totals(self) -> list[str]:
+  def _totals(self, cite: bool) -> list[str]:
+    """The totals lines; with `cite`, the bucket arithmetic, else the collectives in brief."""
     whole, shard = self.state_bytes
     sharded = sum(c.sharded for c in self.clusters)
     owned = sum(c.owner is not None for c in self.clusters)
@@ -382,7 +220,8 @@ class Plan:
              f"  weight update: {_bytes(self.sharded_bytes)} of tensors updated on shards, "
              + (f"{_bytes(self.owned_bytes)} owned, " if self.owned is not None else "")
              + f"{_bytes(self.replicated_bytes)} in replicated clusters"]
-    return lines + [f"  {x}" for x in (self.groups, self.buckets, self.owned) if x]
+    batching = self.buckets if cite else self.collectives
+    return lines + [f"  {x}" for x in (self.groups, batching, self.owned) if x]
 
   def _predicted(self, c: ClusterPlan) -> str:
     """The cluster's predicted times, or "" where the model resolves neither; one below
@@ -396,13 +235,14 @@ class Plan:
             f"{seconds(c.replicated_seconds)} replicated")
 
   def __str__(self) -> str:
-    lines = self._totals()
-    width = max([len(_label(c)) for c in self.clusters], default=0)
-    for c in self.clusters:
+    lines = self._totals(cite=False)
+    labels = [_label(c) for c in self.clusters]
+    width = min(max(map(len, labels), default=0), 72)
+    for c, label in zip(self.clusters, labels, strict=True):
       verdict = "SHARDED   " if c.sharded else "OWNED     " if c.owner is not None else "replicated"
       where = next((t.name for t in c.tensors if t.role == "gradient"), "")
-      parts = [c.reason, where, self._predicted(c)]
-      lines.append(f"cluster {c.index:<3d} {verdict} {_label(c):{width}s}  "
+      parts = [reasons.render(c.why, cite=False), where, self._predicted(c)]
+      lines.append(f"cluster {c.index:<3d} {verdict} {label:{width}s}  "
                    + "; ".join(p for p in parts if p))
     kept = sum(i.sharded for i in self.inputs)
     lines.append(f"inputs: {kept} kept sharded between steps, {len(self.inputs) - kept} whole. "
@@ -410,8 +250,9 @@ class Plan:
     return "\n".join(lines)
 
   def details(self) -> str:
-    """The full table: every cluster's tensors and formats, every input and why."""
-    lines = self._totals()
+    """The full table: every cluster's tensors and formats, every input and why, with the
+    paper's sections behind each reason and the cost model's bucket arithmetic."""
+    lines = self._totals(cite=True)
     for c in self.clusters:
       verdict = "SHARDED: " if c.sharded else "" if c.owner is not None else "replicated: "
       lines.append(f"cluster {c.index}: {verdict}{c.reason}")
@@ -435,12 +276,45 @@ class Plan:
 
 
 def _label(c: ClusterPlan) -> str:
-  """A cluster in a few words: its weight (or state) tensor, and how many it holds."""
+  """A cluster in a few words: its weight (or state) tensor, then the other weights and
+  state it updates, at most three by name (each path without the end it shares with the
+  first: "params['w'] float32[64] and its opt_state.mu, .nu"), then how many more."""
   order = {"weight": 0, "state": 1, "output": 2, "gradient": 3}
   main = min(c.tensors, key=lambda t: order.get(t.role, 4), default=None)
   if main is None:
     return "(no tensors)"
-  shape = ",".join(map(str, main.shape))
   name = main.name if main.role != "gradient" else "gradient"
-  more = f" +{len(c.tensors) - 1}" if len(c.tensors) > 1 else ""
-  return f"{name} {main.dtype}[{shape}]{more}"
+  label = f"{name} {main.dtype}[{','.join(map(str, main.shape))}]"
+  others = [t.name for t in c.tensors if t is not main and t.role in ("weight", "state", "root")]
+  if not others:
+    return label
+  more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+  heads = [_without_end(n, name) for n in others[:3]]
+  if any(h == n for h, n in zip(heads, others, strict=False)):
+    return f"{label} with {', '.join(others[:3])}{more}"
+  first = _segments(heads[0])
+  shown = [heads[0]]
+  for h in heads[1:]:  # After the first, only where they differ from it.
+    seg = _segments(h)
+    same = next((k for k, (a, b) in enumerate(zip(first, seg)) if a != b), min(len(first),
+                                                                                len(seg)))
+    shown.append("".join(seg[same:]) or h)
+  return f"{label} and its {', '.join(shown)}{more}"
+
+
+_SEGMENT = re.compile(r"\[[^\]]*\]|\.[^.\[]+|[^.\[]+")
+
+
+def _segments(path: str) -> list[str]:
+  """A pytree path's parts: `opt_state[0].mu['w']` -> ["opt_state", "[0]", ".mu", "['w']"]."""
+  return _SEGMENT.findall(path)
+
+
+def _without_end(path: str, main: str) -> str:
+  """`path` without the parts it ends with that `main` ends with too (`path` itself when
+  none, or when nothing would be left)."""
+  seg, end = _segments(path), _segments(main)
+  k = 0
+  while k < min(len(seg) - 1, len(end)) and seg[-1 - k] == end[-1 - k]:
+    k += 1
+  return "".join(seg[:len(seg) - k]) if k else path

@@ -122,7 +122,7 @@ def plan_cluster(s: Scope, ctx, acc: Planning, c: clusters_lib.Cluster,
 def _layout(s: Scope, ctx, c) -> tuple[layouts.Layout | object, object]:
   """The cluster's layout, or the verdict that stops it (words, or the parts that run
   whole); and whether it is sharded over copies too (`layouts.assign_repeated`)."""
-  layout, over_copies = layouts.assign_repeated(s.jaxpr, c, ctx, s.in_loop)
+  layout, over_copies = layouts.assign_repeated(s.jaxpr, c, ctx, s.in_loop, s.in_names)
   if not c.eqns:
     layout = kept_whole(s.jaxpr, c)
   if isinstance(layout, layouts.Layout) and (mismatch := [
@@ -153,7 +153,7 @@ def _decide(s: Scope, ctx, acc: Planning, c, layout) -> _Decided:
                            ctx.num_shards, s.rare, objective=ctx.objective,
                            topology=ctx.topology,
                            extra_gather=() if s.in_loop else narrow_gathers,
-                           sliced=_sliced(d.c, s, d.pairs))
+                           sliced=_sliced(d.c, s, d.pairs), names=s.in_names)
   d.verdict = d.decision.why.verdict
   # A value the rewrite holds as shards has one format: a cluster that
   # needs another format of a value an earlier cluster shards stays whole.

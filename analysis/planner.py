@@ -136,7 +136,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
                             tuple((split or {}).get(k, ())), tuple((fsdp or {}).get(k, ()))))
   inputs, input_of = (tuple(inputs), ()) if arguments is None else _of_arguments(
       inputs, arguments, planned.jaxpr_plan.sharded_in)
-  limit, alone, buckets = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology,
+  limit, alone, buckets, collectives = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology,
                                             objective)
   # In a step with clusters grown from roots, the copy-free order of donated weights
   # (`ordering`) takes only the gradient all-reduces as tokens, never the result of a
@@ -149,7 +149,8 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   jaxpr_plan = dataclasses.replace(planned.jaxpr_plan, gather_after=after, tied_outputs=tied)
   plan = Plan(tuple(axes), num_shards, min_size, inputs, tuple(planned.clusters),
               jaxpr_plan, planned.formats, planned.gather_dtypes, objective=objective,
-              bucket_bytes=limit, alone_bytes=alone, buckets=buckets, owned=planned.owned,
+              bucket_bytes=limit, alone_bytes=alone, buckets=buckets, collectives=collectives,
+              owned=planned.owned,
               resolution=network.resolution(ctx.topology), copy_axes=tuple(ctx.copies),
               copies=math.prod(ctx.copies.values()), group_size=group_size,
               groups=_with_across(grouping, planned.clusters, limit), split_by=split_by,

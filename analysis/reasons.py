@@ -16,6 +16,7 @@ one place, by a table keyed by the verdict's or note's type.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 from wus.analysis import verdicts
@@ -286,9 +287,16 @@ class Reason:
     return render(self)
 
 
-def render(reason: Reason) -> str:
-  """The Plan's words for `reason`: its place, its verdict and its notes, "; "-separated."""
-  return reason.where + "; ".join(_words(x) for x in (reason.verdict, *reason.notes))
+def render(reason: Reason, cite: bool = True) -> str:
+  """The Plan's words for `reason`: its place, its verdict and its notes, "; "-separated;
+  without `cite`, without the paper's sections and figures ("(§3.1)", "(Fig. 4 left)"):
+  `str(plan)` leaves them to `plan.details()`."""
+  text = reason.where + "; ".join(_words(x) for x in (reason.verdict, *reason.notes))
+  return text if cite else _CITATION.sub("", text)
+
+
+# A citation of the paper in the words: " (§3.1)", " (Fig. 4 right, Fig. 7)".
+_CITATION = re.compile(r" \((?:§|Fig\. )[^()]*\)")
 
 
 def _words(x) -> str:

@@ -59,13 +59,15 @@ class Redundancy:
             and all(self.is_redundant(v, axes) for v in eqn.outvars))
 
 
-def why_differs(jaxpr: Jaxpr, facts: Redundancy, v, axes: frozenset) -> str:
+def why_differs(jaxpr: Jaxpr, facts: Redundancy, v, axes: frozenset,
+                names: Sequence[str] = ()) -> str:
   """Why `v` of `jaxpr` may differ across the replicas of `axes`, in words.
 
   Follows `v` back to where the difference enters: an input split by its
-  in_spec (this replica's batch), `axis_index`, an effect, or a primitive
-  without a redundancy rule (which the analysis conservatively calls
-  differing). Names the first such equation and its place in user code.
+  in_spec (this replica's batch, named by `names`, one per input of `jaxpr`:
+  its pytree path), `axis_index`, an effect, or a primitive without a
+  redundancy rule (which the analysis conservatively calls differing). Names
+  the first such equation and its place in user code.
   """
   graph = Graph(jaxpr)
   inputs = {u: k for k, u in enumerate(jaxpr.invars)}
@@ -78,7 +80,8 @@ def why_differs(jaxpr: Jaxpr, facts: Redundancy, v, axes: frozenset) -> str:
     eqn = graph.producing(u)
     if eqn is None:
       if u in inputs:
-        return f"it depends on input {inputs[u]}, which differs across replicas"
+        name = names[inputs[u]] if names else f"input {inputs[u]}"
+        return f"it depends on {name}, which differs across replicas"
       continue
     varying = [w for w in eqn.invars if not compat.is_literal(w)
                and not facts.is_redundant(w, axes)]
@@ -95,7 +98,8 @@ def why_differs(jaxpr: Jaxpr, facts: Redundancy, v, axes: frozenset) -> str:
   return "it differs across replicas"
 
 
-def differs_over(jaxpr: Jaxpr, cluster, facts: Redundancy, axes: frozenset) -> str | None:
+def differs_over(jaxpr: Jaxpr, cluster, facts: Redundancy, axes: frozenset,
+                 names: Sequence[str] = ()) -> str | None:
   """Why the replicas of `axes` may not run a weight-update cluster to the same end, or
   None when they all do (§3.1, applied to the axes besides the replica axes: a
   tensor-parallel step's "model").
@@ -113,6 +117,7 @@ def differs_over(jaxpr: Jaxpr, cluster, facts: Redundancy, axes: frozenset) -> s
     cluster: a `clusters.Cluster` (`eqns`, `seeds`, `nested`).
     facts: the redundancy analysis of `jaxpr`.
     axes: mesh axes, not the replica axes the cluster's all-reduces run over.
+    names: a name per input of `jaxpr`, for the reason (`why_differs`).
 
   Returns:
     None, or the reason in words (`why_differs`).
@@ -128,10 +133,15 @@ def differs_over(jaxpr: Jaxpr, cluster, facts: Redundancy, axes: frozenset) -> s
       return f"{eqn.primitive} at {compat.source_line(eqn)} has side effects"
     if (v := next((v for v in (*(() if i in summed else eqn.invars), *eqn.outvars)
                    if not facts.is_redundant(v, axes)), None)) is not None:
-      return why_differs(jaxpr, facts, v, axes)
+      return why_differs(jaxpr, facts, v, axes, names)
   for i, subs in cluster.nested.items():
-    for b, sub in zip(compat.cond(jaxpr.eqns[i]).branches, subs, strict=True):
-      if (why := differs_over(b.jaxpr, sub, facts, axes)) is not None:
+    cond = compat.cond(jaxpr.eqns[i])
+    pos = {v: k for k, v in enumerate(jaxpr.invars)}
+    inner = [names[pos[v]] if names and not compat.is_literal(v) and v in pos
+             else f"operand {k} of the conditional at {compat.source_line(jaxpr.eqns[i])}"
+             for k, v in enumerate(cond.operands)]
+    for b, sub in zip(cond.branches, subs, strict=True):
+      if (why := differs_over(b.jaxpr, sub, facts, axes, inner)) is not None:
         return why
   return None
 

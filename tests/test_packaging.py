@@ -53,16 +53,45 @@ def test_lazy_names_still_work():
 
 
 def test_a_lazy_name_whose_library_is_missing_says_what_to_install():
+  """Where Flax is missing, `wus.nnx_jit` is a stand-in: using it (calling it, or reading an
+  attribute) raises the ImportError that names what to install."""
   out = _run("""
       import sys
       sys.modules["flax"] = None  # As if Flax were not installed.
       import wus
-      try:
-        wus.nnx_jit
-      except ImportError as e:
-        print(e)
+      step = wus.nnx_jit
+      for use in (lambda: step(print), lambda: step.plan, lambda: wus.nnx_jit(print)):
+        try:
+          use()
+        except ImportError as e:
+          print(e)
       """)
-  assert "wus.nnx_jit needs flax" in out and "pip install flax" in out, out
+  lines = out.strip().splitlines()
+  assert len(lines) == 3, out
+  assert all("wus.nnx_jit needs flax" in ln and "pip install flax" in ln for ln in lines), out
+
+
+def test_help_and_dir_work_without_flax_and_orbax():
+  """Issue 39: `help(wus)` after `pip install .` printed only the ImportError of
+  `wus.checkpoint` (pydoc reads every name). Without Flax and Orbax importable, it prints
+  the module docstring with its example, and lists the names those libraries serve."""
+  out = _run("""
+      import sys
+      for name in ("flax", "orbax", "orbax.checkpoint", "tensorstore"):
+        sys.modules[name] = None  # As if only `pip install .` had run.
+      import wus
+      help(wus)
+      print(sorted(set(wus.__all__) - set(dir(wus))))
+      """)
+  assert "Help on package wus" in out, out
+  for line in ('mesh = jax.make_mesh((8,), ("data",)',
+               'batch = jax.device_put(batch, NamedSharding(mesh, P("data")))',
+               "@wus.jit                                  # was: @jax.jit",
+               "print(wus.bytes_per_device(opt_state))"):
+    assert line in out, line
+  assert "nnx_jit = <wus.nnx_jit: needs flax, not installed>" in out, out
+  assert "checkpoint = <wus.checkpoint: needs orbax-checkpoint, not installed>" in out, out
+  assert out.strip().splitlines()[-1] == "[]", out
 
 
 def test_an_unknown_name_is_an_attribute_error():

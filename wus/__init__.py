@@ -1,14 +1,36 @@
 """wus: automatic weight-update sharding for data-parallel JAX training.
 
+Example: a `jax.jit` training step, the batch placed over the mesh's "data" axis, and
+`wus.jit` in `jax.jit`'s place; the optimizer state then lives 1/8 on each device.
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))  # split over "data"
+
+    @wus.jit                                  # was: @jax.jit
+    def train_step(params, opt_state, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = train_step(params, tx.init(params), batch)
+    print(wus.bytes_per_device(opt_state))    # DeviceBytes(... 0.125 of a copy ...)
+
+`wus.shard_map`, `wus.pmap`, `wus.filter_jit` (Equinox) and `wus.nnx_jit` (Flax NNX)
+take the place of `jax.shard_map`, `jax.pmap`, `eqx.filter_jit` and `nnx.jit` the same
+way. `step.plan(*args)` says what is sharded and why; a step that saves little warns
+once (`wus.NotShardedWarning`). The repository's examples/ folder has whole
+programs.
+
 Xu et al., "Automatic Cross-Replica Sharding of Weight Update in
 Data-Parallel Training", arXiv:2004.13336 (2020).
 
 `import wus` imports JAX, NumPy and wus's own modules only. The names that
 need another library import it when first used (PEP 562 module `__getattr__`):
 `wus.nnx_jit` imports Flax, `wus.checkpoint` and `wus.checkpointable` import Orbax
-and TensorStore (also imported by the steps' `state_target`).
+and TensorStore (also imported by the steps' `state_target`). Where that library is
+missing, the name is a stand-in that raises an ImportError naming what to install when
+called or read from, so that `help(wus)` and `dir(wus)` work in every install.
 """
-
 import importlib
 import sys
 from typing import TYPE_CHECKING
@@ -20,11 +42,14 @@ from wus.analysis.plan import Plan
 from wus.api import ShardedStep
 from wus.api import shard_map
 from wus.errors import CheckpointError
+from wus.errors import NotShardedWarning
 from wus.errors import StateMismatchError
 from wus.jit import JitStep
 from wus.filter_jit import filter_jit
 from wus.jit import jit
 from wus.pmap import pmap
+from wus.saving import DeviceBytes
+from wus.saving import bytes_per_device
 from wus.sharded import ShardedArray
 from wus.sharded import is_sharded
 from wus.sharded import unreplicate
@@ -44,8 +69,9 @@ _LAZY = {
     "checkpointable": ("wus.checkpoint", "checkpointable", "orbax-checkpoint"),
 }
 
-__all__ = ["CheckpointError", "JitStep", "Plan", "ShardFormat", "ShardedArray", "ShardedStep",
-           "StateMismatchError", "checkpoint", "checkpointable", "filter_jit", "is_sharded",
+__all__ = ["CheckpointError", "DeviceBytes", "JitStep", "NotShardedWarning", "Plan",
+           "ShardFormat", "ShardedArray", "ShardedStep", "StateMismatchError",
+           "bytes_per_device", "checkpoint", "checkpointable", "filter_jit", "is_sharded",
            "jit", "nnx_jit", "pmap", "shard_map", "unreplicate", "unshard"]
 
 
@@ -60,14 +86,40 @@ def _orbax_saves_wus_state() -> None:
 _sharded.ShardsKey.on_key_path = staticmethod(_orbax_saves_wus_state)
 
 
+class _Missing:
+  """`wus.<name>` where the library it needs is not installed: listed by `dir(wus)` and
+  `help(wus)`; calling it, or reading an attribute of it, raises the ImportError."""
+
+  def __init__(self, name: str, distribution: str, error: ModuleNotFoundError):
+    self._name, self._distribution, self._error = name, distribution, error
+
+  def _raise(self):
+    raise ImportError(f"wus.{self._name} needs {self._distribution}, which is not installed "
+                      f"(No module named {self._error.name!r}): pip install "
+                      f"{self._distribution}") from self._error
+
+  def __call__(self, *args, **kwargs):
+    self._raise()
+
+  def __getattr__(self, attribute: str):
+    if attribute.startswith("_"):  # What pydoc, copy and IPython ask of any object.
+      raise AttributeError(attribute)
+    self._raise()
+
+  def __repr__(self) -> str:
+    return f"<wus.{self._name}: needs {self._distribution}, not installed>"
+
+
 def __getattr__(name: str):
   """Imports `wus.nnx_jit` (Flax), `wus.checkpoint` and `wus.checkpointable` (Orbax) when
   first used.
 
+  Returns:
+    The name's value; where the library it needs is missing, a stand-in that raises an
+    ImportError naming what to install when called or read from.
+
   Raises:
     AttributeError: `name` is not a name of wus.
-    ImportError: the library the name needs is not installed (the message says
-      which to install).
   """
   if name not in _LAZY:
     raise AttributeError(f"module 'wus' has no attribute {name!r}")
@@ -77,8 +129,7 @@ def __getattr__(name: str):
   except ModuleNotFoundError as e:
     if e.name is None or e.name.startswith("wus"):
       raise
-    raise ImportError(f"wus.{name} needs {distribution}, which is not installed "
-                      f"(No module named {e.name!r}): pip install {distribution}") from e
+    return _Missing(name, distribution, e)
   value = module if attribute is None else getattr(module, attribute)
   globals()[name] = value
   return value

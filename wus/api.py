@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import pipeline, runtime
+from wus import pipeline, runtime, saving
 from wus.analysis import compat, network
 from wus.analysis.plan import Plan
 from wus.matching import Signature, StateMatch, aval
@@ -167,6 +167,8 @@ class ShardedStep:
     self._donate_argnums = frozenset(donate_argnums)
     self._cache: dict = {}
     self._warned = False  # Warned once that a call runs as plain jax.shard_map.
+    # What `saving.warn_if_not_sharded` calls the step (`wus.pmap` names its own).
+    self.front_end = f"wus.shard_map({getattr(f, '__name__', 'step')})"
     functools.update_wrapper(self, f)
 
   # --- Public. ---------------------------------------------------------------
@@ -341,4 +343,5 @@ class ShardedStep:
            call.replicated, call.mesh)
     if key not in self._cache:
       self._cache[key] = pipeline.compile_step(call)
+      saving.warn_if_not_sharded(self._cache[key].plan, self)
     return self._cache[key]

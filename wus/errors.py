@@ -1,4 +1,4 @@
-"""Errors `wus` raises, and the one-line form of a library error quoted in them."""
+"""Errors and warnings `wus` raises, and the one-line form of a library error quoted in them."""
 
 import os
 import sys
@@ -23,6 +23,17 @@ class CheckpointError(ValueError):
   another shape than the target, or its files are damaged; the message is one
   line naming the array and the checkpoint directory. The restore target is
   left untouched.
+  """
+
+
+class NotShardedWarning(UserWarning):
+  """A wus step that saves little: it runs unchanged, or keeps most of its weight update
+  whole (`wus.saving.not_sharded` says exactly when).
+
+  Warned once per compiled signature, where the step is first called (or planned) with
+  it, with the Plan's first reason and the usual fix (place the batch over a mesh axis,
+  `NamedSharding(mesh, P("data"))`). The step still runs, as its JAX function would.
+  Silence it with `warnings.filterwarnings("ignore", category=wus.NotShardedWarning)`.
   """
 
 

@@ -69,6 +69,7 @@ def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **option
         steps[num_args] = jit(inner, static_argnums=0, donate_argnums=donated, **options)
         names = dict(enumerate(parameter_names(f)))
         steps[num_args].rename_paths = lambda args, paths: renamed_paths(paths, "args", names)
+        steps[num_args].front_end = f"wus.filter_jit({getattr(f, '__name__', 'step')})"
       return steps[num_args]
 
     @functools.wraps(f)

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import errors, jit_arguments, jit_region, mesh_axes, pipeline, runtime
+from wus import errors, jit_arguments, jit_region, mesh_axes, pipeline, runtime, saving
 from wus.analysis import compat, global_view, planner, propagation
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import Plan
@@ -235,6 +235,7 @@ class JitStep:
     key = (treedef, tuple(jit_arguments.leaf_key(x) for x in leaves), statics)
     if key not in self._cache:
       self._cache[key] = self._build(args, kwargs, dyn, leaves)
+      saving.warn_if_not_sharded(self._cache[key].plan, self)
     return leaves, self._cache[key]
 
   def _build(self, args: tuple, kwargs: dict, dyn: tuple, leaves: list) -> pipeline.Compiled:

@@ -56,6 +56,7 @@ def nnx_jit(fun: Callable | None = None, /, **jit_kwargs) -> Callable:
 
     step = jit(pure, static_argnums=0, **_shifted(jit_kwargs))
     step.rename_paths = functools.partial(_user_paths, parameter_names(f))
+    step.front_end = f"wus.nnx_jit({getattr(f, '__name__', 'step')})"  # For its warnings.
 
     def split(args: tuple) -> tuple:
       """(static, states, the other arguments, the graph objects)."""

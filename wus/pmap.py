@@ -328,11 +328,13 @@ class _Pmapped:
     donated = {dyn_pos.index(i) for i in self._donated if i in dyn_pos}
     if set(kwarg_names) & set(self._donate_argnames):
       donated.add(len(dyn_pos))  # The keyword dict (jax.pmap never donates keywords).
-    return ShardedStep(
+    step = ShardedStep(
         body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False,
         axis_names=frozenset(), options=self._options, donate_argnums=frozenset(donated),
         split_reason="mapped, and its per-device copies differ",
         signature=Signature.of(f, positions=tuple(dyn_pos), keywords=True))
+    step.front_end = f"wus.pmap({getattr(f, '__name__', 'step')})"
+    return step
 
 
 def _check_mapped_ranks(paths: list, axes: tuple) -> None:

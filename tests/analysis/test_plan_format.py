@@ -18,6 +18,7 @@ import test_planner_groups as planner_groups
 import wus
 from helpers import analysed_body, mesh
 from tensor_parallel import GELU_SPEC, gelu_inputs, gelu_step, two_axis_mesh
+from tensor_parallel import LN_MLP_SPEC, ln_mlp_inputs, ln_mlp_step
 from tensor_parallel import run as tp_run
 from wus.analysis import network, planner, reasons, verdicts
 from wus.analysis.plan import Grouping
@@ -153,12 +154,54 @@ def test_each_cluster_and_input_line_says_its_reason_as_render_words_it(plan):
   lines = [line for line in str(plan).splitlines() if line.startswith("cluster ")]
   for c, line in zip(plan.clusters, lines, strict=True):
     assert line.startswith(f"cluster {c.index:<3d} ") and c.reason == reasons.render(c.why)
-    assert f"  {c.reason}" in line, line
+    assert f"  {reasons.render(c.why, cite=False)}" in line, line
     assert (" SHARDED " if c.sharded else " replicated ") in line
   details = plan.details().split("\ninputs:\n")[1].splitlines()
   for i in plan.inputs:
     (line,) = [ln for ln in details if ln.split()[0] == i.name]
     assert f" {'sharded' if i.sharded else 'whole'}: {reasons.render(i.why)}" in line, line
+
+
+def test_each_cluster_line_names_the_weight_and_the_state_it_updates(plan):
+  """Issue 39: no "+4" after a tensor. The line names the weight, then the optimizer state
+  by its paths without the end they share with the weight's ("and its opt_state[1][0].mu,
+  .nu" for opt_state[1][0].mu['Dense_0']['kernel'] ...), and says nothing it does not name."""
+  lines = [line for line in str(plan).splitlines() if line.startswith("cluster ")]
+  for c, line in zip(plan.clusters, lines, strict=True):
+    (weight,) = [t for t in c.tensors if t.role == "weight"]
+    end = weight.name[len("params"):]  # ['Dense_0']['kernel']
+    state = sorted(t.name for t in c.tensors if t.role == "state")
+    assert state == [f"opt_state[1][0].mu{end}", f"opt_state[1][0].nu{end}"], state
+    label = (f"{weight.name} float32[{','.join(map(str, weight.shape))}] and its "
+             "opt_state[1][0].mu, .nu")
+    assert f" {label}  " in line or line.split("  ")[0].endswith(label), line
+    assert not re.search(r" \+\d", line), line
+  big = plan.clusters[0].tensors[0]
+  many = dataclasses.replace(plan.clusters[0], tensors=tuple(
+      dataclasses.replace(big, name=f"w{k}", role="weight") for k in range(6)))
+  (line,) = [ln for ln in str(dataclasses.replace(plan, clusters=(many,))).splitlines()
+             if ln.startswith("cluster ")]
+  assert " w0 float32[" in line and " with w1, w2, w3 and 2 more  " in line, line
+
+
+def test_the_paper_and_the_cost_models_arithmetic_are_in_the_details_only():
+  """Issue 39: "(§3.1)" and the bucket arithmetic are for readers of the paper: `str(plan)`
+  says what runs (the collectives per step), `plan.details()` why, with the sections."""
+  params, batches = ln_mlp_inputs(4, steps=1)  # The LayerNorm's weights, over data x model.
+  _, b, ws, batch = tp_run(two_axis_mesh(4, 2), ln_mlp_step, LN_MLP_SPEC, params, batches)
+  plan = ws.plan(*b, batch)
+  cited = [c for c in plan.clusters if "(§3.1)" in c.reason]
+  assert cited, [c.reason for c in plan.clusters]
+  text, details = str(plan), plan.details()
+  assert "§" not in text and "Fig. " not in text and "buckets of at most" not in text, text
+  assert all(f"{c.reason}" in details for c in cited)
+  assert plan.buckets in details and f"  {plan.collectives}" in text.splitlines()
+  assert re.fullmatch(r"collectives per step: \d+ reduce-scatter\(s\) of the gradients, \d+ "
+                      r"all-gather\(s\) of the new weights, batched \(predicted\)",
+                      plan.collectives), plan.collectives
+  assert reasons.render(reasons.Reason(reasons.PartialSharding(("data",), ("replica",))),
+                        cite=False) == ("partial sharding: reduce-scatter over ['data'], the "
+                                        "shards all-reduced across ['replica']")
 
 
 def test_a_reason_is_worded_place_verdict_then_notes():
@@ -205,7 +248,8 @@ def test_totals_and_bucket_lines(plan):
                             f"whole -> {network.format_bytes(shard)} per device")
   assert f"state kept whole: {network.format_bytes(plan.whole_state_bytes)}" in text[1]
   assert plan.buckets.startswith("collectives batched in buckets of at most")
-  assert f"  {plan.buckets}" in text
+  assert f"  {plan.collectives}" in text and f"  {plan.buckets}" not in text
+  assert f"  {plan.buckets}" in plan.details().splitlines()
   assert f"state kept whole {plan.whole_state_bytes} B" in plan.details().splitlines()[-1]
 
 
