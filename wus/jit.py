@@ -45,7 +45,9 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
         static_argnums: int | Sequence[int] | None = None,
         static_argnames: str | Sequence[str] | None = None,
         donate_argnums: int | Sequence[int] | None = None,
-        donate_argnames: str | Sequence[str] | None = None,
+        donate_argnames: str | Sequence[str] | None = None, keep_unused: bool = False,
+        device: Any = None, backend: str | None = None, inline: bool = False,
+        compiler_options: dict[str, Any] | None = None,
         min_shard_size: int = 0, objective: str = "memory",
         topology: Any = None) -> JitStep | Callable[[Callable], JitStep]:
   """Like `jax.jit`, with the weight update of a data-parallel step sharded across replicas.
@@ -79,6 +81,13 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
       included) must not be used after the call (passing it again raises
       ValueError).
     donate_argnames: as for `jax.jit`.
+    keep_unused: as for `jax.jit`.
+    device: as for `jax.jit`. A step pinned to one device has no data
+      parallelism: it runs as `jax.jit` runs it, with the reason in the Plan.
+    backend: as for `jax.jit`, the same.
+    inline: as for `jax.jit`.
+    compiler_options: as for `jax.jit`: XLA options for the step's program
+      (wus's included).
     min_shard_size: as for `wus.shard_map`: tensors with fewer elements stay
       replicated.
     objective: as for `wus.shard_map` ("memory" or "time", §3.2).
@@ -95,7 +104,9 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
   """
   jit_kwargs = dict(in_shardings=in_shardings, out_shardings=out_shardings,
                     static_argnums=static_argnums, static_argnames=static_argnames,
-                    donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+                    donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+                    keep_unused=keep_unused or None, device=device, backend=backend,
+                    inline=inline or None, compiler_options=compiler_options)
   jit_kwargs = {k: v for k, v in jit_kwargs.items() if v is not None}
   # Validated once, here: a bad objective= raises before any call.
   options = Options(min_shard_size=min_shard_size, objective=objective, topology=topology)
@@ -240,6 +251,8 @@ class JitStep:
       plan = _unchanged_plan(traced.jaxpr.jaxpr, paths, axes, mesh, reason)
       return _compiled(plan, self._jitted, {}, {}, paths, out_tree, None)
 
+    if jit_arguments.pinned(self._jit_kwargs):
+      return unchanged(jit_arguments.pinned(self._jit_kwargs))
     if mesh is None or not axes:
       return unchanged("no argument is split over a mesh axis (the batch), so there is no "
                        "data parallelism to shard the update over")
@@ -361,7 +374,8 @@ class JitStep:
                           else jit_arguments.named(s, mesh)
                           for k, s in enumerate(wanted))
     run = jax.jit(functools.partial(global_view_program.run, flat, region, sub),
-                  donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
+                  donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings,
+                  **jit_arguments.program_options(self._jit_kwargs))
     return _compiled(sub.plan, run, sharded_leaves, sharded_outputs, paths, traced.out_tree,
                      sub.mesh, in_shardings, sub)
 

@@ -23,6 +23,22 @@ def static_args(fun: Callable, jit_kwargs: dict) -> tuple[frozenset, frozenset]:
                             jit_kwargs.get("static_argnames"))
 
 
+def pinned(jit_kwargs: dict) -> str | None:
+  """Why a step runs as `jax.jit` runs it whatever its arguments (`device=` or `backend=`
+  pins it to one device: no data parallelism); None where nothing pins it."""
+  given = [f"{k}={jit_kwargs[k]!r}" for k in ("device", "backend") if k in jit_kwargs]
+  if not given:
+    return None
+  return (f"{' and '.join(given)} pins the step to one device, so there is no data "
+          "parallelism to shard the update over")
+
+
+def program_options(jit_kwargs: dict) -> dict:
+  """The user's `jax.jit` options that wus's own program of the step takes as well:
+  `compiler_options` (XLA's) and `keep_unused`."""
+  return {k: jit_kwargs[k] for k in ("compiler_options", "keep_unused") if k in jit_kwargs}
+
+
 def dyn_structure(args: tuple, kwargs: dict, static_nums: frozenset, static_names: frozenset):
   """The tree structure of the dynamic arguments, `(args, kwargs)` as `jax.jit` flattens them."""
   return jax.tree.structure(
@@ -56,11 +72,17 @@ def declared(shardings: Any, tree: Any, leaves: list) -> list:
   if shardings is None:
     return [None] * len(leaves)
   def is_leaf(x):
-    return x is None or isinstance(x, (jax.sharding.Sharding, P))
+    return x is _UNSPECIFIED or isinstance(x, (jax.sharding.Sharding, P))
   if is_leaf(shardings):
     return [shardings] * len(leaves)
-  return jax.tree.leaves(jax.tree.broadcast(shardings, tree, is_leaf=is_leaf),
-                         is_leaf=lambda x: x is None or is_leaf(x))
+  # The prefix's None (unspecified) is a leaf there; a None in `tree` is an empty subtree.
+  prefix = jax.tree.map(lambda s: _UNSPECIFIED if s is None else s, shardings,
+                        is_leaf=lambda x: x is None or is_leaf(x))
+  return [None if s is _UNSPECIFIED else s for s in
+          jax.tree.leaves(jax.tree.broadcast(prefix, tree, is_leaf=is_leaf), is_leaf=is_leaf)]
+
+
+_UNSPECIFIED = object()  # A None of `in_shardings` / `out_shardings`, while broadcast.
 
 
 def named(sharding, mesh: Mesh | None):
