@@ -129,9 +129,8 @@ class JitStep:
 
   def __init__(self, fun: Callable, jit_kwargs: dict, options: Options):
     self._fun = fun
-    self._jit_kwargs = jit_kwargs
+    self._jit = jit_arguments.Jitted(fun, jit_kwargs)  # PartitionSpecs resolved per call.
     self._options = options
-    self._jitted = jax.jit(fun, **jit_kwargs)
     # Static argument positions and names, each inferred from the other as jax.jit does.
     self._static, self._static_names = jit_arguments.static_args(fun, jit_kwargs)
     self._cache: dict = {}
@@ -139,6 +138,9 @@ class JitStep:
     # the adapters whose `fun` wraps the user's (`filter_jit`, `nnx_jit`); None: as they are.
     self.rename_paths: Callable[[tuple, list[str]], list[str]] | None = None
     functools.update_wrapper(self, fun)
+
+  _jitted = property(lambda self: self._jit.jitted())
+  _jit_kwargs = property(lambda self: self._jit.kwargs())
 
   def __call__(self, *args, **kwargs):
     leaves, compiled = self._compiled(args, kwargs)
@@ -229,7 +231,7 @@ class JitStep:
     leaves, treedef = jax.tree.flatten(dyn, is_leaf=is_sharded)
     statics = (tuple((i, args[i]) for i in sorted(self._static) if i < len(args)),
                tuple(sorted((k, kwargs[k]) for k in self._static_names if k in kwargs)))
-    key = (treedef, tuple(jit_arguments.leaf_key(x) for x in leaves), statics)
+    key = (treedef, tuple(jit_arguments.leaf_key(x) for x in leaves), statics, self._jit.mesh())
     if key not in self._cache:
       self._cache[key] = self._build(args, kwargs, dyn, leaves)
     return leaves, self._cache[key]

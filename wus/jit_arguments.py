@@ -17,6 +17,64 @@ from wus.transforms import global_view as global_view_program
 from wus.transforms import inline
 
 
+class Jitted:
+  """`jax.jit(fun, **jit_kwargs)` as the context of each call resolves it.
+
+  Under the legacy `with mesh:` context (pjit's; `compat.legacy_mesh`), PartitionSpecs in
+  `in_shardings` / `out_shardings` name axes of that mesh, as `pjit` resolves them at call
+  time, and `REPLICATED` (`wus.pjit`'s None) is replicated on it; `jax.jit` itself takes
+  PartitionSpecs only from a `jax.set_mesh` mesh. One `jax.jit` per such mesh.
+  """
+
+  def __init__(self, fun: Callable, jit_kwargs: dict):
+    self._fun, self._given = fun, jit_kwargs
+    self._specs = any(isinstance(s, P) or s is REPLICATED
+                      for k in ("in_shardings", "out_shardings") if k in jit_kwargs
+                      for s in jax.tree.leaves(jit_kwargs[k], is_leaf=_is_sharding_leaf))
+    self._by_mesh: dict = {None: jax.jit(fun, **self._resolved(None))}  # Checks them now.
+
+  def mesh(self) -> Mesh | None:
+    """The mesh this call's PartitionSpecs resolve on; None where JAX resolves them."""
+    return compat.legacy_mesh() if self._specs else None
+
+  def kwargs(self) -> dict:
+    """The `jax.jit` keywords as this call reads them."""
+    return self._resolved(self.mesh())
+
+  def _resolved(self, mesh: Mesh | None) -> dict:
+    if not self._specs:
+      return self._given
+
+    def resolve(s):
+      if s is REPLICATED:
+        s = None if mesh is None else P()
+      return NamedSharding(mesh, s) if isinstance(s, P) and mesh is not None else s
+    return {k: jax.tree.map(resolve, v, is_leaf=_is_sharding_leaf)
+            if k in ("in_shardings", "out_shardings") else v for k, v in self._given.items()}
+
+  def jitted(self):
+    """`jax.jit` of the step with this call's keywords."""
+    mesh = self.mesh()
+    if mesh not in self._by_mesh:
+      self._by_mesh[mesh] = jax.jit(self._fun, **self._resolved(mesh))
+    return self._by_mesh[mesh]
+
+
+class _Replicated:
+  """`pjit`'s None in `in_shardings` / `out_shardings`: replicated on the context's mesh
+  (unspecified without one)."""
+
+  def __repr__(self) -> str:
+    return "REPLICATED"
+
+
+REPLICATED = _Replicated()
+
+
+def _is_sharding_leaf(x) -> bool:
+  return x is None or isinstance(x, (jax.sharding.Sharding, P))
+
+
 def static_args(fun: Callable, jit_kwargs: dict) -> tuple[frozenset, frozenset]:
   """The static argument positions and names, inferred from each other as `jax.jit` does."""
   return compat.static_args(fun, jit_kwargs.get("static_argnums"),
@@ -102,7 +160,7 @@ def placement(x, mesh: Mesh) -> NamedSharding:
 
 def mesh_of(leaves: list, declared: list) -> Mesh | None:
   """The mesh of the arguments (of the largest NamedSharding, `in_shardings` included), or
-  the one set with `jax.set_mesh`; None for a single device."""
+  the one set with `jax.set_mesh` (or the legacy `with mesh:`); None for a single device."""
   shardings = [getattr(x, "sharding", None) for x in leaves if not is_sharded(x)] + declared
   meshes = [x.mesh for x in leaves if is_sharded(x)]
   meshes += [s.mesh for s in shardings if isinstance(s, NamedSharding)]
@@ -110,6 +168,8 @@ def mesh_of(leaves: list, declared: list) -> Mesh | None:
   if meshes:
     return max(meshes, key=lambda m: m.size)
   current = jax.sharding.get_mesh()
+  if current.empty:
+    current = compat.legacy_mesh() or current
   return None if current.empty or current.size == 1 else current
 
 
