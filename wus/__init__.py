@@ -47,6 +47,7 @@ from wus.errors import StateMismatchError
 from wus.jit import JitStep
 from wus.filter_jit import filter_jit
 from wus.jit import jit
+from wus.pjit import pjit
 from wus.pmap import pmap
 from wus.saving import DeviceBytes
 from wus.saving import bytes_per_device
@@ -72,7 +73,7 @@ _LAZY = {
 __all__ = ["CheckpointError", "DeviceBytes", "JitStep", "NotShardedWarning", "Plan",
            "ShardFormat", "ShardedArray", "ShardedStep", "StateMismatchError",
            "bytes_per_device", "checkpoint", "checkpointable", "filter_jit", "is_sharded",
-           "jit", "nnx_jit", "pmap", "shard_map", "unreplicate", "unshard"]
+           "jit", "nnx_jit", "pjit", "pmap", "shard_map", "unreplicate", "unshard"]
 
 
 def _orbax_saves_wus_state() -> None:

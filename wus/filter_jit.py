@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -15,7 +16,17 @@ from wus.options import OPTION_NAMES, Options
 from wus.sharded import is_sharded
 
 
-def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **options
+# `donate=` -> (donate the first argument's arrays, the other arguments', silence JAX's
+# "Some donated buffers were not usable" warnings), as `equinox.filter_jit` reads it.
+_DONATE = {"none": (False, False, False), "all": (True, True, True),
+           "all-except-first": (False, True, True), "warn": (True, True, False),
+           "warn-except-first": (False, True, False)}
+# What `equinox.filter_jit` refuses among `jax.jit`'s keywords (it sets them itself).
+_REFUSED = ("static_argnums", "static_argnames", "donate_argnums", "in_shardings",
+            "out_shardings")
+
+
+def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **jitkwargs
                ) -> Callable:
   """`wus.jit` for steps that take and return non-array leaves, as `equinox.filter_jit`.
 
@@ -23,28 +34,43 @@ def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **option
   every other leaf (an Equinox module's activation function, a Python float)
   is static, part of the cache key. Outputs may hold non-array leaves too.
   The one-line change for an Equinox step: `@eqx.filter_jit` becomes
-  `@wus.filter_jit`. The traced step runs under `wus.jit`: its gradient sums
-  are reduce-scattered and the update runs on 1/N of every tensor (§4), the
-  optimizer state kept sharded between calls (§4.2). wus does not import
-  Equinox.
+  `@wus.filter_jit`, with the same keywords. The traced step runs under
+  `wus.jit`: its gradient sums are reduce-scattered and the update runs on 1/N
+  of every tensor (§4), the optimizer state kept sharded between calls (§4.2).
+  wus does not import Equinox.
 
   Args:
     fun: the step.
-    donate: "none" or "all" (every array argument donated), as for
-      `equinox.filter_jit`; "all-except-first" and "warn" are not supported.
-    **options: as for `wus.jit` (`min_shard_size`, `objective`, `topology`).
+    donate: as for `equinox.filter_jit`: "none"; "all" (every array argument
+      donated), "all-except-first" (but those of the first argument), and
+      "warn" and "warn-except-first", the same without silencing JAX's
+      warning about donated buffers it could not reuse.
+    **jitkwargs: as `equinox.filter_jit` takes them: `jax.jit`'s other
+      keywords (`keep_unused`, `device`, `backend`, `inline`,
+      `compiler_options`; `donate_argnames` donates the keyword arguments it
+      names), and wus's options, as for `wus.jit` (`min_shard_size`,
+      `objective`, `topology`).
 
   Returns:
-    The step, called like `fun`.
+    The step, called like `fun`, with `.plan(*args, **kwargs)`.
 
   Raises:
-    ValueError: another `donate`; an option `Options` rejects (an unknown `objective`).
-    TypeError: at call time, a static leaf that is not hashable.
+    ValueError: another `donate`; `static_argnums`, `static_argnames`,
+      `donate_argnums`, `in_shardings` or `out_shardings` among `jitkwargs`
+      (as Equinox raises: it decides them); an option `Options` rejects (an
+      unknown `objective`).
+    TypeError: a keyword neither `jax.jit` nor wus takes; at call time, a
+      static leaf that is not hashable.
   """
-  if donate not in ("none", "all"):
-    raise ValueError(f"filter_jit(donate={donate!r}): pass 'none' or 'all'")
+  if donate not in _DONATE:
+    raise ValueError(f"filter_jit(donate={donate!r}) must be one of {list(_DONATE)}")
+  if any(k in jitkwargs for k in _REFUSED):
+    raise ValueError(f"filter_jit's jitkwargs cannot contain {', '.join(map(repr, _REFUSED))}: "
+                     "it decides them from the arguments (arrays traced, the rest static; "
+                     "`donate=` for donation)")
   # Validated here, once: the steps `wus.jit` makes are made at the first call.
-  Options(**{k: v for k, v in options.items() if k in OPTION_NAMES})
+  Options(**{k: v for k, v in jitkwargs.items() if k in OPTION_NAMES})
+  donate_first, donate_rest, quiet = _DONATE[donate]
 
   def make(f: Callable) -> Callable:
     outs: dict = {}  # Static key -> the outputs' structure and static leaves, from tracing.
@@ -61,21 +87,30 @@ def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **option
       return jax.tree.unflatten(out_def, [x if k else None for x, k in
                                           zip(out_leaves, keep, strict=True)])
 
-    steps: dict[int, JitStep] = {}  # By the number of positional arguments (donation).
+    steps: dict[tuple, JitStep] = {}  # By the arguments' count and keywords (donation).
 
-    def step_for(num_args: int) -> JitStep:
-      if num_args not in steps:
-        donated = tuple(range(1, num_args + 1)) if donate == "all" else None
-        steps[num_args] = jit(inner, static_argnums=0, donate_argnums=donated, **options)
+    def step_for(num_args: int, keywords: tuple[str, ...]) -> JitStep:
+      if (num_args, keywords) not in steps:
+        donated = tuple(range(1 if donate_first else 2, num_args + 1)) if donate_rest else ()
+        given = jitkwargs.get("donate_argnames") or ()
+        names = {given} if isinstance(given, str) else set(given)
+        names |= set(keywords) if donate_rest else set()
+        kw = {**jitkwargs, "donate_argnames": tuple(sorted(names)) or None}
+        step = steps[num_args, keywords] = jit(inner, static_argnums=0,
+                                               donate_argnums=donated or None, **kw)
         names = dict(enumerate(parameter_names(f)))
-        steps[num_args].rename_paths = lambda args, paths: renamed_paths(paths, "args", names)
-        steps[num_args].front_end = f"wus.filter_jit({getattr(f, '__name__', 'step')})"
-      return steps[num_args]
+        step.rename_paths = lambda args, paths: renamed_paths(paths, "args", names)
+        step.front_end = f"wus.filter_jit({getattr(f, '__name__', 'step')})"
+      return steps[num_args, keywords]
+    step_for(0, ())  # `jax.jit`'s own check of its keywords, now.
 
     @functools.wraps(f)
     def wrapped(*args, **kwargs):
       (args, kwargs), static = _filtered(args, kwargs)
-      result = step_for(len(args))(static, *args, **kwargs)
+      with warnings.catch_warnings():
+        if quiet:
+          warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        result = step_for(len(args), tuple(sorted(kwargs)))(static, *args, **kwargs)
       out_def, static_out = outs[static]
       return jax.tree.unflatten(out_def, [s if x is None else x for x, s in
                                           zip(out_def.flatten_up_to(result), static_out,
@@ -83,7 +118,7 @@ def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **option
 
     def plan(*args, **kwargs) -> Plan:
       (args, kwargs), static = _filtered(args, kwargs)
-      return step_for(len(args)).plan(static, *args, **kwargs)
+      return step_for(len(args), tuple(sorted(kwargs))).plan(static, *args, **kwargs)
     wrapped.plan = plan
     return wrapped
   return make if fun is None else make(fun)

@@ -47,7 +47,9 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
         static_argnums: int | Sequence[int] | None = None,
         static_argnames: str | Sequence[str] | None = None,
         donate_argnums: int | Sequence[int] | None = None,
-        donate_argnames: str | Sequence[str] | None = None,
+        donate_argnames: str | Sequence[str] | None = None, keep_unused: bool = False,
+        device: Any = None, backend: str | None = None, inline: bool = False,
+        compiler_options: dict[str, Any] | None = None,
         min_shard_size: int = 0, objective: str = "memory",
         topology: Any = None) -> JitStep | Callable[[Callable], JitStep]:
   """Like `jax.jit`, with the weight update of a data-parallel step sharded across replicas.
@@ -81,6 +83,13 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
       included) must not be used after the call (passing it again raises
       ValueError).
     donate_argnames: as for `jax.jit`.
+    keep_unused: as for `jax.jit`.
+    device: as for `jax.jit`. A step pinned to one device has no data
+      parallelism: it runs as `jax.jit` runs it, with the reason in the Plan.
+    backend: as for `jax.jit`, the same.
+    inline: as for `jax.jit`.
+    compiler_options: as for `jax.jit`: XLA options for the step's program
+      (wus's included).
     min_shard_size: as for `wus.shard_map`: tensors with fewer elements stay
       replicated.
     objective: as for `wus.shard_map` ("memory" or "time", §3.2).
@@ -97,7 +106,9 @@ def jit(fun: Callable | None = None, /, *, in_shardings: Any = None, out_shardin
   """
   jit_kwargs = dict(in_shardings=in_shardings, out_shardings=out_shardings,
                     static_argnums=static_argnums, static_argnames=static_argnames,
-                    donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+                    donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+                    keep_unused=keep_unused or None, device=device, backend=backend,
+                    inline=inline or None, compiler_options=compiler_options)
   jit_kwargs = {k: v for k, v in jit_kwargs.items() if v is not None}
   # Validated once, here: a bad objective= raises before any call.
   options = Options(min_shard_size=min_shard_size, objective=objective, topology=topology)
@@ -120,9 +131,8 @@ class JitStep:
 
   def __init__(self, fun: Callable, jit_kwargs: dict, options: Options):
     self._fun = fun
-    self._jit_kwargs = jit_kwargs
+    self._jit = jit_arguments.Jitted(fun, jit_kwargs)  # PartitionSpecs resolved per call.
     self._options = options
-    self._jitted = jax.jit(fun, **jit_kwargs)
     # Static argument positions and names, each inferred from the other as jax.jit does.
     self._static, self._static_names = jit_arguments.static_args(fun, jit_kwargs)
     self._cache: dict = {}
@@ -130,6 +140,9 @@ class JitStep:
     # the adapters whose `fun` wraps the user's (`filter_jit`, `nnx_jit`); None: as they are.
     self.rename_paths: Callable[[tuple, list[str]], list[str]] | None = None
     functools.update_wrapper(self, fun)
+
+  _jitted = property(lambda self: self._jit.jitted())
+  _jit_kwargs = property(lambda self: self._jit.kwargs())
 
   def __call__(self, *args, **kwargs):
     leaves, compiled = self._compiled(args, kwargs)
@@ -232,7 +245,7 @@ class JitStep:
     leaves, treedef = jax.tree.flatten(dyn, is_leaf=is_sharded)
     statics = (tuple((i, args[i]) for i in sorted(self._static) if i < len(args)),
                tuple(sorted((k, kwargs[k]) for k in self._static_names if k in kwargs)))
-    key = (treedef, tuple(jit_arguments.leaf_key(x) for x in leaves), statics)
+    key = (treedef, tuple(jit_arguments.leaf_key(x) for x in leaves), statics, self._jit.mesh())
     if key not in self._cache:
       self._cache[key] = self._build(args, kwargs, dyn, leaves)
       saving.warn_if_not_sharded(self._cache[key].plan, self)
@@ -273,6 +286,8 @@ class JitStep:
                mesh: Mesh | None, traced, unchanged: Callable) -> pipeline.Compiled:
     """The batch's splits propagated from the placements, the update region, and the
     region's sharded program (`_compile`); or the step unchanged, and why."""
+    if jit_arguments.pinned(self._jit_kwargs):
+      return unchanged(jit_arguments.pinned(self._jit_kwargs))
     if mesh is None:
       return unchanged("no argument is placed on a mesh of more than one device, so there is "
                        "no data parallelism to shard the update over")
@@ -380,7 +395,8 @@ class JitStep:
                           else jit_arguments.named(s, mesh)
                           for k, s in enumerate(wanted))
     run = jax.jit(functools.partial(global_view_program.run, flat, region, sub, in_specs),
-                  donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings)
+                  donate_argnums=donated, in_shardings=in_shardings, out_shardings=out_shardings,
+                  **jit_arguments.program_options(self._jit_kwargs))
     return _compiled(sub.plan, run, sharded_leaves, sharded_outputs, paths, traced.out_tree,
                      sub.mesh, in_shardings, sub)
 

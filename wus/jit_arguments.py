@@ -16,10 +16,84 @@ from wus.transforms import global_view as global_view_program
 from wus.transforms import inline
 
 
+class Jitted:
+  """`jax.jit(fun, **jit_kwargs)` as the context of each call resolves it.
+
+  Under the legacy `with mesh:` context (pjit's; `compat.legacy_mesh`), PartitionSpecs in
+  `in_shardings` / `out_shardings` name axes of that mesh, as `pjit` resolves them at call
+  time, and `REPLICATED` (`wus.pjit`'s None) is replicated on it; `jax.jit` itself takes
+  PartitionSpecs only from a `jax.set_mesh` mesh. One `jax.jit` per such mesh.
+  """
+
+  def __init__(self, fun: Callable, jit_kwargs: dict):
+    self._fun, self._given = fun, jit_kwargs
+    self._specs = any(isinstance(s, P) or s is REPLICATED
+                      for k in ("in_shardings", "out_shardings") if k in jit_kwargs
+                      for s in jax.tree.leaves(jit_kwargs[k], is_leaf=_is_sharding_leaf))
+    self._by_mesh: dict = {None: jax.jit(fun, **self._resolved(None))}  # Checks them now.
+
+  def mesh(self) -> Mesh | None:
+    """The mesh this call's PartitionSpecs resolve on; None where JAX resolves them."""
+    return compat.legacy_mesh() if self._specs else None
+
+  def kwargs(self) -> dict:
+    """The `jax.jit` keywords as this call reads them."""
+    return self._resolved(self.mesh())
+
+  def _resolved(self, mesh: Mesh | None) -> dict:
+    if not self._specs:
+      return self._given
+
+    def resolve(s):
+      if s is REPLICATED:
+        s = None if mesh is None else P()
+      return NamedSharding(mesh, s) if isinstance(s, P) and mesh is not None else s
+    return {k: jax.tree.map(resolve, v, is_leaf=_is_sharding_leaf)
+            if k in ("in_shardings", "out_shardings") else v for k, v in self._given.items()}
+
+  def jitted(self):
+    """`jax.jit` of the step with this call's keywords."""
+    mesh = self.mesh()
+    if mesh not in self._by_mesh:
+      self._by_mesh[mesh] = jax.jit(self._fun, **self._resolved(mesh))
+    return self._by_mesh[mesh]
+
+
+class _Replicated:
+  """`pjit`'s None in `in_shardings` / `out_shardings`: replicated on the context's mesh
+  (unspecified without one)."""
+
+  def __repr__(self) -> str:
+    return "REPLICATED"
+
+
+REPLICATED = _Replicated()
+
+
+def _is_sharding_leaf(x) -> bool:
+  return x is None or isinstance(x, (jax.sharding.Sharding, P))
+
+
 def static_args(fun: Callable, jit_kwargs: dict) -> tuple[frozenset, frozenset]:
   """The static argument positions and names, inferred from each other as `jax.jit` does."""
   return compat.static_args(fun, jit_kwargs.get("static_argnums"),
                             jit_kwargs.get("static_argnames"))
+
+
+def pinned(jit_kwargs: dict) -> str | None:
+  """Why a step runs as `jax.jit` runs it whatever its arguments (`device=` or `backend=`
+  pins it to one device: no data parallelism); None where nothing pins it."""
+  given = [f"{k}={jit_kwargs[k]!r}" for k in ("device", "backend") if k in jit_kwargs]
+  if not given:
+    return None
+  return (f"{' and '.join(given)} pins the step to one device, so there is no data "
+          "parallelism to shard the update over")
+
+
+def program_options(jit_kwargs: dict) -> dict:
+  """The user's `jax.jit` options that wus's own program of the step takes as well:
+  `compiler_options` (XLA's) and `keep_unused`."""
+  return {k: jit_kwargs[k] for k in ("compiler_options", "keep_unused") if k in jit_kwargs}
 
 
 def dyn_structure(args: tuple, kwargs: dict, static_nums: frozenset, static_names: frozenset):
@@ -55,11 +129,17 @@ def declared(shardings: Any, tree: Any, leaves: list) -> list:
   if shardings is None:
     return [None] * len(leaves)
   def is_leaf(x):
-    return x is None or isinstance(x, (jax.sharding.Sharding, P))
+    return x is _UNSPECIFIED or isinstance(x, (jax.sharding.Sharding, P))
   if is_leaf(shardings):
     return [shardings] * len(leaves)
-  return jax.tree.leaves(jax.tree.broadcast(shardings, tree, is_leaf=is_leaf),
-                         is_leaf=lambda x: x is None or is_leaf(x))
+  # The prefix's None (unspecified) is a leaf there; a None in `tree` is an empty subtree.
+  prefix = jax.tree.map(lambda s: _UNSPECIFIED if s is None else s, shardings,
+                        is_leaf=lambda x: x is None or is_leaf(x))
+  return [None if s is _UNSPECIFIED else s for s in
+          jax.tree.leaves(jax.tree.broadcast(prefix, tree, is_leaf=is_leaf), is_leaf=is_leaf)]
+
+
+_UNSPECIFIED = object()  # A None of `in_shardings` / `out_shardings`, while broadcast.
 
 
 def named(sharding, mesh: Mesh | None):
@@ -79,7 +159,7 @@ def placement(x, mesh: Mesh) -> NamedSharding:
 
 def mesh_of(leaves: list, declared: list) -> Mesh | None:
   """The mesh of the arguments (of the largest NamedSharding, `in_shardings` included), or
-  the one set with `jax.set_mesh`; None for a single device."""
+  the one set with `jax.set_mesh` (or the legacy `with mesh:`); None for a single device."""
   shardings = [getattr(x, "sharding", None) for x in leaves if not is_sharded(x)] + declared
   meshes = [x.mesh for x in leaves if is_sharded(x)]
   meshes += [s.mesh for s in shardings if isinstance(s, NamedSharding)]
@@ -87,6 +167,8 @@ def mesh_of(leaves: list, declared: list) -> Mesh | None:
   if meshes:
     return max(meshes, key=lambda m: m.size)
   current = jax.sharding.get_mesh()
+  if current.empty:
+    current = compat.legacy_mesh() or current
   return None if current.empty or current.size == 1 else current
 
 

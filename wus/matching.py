@@ -182,7 +182,13 @@ def match_state(args: tuple, out: Any, signature: Signature = Signature()) -> St
        either side has them (`return opt_update(...)`; `(params, opt)` from
        one tuple argument); then the same with tree structures alone. One
        level down, only subtrees (not bare arrays) pair by structure. Parts
-       that several others match stay unpaired, and the Plan says why.
+       that several others match stay unpaired, and the Plan says why;
+    4. nested structure: subtrees of more than one leaf at any depth pair when
+       their tree structures, shapes and dtypes agree and no other unpaired
+       subtree of either side has them, largest first: a wrapper that nests
+       the state (haliax's `named_jit` jits `fun(dynamic_donated,
+       dynamic_reserved, static)`, the state inside the first, and returns
+       `(out_dynamic, Static)`, the new state inside the first).
 
   Rules 1 and 2 need equal tree structures; within paired parts, leaves pair
   where shape and dtype agree (a hyperparameter whose dtype the update
@@ -197,7 +203,7 @@ def match_state(args: tuple, out: Any, signature: Signature = Signature()) -> St
     The StateMatch, in flat leaf positions (`jax.tree.leaves(args,
     is_leaf=wus.sharded.is_sharded)`, `jax.tree.leaves(out)`).
   """
-  ins, tops, outs = _sides(args, out, signature)
+  ins, tops, outs, nested = _sides(args, out, signature)
   m = _Pairing()
   m.by_position(ins, tops)
   m.by_name(ins, outs)
@@ -205,14 +211,16 @@ def match_state(args: tuple, out: Any, signature: Signature = Signature()) -> St
   ins, outs = ([p for p in parts if p.level < 1 or p.treedef.num_nodes > 1]
                for parts in (ins, outs))
   m.by_structure(ins, outs)
+  m.by_nested_structure(*nested)
   m.say_ambiguous(ins, outs)
   return StateMatch(m.pairs, m.how)
 
 
 def _sides(args: tuple, out: Any, signature: Signature):
-  """(input parts, output elements, output parts) as `match_state` compares them: each
-  argument or keyword argument and its entries one level down; the whole output, its
-  elements, and their entries one level down."""
+  """(input parts, output elements, output parts, (input subtrees, output subtrees)) as
+  `match_state` compares them: each argument or keyword argument and its entries one level
+  down; the whole output, its elements, and their entries one level down; every subtree of
+  more than one leaf of either side, largest first (rule 4)."""
   names = signature.names
   positional = args[:-1] if signature.keywords else args
   positions = signature.positions or tuple(range(len(positional)))
@@ -226,7 +234,19 @@ def _sides(args: tuple, out: Any, signature: Signature):
   (whole, _), = _parts([(None, None, "", out)], 0, -1)
   top_out = _kids(whole, out, positions=isinstance(out, (tuple, list)))
   tops = [p for p, _ in top_out]
-  return ins, tops, [whole, *tops, *(k for p, o in top_out for k, _ in _kids(p, o))]
+  return ins, tops, [whole, *tops, *(k for p, o in top_out for k, _ in _kids(p, o))], (
+      _subtrees(top_in), _subtrees([(whole, out)]))
+
+
+def _subtrees(parts: list[tuple[_Part, Any]]) -> list[_Part]:
+  """These parts and every subtree below them, of more than one leaf, largest first."""
+  out, todo = [], list(parts)
+  while todo:
+    part, tree = todo.pop()
+    if part.treedef.num_leaves > 1:
+      out.append(part)
+      todo += _kids(part, tree)
+  return sorted(out, key=lambda p: -len(p.avals))
 
 
 class _Pairing:
@@ -289,6 +309,24 @@ class _Pairing:
               [j for j in ins if self.free(j, self.paired_in) and same(j, cands[0])] == [i]):
             self.pair(i, cands[0], "structure")
             changed = True
+
+  def by_nested_structure(self, ins: list[_Part], outs: list[_Part]) -> None:
+    """Rule 4: subtrees at any depth, largest first, where exactly one unpaired subtree of
+    each side has this tree structure, these shapes and dtypes."""
+    def key(part: _Part) -> tuple:
+      return part.treedef, part.avals
+    groups_in, groups_out = collections.defaultdict(list), collections.defaultdict(list)
+    for part in ins:
+      groups_in[key(part)].append(part)
+    for part in outs:
+      groups_out[key(part)].append(part)
+    for i in ins:
+      if not self.free(i, self.paired_in):
+        continue
+      cands = [o for o in groups_out[key(i)] if self.free(o, self.paired_out)]
+      twins = [j for j in groups_in[key(i)] if self.free(j, self.paired_in)]
+      if len(cands) == 1 and twins == [i]:
+        self.pair(i, cands[0], "nested structure")
 
   def say_ambiguous(self, ins: list[_Part], outs: list[_Part]) -> None:
     """Says, for each unpaired input part that unpaired outputs match, why it has none."""

@@ -45,6 +45,7 @@ from wus.analysis.compat.control_flow import (Atom, Cond, cond, loop, Loop)
 from wus.analysis.compat.source import (has_user_frame, source_line)
 from wus.analysis.compat.axes import (collective_axes, constraint_spec, explicit_axes, lays_out,
                                       has_axis_index_groups, has_result_layout, laid_out,
+                                      legacy_mesh,
                                       is_sharding_constraint, match_varying,
                                       names_axes, placement_axes, renamed_axes, sharding_spec,
                                       to_varying, type_axes, varying_axes,

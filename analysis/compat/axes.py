@@ -184,6 +184,20 @@ def explicit_axes(mesh: Any) -> frozenset:
                    if t == AxisType.Explicit)
 
 
+def legacy_mesh() -> Any:
+  """The mesh of the legacy `with mesh:` context (pjit's resource environment), None outside
+  one or where a `jax.set_mesh` mesh is set (`jax.jit` then resolves PartitionSpecs itself).
+
+  pjit resolves the PartitionSpecs of its `in_shardings` / `out_shardings` on this mesh at
+  call time; `jax.jit` does not read it. The context lives in jax._src.mesh
+  (`thread_resources.env.physical_mesh`) in every release wus supports.
+  """
+  if not _mesh_lib.get_concrete_mesh().empty or not _mesh_lib.get_abstract_mesh().empty:
+    return None
+  mesh = _mesh_lib.thread_resources.env.physical_mesh
+  return None if mesh.empty else mesh
+
+
 def is_sharding_constraint(eqn: JaxprEqn) -> bool:
   """Whether `eqn` only lays its value out (`with_sharding_constraint`, `reshard`)."""
   from jax import lax

@@ -76,3 +76,30 @@ def test_inputs_that_several_outputs_match_stay_unpaired_and_say_why():
   assert why.startswith("no next value: its tree structure, shapes and dtypes match output(s) "
                         "['first'], ['second'] and input(s) [1]")
   assert why.endswith("return it at its argument's position or under its parameter's name")
+
+
+def test_nested_structure_pairs_state_a_wrapper_nests_on_both_sides():
+  """haliax's `named_jit` jits `fun(dynamic_donated, dynamic_reserved, static)`: the state
+  three levels down in the donated half (the other half None there), the batch in the
+  reserved half; it returns `(out_dynamic, Static)`, the new state one level down. The
+  state pairs leaf for leaf (Adam's mu and nu, alike, pair inside it); the batch and the
+  loss pair with nothing."""
+  opt_state = jax.eval_shape(optax.adam(1e-2).init, PARAMS)
+  state = {"model": PARAMS, "opt_state": opt_state, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+  donated = (None, ((state, None), {}))
+  reserved = (None, ((None, {"tokens": BATCH}), {}))
+  out = ({"loss": _f32(), "new_state": state}, None)
+  match = match_state((donated, reserved), out,
+                      Signature(("dynamic_donated", "dynamic_reserved")))
+  n = _num_leaves(state)
+  assert match.pairs == {1 + k: k for k in range(n)}  # Output leaf 0 is the loss.
+  assert set(match.how.values()) == {"nested structure"}
+
+
+def test_nested_structure_leaves_twins_unpaired():
+  """Two nested subtrees alike on the input side and one on the output side: nothing
+  decides which the output follows, so neither pairs."""
+  args = ((None, (PARAMS, PARAMS)),)
+  out = (None, {"new": PARAMS})
+  match = match_state(args, out, Signature(("wrapped",)))
+  assert match.pairs == {}
