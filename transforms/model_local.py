@@ -81,9 +81,10 @@ def eval_local(eqn, position, ins: Sequence[Any], splits: ModelSplits,
     outs = list(ins) if compat.is_sharding_constraint(eqn) else lax.optimization_barrier(ins)
   elif eqn.primitive is compat.cond_p:
     cond = compat.cond(eqn)
-    outs = cond.bind(ins, [functools.partial(_branch, branch, (position, b), splits,
-                                             axis_sizes)
-                           for b, branch in enumerate(cond.branches)])
+    with compat.source_of(eqn):  # The Plan names the user's line, not this one.
+      outs = cond.bind(ins, [functools.partial(_branch, branch, (position, b), splits,
+                                               axis_sizes)
+                             for b, branch in enumerate(cond.branches)])
   else:
     # On the region's mesh, every axis manual: a result's layout names none of them.
     eqn = compat.in_current_mesh(eqn)

@@ -38,7 +38,7 @@ import time
 import jax
 import numpy as np
 from absl import flags
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from wus.harness.training import config as config_lib
 from wus.harness import console, errors
@@ -130,8 +130,13 @@ def _program(compiled: jax.stages.Compiled) -> dict:
                           for k, c in report.collectives(compiled.as_text()).items()}}
 
 
-def measure(case: Case) -> dict:
+def measure(case: Case, step: str = "shard_map") -> dict:
   """The measured report of one case: its fields and `measure_step`'s.
+
+  Args:
+    case: the model, optimizer and sizes.
+    step: "shard_map" (`jax.shard_map` against `wus.shard_map`) or "jit" (the step on
+      global arrays, `jax.jit` against `wus.jit`, on Auto axes).
 
   Raises:
     ValueError: `case.num_devices` is more than the devices JAX has.
@@ -139,14 +144,15 @@ def measure(case: Case) -> dict:
   if case.num_devices > jax.device_count():
     raise ValueError(f"{case.label}: needs {case.num_devices} devices, JAX has "
                      f"{jax.device_count()}; set --num_devices (or jax_num_cpu_devices)")
-  mesh = jax.make_mesh((case.num_devices,), (steps.AXIS_NAME,),
+  types = (AxisType.Auto,) if step == "jit" else None
+  mesh = jax.make_mesh((case.num_devices,), (steps.AXIS_NAME,), axis_types=types,
                        devices=jax.devices()[:case.num_devices])
   task, tx, state, batch = abstract_inputs(case, mesh)
-  return {**dataclasses.asdict(case), **measure_step(task, tx, state, batch, mesh)}
+  return {**dataclasses.asdict(case), **measure_step(task, tx, state, batch, mesh, step)}
 
 
 def measure_step(task: tasks.Task, tx, state: steps.TrainState, batch,
-                 mesh: jax.sharding.Mesh) -> dict:
+                 mesh: jax.sharding.Mesh, step: str = "shard_map") -> dict:
   """Compiles the replicated and the wus step of `task` and `tx` and reads their bytes.
 
   Args:
@@ -165,8 +171,8 @@ def measure_step(task: tasks.Task, tx, state: steps.TrainState, batch,
     {kind: {count, bytes, wire_bytes}}, "opt_state_per_device": V minus the drop
     in argument bytes from replicated to wus (for replicated, V)};
     "predicted" (§4.2, from W, V, P: replicated W + V + P, wus W + V/N + P);
-    "wus_seconds" (analysis and rewrite) and "compile_seconds" (XLA) of the
-    wus step.
+    "wus_seconds" (wus's own: tracing the step, the analysis and the rewrite) and
+    "compile_seconds" (XLA's compile of the lowered wus step).
   """
   out = {"weights_bytes": nbytes((state.params, state.model_state)),
          "opt_state_bytes": nbytes(state.opt_state)}
@@ -175,17 +181,16 @@ def measure_step(task: tasks.Task, tx, state: steps.TrainState, batch,
   grads = steps.make_gradient_step(task, mesh).lower(state.params, state.model_state,
                                                      batch).compile()
   out["activations_bytes"] = report.memory(grads)["total"] - out["weights_bytes"]
-  train_step = steps.make_train_step(task, tx)
+  train_step = steps.make_train_step(task, tx, step)
   for mode in steps.MODES:
-    step = steps.map_train_step(mode, train_step, mesh)
-    lowered = step.lower(*state, batch)
+    mapped = steps.map_train_step(mode, train_step, mesh, step=step)
+    lowered = mapped.lower(*state, batch)
     start = time.perf_counter()
     compiled = lowered.compile()
     out[mode] = _program(compiled)
     if mode == "wus":
       out["compile_seconds"] = time.perf_counter() - start
-      timings = step.timings(*state, batch)
-      out["wus_seconds"] = timings["analysis"] + timings["rewrite"]
+      out["wus_seconds"] = sum(mapped.timings(*state, batch).values())
   drop = out["replicated"]["memory"]["argument"] - out["wus"]["memory"]["argument"]
   out["replicated"]["opt_state_per_device"] = out["opt_state_bytes"]
   out["wus"]["opt_state_per_device"] = out["opt_state_bytes"] - drop
@@ -212,11 +217,13 @@ def markdown(results: list[dict]) -> str:
        "all-gather n / wire MiB"], rows)
   terms = report.table(
       ["case", "W MiB", "V MiB", "P MiB", "wus total / replicated total",
-       "opt state per device / (V/N)"],
+       "opt state per device / (V/N)", "wus s / XLA compile s"],
       [[Case(**{f.name: r[f.name] for f in dataclasses.fields(Case)}).label,
         r["weights_bytes"] / mib, r["opt_state_bytes"] / mib, r["activations_bytes"] / mib,
         r["wus"]["memory"]["total"] / r["replicated"]["memory"]["total"],
-        r["wus"]["opt_state_per_device"] * r["num_devices"] / r["opt_state_bytes"]]
+        r["wus"]["opt_state_per_device"] * r["num_devices"] / r["opt_state_bytes"],
+        f"{r['wus_seconds']:.2f} / {r['compile_seconds']:.2f} = "
+        f"{r['wus_seconds'] / r['compile_seconds']:.2f}"]
        for r in results])
   return "\n\n".join([
       "Per-device memory and collectives of the compiled step, measured: memory_analysis() "
@@ -225,7 +232,9 @@ def markdown(results: list[dict]) -> str:
       "W + V + P (replicated), W + V/N + P (the wus step; the whole W + V exists only before "
       "the first step shards it).", memory,
       "Terms of the formula, measured (W weights and model state, V optimizer state, P what "
-      "forward and backward allocate beyond W), and measured ratios.", terms])
+      "forward and backward allocate beyond W), and measured ratios; wus's own seconds "
+      "(tracing the step, the analysis, the rewrite) against XLA's compile of the wus step.",
+      terms])
 
 
 def plot(results: list[dict], path: pathlib.Path) -> None:
@@ -273,6 +282,9 @@ def _define_flags() -> None:
                     "is the number of simulated CPU devices.")
   flags.DEFINE_string("output_dir", "wus-memory-report", "Where report.md, report.json "
                       "and report.png go.")
+  flags.DEFINE_enum("step", "shard_map", list(steps.STEP_STYLES), "How the step is written: "
+                    "per replica under jax.shard_map / wus.shard_map, or on global arrays "
+                    "under jax.jit / wus.jit.")
 
 
 def report_memory() -> None:
@@ -294,7 +306,7 @@ def report_memory() -> None:
     for n in counts:
       case = Case.for_model(model, n)
       print(f"compiling {case.label} ...", file=sys.stderr, flush=True)
-      results.append(measure(case))
+      results.append(measure(case, flags.FLAGS.step))
   paths = write(results, pathlib.Path(flags.FLAGS.output_dir))
   print(markdown(results))
   print("\nWrote " + ", ".join(map(str, paths.values())))
