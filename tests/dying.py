@@ -15,9 +15,14 @@ def _opted_in(request):
     pytest.skip("run by tests/test_suite_limits.py (WUS_DYING=<this test's name>)")
 
 
+LAST_WORDS = b"F0000 00:00:00.000000 0 dying.py:1] Check failed: as XLA's LOG(FATAL) writes\n"
+
+
 def test_aborts(request):
-  """Ends as XLA ends a process on a fatal error (LOG(FATAL) calls abort())."""
+  """Ends as XLA ends a process on a fatal error: LOG(FATAL) writes its line to fd 2, then
+  calls abort()."""
   _opted_in(request)
+  os.write(2, LAST_WORDS)
   os.abort()
 
 

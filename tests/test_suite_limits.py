@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+import dying
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIMIT = 5  # Seconds: the per-test limit of the runs below (--timeout).
 
@@ -37,3 +39,5 @@ def test_a_test_that_kills_its_worker_ends_the_run_red_naming_it(name, says):
   assert out.count(f"crashed while running 'tests/dying.py::{name}'") == 1, out
   assert says in out and f" in {name}\n" in out, out  # Its frame in the stacks printed.
   assert "\n1 failed in " in run.stdout, out
+  if name == "test_aborts":  # What it wrote to fd 2 last, as XLA's LOG(FATAL) does.
+    assert dying.LAST_WORDS.decode() in out, out
