@@ -20,6 +20,13 @@ case that runs with XLA's defaults at a tolerance of a few ulps
 (`test_parity.py::test_with_default_xla_flags_within_a_few_ulps`) runs in a
 subprocess (`parity_worker.py`) whose XLA_FLAGS set only the device count.
 
+A fourth flag is about time: `--xla_cpu_collective_call_terminate_timeout_seconds`.
+XLA:CPU ends the process (LOG(FATAL), abort()) when a device has waited at a
+collective for another for 20 s plus this timeout, 40 s by default, however
+valid the program (tests/repro/late_device.py; a suspect of issue 41's aborts
+under load, docs/tests.md). Here 20 + 600 s: a collective that never completes
+is still stopped, by XLA with its message naming it, before the per-test limit.
+
 Profiles. `python -m pytest -q tests` runs the default profile; `--slow` (or
 WUS_SLOW=1) also runs the tests marked `slow`, the slowest end-to-end runs and
 the larger parametrizations of the parity families (each family keeps cases in
@@ -45,7 +52,8 @@ import signal
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_cpu_max_isa=AVX --xla_allow_excess_precision=false"
-                           + " --xla_cpu_experimental_ynn_fusion_type=").strip()
+                           + " --xla_cpu_experimental_ynn_fusion_type="
+                           + " --xla_cpu_collective_call_terminate_timeout_seconds=600").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -9,6 +9,7 @@ of LIMIT seconds.
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -41,3 +42,20 @@ def test_a_test_that_kills_its_worker_ends_the_run_red_naming_it(name, says):
   assert "\n1 failed in " in run.stdout, out
   if name == "test_aborts":  # What it wrote to fd 2 last, as XLA's LOG(FATAL) does.
     assert dying.LAST_WORDS.decode() in out, out
+
+
+@pytest.mark.parametrize("terminate", [1, 30])
+def test_xla_cpu_ends_the_process_when_a_device_is_late_at_a_collective(terminate):
+  """tests/repro/late_device.py, device 0 4 s late at an all-reduce, with XLA:CPU's wait shortened
+  to 1 s before its warning plus `terminate` s (tests/conftest.py raises the latter): after 1 + 1 s
+  XLA ends the process with its message; given 1 + 30 s the program completes."""
+  flags = ["--xla_cpu_collective_call_warn_stuck_timeout_seconds=1",
+           f"--xla_cpu_collective_call_terminate_timeout_seconds={terminate}"]
+  run = subprocess.run([sys.executable, "tests/repro/late_device.py", "4"], cwd=ROOT,
+                       env=dict(os.environ, XLA_FLAGS=" ".join(flags)), capture_output=True,
+                       text=True, timeout=300)
+  if terminate == 1:
+    assert run.returncode == -signal.SIGABRT, run.stderr[-3000:]
+    assert "Termination timeout for `all reduce" in run.stderr, run.stderr[-3000:]
+  else:
+    assert run.returncode == 0 and run.stdout.split() == ["28.0"], run.stderr[-3000:]
