@@ -4,7 +4,8 @@ or blocks forever, ends the run with the test named as failed.
 Each case runs one of tests/dying.py's tests, then a test that would pass, in a subprocess
 under pytest-xdist as the README's command runs the suite (`--dist loadfile`, tests/conftest.py's
 settings; one worker: a crash takes the same path with one start-up less), with a per-test limit
-of LIMIT seconds.
+of LIMIT seconds. The last test checks the XLA flag tests/conftest.py raises for issue 41's
+suspect, XLA:CPU ending a process whose device is late at a collective.
 """
 
 import os
