@@ -64,6 +64,11 @@ settings.register_profile("wus-fuzz-long", max_examples=int(_EXAMPLES or 400),
                           suppress_health_check=_SUPPRESS, print_blob=True)
 if PROFILE not in ("quick", "ci", "long"):
   raise ValueError(f"WUS_FUZZ={PROFILE!r}: use 'quick' (the default), 'ci' (--slow) or 'long'")
+# The per-test limit (docs/tests.md) scaled to the examples: 120 s each, 8 times what one takes
+# on 2 idle cores (the 8 quick ones took 306 s in all at load 8, 2026-11-29). Set here, not on
+# the test: hypothesis's derandomized seed hashes the test's source, decorators included.
+pytestmark = pytest.mark.timeout(
+    max(900, 120 * settings.get_profile(f"wus-fuzz-{PROFILE}").max_examples))
 
 
 class _Summary:
