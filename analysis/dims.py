@@ -400,6 +400,39 @@ def _conv(eqn) -> Dims:
                                                    if _var(n[0])])
 
 
+@dim_rule(lax.reduce_window_sum_p, lax.reduce_window_max_p, lax.reduce_window_min_p,
+          lax.reduce_window_p, lax.select_and_gather_add_p, lax.select_and_scatter_add_p,
+          lax.select_and_scatter_p)
+def _window(eqn) -> Dims:
+  """Pooling and its gradients: a dim the window does not cross (window 1, stride 1, no
+  padding or dilation) keeps its split, block for block; the others are whole. The
+  operands of the window's shape (and the results) share those dims; the scalar initial
+  values of a generic `reduce_window` have none."""
+  p = eqn.params
+  rank = len(p["window_dimensions"])
+  untouched = [d for d in range(rank) if p["window_dimensions"][d] == 1
+               and p["window_strides"][d] == 1 and tuple(p["padding"][d]) == (0, 0)
+               and all(p.get(k, (1,) * rank)[d] == 1 for k in ("base_dilation",
+                                                              "window_dilation"))]
+  arrays = [v for v in (*filter(_var, eqn.invars), *eqn.outvars) if len(_shape(v)) == rank]
+  joins = [((a, d), (b, d)) for a, b in zip(arrays, arrays[1:]) for d in untouched]
+  return Dims(joins, [(v, d) for v in arrays for d in range(rank) if d not in untouched])
+
+
+@dim_rule(lax.bitcast_convert_type_p, lax.regularized_incomplete_beta_p, compat.zeros_like_p,
+          compat.threefry2x32_p, compat.threefry4x32_p, compat.philox2x32_p,
+          compat.philox4x32_p)
+def _same_shapes(eqn) -> Dims:
+  """Operands and results of one shape, computed element by element (counter-based
+  random bits of per-element counters, a bitcast of one width): dim for dim one dim.
+  Shapes that differ (a bitcast that adds or drops a dim): all whole."""
+  arrays = [*filter(_var, eqn.invars), *eqn.outvars]
+  if len({_shape(v) for v in arrays}) != 1:
+    return whole(eqn)
+  return Dims([((a, d), (b, d)) for a, b in zip(arrays, arrays[1:])
+               for d in range(len(_shape(a)))], [])
+
+
 @dim_rule(compat.cond_p)
 def _cond(eqn) -> Dims:
   """A conditional: each operand's dims are each branch's input's, each branch's result's

@@ -48,6 +48,16 @@ def first_line(error: BaseException) -> str:
   return text if len(text) <= 300 else text[:297] + "..."
 
 
+OWN_ERROR = "wus could not shard this step (an error of its own"
+
+
+def own_error(error: BaseException) -> str:
+  """A Plan's `unchanged` reason for one of wus's own errors while analysing a step: where
+  it was raised and what it says (the step then runs as `jax.jit` runs it)."""
+  return (f"{OWN_ERROR}, at {where(error)}: {type(error).__name__}: {error}); it runs as "
+          "jax.jit runs it")
+
+
 def where(error: BaseException) -> str:
   """`file:line` of the innermost frame of `error`'s traceback in wus's own code (the
   innermost frame at all if none is), for a Plan that quotes one of wus's own errors."""

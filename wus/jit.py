@@ -273,9 +273,7 @@ class JitStep:
     try:
       compiled = self._analyse(args, dyn, leaves, paths, declared, mesh, traced, unchanged)
     except Exception as e:  # noqa: BLE001 -- wus's own error never reaches the user's program.
-      compiled = unchanged(f"wus could not shard this step (an error of its own, at "
-                           f"{errors.where(e)}: {type(e).__name__}: {e}); it runs as jax.jit "
-                           "runs it")
+      compiled = unchanged(errors.own_error(e))
     # The user's function traced once; the rest is wus's own (the rewrite's seconds are
     # recorded when the region's program is traced).
     spent = time.perf_counter() - traced_at - compiled.lowering.get("rewrite", 0.0)

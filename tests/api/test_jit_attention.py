@@ -5,8 +5,9 @@ data x model (tensor parallelism) and fsdp x model (FSDP + TP), Auto and Explici
 
 The model is the causal self-attention block of a GPT written with Flax NNX (nanoGPT's
 shape: one fused qkv projection, heads by reshape, an output projection), shrunk. Each
-step runs beside `nnx.jit`'s from the same state; the optimizer state must end up at
-most 1.15 x 1/8 of a copy per device.
+step runs beside `nnx.jit`'s from the same state, bit for bit under the suite's flags
+(AdamW's update is elementwise); the optimizer state must end up at most 1.15 x 1/8 of
+a copy per device.
 """
 
 from functools import partial
@@ -103,11 +104,10 @@ def test_heads_split_over_model_by_a_reshape_are_served(axes, kind):
     for _ in range(2):
       idx, targets = (jax.device_put(rng.integers(0, VOCAB, (8, SEQ)).astype(np.int32),
                                      P(batch, None)) for _ in range(2))
-      assert_trees_equal(nnx.jit(train_step)(*ref, idx, targets), ws(*out, idx, targets),
-                         rtol=1e-6, atol=1e-8)
+      assert_trees_equal(nnx.jit(train_step)(*ref, idx, targets), ws(*out, idx, targets))
     plan = ws.plan(*out, idx, targets)
   assert not plan.unchanged, plan.unchanged
-  assert_trees_equal(nnx.state(ref), wus.unshard(nnx.state(out)), rtol=1e-6, atol=1e-8)
+  assert_trees_equal(nnx.state(ref), wus.unshard(nnx.state(out)))  # AdamW: bit for bit.
   state = nnx.state(out[1], nnx.optimizer.OptState)
   leaves = [x for x in jax.tree.leaves(state, is_leaf=is_sharded) if np.size(x) > 8]
   whole = sum(np.size(x) * 4 for x in leaves)
