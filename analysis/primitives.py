@@ -39,6 +39,8 @@ ELEMENTWISE: frozenset = frozenset({
     lax.pow_p, lax.real_p, lax.reduce_precision_p, lax.rem_p, lax.round_p, lax.rsqrt_p,
     lax.select_n_p, lax.shift_left_p, lax.shift_right_arithmetic_p, lax.shift_right_logical_p,
     lax.sign_p, lax.sqrt_p, lax.square_p, lax.sub_p, lax.xor_p, compat.mulhi_p,
+    # The operand itself, named for a remat policy (`checkpoint_name`).
+    compat.name_p,
     # Transcendental and special functions.
     lax.acos_p, lax.acosh_p, lax.asin_p, lax.asinh_p, lax.atan_p, lax.atanh_p,
     lax.bessel_i0e_p, lax.bessel_i1e_p, lax.cos_p, lax.cosh_p, lax.digamma_p, lax.erf_inv_p,

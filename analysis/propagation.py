@@ -172,6 +172,21 @@ def batch_splits(jaxpr: Jaxpr, seeds: Mapping[Var, tuple], state: frozenset,
   return out
 
 
+def where_lost(jaxpr: Jaxpr, splits: Mapping[Var, tuple]) -> JaxprEqn | None:
+  """The first equation of `jaxpr` (not of its sub-jaxprs) where the batch's split ends:
+  an operand split over the batch, none unknown, and a result unknown (`batch_splits`:
+  present, split nowhere), because the primitive has no dims rule for the split or its
+  rule needs the split dim whole. None if the split ends nowhere. What a Plan says when
+  no gradient is seen as a sum over the batch."""
+  def unknown(v) -> bool:
+    return not compat.is_literal(v) and v in splits and not any(splits[v])
+  for eqn in jaxpr.eqns:
+    if (any(not compat.is_literal(v) and any(splits.get(v, ())) for v in eqn.invars)
+        and not any(map(unknown, eqn.invars)) and any(map(unknown, eqn.outvars))):
+      return eqn
+  return None
+
+
 def batch_axes(splits: Mapping[Var, tuple], axis_sizes: Mapping[str, int]) -> frozenset:
   """The mesh axes (size > 1) some value's batch split names."""
   return frozenset(a for s in splits.values() for e in s if e for a in e

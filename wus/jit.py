@@ -309,12 +309,14 @@ class JitStep:
     found = jit_region.update_region(flat, splits, mesh, roles.model, roles.fsdp, leaves,
                                      declared, state, frozenset(pairs))
     if isinstance(found, str):
-      return unchanged(found, roles.batch)
+      return unchanged(found + _split_ends(propagation.where_lost(flat.jaxpr, splits)),
+                       roles.batch)
     blocks = found[2]
     roles = mesh_axes.Roles.of(mesh, roles.batch, placed, jit_region.blocked(blocks))
     compiled = self._compile(*found, args, dyn, traced, mesh, roles, paths, declared)
     if isinstance(compiled, str):
-      return unchanged(compiled, roles.batch)
+      return unchanged(compiled + _split_ends(propagation.where_lost(flat.jaxpr, splits)),
+                       roles.batch)
     runtime.trace(leaves, compiled)  # Raises here, not at the user's call.
     compiled.step.trace(*_abstract_operands(leaves, compiled))
     return compiled
@@ -433,6 +435,15 @@ def _shards_nothing(plan: Plan, blocks: ModelSplits | None, outside: tuple[str, 
     why += (f"; parts of the update run outside it, on the blocks of the tensors split over "
             f"{sorted(set(blocks.axes()))}: {outside[0]}")
   return f"the update region shards nothing ({why}); the step runs as jax.jit runs it"
+
+
+def _split_ends(eqn) -> str:
+  """Where the batch's split ends, for a Plan's reason ("" if nowhere)."""
+  if eqn is None:
+    return ""
+  return (f"; the batch's split ends at {eqn.primitive} ({compat.source_line(eqn)}): wus has "
+          "no rule carrying it through there, so no gradient after it is seen as a sum over "
+          "the batch")
 
 
 def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: str) -> Plan:

@@ -29,7 +29,7 @@ from wus.analysis.compat.handles import (add_any_p, all_gather_invariant_p, all_
                                          DropVar, geqp3_p, geqrf_p, iota_2x32_shape_p, is_literal,
                                          is_ref_type,
                                          is_zero_literal, Jaxpr, JaxprEqn, jit_p,
-                                         layout_constraint_p, Literal, log2_p, mulhi_p,
+                                         layout_constraint_p, Literal, log2_p, mulhi_p, name_p,
                                          one_minus_square_p, pbroadcast_p, polynomial_p,
                                          philox2x32_p, philox4x32_p, platform_index_p, pmax_p,
                                          pmin_p, ppermute_p, Primitive, psum_invariant_p, psum_p,

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as _np
+from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import ad_util as _ad_util
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
@@ -89,6 +90,8 @@ reshard_p = _pjit.reshard_p
 layout_constraint_p = _pjit.layout_constraint_p
 device_put_p = _dispatch.device_put_p
 zeros_like_p = _ad_util.zeros_like_p
+# `jax.ad_checkpoint.checkpoint_name(x, name)`: x, named for remat policies.
+name_p = _ad_checkpoint.name_p
 geqrf_p = _linalg.geqrf_p
 geqp3_p = _linalg.geqp3_p
 

@@ -7,6 +7,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from wus.analysis import propagation
+from wus.transforms.inline import inlined
 
 SIZES = {"data": 4, "fsdp": 2, "one": 1}
 D = ("data",)
@@ -101,3 +102,19 @@ def test_a_reshape_moves_the_batch_to_the_first_dim_its_axes_divide():
   assert out[jaxpr.outvars[0]] == (None, D, None)
   jaxpr, out = _splits(lambda x: x.reshape(2, 2, 6) * 2.0, jnp.ones((8, 3)), seeds=[(D, None)])
   assert out[jaxpr.outvars[0]] == (None, None, None)
+
+
+def test_where_the_split_ends_names_the_first_equation_without_a_rule():
+  """An FFT has no dims rule: the split ends there (its result unknown), and everything
+  after it follows. Before it, an equation with a rule carries the split."""
+  def f(w, x):
+    spectrum = lax.fft(jnp.tanh(x).astype(jnp.complex64), lax.FftType.FFT, (6,))
+    return jnp.mean((spectrum.real @ w) ** 2)
+  w, x = jnp.ones((6, 3)), jnp.ones((8, 6))
+  jaxpr, out = _splits(inlined(jax.make_jaxpr(jax.grad(f))(w, x)), w, x, seeds=[None, (D, None)],
+                       state=[0])
+  lost = propagation.where_lost(jaxpr, out)
+  assert lost is not None and lost.primitive.name == "fft", lost
+  assert out[lost.invars[0]] == (D, None)  # tanh carried it.
+  jaxpr, fine = _splits(jax.grad(_loss), w, x, seeds=[None, (D, None)], state=[0])
+  assert propagation.where_lost(jaxpr, fine) is None

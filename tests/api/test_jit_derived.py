@@ -234,3 +234,24 @@ def test_pooling_carries_the_batch_split():
                                   "select_and_scatter_add")), jaxpr
   assert_trees_equal(ref, wus.unshard(got), rtol=1e-6, atol=1e-7)
   assert wus.bytes_per_device(got[1]).fraction <= 1.15 / 8, wus.bytes_per_device(got[1])
+
+
+def test_a_step_whose_split_ends_at_a_primitive_without_a_rule_says_where():
+  """The batch's split ends at an FFT (no dims rule): no gradient is seen as a sum over
+  the batch, the step runs as jax.jit runs it, and the Plan names the FFT and its line."""
+  mesh, tx = _mesh(), optax.adam(1e-2)
+  w = jax.device_put(jnp.ones((6, 3)), NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, P("data")))
+
+  def step(w, s, x):
+    def loss(w):
+      spectrum = jax.lax.fft(x.astype(jnp.complex64), jax.lax.FftType.FFT, (6,))
+      return jnp.mean((spectrum.real @ w) ** 2)
+    updates, s = tx.update(jax.grad(loss)(w), s, w)
+    return optax.apply_updates(w, updates), s
+  ws = wus.jit(step)
+  with pytest.warns(wus.NotShardedWarning, match="split ends at fft"):
+    assert_trees_equal(jax.jit(step)(w, tx.init(w), x), ws(w, tx.init(w), x))
+  plan = ws.plan(w, tx.init(w), x)
+  assert "the batch's split ends at fft (" in plan.unchanged, plan.unchanged
+  assert "test_jit_derived.py" in plan.unchanged, plan.unchanged
