@@ -225,18 +225,14 @@ def flat_jaxpr(closed, mesh: Mesh):
   """The traced jaxpr with its calls inlined, the refs it creates discharged into values
   (`compat.without_refs`), the placements of its inputs dropped
   (`global_view.without_input_placements`) and dead code dropped."""
-  avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
-                                sharding=sharding_of(a, mesh)) for a in closed.in_avals]
+  # The types `jax.jit` traced the step with (on the mesh's abstract mesh): each equation
+  # is then replayed with its own types (`compat.bind`'s fast path), not bound anew.
+  avals = closed.in_avals
   flat = compat.without_refs(jax.make_jaxpr(inline.inlined(closed))(*avals))
   sizes = dict(mesh.shape)
   if any(global_view.is_placement(e, sizes) for e in flat.jaxpr.eqns):
     flat = jax.make_jaxpr(global_view_program.without_input_placements(flat, sizes))(*avals)
   return compat.ClosedJaxpr(compat.dce(flat.jaxpr), flat.consts)
-
-
-def sharding_of(aval, mesh: Mesh):
-  spec, _ = compat.sharding_spec(aval)
-  return NamedSharding(mesh, P(*spec)) if spec and compat.explicit_axes(mesh) else None
 
 
 def refs(closed, paths: list[str]) -> list[str]:
