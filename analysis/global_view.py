@@ -82,6 +82,10 @@ class Region:
       `optimization_barrier`, as the partitioner's all-reduce stops the
       fold in the unmodified step.
     placements: placements (`is_placement`) among `eqns`: run as the identity.
+    sum_axes: per sum, the mesh axes its operands are split over (`splits`): it is
+      all-reduced over those alone. A batch axis another value is split over (a feature
+      dim of the batch laid out over "tensor") holds copies of these operands, which an
+      all-reduce over it would add up.
   """
 
   eqns: tuple[int, ...]
@@ -91,6 +95,7 @@ class Region:
   outvars: tuple[Var, ...]
   moved: frozenset[int] = frozenset()
   placements: frozenset[int] = frozenset()
+  sum_axes: Mapping[int, frozenset] = dataclasses.field(default_factory=dict)
 
 
 def is_placement(eqn: JaxprEqn, axis_sizes: Mapping[str, int]) -> bool:
@@ -155,10 +160,11 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
       if not compat.is_literal(v) and v not in made))
   placements = frozenset(i for i in inside if is_placement(jaxpr.eqns[i], axis_sizes)
                          or compat.is_sharding_constraint(jaxpr.eqns[i]))
-  return Region(tuple(inside), sums & set(inside), invars,
+  sums &= set(inside)
+  return Region(tuple(inside), sums, invars,
                 tuple(spec_of(None if compat.is_literal(v) else splits.get(v)) for v in invars),
                 outvars, frozenset(moved) & set(inside),
-                placements)
+                placements, {i: _split_axes(summing_eqn(jaxpr, i), splits) for i in sums})
 
 
 def _kinds(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
@@ -267,13 +273,24 @@ def partial_eqns(jaxpr: Jaxpr, region: Region, splits: Splits) -> frozenset[int]
   return frozenset(out)
 
 
-def summing_primitive(jaxpr: Jaxpr, i: int) -> compat.Primitive:
-  """The primitive that sums at gradient sum `i`: its own, or, for a sum moved past
+def summing_eqn(jaxpr: Jaxpr, i: int) -> JaxprEqn:
+  """The equation that sums at gradient sum `i`: itself, or, for a sum moved past
   equations that only move elements (`Region.moved`), the one before them."""
   graph, eqn = Graph(jaxpr), jaxpr.eqns[i]
   while _moves_elements(eqn) and (p := graph.producing(eqn.invars[0])) is not None:
     eqn = p
-  return eqn.primitive
+  return eqn
+
+
+def summing_primitive(jaxpr: Jaxpr, i: int) -> compat.Primitive:
+  """The primitive that sums at gradient sum `i` (`summing_eqn`)."""
+  return summing_eqn(jaxpr, i).primitive
+
+
+def _split_axes(eqn: JaxprEqn, splits: Splits) -> frozenset:
+  """The mesh axes some operand of `eqn` is split over."""
+  return frozenset(a for v in eqn.invars if not compat.is_literal(v)
+                   for e in splits.get(v, ()) if e for a in e)
 
 
 def _splits_over_mesh(eqn: JaxprEqn, axis_sizes: Mapping[str, int],

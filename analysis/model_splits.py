@@ -109,7 +109,8 @@ class _Classes:
 
 
 def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
-          seeds: Mapping[Var, tuple], axis_sizes: Mapping[str, int]) -> ModelSplits | str:
+          seeds: Mapping[Var, tuple], axis_sizes: Mapping[str, int],
+          typed: frozenset = frozenset()) -> ModelSplits | str:
   """The model splits of `values` that the equations' rules and the seeds imply.
 
   Args:
@@ -117,28 +118,35 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
     values: every value the region reads or computes.
     seeds: value -> per dim, None or the model axes a placement splits it over.
     axis_sizes: mesh axis -> size.
+    typed: the axes (Explicit) whose splits every value's type states. Where two
+      splits meet, an equation that joins dims its operand and result types lay out
+      differently there (a `dot_general` with an `out_sharding`: a reshard) is the one
+      that cannot run on blocks.
 
   Returns:
     The `ModelSplits`, or why the region cannot run on model blocks (a `Refusal`
-    naming the equation, for one that needs a split dim whole).
+    naming the equation, for one that needs a split dim whole or reshards where
+    splits meet).
   """
   eqns = dims_lib.nested(eqns)  # A conditional's branches run on blocks too.
   values = [*values, *(v for _, e in eqns for v in e.outvars),
             *(v for _, e in eqns if e.primitive is compat.cond_p
               for b in compat.cond(e).branches for v in b.jaxpr.invars)]
-  classes, whole, by_class = _Classes(), [], {}
+  classes, whole, by_class, edges = _Classes(), [], {}, []
   for i, eqn in eqns:
     joins, must, _ = dims_lib.of(eqn)
     for a, b in joins:
       classes.join(a, b)
+    edges += [(i, eqn, a, b) for a, b in joins]
     whole += [(n, i, eqn) for n in must]
   for v, split in seeds.items():
     for d, entry in enumerate(split):
       if entry:
         root = classes.find((v, d))
         if by_class.setdefault(root, entry) != entry:
-          return (f"a tensor {v.aval.str_short()} is placed over {entry} where what it meets "
-                  f"is placed over {by_class[root]}")
+          return _resharded(edges, classes, {root}, typed) or (
+              f"a tensor {v.aval.str_short()} is placed over {entry} where what it meets "
+              f"is placed over {by_class[root]}")
   for (v, d), i, eqn in whole:
     if (entry := by_class.get(classes.find((v, d)))):
       return Refusal(f"{eqn.primitive} at {compat.source_line(eqn)} needs dim {d} of "
@@ -151,13 +159,36 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
       continue
     names = [a for e in split if e for a in e]
     if len(set(names)) != len(names):
-      return f"a value {v.aval.str_short()} would be split twice over one axis ({split})"
+      return _resharded(edges, classes, {classes.find((v, d)) for d, e in enumerate(split)
+                                         if e}, typed) or (
+          f"a value {v.aval.str_short()} would be split twice over one axis ({split})")
     for n, e in zip(_shape(v), split, strict=True):
       if e and n % math.prod(axis_sizes[a] for a in e):
         return (f"a dim of {n} of {v.aval.str_short()} does not divide over {list(e)}, which "
                 "its placement splits it over")
     out[v] = split
   return ModelSplits(out, _reduced(eqns, out))
+
+
+def _resharded(edges: list, classes: _Classes, roots: set, typed: frozenset) -> Refusal | None:
+  """The first equation joining two dims of the classes `roots` whose types (over the
+  `typed` axes) lay them out differently: it reshards there (JAX's Explicit axes), so it
+  runs outside the region with what it reads; None if there is none."""
+  def entry(node):
+    v, d = node
+    if not typed or not compat.type_axes(v.aval):
+      return None, False
+    spec, _ = compat.sharding_spec(v.aval)
+    split = _restricted(spec, len(_shape(v)), typed)
+    return (split[d] if split else None), True
+  for i, eqn, a, b in edges:
+    (ta, known_a), (tb, known_b) = entry(a), entry(b)
+    if known_a and known_b and ta != tb and classes.find(a) in roots:
+      return Refusal(f"{eqn.primitive} at {compat.source_line(eqn)} lays dim {a[1]} of "
+                     f"{a[0].aval.str_short()} out as dim {b[1]} of {b[0].aval.str_short()} "
+                     f"(over {list(ta or ())}, then {list(tb or ())}): a reshard, which runs "
+                     "as jax.jit runs it", dims_lib.top(i))
+  return None
 
 
 def _reduced(eqns, splits: Mapping[Var, tuple]) -> dict:

@@ -325,14 +325,20 @@ class _Propagation:
   def manual(self, eqn: JaxprEqn, batch: bool, state: bool) -> list[Fact]:
     """A shard_map inside the step reading split values: its out_specs lay its results
     out. A dim named with an axis the batch is split over carries the batch (all the axes
-    it names, on a result of the batch alone: a per-replica augmentation's)."""
+    it names, on a result of the batch alone: a per-replica augmentation's). On a result
+    that reads the state too, a dim named with those axes and others besides (the
+    residuals JAX's partial evaluation passes from a differentiated shard_map to its
+    transpose, each device's own stacked over every mesh axis) is no layout of the batch:
+    its split is unknown."""
     _, _, _, out_specs, _, _ = compat.shard_map_params(eqn)
     outs = []
     for v, spec in zip(eqn.outvars, out_specs, strict=True):
-      entries = (*spec, *(None,) * (len(v.aval.shape) - len(spec)))
-      outs.append(Fact(tuple(
-          axes if axes and (not state or set(axes) & self.seen) else None
-          for axes in map(self.axes, entries)), batch, state))
+      entries = [self.axes(e) for e in (*spec, *(None,) * (len(v.aval.shape) - len(spec)))]
+      if state and any(set(a) & self.seen and not set(a) <= self.seen for a in entries):
+        outs.append(Fact(None, batch, state))
+        continue
+      outs.append(Fact(tuple(a if a and (not state or set(a) & self.seen) else None
+                             for a in entries), batch, state))
     return outs
 
   def constraint(self, eqn: JaxprEqn, fact: Fact) -> Fact:

@@ -5,6 +5,7 @@ then the update region as a shard_map through the rewrite (`analysis/global_view
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 
 from jax import lax
@@ -74,24 +75,43 @@ def _region_eqn(region: global_view.Region, axes: tuple, model: ModelSplits | No
   if i in region.moved or i in region.sums:
     with compat.source_of(compat.in_current_mesh(eqn)):
       outs = (lax.optimization_barrier(outs) if i in region.moved
-              else [summed(x, axes, model and model.scattered.get(i)) for x in outs])
+              else [summed(x, tuple(a for a in axes if a in region.sum_axes.get(i, axes)),
+                           model and model.scattered.get(i), axis_sizes) for x in outs])
   return outs
 
 
-def summed(x, axes: tuple, scatter: tuple | None):
-  """This replica's part of a gradient sum completed over the batch `axes`: all-reduced,
-  or, for the gradient of a weight placed over batch axes itself (FSDP: `scatter`, per
-  dim the axes splitting it), reduce-scattered to this replica's block over those axes
-  and all-reduced over the others, in the order GSPMD sums it (HSDP: over "fsdp", then
-  "replica", whose all-reduce of the block the rewrite turns into a reduce-scatter)."""
+def summed(x, axes: tuple, scatter: tuple | None, sizes: Mapping[str, int] | None = None):
+  """This replica's part of a gradient sum completed over the batch `axes` (those its
+  operands are split over): all-reduced, or, for the gradient of a weight placed over
+  batch axes itself (FSDP: `scatter`, per dim the axes splitting it), reduce-scattered to
+  this replica's block over those axes and all-reduced over the others, in the order
+  GSPMD sums it (HSDP: over "fsdp", then "replica", whose all-reduce of the block the
+  rewrite turns into a reduce-scatter). A block axis not among `axes` holds copies of
+  the sum: its block is a local slice (`sizes`: mesh axis -> size)."""
   if not scatter:
     return lax.psum(x, axes)
   for d, e in enumerate(scatter):
-    if e:
-      x = lax.psum_scatter(x, e if len(e) > 1 else e[0], scatter_dimension=d, tiled=True)
+    for run in _runs(e or (), axes):
+      if run[0] in axes:
+        x = lax.psum_scatter(x, run if len(run) > 1 else run[0], scatter_dimension=d,
+                             tiled=True)
+      else:
+        size = x.shape[d] // math.prod(sizes[a] for a in run)
+        x = lax.dynamic_slice_in_dim(x, lax.axis_index(run) * size, size, axis=d)
   over = {a for e in scatter if e for a in e}
   rest = tuple(a for a in axes if a not in over)
   return lax.psum(x, rest) if rest else x
+
+
+def _runs(names: tuple, axes: tuple) -> list[tuple]:
+  """`names` in runs of consecutive axes all among `axes` or all not, major first."""
+  out: list[list] = []
+  for a in names:
+    if out and (out[-1][0] in axes) == (a in axes):
+      out[-1].append(a)
+    else:
+      out.append([a])
+  return [tuple(r) for r in out]
 
 
 def without_input_placements(closed, axis_sizes) -> Callable[..., list]:

@@ -15,11 +15,11 @@ Example: a `jax.jit` training step, the batch placed over the mesh's "data" axis
     params, opt_state = train_step(params, tx.init(params), batch)
     print(wus.bytes_per_device(opt_state))    # DeviceBytes(... 0.125 of a copy ...)
 
-`wus.shard_map`, `wus.pmap`, `wus.filter_jit` (Equinox) and `wus.nnx_jit` (Flax NNX)
-take the place of `jax.shard_map`, `jax.pmap`, `eqx.filter_jit` and `nnx.jit` the same
-way. `step.plan(*args)` says what is sharded and why; a step that saves little warns
-once (`wus.NotShardedWarning`). The repository's examples/ folder has whole
-programs.
+`wus.shard_map`, `wus.pmap`, `wus.filter_jit` (Equinox), `wus.nnx_jit` (Flax NNX) and
+`wus.named_jit` (haliax, Levanter) take the place of `jax.shard_map`, `jax.pmap`,
+`eqx.filter_jit`, `nnx.jit` and `haliax.named_jit` the same way. `step.plan(*args)`
+says what is sharded and why; a step that saves little warns once
+(`wus.NotShardedWarning`). The repository's examples/ folder has whole programs.
 
 Xu et al., "Automatic Cross-Replica Sharding of Weight Update in
 Data-Parallel Training", arXiv:2004.13336 (2020).
@@ -47,6 +47,7 @@ from wus.errors import StateMismatchError
 from wus.jit import JitStep
 from wus.filter_jit import filter_jit
 from wus.jit import jit
+from wus.named_jit import named_jit
 from wus.pjit import pjit
 from wus.pmap import pmap
 from wus.saving import DeviceBytes
@@ -73,7 +74,8 @@ _LAZY = {
 __all__ = ["CheckpointError", "DeviceBytes", "JitStep", "NotShardedWarning", "Plan",
            "ShardFormat", "ShardedArray", "ShardedStep", "StateMismatchError",
            "bytes_per_device", "checkpoint", "checkpointable", "filter_jit", "is_sharded",
-           "jit", "nnx_jit", "pjit", "pmap", "shard_map", "unreplicate", "unshard"]
+           "jit", "named_jit", "nnx_jit", "pjit", "pmap", "shard_map", "unreplicate",
+           "unshard"]
 
 
 def _orbax_saves_wus_state() -> None:

@@ -75,17 +75,7 @@ def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **jitkwa
   def make(f: Callable) -> Callable:
     outs: dict = {}  # Static key -> the outputs' structure and static leaves, from tracing.
 
-    def inner(static, *args, **kwargs):
-      treedef, static_leaves = static.value
-      leaves = [s if a is None else a for a, s in
-                zip(treedef.flatten_up_to((args, kwargs)), static_leaves, strict=True)]
-      call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
-      out = f(*call_args, **call_kwargs)
-      out_leaves, out_def = jax.tree.flatten(out, is_leaf=is_sharded)
-      keep = [_is_array(x) for x in out_leaves]
-      outs[static] = (out_def, [None if k else x for x, k in zip(out_leaves, keep, strict=True)])
-      return jax.tree.unflatten(out_def, [x if k else None for x, k in
-                                          zip(out_leaves, keep, strict=True)])
+    inner = arrays_only(f, outs)
 
     steps: dict[tuple, JitStep] = {}  # By the arguments' count and keywords (donation).
 
@@ -106,29 +96,55 @@ def filter_jit(fun: Callable | None = None, /, *, donate: str = "none", **jitkwa
 
     @functools.wraps(f)
     def wrapped(*args, **kwargs):
-      (args, kwargs), static = _filtered(args, kwargs)
+      (args, kwargs), static = filtered(args, kwargs)
       with warnings.catch_warnings():
         if quiet:
           warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         result = step_for(len(args), tuple(sorted(kwargs)))(static, *args, **kwargs)
-      out_def, static_out = outs[static]
-      return jax.tree.unflatten(out_def, [s if x is None else x for x, s in
-                                          zip(out_def.flatten_up_to(result), static_out,
-                                              strict=True)])
+      return recombined(outs[static], result)
 
     def plan(*args, **kwargs) -> Plan:
-      (args, kwargs), static = _filtered(args, kwargs)
+      (args, kwargs), static = filtered(args, kwargs)
       return step_for(len(args), tuple(sorted(kwargs))).plan(static, *args, **kwargs)
     wrapped.plan = plan
     return wrapped
   return make if fun is None else make(fun)
 
 
+def arrays_only(f: Callable, outs: dict) -> Callable:
+  """`f` called as `inner(static, *arrays, **arrays)` (`filtered`'s halves, put back
+  together), returning its output's arrays with None for every other leaf, which it
+  records in `outs[static]` (with the output's structure) for `recombined`."""
+  def inner(static, *args, **kwargs):
+    treedef, static_leaves = static.value
+    leaves = [s if a is None else a for a, s in
+              zip(treedef.flatten_up_to((args, kwargs)), static_leaves, strict=True)]
+    call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
+    out = f(*call_args, **call_kwargs)
+    out_leaves, out_def = jax.tree.flatten(out, is_leaf=is_sharded)
+    keep = [_is_array(x) for x in out_leaves]
+    outs[static] = (out_def, [None if k else x for x, k in zip(out_leaves, keep, strict=True)])
+    return jax.tree.unflatten(out_def, [x if k else None for x, k in
+                                        zip(out_leaves, keep, strict=True)])
+  return inner
+
+
+def recombined(recorded: tuple, result):
+  """The step's output: its arrays (`result`, sharded state as `wus.ShardedArray`) with the
+  other leaves `arrays_only` recorded put back."""
+  out_def, static_out = recorded
+  return jax.tree.unflatten(out_def, [s if x is None else x for x, s in
+                                      zip(out_def.flatten_up_to(result), static_out,
+                                          strict=True)])
+
+
 def _is_array(x) -> bool:
   return is_sharded(x) or isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _filtered(args, kwargs) -> tuple:
+def filtered(args, kwargs) -> tuple:
+  """((args, kwargs) with None for every leaf but arrays and sharded state, the other
+  leaves as one hashable static value)."""
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_sharded)
   keep = [_is_array(x) for x in leaves]
   arrays = [x if k else None for x, k in zip(leaves, keep, strict=True)]

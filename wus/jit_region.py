@@ -132,9 +132,10 @@ def _solve(jaxpr, eqns: list, values: list, region, leaves: list, declared: list
         if (split := splits_lib.restricted(sharding.spec, v.aval.ndim, axes)):
           seeds[v] = split
   seeds.update(splits_lib.seeds_of_constraints(eqns, axes))
-  if compat.explicit_axes(mesh) & axes:
+  typed = compat.explicit_axes(mesh) & axes
+  if typed:
     seeds.update(splits_lib.seeds_of_types(values, axes))
-  return splits_lib.solve(eqns, values, seeds, dict(mesh.shape))
+  return splits_lib.solve(eqns, values, seeds, dict(mesh.shape), typed)
 
 
 def region_specs(region, blocks) -> tuple[tuple, tuple] | str:
@@ -154,10 +155,11 @@ def region_specs(region, blocks) -> tuple[tuple, tuple] | str:
 
 
 def blocked(blocks: splits_lib.ModelSplits | None) -> frozenset:
-  """The batch axes some weight's gradient is reduce-scattered over to its block (FSDP):
-  nothing is repeated over them in that weight's update (`mesh_axes.Roles.update`)."""
-  return frozenset(a for s in (blocks.scattered.values() if blocks else ()) for e in s if e
-                   for a in e)
+  """The axes some value of the update is split over into blocks: a batch axis among them
+  (FSDP) splits a weight's update, whether its gradient is reduce-scattered to its block
+  in the region or arrives as one (summed inside a loop, or as GSPMD sums it), so nothing
+  is repeated over it in that update (`mesh_axes.Roles.update`)."""
+  return frozenset(blocks.axes()) if blocks else frozenset()
 
 
 def region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple[dict, dict]:

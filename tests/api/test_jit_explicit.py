@@ -32,6 +32,21 @@ def _mlp(batch, before_use=None):
   return loss
 
 
+def _embed_over_tensor(batch, features=None):
+  """MaxText's layers with `shard_mode=explicit`, shrunk: activations with their embedding
+  over "tensor", kernels over ("fsdp", "tensor"), each product laid out by its
+  `out_sharding` (maxtext/layers/linears.py). Each kernel's gradient is a dot laid out as
+  the kernel: it reshards the activations' embedding from "tensor" to "fsdp". With
+  `features`, the batch's features are laid out over that axis first: the batch is split
+  over it too, where the gradients' operands are not."""
+  def loss(p, b):
+    x = reshard(b["x"], P(batch, features)) if features else b["x"]
+    h = jnp.tanh(jnp.einsum("be,eh->bh", x, p["w1"], out_sharding=P(batch, "tensor")))
+    out = jnp.einsum("bh,ho->bo", h, p["w2"], out_sharding=P(batch, "tensor"))
+    return jnp.mean(out ** 2)
+  return loss
+
+
 def _vocab_split(p, b):
   """Tensor parallelism over the vocabulary: embedding and tied head split over "model"."""
   h = p["emb"].at[b["ids"]].get(out_sharding=P("data", None))
@@ -58,6 +73,12 @@ CASES = {
                           "w2": P("tensor", "fsdp")},
                          _mlp(("data", "fsdp"), {"w1": P(None, "tensor"),
                                                  "w2": P("tensor", None)})),
+    "embed_over_tensor": ((2, 2, 2), ("data", "fsdp", "tensor"), ("data", "fsdp"),
+                          {"w1": P("fsdp", "tensor"), "w2": P("fsdp", "tensor")},
+                          _embed_over_tensor(("data", "fsdp"))),
+    "batch_features_over_tensor": ((2, 2, 2), ("data", "fsdp", "tensor"), ("data", "fsdp"),
+                                   {"w1": P("fsdp", "tensor"), "w2": P("fsdp", "tensor")},
+                                   _embed_over_tensor(("data", "fsdp"), "tensor")),
     "vocab_split": ((4, 2), ("data", "model"), "data",
                     {"emb": P("model", None), "head": P("model", None)}, _vocab_split),
 }
@@ -66,7 +87,7 @@ CASES = {
 # sums on Auto axes): within summation order. Adam's eps is raised there so that its
 # division by the root of a gradient's square does not turn an ulp of a tiny gradient
 # into a large difference (with SGD the weights differ by at most two ulps).
-SUMMATION_ORDER = {"hsdp", "data_fsdp_tensor"}
+SUMMATION_ORDER = {"hsdp", "data_fsdp_tensor", "batch_features_over_tensor"}
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -326,3 +326,60 @@ def test_fsdp_position_embedding_summed_outside_the_rest_served(kind):
     _, out, plan = _run(step, (params, tx.init(params)), batches)
   assert not plan.unchanged, plan.unchanged
   assert [x.shape for x in _sharded(out[1])] == [(embed,)] * 2  # mu and nu of the bias.
+
+
+def _levanter_step(mesh, tx):
+  """Levanter's step, shrunk: stacked layers under a scan (haliax's `Stacked`) and the loss
+  per token computed inside a shard_map (its fused cross-entropy, `check_vma=False`)."""
+  batch = P(("replica", "data"))
+
+  def loss_fn(p, x, y):
+    def layer(h, w):
+      return h + jax.nn.relu((h * w["norm"]) @ w["w1"]) @ w["w2"], None
+    h, _ = jax.lax.scan(layer, x, {k: p[k] for k in ("w1", "w2", "norm")})
+
+    def cross_entropy(h, y, head):
+      return optax.softmax_cross_entropy_with_integer_labels(h @ head, y)
+    return jax.shard_map(cross_entropy, mesh=mesh, in_specs=(batch, batch, P()),
+                         out_specs=batch, check_vma=False)(h, y, p["head"]).mean()
+
+  def step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def test_hsdp_stacked_layers_and_a_shard_map_loss_as_levanter_writes_them():
+  """Levanter on ("data", "replica", "model") = (2, 2, 2): the kernels over "data" (FSDP)
+  and "model", the batch over ("replica", "data"). The loss's shard_map passes its
+  gradient's residuals on stacked over every mesh axis, "model" among them: no layout of
+  the batch, so "model" stays a model axis. Every gradient is summed inside the scan or
+  the shard_map, so each block reaches the update summed, repeated over "replica", which
+  shards it: 1/8 of every moment per device. Weights bit for bit, the loss (summed in
+  phases) within summation order."""
+  mesh = _mesh((2, 2, 2), ("data", "replica", "model"))
+  tx = optax.adam(1e-2)
+  rng = np.random.default_rng(0)
+  shapes = {"w1": ((2, 16, 32), P(None, "data", "model")),
+            "w2": ((2, 32, 16), P(None, "model", "data")),
+            "norm": ((2, 16), P(None, "data")), "head": ((16, 8), P("data", None))}
+  params = {k: jax.device_put(rng.normal(size=s).astype(np.float32) * 0.1,
+                              NamedSharding(mesh, spec)) for k, (s, spec) in shapes.items()}
+  data = NamedSharding(mesh, P(("replica", "data")))
+  batches = [(jax.device_put(rng.normal(size=(16, 16)).astype(np.float32), data),
+              jax.device_put(rng.integers(0, 8, size=(16,)).astype(np.int32), data))
+             for _ in range(3)]
+  step = _levanter_step(mesh, tx)
+  ws = wus.jit(step)
+  ref = out = (params, tx.init(params))
+  for x, y in batches:
+    *ref, ref_loss = jax.jit(step)(*ref, x, y)
+    *out, out_loss = ws(*out, x, y)
+    assert_trees_equal(ref_loss, out_loss, rtol=1e-6)
+  assert_trees_equal(ref, wus.unshard(out))
+  plan = ws.plan(*out, *batches[0])
+  assert plan.axes == ("replica",), plan
+  for k in shapes:
+    mu = out[1][0].mu[k]
+    assert is_sharded(mu) and mu.nbytes_per_device * 8 == mu.size * 4, (k, mu)

@@ -1,29 +1,18 @@
 """Levanter's own train loop (`levanter.main.train_lm`) on 8 CPU devices, unmodified and
-with haliax's one `jax.jit` swapped for `wus.jit`, side by side.
+with its train step's `named_jit` swapped for `wus.named_jit`, side by side.
 
-Levanter jits its step with `haliax.named_jit`, which jits every function, Levanter's
-`Trainer._train_step` among them, in one place, haliax/partitioning.py
-`_named_pjit_cache`:
+Levanter jits its step, `Trainer._train_step`, with haliax's `named_jit`, imported at the
+top of levanter/trainer.py. The one line a user changes there:
 
-    return jax.jit(
-        fun_wrapped,
-        donate_argnums=0,
-        static_argnums=2,
-        **jitkwargs,
-    )
+    from haliax.partitioning import ResourceMapping, named_jit
 becomes
-    return wus.jit(
-        ...
+    from haliax.partitioning import ResourceMapping
+    from wus import named_jit
 
-(with `import wus` at the top). `wus.jit` then sees the step through named_jit's wrapper,
-`fun_wrapped(dynamic_donated, dynamic_reserved, static)` returning `(out_dynamic,
-Static)`, and pairs the trainer state inside the first with the new state inside the
-returned one by their structure (`wus.matching`, rule 4). Every other `named_jit` function
-(the model's initialisation, evaluation) runs under `wus.jit` too, unchanged where it has
-no state to shard. This runner changes no Levanter or haliax file: in the "wus" run,
-`haliax.partitioning.jax` is a stand-in for the jax module whose `jit` is `wus.jit` when
-called from `_named_pjit_cache` and `jax.jit` everywhere else. The "jax" run has the same
-stand-in around `jax.jit`, so both runs are measured the same way.
+(`wus.named_jit` takes `named_jit`'s arguments; both of the trainer's steps, with and
+without its jit hooks, then run under `wus.jit`). This runner changes no Levanter or
+haliax file: in the "wus" run, `levanter.trainer.named_jit` is `wus.named_jit`; in the
+"jax" run it stays haliax's. Both are wrapped alike to measure them.
 
 Each run is `train_lm.main` with Levanter's own tiny test Llama (2 layers, hidden 32,
 `levanter.testing.model_configs.llama_test_config`) on a cache of random tokens (vocabulary
@@ -65,41 +54,41 @@ def variants(args) -> list[str]:
 
 
 class Recorded:
-  """A jitted named_jit function that keeps, for the train step, each call's loss, time (to
-  its outputs ready) and last new state, and `wus.jit`'s Plan of its first call."""
+  """A jitted train step that logs each call's loss, time (to its outputs ready) and new
+  state in `log` (which the trainer's two steps, with and without its jit hooks, share),
+  and keeps `wus.named_jit`'s Plan of its first call."""
 
-  def __init__(self, step):
-    self.step, self.losses, self.times, self.state, self.plan = step, [], [], None, None
-    self.matched = None
+  def __init__(self, step, log: dict):
+    self.step, self.log, self.plan, self.matched = step, log, None, None
 
   def __call__(self, *args, **kwargs):
     if self.plan is None and hasattr(self.step, "plan"):
       self.plan = self.step.plan(*args, **kwargs)
     import jax  # noqa: PLC0415
     start = time.perf_counter()
-    out = jax.block_until_ready(self.step(*args, **kwargs))
-    result = out[0]
-    if hasattr(result, "new_state"):  # Trainer._train_step's TrainStepResult.
-      if not self.times:  # Both runs: what wus.matching pairs through the wrapper.
-        self.matched = _matched(args, out)
-      self.times.append(time.perf_counter() - start)
-      self.losses.append(result.loss)
-      self.state = result.new_state
-    return out
+    result = jax.block_until_ready(self.step(*args, **kwargs))
+    if self.matched is None:  # Both runs: what wus.matching pairs (state, next value).
+      self.matched = _matched(args, result)
+    self.log["times"].append(time.perf_counter() - start)
+    self.log["losses"].append(result.loss)
+    self.log["state"] = result.new_state
+    return result
 
   def __getattr__(self, name):
     return getattr(self.step, name)
 
 
 def _matched(args: tuple, out) -> str:
-  """How many of the step's input leaves `wus.matching.match_state` pairs with an output
-  leaf (their next value) through named_jit's wrapper."""
+  """How many of the step's input array leaves `wus.matching.match_state` pairs with an
+  output leaf (their next value)."""
   import jax  # noqa: PLC0415
+  from wus.filter_jit import filtered  # noqa: PLC0415
   from wus.matching import Signature, match_state  # noqa: PLC0415
-  dynamic = args[:2]  # (dynamic_donated, dynamic_reserved); args[2] is static.
-  match = match_state(dynamic, out, Signature(("dynamic_donated", "dynamic_reserved")))
+  (arrays, _), _ = filtered(args, {})
+  (out_arrays, _), _ = filtered((out,), {})
+  match = match_state(arrays, out_arrays[0], Signature(("state", "batch", "batch_kwargs")))
   flat = jax.tree_util.tree_flatten_with_path(
-      dynamic, is_leaf=lambda x: type(x).__name__ == "ShardedArray")[0]
+      arrays, is_leaf=lambda x: type(x).__name__ == "ShardedArray")[0]
   unpaired = [jax.tree_util.keystr(p) for k, (p, _) in enumerate(flat)
               if k not in set(match.pairs.values())]
   return (f"{len(match.pairs)} of {len(flat)} input leaves paired with their next value; "
@@ -138,21 +127,29 @@ def config(args, tmp: str):
 def child(args) -> dict:
   """One Levanter run; its record (`common.report` reads it)."""
   common.cpu_devices()
-  import haliax.partitioning as partitioning  # noqa: PLC0415 -- after the device flags
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415 -- after the device flags
   import levanter.main.train_lm as train_lm  # noqa: PLC0415
-  # The one line: `jax.jit` in haliax's `_named_pjit_cache`, and nowhere else.
-  made = common.swap_jit(partitioning, common.variant_jit(args.variant),
-                         lambda caller: (caller.co_name, caller.co_filename)
-                         == ("_named_pjit_cache", partitioning.__file__), Recorded)
+  import levanter.trainer as trainer  # noqa: PLC0415
+  # The one line: levanter/trainer.py's `named_jit`, wus's in the "wus" run.
+  if args.variant == "wus":
+    import wus  # noqa: PLC0415
+    named_jit = wus.named_jit
+  else:
+    named_jit = trainer.named_jit
+  made, log = [], {"losses": [], "times": [], "state": None}
+
+  def recorded(*a, **k):
+    made.append(Recorded(named_jit(*a, **k), log))
+    return made[-1]
+  trainer.named_jit = recorded
   with tempfile.TemporaryDirectory(prefix="levanter-") as tmp:
     train_lm.main(config(args, tmp))
-  step = next(m for m in made if m.state is not None)
+  step = next(m for m in made if m.matched is not None)
   is_leaf = lambda x: type(x).__name__ == "ShardedArray"  # noqa: E731
-  opt = jax.tree.leaves(step.state.opt_state, is_leaf=is_leaf)
-  flat = jax.tree_util.tree_flatten_with_path(step.state.model, is_leaf=is_leaf)[0]
+  opt = jax.tree.leaves(log["state"].opt_state, is_leaf=is_leaf)
+  flat = jax.tree_util.tree_flatten_with_path(log["state"].model, is_leaf=is_leaf)[0]
   params = {jax.tree_util.keystr(p): common.whole(x) for p, x in flat}
-  return {"losses": [float(x) for x in step.losses], "step_times": step.times,
+  return {"losses": [float(x) for x in log["losses"]], "step_times": log["times"],
           "opt_bytes_per_device": common.bytes_per_device(opt),
           "opt_bytes_whole": common.whole_bytes(opt),
           "params": common.save_params(args.variant, params),
