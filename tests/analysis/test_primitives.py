@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
@@ -127,6 +128,7 @@ def _unary(prim):
       lax.round_p: lambda g, m: lax.round(g * 10),
       lax.is_finite_p: lambda g, m: jnp.where(lax.is_finite(g), g, 0.0),
       lax.copy_p: lambda g, m: lax.copy_p.bind(g),
+      compat.name_p: lambda g, m: checkpoint_name(g * m, "update"),
       lax.square_p: lambda g, m: lax.square(g),
       lax.erf_inv_p: lambda g, m: lax.erf_inv(jnp.tanh(g) * 0.5),
       lax.acosh_p: lambda g, m: lax.acosh(jnp.abs(g) + 1.5),
