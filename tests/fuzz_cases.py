@@ -1106,7 +1106,8 @@ def state_bytes(opt_state, devices: int) -> tuple[int, int]:
   measured = wus.bytes_per_device(opt_state).per_device
   ideal = 0
   for x in jax.tree.leaves(wus.unshard(opt_state)):
-    size, nbytes = int(np.size(x)), int(getattr(x, "nbytes", np.asarray(x).nbytes))
+    x = x if hasattr(x, "nbytes") else np.asarray(x)  # A typed key has no NumPy form.
+    size, nbytes = int(x.size), int(x.nbytes)
     ideal += -(-size // devices) * (nbytes // max(size, 1)) if size >= max(BIG, devices) \
         else nbytes
   return measured, ideal
