@@ -19,7 +19,10 @@ specs, and so their types, name), with vocabulary-split embeddings looked up wit
 FSDP over the batch axis, HSDP over ("replica", "fsdp"), data x fsdp x tensor
 on up to 8 devices, each matrix whose first dim divides the FSDP axis placed over
 it and, on Explicit axes, resharded whole before use
-(`jax.sharding.reshard(w, P())`, as JAX's sharding guide writes FSDP).
+(`jax.sharding.reshard(w, P())`, as JAX's sharding guide writes FSDP). The batch
+is placed over the batch axes by the caller, or passed replicated and split
+inside the step by `with_sharding_constraint` (pjit-era code; `reshard` on
+Explicit axes, where a constraint only asserts the type).
 
 Every case is *generated as Python source*: `Case.script()` is a standalone
 program (runnable with `XLA_FLAGS=--xla_force_host_platform_device_count=8

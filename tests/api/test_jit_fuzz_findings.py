@@ -85,15 +85,18 @@ def test_fsdp_with_a_conditional_update_shards_the_whole_weights_state(tx, kind)
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "issue 37 item 4: an FSDP gradient summed by a reduction other than dot_general is "
-    "summed outside the region as GSPMD sums it, and its block's update is not sharded over "
-    "the replica axis: the region shards nothing and the step runs as jax.jit runs it"))
+    "issue 37 item 4: an FSDP block whose gradient is not a dot_general's sum over the "
+    "batch (a reduce_sum, or no sum over its dims at all) is summed outside the region as "
+    "GSPMD sums it, and its update is not sharded over the other batch axis: the region "
+    "shards nothing and the step runs as jax.jit runs it"))
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
-def test_hsdp_scale_summed_by_a_reduction_sharded_over_replica(kind):
-  """Fuzz case (HSDP on an Explicit (2, 2) ("replica", "fsdp") mesh, a LayerNorm-style
-  [12, 21] scale placed over "fsdp" and resharded before use): the scale's gradient is a
-  reduce_sum over the batch, not a matmul. Its state stayed at 1/2 of a copy per device
-  (the placement's) where HSDP's 1/4 is possible, as it is for kernels
+@pytest.mark.parametrize("use", ["scale", "elementwise"])
+def test_hsdp_block_not_summed_by_a_matmul_sharded_over_replica(use, kind):
+  """Fuzz cases: HSDP on an Explicit (2, 2) ("replica", "fsdp") mesh with a LayerNorm-style
+  [12, 21] scale placed over "fsdp" and resharded before use, its gradient a reduce_sum
+  over the batch ("scale"); data x fsdp x tensor (2, 2, 1) with a [512, 2049] tensor used
+  elementwise, times a statistic of the batch ("elementwise"). Their state stayed at 1/2
+  of a copy per device (the placement's) where 1/4 is possible, as it is for kernels
   (tests/api/test_jit_explicit.py, "hsdp")."""
   mesh = _mesh((2, 2), ("replica", "fsdp"), kind)
   tx = optax.adam(1e-2)
@@ -101,6 +104,8 @@ def test_hsdp_scale_summed_by_a_reduction_sharded_over_replica(kind):
   def step(params, opt_state, x):
     def loss(p):
       scale = reshard(p["scale"], P()) if kind == "explicit" else p["scale"]
+      if use == "elementwise":
+        return jnp.sum(jnp.sin(scale * jnp.mean(jnp.tanh(x))))
       a = jnp.tanh(x[:, :1] * jnp.linspace(-1.0, 1.0, 96) + x[:, 1:2]).reshape(-1, 8, 12)
       return jnp.mean(jnp.tanh(a * scale) ** 2)
     updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
@@ -151,3 +156,66 @@ def test_explicit_mesh_elementwise_update_bit_for_bit():
         got = wus.unshard(wus.jit(step)(scale, tx.init(scale), batch))
   assert_trees_equal(out["auto"], got)  # wus rounds as jax.jit does on Auto axes.
   assert_trees_equal(out["explicit"], got)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("make_tx,key", [
+    (lambda: optax.chain(optax.scale_by_distance_over_gradients(), optax.adam(1e-2)),
+     "init_params"),
+    (lambda: optax.contrib.prodigy(1e-2), "params0")], ids=["dog", "prodigy"])
+def test_state_returned_unchanged_kept_sharded(make_tx, key, kind):
+  """Fuzz case (8 data replicas, Explicit axes, a chain with
+  scale_by_distance_over_gradients): the initial parameters DoG keeps in its state are
+  read by the update (its distance from them) and returned unchanged. The region did not
+  return them, so they did not pair as state: kept whole, "read whole elsewhere", 2x the
+  ideal optimizer state per device, where `wus.shard_map` keeps them sharded. Now the
+  region passes them on and they stay sharded. Within summation order (the distance is
+  a norm)."""
+  mesh = _mesh((8,), ("data",), kind)
+  tx = make_tx()
+
+  def step(params, opt_state, x):
+    loss = lambda p: jnp.mean(jnp.tanh(jnp.tanh(x @ p["w"]) @ p["head"]) ** 2)
+    updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  rng = np.random.default_rng(0)
+  params = {"w": 0.3 * rng.standard_normal((16, 32)).astype(np.float32),
+            "head": 0.3 * rng.standard_normal((32, 8)).astype(np.float32)}
+  with jax.set_mesh(mesh):
+    want = got = (params, tx.init(params))
+    ws = wus.jit(step)
+    for _ in range(3):
+      x = jax.device_put(rng.standard_normal((16, 16)).astype(np.float32),
+                         NamedSharding(mesh, P("data")))
+      want, got = jax.jit(step)(*want, x), ws(*got, x)
+  assert_trees_equal(want, wus.unshard(got), rtol=1e-5, atol=1e-7)
+  kept = [x for p, x in jax.tree_util.tree_flatten_with_path(got[1], is_leaf=is_sharded)[0]
+          if key in jax.tree_util.keystr(p)]
+  assert kept and all(is_sharded(x) for x in kept), kept
+  assert _fraction(got[1], mesh) <= 1.15, wus.bytes_per_device(got[1])
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_a_constant_in_the_returned_state(kind):
+  """Fuzz case (8 data replicas, Explicit axes, optimistic gradient descent in a chain):
+  optax's optimistic gradient state holds a flag the update returns as the constant
+  False, a literal among the step's outputs. Finding the region hashed every state
+  output, and the literal is unhashable: wus's own error, and the step ran unchanged.
+  Served, bit for bit."""
+  mesh = _mesh((8,), ("data",), kind)
+  tx = optax.optimistic_gradient_descent(0.1)
+
+  def step(params, opt_state, x):
+    loss = lambda p: jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+    updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  step.tx = tx
+  rng = np.random.default_rng(0)
+  x = jax.device_put(rng.standard_normal((16, 16)).astype(np.float32),
+                     NamedSharding(mesh, P("data")))
+  _, got, plan = _run(mesh, step, {"w": rng.standard_normal((16, 32)).astype(np.float32)},
+                      {"w": P()}, x)
+  assert not plan.unchanged, plan.unchanged
+  assert _fraction(got[1], mesh) <= 1.15, wus.bytes_per_device(got[1])
