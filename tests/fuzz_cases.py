@@ -140,7 +140,10 @@ def tolerance(dtype, reduces, bf16, phased=False):
     the other (§5.1, multi-phase), the same sum of the same terms in another order. A float32 sum
     of K terms then differs by a few ulps (eps = 1.2e-7, error ~ sqrt(K) eps),
     and 2-3 steps of an update that divides by such sums (Adam's sqrt(nu),
-    a trust ratio) amplify that by at most a few hundred ulps: rtol 1e-5.
+    a trust ratio) amplify that, most by a few hundred ulps; a chain that
+    then divides by a difference of close values (AdaBelief's and ACProp's
+    (g - m)^2) by more (seen: 480 ulps in RMSProp's nu after 3 steps of LAMB,
+    RMSProp, ACProp and Nesterov momentum on 6 replicas): rtol 1e-4.
     The error of a reordered sum is relative to the sum, i.e. to the scale
     of the whole tensor, not of each element: an element that is small
     because the update cancelled most of the weight (a trust ratio with no
@@ -171,7 +174,7 @@ def tolerance(dtype, reduces, bf16, phased=False):
     return 0.0, 0.0
   if bf16:
     return 2.0 ** -6, 1e-2 if phased else 1e-3
-  return 1e-5, 1e-6
+  return 1e-4, 1e-6
 
 
 def compare(want, got, *, reduces, bf16, phased=False):
