@@ -663,8 +663,9 @@ class Mesh:
 
   @property
   def kind(self) -> str:
-    """The axes' names, and "fsdp" when weights are placed over a batch axis."""
-    return "x".join(self.names) + (" fsdp" if self.fsdp else "")
+    """The axes' names, "fsdp" when weights are placed over a batch axis, "tp" when some
+    are split over model axes (of any size)."""
+    return "x".join(self.names) + (" fsdp" if self.fsdp else "") + (" tp" if self.model else "")
 
   def __repr__(self) -> str:
     roles = [f"batch={'x'.join(self.batch)}"] + ([f"fsdp={self.fsdp}"] if self.fsdp else []) + (
