@@ -74,7 +74,9 @@ class Region:
     invars: the values it reads from the rest of the step (inputs, constants,
       results of the forward and backward pass).
     in_specs: per invar, its split over the batch axes (P() when whole).
-    outvars: its results that the step returns.
+    outvars: its results that the step returns, and the state it reads that the step
+      returns unchanged (optax's `init_params` of DoG, prodigy's `params0`): the
+      region passes it on, so the Plan may keep it sharded between steps.
     moved: sums whose all-reduce runs after equations that only move their
       elements (`sums` holds the last of those): XLA must not fold those
       into the sum (a transpose into a `dot_general` swaps its operands and
@@ -144,9 +146,10 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
   _pull_needed(jaxpr, kind)
   inside = [i for i, k in enumerate(kind) if k is not None]
   sums = frozenset(i for i in inside if kind[i] == "sum")
+  state_vars = {v for v in (jaxpr.outvars[k] for k in state_out) if not compat.is_literal(v)}
   if state_out:
     producer = Graph(jaxpr).producer
-    inside = _joined(jaxpr, inside, sums | {producer.get(jaxpr.outvars[k]) for k in state_out})
+    inside = _joined(jaxpr, inside, sums | {producer.get(v) for v in state_vars})
   made = {v for i in inside for v in jaxpr.eqns[i].outvars}
   outvars = tuple(dict.fromkeys(v for v in jaxpr.outvars
                                 if not compat.is_literal(v) and v in made))
@@ -158,6 +161,9 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
   invars = tuple(dict.fromkeys(
       v for i in inside for v in jaxpr.eqns[i].invars
       if not compat.is_literal(v) and v not in made))
+  passed = state_vars & set(invars) & set(jaxpr.invars)
+  outvars += tuple(dict.fromkeys(v for v in jaxpr.outvars
+                                 if not compat.is_literal(v) and v in passed))
   placements = frozenset(i for i in inside if is_placement(jaxpr.eqns[i], axis_sizes)
                          or compat.is_sharding_constraint(jaxpr.eqns[i]))
   sums &= set(inside)

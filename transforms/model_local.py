@@ -81,7 +81,8 @@ def eval_local(eqn, position, ins: Sequence[Any], splits: ModelSplits,
     outs = list(ins) if compat.is_sharding_constraint(eqn) else lax.optimization_barrier(ins)
   elif eqn.primitive is compat.cond_p:
     cond = compat.cond(eqn)
-    with compat.source_of(eqn):  # The Plan names the user's line, not this one.
+    # The Plan names the user's line; the branches are traced on the region's mesh.
+    with compat.source_of(compat.in_current_mesh(eqn)):
       outs = cond.bind(ins, [functools.partial(_branch, branch, (position, b), splits,
                                                axis_sizes)
                              for b, branch in enumerate(cond.branches)])
@@ -96,7 +97,7 @@ def eval_local(eqn, position, ins: Sequence[Any], splits: ModelSplits,
     outs = compat.rebind(eqn, *ins, **params)
   if (axes := splits.reduced.get(position)):
     combine = _ALL_REDUCE[dims.combine(eqn)]
-    with compat.source_of(eqn):
+    with compat.source_of(compat.in_current_mesh(eqn)):
       outs = [combine(x, axes) for x in outs]
   return list(outs)
 

@@ -164,7 +164,8 @@ def blocked(blocks: splits_lib.ModelSplits | None) -> frozenset:
 
 def region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple[dict, dict]:
   """The step's state pairs (`match`) as the region's: (region output -> region input,
-  region input -> how it was matched), for state only the region reads and writes."""
+  region input -> how it was matched), for state only the region reads and writes (or
+  reads and passes on unchanged)."""
   inside = set(region.eqns)
   outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
                    if not compat.is_literal(v)}
@@ -174,8 +175,9 @@ def region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple[
   pairs, how = {}, {}
   for o, i in match.pairs.items():
     ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
+    unchanged = ov is iv and jaxpr.outvars.count(iv) == 1
     if (not compat.is_literal(ov) and ov in region_out and iv in region_in
-        and iv not in outside_reads and iv not in returned):
+        and iv not in outside_reads and (iv not in returned or unchanged)):
       pairs[region_out[ov]] = region_in[iv]
       how[region_in[iv]] = match.how[i]
   return pairs, how

@@ -6,6 +6,7 @@ state's life outside the step (`wus.unshard`, `state_target`, Orbax checkpoints)
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -119,6 +120,41 @@ def test_a_conditional_in_the_update_runs_on_blocks(tx):
   plan = ws.plan(*out, b)
   assert not plan.unchanged and not plan.outside, str(plan)
   assert_split_state(out[1], 4)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("tx", [
+    optax.apply_if_finite(optax.adam(1e-2), 2),
+    optax.MultiSteps(optax.adam(1e-2), 2)], ids=["apply_if_finite", "multi_steps"])
+def test_a_conditional_on_blocks_under_the_users_mesh(tx, kind):
+  """Regression (fuzz case: TP on an Auto (3, 2, 1) mesh, apply_if_finite): a step called
+  under `jax.set_mesh(mesh)`, as JAX's sharding guide calls steps (Explicit axes need it).
+  The conditional's branches were traced on blocks inside the region's shard_map with the
+  user's mesh as the context, against an index typed on the region's manual mesh: JAX
+  refused (`lax.switch`'s clamp: "context mesh ... should match the aval mesh"), and the
+  step ran unchanged with that error as the reason. Served, bit for bit (Adam)."""
+  mesh = make_mesh(4, kind)
+  rng = np.random.default_rng(0)
+
+  def step(params, opt_state, batch):
+    loss = lambda p: jnp.mean(jnp.tanh(batch @ p["w"] + p["b"]) ** 2)  # Column-parallel.
+    updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  with jax.set_mesh(mesh):
+    params = {k: jax.device_put(0.3 * rng.standard_normal(shape).astype(np.float32),
+                                NamedSharding(mesh, spec))
+              for k, shape, spec in (("w", (16, 8), P(None, "model")), ("b", (8,), P("model")))}
+    ws, ref = wus.jit(step), jax.jit(step)
+    want = got = (params, tx.init(params))
+    for _ in range(3):
+      batch = jax.device_put(rng.standard_normal((8, 16)).astype(np.float32),
+                             NamedSharding(mesh, P("data")))
+      want, got = ref(*want, batch), ws(*got, batch)
+    plan = ws.plan(*got, batch)
+  assert_trees_equal(want, wus.unshard(got))
+  assert not plan.unchanged, plan.unchanged
+  assert_split_state(got[1], 4)
 
 
 def test_muon_on_split_matrices_runs_as_jax_jit_the_rest_is_served():

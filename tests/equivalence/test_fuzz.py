@@ -2,7 +2,9 @@
 
 Each example is a training program users could write (tests/fuzz_cases.py):
 a random parameter tree used the way layers use it, a random optax chain over
-the transform catalogue, N in {2, 3, 4, 6, 8}, check_vma on or off, 2-3 steps.
+the transform catalogue, N in {2, 3, 4, 6, 8}, check_vma on or off, 2-3 steps;
+half of them per replica under shard_map, half global-view steps under jax.jit
+on Auto or Explicit meshes (data, tensor, FSDP, HSDP, data x fsdp x tensor).
 The unmodified step and the wus step run from the same inputs; their
 parameters, optimizer state (after `wus.unshard`), extra state and loss must
 agree: bit for bit when the update is elementwise, within a tight tolerance
@@ -16,9 +18,22 @@ Profiles (registered here, applied only to this module's test):
   python -m pytest -q tests/equivalence/test_fuzz.py                # "quick": 8, fixed seed
   python -m pytest -q tests/equivalence/test_fuzz.py --slow         # "ci": 100 (WUS_SLOW=1)
   WUS_FUZZ=long python -m pytest -q tests/equivalence/test_fuzz.py  # "long": hundreds, random
-  WUS_FUZZ=long WUS_FUZZ_EXAMPLES=1000 ...                # any size (either profile)
+  WUS_FUZZ=long WUS_FUZZ_EXAMPLES=1000 ...                # any size (any profile)
+  WUS_FUZZ_FRONTS=auto,explicit ...                       # wus.jit only (any profile)
+  WUS_FUZZ_KEEP_GOING=1 ...            # every failure saved as a script; the run goes on
 A failing example prints its complete standalone script (hypothesis `note`):
 save it as repro.py and run `XLA_FLAGS=--xla_force_host_platform_device_count=8 python repro.py`.
+Hypothesis ends the run at the first failure (and shrinks it); with WUS_FUZZ_KEEP_GOING=1 each
+failing case's script is written to .pytest_cache/d/wus-fuzz/cases-<profile>/ instead, its
+error in comments at the end, the run draws on, and it ends red (an error at the module's
+teardown) if any failed.
+
+On a global-view front each case also measures the optimizer state wus returns per device
+(`fuzz_cases.state_bytes`): more than `fuzz_cases.UNDER` times the ideal (every big leaf
+split over all the mesh's devices) counts as "under-sharded", with the Plan's reason, and
+its script is saved the same way, the Plan at its end. It is counted, not failed: the Plan
+gives reasons a fuzz case cannot judge (an all-gather dearer than the all-reduce it
+replaces), so each is triaged by hand.
 
 At the end of the run pytest prints one summary line (cases run, exact,
 close, kept replicated, failures: failing example runs, hypothesis's shrinking
@@ -37,6 +52,7 @@ import pathlib
 import re
 import tempfile
 import time
+import traceback
 
 import jax
 import pytest
@@ -69,6 +85,13 @@ if PROFILE not in ("quick", "ci", "long"):
 # the test: hypothesis's derandomized seed hashes the test's source, decorators included.
 pytestmark = pytest.mark.timeout(
     max(900, 120 * settings.get_profile(f"wus-fuzz-{PROFILE}").max_examples))
+# WUS_FUZZ_FRONTS=auto,explicit: only the global-view steps (wus.jit); every front by default.
+FRONTS = tuple(f for f in fuzz_cases.FRONTS if f in os.environ.get(
+    "WUS_FUZZ_FRONTS", ",".join(fuzz_cases.FRONTS)).split(","))
+KEEP_GOING = os.environ.get("WUS_FUZZ_KEEP_GOING") == "1"
+if not FRONTS:
+  raise ValueError(f"WUS_FUZZ_FRONTS={os.environ['WUS_FUZZ_FRONTS']!r}: name some of "
+                   f"{sorted(set(fuzz_cases.FRONTS))}")
 
 
 class _Summary:
@@ -77,26 +100,48 @@ class _Summary:
   def __init__(self):
     self.start: float | None = None        # At the first example (not at collection).
     self.counts = collections.Counter()
+    self.meshes = collections.Counter()     # Cases run per front and mesh (axis names).
     self.kept = collections.Counter()       # Reasons of replicated clusters holding big tensors.
     self.rejected = collections.Counter()   # Why the unmodified step raised.
     self.examples: dict[str, str] = {}      # Rejection or failure -> the first case that hit it.
     self.failures = collections.Counter()   # Distinct wus failures.
     self.worst = 0.0                        # Largest |diff| / tolerance of a "close" case.
+    self.under = collections.Counter()      # Under-sharded cases, by the Plan's reason.
+    self.folder: pathlib.Path | None = None  # Where the summary and cases' scripts go.
+    self.saved: list[str] = []              # Scripts saved (failures, under-sharded).
+
+  def save(self, kind: str, case, text: str) -> None:
+    """Writes `case`'s script to the folder, `text` (its error, or its Plan) as comments."""
+    if self.folder is None:
+      return
+    folder = self.folder / f"cases-{PROFILE}"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{kind}-{len(self.saved):03d}.py"
+    path.write_text(case.script() + "\n# " + text.replace("\n", "\n# ") + "\n")
+    self.saved.append(str(path))
 
   def line(self) -> str:
     c = self.counts
     return (f"wus fuzz [{PROFILE}]: cases run {c['run']}, exact {c['exact']}, close {c['close']}, "
-            f"kept replicated {c['kept']}, failures {c['failed']} ({len(self.failures)} distinct); "
+            f"kept replicated {c['kept']}, under-sharded {c['under']}, "
+            f"failures {c['failed']} ({len(self.failures)} distinct); "
             f"rejected {c['rejected']} (unmodified step raised); "
             f"worst close diff {self.worst:.2g} of tolerance; "
             f"{time.perf_counter() - (self.start or time.perf_counter()):.0f} s")
+
+  def write(self) -> None:
+    """Writes the summary as JSON (after every case: a run stopped early keeps its figures)."""
+    if self.folder is not None:
+      (self.folder / f"summary-{PROFILE}.json").write_text(json.dumps(self.as_dict(), indent=1))
 
   def as_dict(self) -> dict:
     return {"profile": PROFILE, "line": self.line(), "counts": dict(self.counts),
             "kept_replicated_reasons": dict(self.kept.most_common()),
             "rejected_reasons": dict(self.rejected.most_common()),
             "failures": dict(self.failures.most_common()), "worst_close_ratio": self.worst,
-            "first_case": self.examples}
+            "under_sharded_reasons": dict(self.under.most_common()),
+            "cases_run_per_mesh": dict(self.meshes.most_common()),
+            "first_case": self.examples, "saved": self.saved}
 
 
 SUMMARY = _Summary()
@@ -123,9 +168,12 @@ def fuzz_summary(request):
   # The clock starts here, right before the first example. (Not in the test:
   # hypothesis's derandomized seed hashes the test's source, so any edit there
   # changes every case the CI profile draws.)
-  SUMMARY.start = time.perf_counter()
+  SUMMARY.start, SUMMARY.folder = time.perf_counter(), folder
   yield SUMMARY
-  path.write_text(json.dumps(SUMMARY.as_dict(), indent=1))
+  SUMMARY.write()
+  if KEEP_GOING and SUMMARY.counts["failed"]:
+    pytest.fail(f"{SUMMARY.counts['failed']} cases failed ({dict(SUMMARY.failures)}); their "
+                f"scripts: {[p for p in SUMMARY.saved if '/failed-' in p]}")
 
 
 def _signature(e: BaseException) -> str:
@@ -141,7 +189,7 @@ def _reason(text: str) -> str:
 
 @pytest.mark.fuzz
 @settings(settings.get_profile(f"wus-fuzz-{PROFILE}"))
-@given(case=fuzz_cases.cases())
+@given(case=fuzz_cases.cases(FRONTS))
 def test_wus_matches_unmodified_step(case):
   note(f"Standalone reproduction (repro.py):\n{case.script()}")
   ns = case.build()  # A fuzzer bug (bad source) errors here; it is not a rejection.
@@ -157,12 +205,41 @@ def test_wus_matches_unmodified_step(case):
     _check(case, ns, m, unmodified, make_wus)
 
 
+def _failed(case, sig: str, text: str) -> None:
+  SUMMARY.counts["failed"] += 1
+  SUMMARY.failures[sig] += 1
+  SUMMARY.examples.setdefault(sig, repr(case))
+  SUMMARY.save("failed", case, text)
+
+
+def _measure(case, m, opt_state, plan) -> None:
+  """Counts (and saves) a case whose optimizer state wus keeps under-sharded."""
+  measured, ideal = fuzz_cases.state_bytes(opt_state, m.devices.size)
+  if measured <= fuzz_cases.UNDER * ideal:
+    return
+  kept = [c.reason.strip() for c in plan.clusters if not c.sharded]
+  reason = _reason(plan.unchanged or (kept[0] if kept else "sharded less than the ideal"))
+  SUMMARY.counts["under"] += 1
+  SUMMARY.under[reason] += 1
+  SUMMARY.examples.setdefault("under-sharded: " + reason, repr(case))
+  SUMMARY.save("under", case, f"under-sharded: {measured} B per device of optimizer state, "
+               f"ideal {ideal} B\n{plan}")
+  event("under-sharded")
+
+
 def _check(case, ns, m, unmodified, make_wus):
+  try:
+    _check_case(case, ns, m, unmodified, make_wus)
+  finally:
+    SUMMARY.write()
+
+
+def _check_case(case, ns, m, unmodified, make_wus):
   # The unmodified program first: if plain JAX / optax raises, the case is not a program.
   try:
     args, batches = ns["make_inputs"](m)
     want = jax.block_until_ready(ns["run"](unmodified, args, batches))
-    reduces = ns["reorders_sums"](ns["tx"], args[0])  # Exact, or within `tolerance`.
+    reduces = ns["sums_reordered"](args[0])  # Exact, or within `tolerance`.
   except Exception as e:  # noqa: BLE001
     SUMMARY.counts["rejected"] += 1
     SUMMARY.rejected[_signature(e)] += 1
@@ -172,28 +249,30 @@ def _check(case, ns, m, unmodified, make_wus):
 
   # wus: never skipped. Any exception or mismatch fails the case.
   SUMMARY.counts["run"] += 1
+  SUMMARY.meshes[f"{case.front} {case.mesh.kind}"] += 1
   try:
     step = make_wus()
     got = ns["run"](step, args, batches)
-    msgs, worst = ns["compare"](want, got, reduces=reduces, bf16=case.bf16)
+    tol = dict(reduces=reduces, bf16=case.bf16, phased=case.mesh.phased)
+    msgs, worst = ns["compare"](want, got, **tol)
     if case.evaluate:  # The user's own jitted evaluation reads the state wus returned.
-      more, worse = ns["compare"](ns["evaluate"](*want[:2]), ns["evaluate"](*got[:2]),
-                                  reduces=reduces, bf16=case.bf16)
+      more, worse = ns["compare"](ns["evaluate"](*want[:2]), ns["evaluate"](*got[:2]), **tol)
       msgs, worst = msgs + more, max(worst, worse)
     plan = step.plan(*args, batches[0])
     kept, problems = fuzz_cases.replicated(plan, case.n)
     assert str(plan).startswith("wus plan")  # The Plan prints.
   except Exception as e:
-    SUMMARY.counts["failed"] += 1
-    SUMMARY.failures[_signature(e)] += 1
-    SUMMARY.examples.setdefault(_signature(e), repr(case))
+    _failed(case, _signature(e), "".join(traceback.format_exception(e)))
+    if KEEP_GOING:
+      return
     raise
   if msgs or problems:
-    SUMMARY.counts["failed"] += 1
-    sig = "mismatch: " + (msgs or problems)[0].split(":")[0]
-    SUMMARY.failures[sig] += 1
-    SUMMARY.examples.setdefault(sig, repr(case))
+    _failed(case, "mismatch: " + (msgs or problems)[0].split(":")[0], "\n".join(msgs + problems))
+    if KEEP_GOING:
+      return
     raise AssertionError("wus differs from the unmodified step:\n" + "\n".join(msgs + problems))
+  if case.front != "shard_map":
+    _measure(case, m, got[1], plan)
 
   kind = "close" if reduces else "exact"
   SUMMARY.counts[kind] += 1

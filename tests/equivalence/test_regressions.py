@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, dense_inputs, dense_step, mesh, sharded_leaves
@@ -439,3 +439,43 @@ def test_jit_embedding_gradient_summed_in_auto_axes_stays_outside_the_region():
       lambda init: {"t": init(1, (3,), 0.1), "table": init(21, (1, 1), 0.5)})
   assert_trees_equal(ref, wus.unshard(out))
   assert [c.sharded for c in plan.clusters] == [True]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "wus reduce-scatters a gradient over the replica axis, then the fsdp axis (§5.1), "
+    "rounding the bfloat16 partial sums to bfloat16 between the phases; XLA:CPU's one "
+    "all-reduce in the unmodified step sums bfloat16 in float32 and rounds once"))
+def test_hsdp_bfloat16_gradient_rounded_as_often_as_jax_jit_rounds_it():
+  """Fuzz case (the default profile's, 2026-11-29): HSDP on an Auto ("replica", "fsdp")
+  mesh of (2, 2), a Dense layer with float32 weights computed in bfloat16 (mixed
+  precision), its [13, 47] kernel whole (13 rows do not split over "fsdp"). The kernel's
+  gradient is a bfloat16 sum over both batch axes. jax.jit's program all-reduces it once
+  (XLA:CPU promotes a bfloat16 all-reduce to float32: one rounding); wus's two
+  reduce-scatters each round, one bfloat16 rounding (2^-9 of a partial sum) more;
+  adopt, which divides each element by
+  the previous step's root mean square of it, turned it into 0.0011 against 0.0048 in an
+  element of its first moment. Adam's first moment (0.1 x the gradient) after one step:
+  within float32 summation order once wus rounds as often."""
+  mesh = jax.make_mesh((2, 2), ("replica", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+  tx = optax.adam(1e-2)
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(0.3 * rng.standard_normal((13, 47)), jnp.float32),
+            "b": jnp.asarray(0.1 * rng.standard_normal(47), jnp.float32)}
+
+  def step(params, opt_state, x):
+    def loss(p):
+      h = x[:, :13].astype(jnp.bfloat16) @ p["w"].astype(jnp.bfloat16) + p["b"]
+      return jnp.mean(jnp.tanh(h) ** 2)
+    updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  with jax.set_mesh(mesh):
+    x = jax.device_put(rng.standard_normal((8, 16)).astype(np.float32),
+                       NamedSharding(mesh, P(("replica", "fsdp"))))
+    want = jax.jit(step)(params, tx.init(params), x)
+    ws = wus.jit(step)
+    got = ws(params, tx.init(params), x)
+    assert not ws.plan(params, tx.init(params), x).unchanged
+  mu, got_mu = want[1][0].mu["w"], wus.unshard(got)[1][0].mu["w"]
+  np.testing.assert_allclose(np.asarray(got_mu), np.asarray(mu), rtol=0,
+                             atol=4 * 2.0 ** -23 * float(jnp.max(jnp.abs(mu))))
