@@ -72,6 +72,9 @@ class ShardFormat:
     shape: the logical shape, as the user's step sees it.
     merged_shape: `shape` with runs of adjacent dimensions merged; same size.
     num_shards: the number of replicas the leading merged dim is split over.
+    copy_axes: the other mesh axes (`Plan.copy_axes`) among those replicas, after the
+      plan's own, when they are some of the plan's copy axes only (an FSDP block
+      repeated over "model" but not over "data"); () for the plan's rule (`shard_axes`).
 
   Raises:
     ValueError: `merged_shape` is not `shape` with runs of adjacent dims
@@ -81,6 +84,7 @@ class ShardFormat:
   shape: tuple[int, ...]
   merged_shape: tuple[int, ...]
   num_shards: int
+  copy_axes: tuple[str, ...] = ()
 
   def __post_init__(self):
     if not self.merged_shape or not _merges_adjacent(self.shape, self.merged_shape):

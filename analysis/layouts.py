@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -249,8 +250,10 @@ def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx, in_loop: bool = False,
   A cluster that every replica of `ctx.copies` repeats (`redundancy.differs_over`: in
   a tensor-parallel step, the update of a weight no spec splits over "model") gets
   formats of `ctx.num_shards * copies` shards (`Plan.shard_axes`), if every tensor
-  has more elements than that (`formats.is_shardable_shape`'s rule). A loop body's
-  clusters keep `ctx.num_shards` (their carries cross the loop in one format).
+  has more elements than that (`formats.is_shardable_shape`'s rule); one that only some
+  of them repeat (an FSDP block over "data", repeated over "model") is sharded over
+  those, which its formats name (`ShardFormat.copy_axes`). A loop body's clusters keep
+  `ctx.num_shards` (their carries cross the loop in one format).
 
   Args:
     jaxpr, cluster: as for `assign`.
@@ -265,17 +268,38 @@ def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx, in_loop: bool = False,
   n, copies = ctx.num_shards, math.prod(ctx.copies.values())
   if copies == 1 or in_loop:
     return assign(jaxpr, cluster, n, ctx.big), None
-  note = functools.partial(reasons.OverCopies, tuple(sorted(ctx.axes)), tuple(ctx.copies))
-  why = redundancy.differs_over(jaxpr, cluster, ctx.facts, frozenset(ctx.copies), names)
-  if why is None:
-    wide = assign(jaxpr, cluster, n * copies, ctx.big)
+  note = functools.partial(reasons.OverCopies, tuple(sorted(ctx.axes)))
+  axes, why = _repeated_over(jaxpr, cluster, ctx, names)
+  if axes:
+    wide_n = n * math.prod(ctx.copies[a] for a in axes)
+    wide = assign(jaxpr, cluster, wide_n, ctx.big)
     if not isinstance(wide, Layout):
-      why = wide
-    elif all(math.prod(f.shape) > n * copies for f in wide.formats.values()):
-      return wide, note(summed=redundancy.sums_over(jaxpr, cluster, frozenset(ctx.copies)))
+      why = why or wide
+    elif all(math.prod(f.shape) > wide_n for f in wide.formats.values()):
+      if axes != tuple(ctx.copies):
+        wide = dataclasses.replace(wide, formats={
+            v: dataclasses.replace(f, copy_axes=axes) for v, f in wide.formats.items()})
+      return wide, note(axes, summed=redundancy.sums_over(jaxpr, cluster, frozenset(axes)))
     else:
-      why = f"a tensor has at most {n * copies} elements"
-  return assign(jaxpr, cluster, n, ctx.big), note(why)
+      why = why or f"a tensor has at most {wide_n} elements"
+  return assign(jaxpr, cluster, n, ctx.big), note(tuple(ctx.copies), why)
+
+
+def _repeated_over(jaxpr: Jaxpr, cluster: Cluster, ctx, names: Sequence[str]
+                   ) -> tuple[tuple, str | None]:
+  """The most copy axes (`ctx.copies`, in mesh order) every replica of which repeats the
+  cluster (`redundancy.differs_over`), and why not all of them (None if all). Each set is
+  checked as a whole: a gradient summed over one copy axis and not another is repeated
+  over each alone, not over both at once."""
+  copies = tuple(ctx.copies)
+  why = redundancy.differs_over(jaxpr, cluster, ctx.facts, frozenset(copies), names)
+  if why is None:
+    return copies, None
+  for k in range(len(copies) - 1, 0, -1):
+    for axes in itertools.combinations(copies, k):
+      if redundancy.differs_over(jaxpr, cluster, ctx.facts, frozenset(axes), names) is None:
+        return axes, why
+  return (), why
 
 
 def _solve(classes: _Classes, relations) -> None:

@@ -111,6 +111,8 @@ class Plan:
 
   def shard_axes(self, fmt: Format) -> tuple:
     """The mesh axes a tensor's shards in `fmt` lie over, major first (shard r * copies + c)."""
+    if getattr(fmt, "copy_axes", ()):
+      return (*self.axes, *fmt.copy_axes)
     if self.copies > 1 and fmt.num_shards == self.num_shards * self.copies:
       return (*self.axes, *self.copy_axes)
     return tuple(self.axes)
@@ -199,19 +201,26 @@ class Plan:
     """Bytes of the step's state (inputs with a next value) each replica keeps whole."""
     return sum(i.nbytes for i in self.inputs if i.state and not i.sharded)
 
+  def _wide(self) -> str:
+    """How many sharded clusters lie over copy axes too, per set of axes, for the totals."""
+    wide: dict = {}  # (axes, N) -> clusters.
+    for c in self.clusters:
+      fmt = next((t.format for t in c.tensors if t.format is not None
+                  and len(self.shard_axes(t.format)) > len(self.axes)), None)
+      if c.sharded and fmt is not None:
+        key = (self.shard_axes(fmt), fmt.num_shards)
+        wide[key] = wide.get(key, 0) + 1
+    return "".join(f", {k} of them over {axes} (N={n}, identical across "
+                   f"{list(axes[len(self.axes):])})" for (axes, n), k in wide.items())
+
   def _totals(self, cite: bool) -> list[str]:
     """The totals lines; with `cite`, the bucket arithmetic, else the collectives in brief."""
     whole, shard = self.state_bytes
     sharded = sum(c.sharded for c in self.clusters)
     owned = sum(c.owner is not None for c in self.clusters)
-    wide = sum(c.sharded and any(t.format is not None and len(self.shard_axes(t.format)) > len(
-        self.axes) for t in c.tensors) for c in self.clusters)
     lines = [f"wus plan: {sharded} of {len(self.clusters)} weight-update clusters sharded"
              + (f", {owned} owned" if owned else "") + f" over "
-             f"{self.axes} (N={self.num_shards})" + (
-                 f", {wide} of them over {(*self.axes, *self.copy_axes)} "
-                 f"(N={self.num_shards * self.copies}, identical across {list(self.copy_axes)})"
-                 if wide else "") + f", {self.objective} objective",
+             f"{self.axes} (N={self.num_shards})" + self._wide() + f", {self.objective} objective",
              *([f"  the step runs unchanged: {self.unchanged}"] if self.unchanged else []),
              *[f"  runs as jax.jit runs it, with what it reads: {why}" for why in self.outside],
              f"  state kept sharded between steps: {_bytes(whole)} whole -> {_bytes(shard)} per "

@@ -45,15 +45,17 @@ def _train_step(tx):
   return train_step
 
 
-@pytest.mark.parametrize("shape,mapping", [
-    ((8,), {"batch": "data"}),
-    ((4, 2), {"batch": "data", "mlp": "model"}),
-], ids=["data", "data_model"])
-def test_named_jit_as_levanter_calls_it_bit_for_bit_state_sharded(shape, mapping):
+@pytest.mark.parametrize("shape,mapping,layouts", [
+    ((8,), {"batch": "data"}, False),
+    ((4, 2), {"batch": "data", "mlp": "model"}, False),
+    ((4, 2), {"batch": "data", "mlp": "model"}, True),
+], ids=["data", "data_model", "data_model_in_out"])
+def test_named_jit_as_levanter_calls_it_bit_for_bit_state_sharded(shape, mapping, layouts):
   """The step under haliax's `named_jit` and under `wus.named_jit`, the same arguments
-  (the state donated, as Levanter's `donate_args=(True, True)`) over three steps: bit for
-  bit, and Adam's moments kept sharded over "data" (1/8 of each per device on data 8, of
-  each "model" block on data 4 x model 2)."""
+  (the state donated, as Levanter's `donate_args=(True, True)`; with `layouts`, the
+  arguments and outputs laid out by `in_axis_resources` and `out_axis_resources`, as
+  `haliax.fsdp` does) over three steps: bit for bit, and Adam's moments kept sharded over
+  "data" (1/8 of each per device on data 8, of each "model" block on data 4 x model 2)."""
   names = ("data", "model")[:len(shape)]
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
   tx = optax.adam(1e-2)
@@ -63,7 +65,9 @@ def test_named_jit_as_levanter_calls_it_bit_for_bit_state_sharded(shape, mapping
                                          (Batch, Embed))) for _ in range(2)) for _ in range(3)]
     runs = {}
     for name, named_jit in (("haliax", haliax_named_jit), ("wus", wus.named_jit)):
-      step = named_jit(_train_step(tx), axis_resources=mapping, donate_args=(True, True))
+      given = dict(in_axis_resources=mapping, out_axis_resources=mapping) if layouts else {}
+      step = named_jit(_train_step(tx), axis_resources=mapping, donate_args=(True, True),
+                       **given)
       model = hax.shard(MLP.init(jax.random.key(0)))  # Each run's own: the first donates it.
       state = (model, tx.init(eqx.filter(model, eqx.is_array)))
       losses = []
