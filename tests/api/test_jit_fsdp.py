@@ -381,9 +381,7 @@ def test_hsdp_stacked_layers_and_a_shard_map_loss_as_levanter_writes_them():
   assert_trees_equal(ref, wus.unshard(out))
   plan = ws.plan(*out, *batches[0])
   assert plan.axes == ("replica",), plan
-  for k, (_, spec) in shapes.items():
+  for k in shapes:
     mu = out[1][0].mu[k]
-    # A block whole over "model" (norm, head) is repeated there too; wus does not yet shard
-    # an FSDP block over a model axis (test_jit_attention's FSDP + TP xfail): 1/4 until then.
-    parts = 8 if "model" in spec else 4
-    assert is_sharded(mu) and mu.nbytes_per_device * parts == mu.size * 4, (k, mu)
+    # A block whole over "model" (norm, head) is repeated there too, and sharded over it.
+    assert is_sharded(mu) and mu.nbytes_per_device * 8 == mu.size * 4, (k, mu)
