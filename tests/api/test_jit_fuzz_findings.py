@@ -84,11 +84,6 @@ def test_fsdp_with_a_conditional_update_shards_the_whole_weights_state(tx, kind)
   assert head and all(is_sharded(x) for x in head), plan
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 37 item 4: an FSDP block whose gradient is not a dot_general's sum over the "
-    "batch (a reduce_sum, or no sum over its dims at all) is summed outside the region as "
-    "GSPMD sums it, and its update is not sharded over the other batch axis: the region "
-    "shards nothing and the step runs as jax.jit runs it"))
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 @pytest.mark.parametrize("use", ["scale", "elementwise"])
 def test_hsdp_block_not_summed_by_a_matmul_sharded_over_replica(use, kind):
@@ -97,7 +92,8 @@ def test_hsdp_block_not_summed_by_a_matmul_sharded_over_replica(use, kind):
   over the batch ("scale"); data x fsdp x tensor (2, 2, 1) with a [512, 2049] tensor used
   elementwise, times a statistic of the batch ("elementwise"). Their state stayed at 1/2
   of a copy per device (the placement's) where 1/4 is possible, as it is for kernels
-  (tests/api/test_jit_explicit.py, "hsdp")."""
+  (tests/api/test_jit_explicit.py, "hsdp"). Served since FSDP blocks repeated over some
+  copy axes are sharded over those (`layouts.assign_repeated`): 1/4."""
   mesh = _mesh((2, 2), ("replica", "fsdp"), kind)
   tx = optax.adam(1e-2)
 
