@@ -9,7 +9,9 @@ held-out loss and accuracy, step times and throughput, per-device memory of
 the state and of the compiled step, and the collectives in each compiled step.
 With --output_dir, each mode checkpoints there and resumes from its latest
 checkpoint; every mode's checkpoints are checked before the first one trains.
-`results.json` there keeps one record per run: a resumed run appends its own.
+`results.json` there keeps one record per run: a resumed run appends its own;
+`comparison.png` is the picture of the last run (the modes' loss curves on one axis,
+and the optimizer state and compiled step per device, replicated beside wus).
 
 Examples:
   wus-train                                      # Transformer LM on stdlib bytes
@@ -32,7 +34,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from wus.harness.data import batches, datasets
-from wus.harness.training import checkpoint, cli, loop, optim, steps
+from wus.harness.training import checkpoint, cli, figure, loop, optim, steps
 from wus.harness import console, errors
 from wus.harness.tools import report
 from wus.harness.models import tasks
@@ -390,11 +392,15 @@ def train() -> None:
     if configs[0].output_dir:
       path = configs[0].output_dir.parent / "results.json"
       append_record(path, {"flags": cli.flag_values(), "modes": results})
+      picture = figure.plot(results, configs[0].output_dir.parent / "comparison.png",
+                            f"{configs[0].model}, {configs[0].optimizer}, "
+                            f"{jax.device_count()} devices")
       for c in configs:
         print(f"Saved {c.mode}: checkpoints in {c.output_dir / 'checkpoints'} (latest: update "
               f"{results[c.mode]['final_step']}), metrics in {c.output_dir / 'metrics.jsonl'} "
               f"and {c.output_dir / 'tensorboard'}")
-      print(f"Appended this run's results to {path}")
+      print(f"Appended this run's results to {path}; its picture (losses, memory per "
+            f"device) is {picture}")
     else:
       print("Nothing was saved (no --output_dir): pass --output_dir=DIR for checkpoints, "
             "metrics and resuming.")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from absl.testing import flagsaver
 
-from wus.harness.training import checkpoint, cli, config, train
+from wus.harness.training import checkpoint, cli, config, figure, train
 from wus.harness.tools import report
 
 
@@ -189,3 +189,26 @@ def test_format_results_says_when_wus_needs_more_temporary_memory():
           "2,000,000 to 840,000 bytes") in text
   assert "temporary memory" not in train.format_results(
       {"replicated": summary([1.0], memory=after), "wus": summary([1.0], memory=before)})
+
+
+def test_the_picture_draws_what_the_run_measured(tmp_path):
+  """wus-train's picture (figure.py) from a short real run of both modes: one loss curve
+  per mode with every update's measured loss, and bars of the measured MiB per device."""
+  configs = [config.RunConfig.for_model("mlp_small", mode=mode, steps=3, batch_size=2,
+                                        eval_examples=16) for mode in ("replicated", "wus")]
+  results = train.fit_modes(configs)
+  fig = figure.draw(results, "mlp_small")
+  loss_ax, mem_ax = fig.axes
+  for line, (mode, r) in zip(loss_ax.get_lines(), results.items(), strict=True):
+    assert line.get_label() == mode
+    np.testing.assert_array_equal(line.get_xdata(), [1, 2, 3])
+    np.testing.assert_array_equal(line.get_ydata(), r["losses"])
+  for bars, r in zip(mem_ax.containers, results.values(), strict=True):
+    heights = [b.get_height() * 2 ** 20 for b in bars]
+    np.testing.assert_allclose(heights, [r["state_bytes_per_device"]["opt_state"],
+                                         r["memory"]["total"]])
+  wus_state, replicated_state = (results[m]["state_bytes_per_device"]["opt_state"]
+                                 for m in ("wus", "replicated"))
+  assert wus_state * 8 <= replicated_state * 1.15  # what the picture shows: 1/8 per device
+  path = figure.plot(results, tmp_path / "comparison.png")
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
