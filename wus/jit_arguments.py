@@ -159,13 +159,18 @@ def placement(x, mesh: Mesh) -> NamedSharding:
 
 def mesh_of(leaves: list, declared: list) -> Mesh | None:
   """The mesh of the arguments (of the largest NamedSharding, `in_shardings` included), or
-  the one set with `jax.set_mesh` (or the legacy `with mesh:`); None for a single device."""
+  the one set with `jax.set_mesh` (or the legacy `with mesh:`); None for a single device.
+
+  Of meshes of one size, the first some leaf is split over: Keras's guide to data
+  parallelism replicates the variables on a mesh with an axis "_" and splits the batch
+  on one with an axis "batch", both over the same devices, and jax.jit takes both."""
   shardings = [getattr(x, "sharding", None) for x in leaves if not is_sharded(x)] + declared
-  meshes = [x.mesh for x in leaves if is_sharded(x)]
-  meshes += [s.mesh for s in shardings if isinstance(s, NamedSharding)]
+  named = [s for s in shardings if isinstance(s, NamedSharding)]
+  meshes = [x.mesh for x in leaves if is_sharded(x)] + [s.mesh for s in named]
   meshes = [m for m in meshes if isinstance(m, Mesh) and m.size > 1]
   if meshes:
-    return max(meshes, key=lambda m: m.size)
+    split = {s.mesh for s in named if any(e is not None for e in s.spec)}
+    return max(meshes, key=lambda m: (m.size, m in split))
   current = jax.sharding.get_mesh()
   if current.empty:
     current = compat.legacy_mesh() or current
@@ -205,7 +210,8 @@ def batch_splits(jaxpr, leaves: list, declared: list, mesh: Mesh,
   seeds = {}
   for k, (x, d, v) in enumerate(zip(leaves, declared, jaxpr.invars, strict=True)):
     sharding = d or getattr(x, "sharding", None)
-    if k in state or is_sharded(x) or not isinstance(sharding, NamedSharding):
+    if (k in state or is_sharded(x) or not isinstance(sharding, NamedSharding)
+        or sharding.mesh != mesh):  # On another mesh: read as unplaced (batch_axes too).
       continue
     entries = (*sharding.spec, *(None,) * (v.aval.ndim - len(sharding.spec)))[:v.aval.ndim]
     seeds[v] = tuple(tuple(a for a in (e if isinstance(e, tuple) else (e,))

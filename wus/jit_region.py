@@ -14,7 +14,7 @@ them (`arguments`) and the names of the values it reads (`name_of`).
 from __future__ import annotations
 
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import compat, global_view
 from wus.analysis import model_splits as splits_lib
@@ -47,7 +47,7 @@ def update_region(flat, splits, mesh: Mesh, model: tuple, fsdp: tuple, leaves: l
   types = tuple(zip(mesh.axis_names, mesh.axis_types, strict=True))
   outside: dict[int, str] = {
       i: "" for i, e in enumerate(flat.jaxpr.eqns)
-      if any(compat.type_axes(v.aval) not in ((), types) for v in e.invars)}
+      if any(_typed_otherwise(v.aval, types) for v in e.invars)}
   cannot = (f"the update cannot run on the blocks of the tensors split over "
             f"{[*model, *fsdp]}: {{}}; the step runs as jax.jit runs it")
   while True:
@@ -75,6 +75,15 @@ def update_region(flat, splits, mesh: Mesh, model: tuple, fsdp: tuple, leaves: l
   specs = region_specs(region, blocks)
   return specs if isinstance(specs, str) else (flat, region, blocks, specs,
                                                tuple(filter(None, outside.values())))
+
+
+def _typed_otherwise(aval, types: tuple) -> bool:
+  """Whether a value is typed on other axis types than the mesh's (`types`: its (name,
+  type) pairs), as `auto_axes` retypes one inside an Explicit mesh. A type on another
+  mesh whose axes are Auto, as the mesh's are, lays nothing out: Keras's guide to data
+  parallelism replicates the variables on a mesh of their own over the same devices."""
+  have = compat.type_axes(aval)
+  return have not in ((), types) and not all(t == AxisType.Auto for _, t in (*have, *types))
 
 
 def model_splits(jaxpr, region, leaves: list, declared: list, mesh: Mesh, model: tuple,

@@ -184,6 +184,26 @@ def test_optax_lookahead_slow_weights_evaluated_as_its_notebook_does():
   assert_trees_equal(evaluate(ref[0].slow, batches[0]), evaluate(out[0].slow, batches[0]))
 
 
+def test_state_replicated_on_a_mesh_of_its_own_over_the_batch_devices():
+  """Keras's "Multi-GPU distributed training with JAX" guide: the state replicated on
+  `Mesh(devices, ("_",))`, the batch split on `Mesh(devices, ("batch",))`, the same devices;
+  jax.jit takes both. wus plans on the batch's mesh and shards the update (it took the
+  first mesh and failed with a KeyError, then left every update outside the region, its
+  values typed on the other mesh's Auto axes). Here with Flax and optax."""
+  devices = np.array(jax.devices()[:8])
+  replicated = NamedSharding(jax.sharding.Mesh(devices, ("_",)), P())
+  batch_mesh = jax.sharding.Mesh(devices, ("batch",))
+  model, tx = MLP(), optax.adam(1e-2)
+  params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 12))), replicated)
+  opt_state = jax.device_put(tx.init(params), replicated)
+  train_step = classifier_step(model, tx)
+  batches = _batches(batch_mesh, 3, batch_axes="batch")
+  ws = wus.jit(train_step)
+  plan = ws.plan(params, opt_state, batches[0])
+  assert not plan.unchanged and plan.axes == ("batch",), plan
+  _, out = _run_both(train_step, ws, (params, opt_state), batches)
+  assert_state_sharded(out[1], 8)
+
 def test_schedule_free_eval_params_as_optax_documents_them():
   """`optax.contrib.schedule_free_eval_params(opt_state, params)` on the step's outputs,
   then the user's jitted evaluation."""
