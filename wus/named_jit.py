@@ -35,12 +35,12 @@ def named_jit(fn: Callable | None = None, axis_resources=None, *, in_axis_resour
   Args:
     fn: the step.
     axis_resources: haliax's mapping from named axes to mesh axes, for tracing.
-    in_axis_resources, out_axis_resources: the mappings the arguments and outputs are
-      laid out by.
-    donate_args, donate_kwargs: per positional argument (a prefix tuple) and per keyword,
-      whether its buffers are donated: True donates every array of that argument; any
-      other value (False, a per-leaf tree or function, which haliax also takes) donates
-      none of it.
+    in_axis_resources: the mapping the arguments are laid out by.
+    out_axis_resources: the mapping the outputs are laid out by.
+    donate_args: per positional argument (a prefix tuple), whether its buffers are
+      donated: True donates every array of that argument; any other value (False, a
+      per-leaf tree or function, which haliax also takes) donates none of it.
+    donate_kwargs: the same per keyword argument.
     **jitkwargs: `jax.jit`'s other keywords (`keep_unused`, `backend`, `inline`) and
       wus's options, as for `wus.jit`.
 
