@@ -39,7 +39,9 @@ def test_adam_plan_lists_every_state_tensor():
   assert 0 < shard * 8 - whole < 8 * 8 * 4 * 8  # Padding is less than N rows per tensor.
 
 
-@pytest.mark.parametrize("name,make_tx", REDUCING, ids=[n for n, _ in REDUCING])
+@pytest.mark.parametrize("name,make_tx", [  # AGC and clipping (tests/collectives/) with --slow.
+    pytest.param(*r, id=r[0], marks=pytest.mark.slow if r[0] in ("agc", "clip_adam") else ())
+    for r in REDUCING])
 def test_norms_run_on_shards_within_summation_order(name, make_tx):
   """Norms: masked local sums, combined by one all-reduce per phase (§4.1, Fig. 6)."""
   ref, got, step = both(make_tx(), _mesh())
@@ -77,7 +79,9 @@ UNSHARDABLE = [
 ]
 
 
-@pytest.mark.parametrize("name,make_tx,why", UNSHARDABLE, ids=[n for n, _, _ in UNSHARDABLE])
+@pytest.mark.parametrize("name,make_tx,why", [  # Muon's loop (a minute) with --slow.
+    pytest.param(*u, id=u[0], marks=pytest.mark.slow if u[0] == "muon" else ())
+    for u in UNSHARDABLE])
 def test_update_the_rules_cannot_shard_stays_replicated_and_exact(name, make_tx, why):
   """A reduction with no exact shard rule, a reshape that regroups reduced dims,
   matmuls on the weight (Muon): those clusters stay replicated, with the reason."""

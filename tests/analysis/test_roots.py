@@ -66,7 +66,7 @@ def _bert_step(model):
   return step
 
 
-@pytest.mark.parametrize("n", [8, 6])
+@pytest.mark.parametrize("n", [pytest.param(8, marks=pytest.mark.slow), 6])
 def test_position_embedding_state_shards_under_check_vma(n):
   """AD all-reduces the gathered rows' cotangent before the scatter-add that
   builds the table's gradient (no shard rule). That all-reduce and scatter-add

@@ -63,7 +63,8 @@ def _opt_leaves(optimizer):
 @pytest.mark.parametrize("keywords", [
     dict(static_argnames=("loss_fn", "smoothing"), donate_argnames=("model", "optimizer")),
     dict(static_argnums=(3, 4), donate_argnums=(0, 1)),
-    dict(static_argnames="loss_fn", donate_argnums=1, keep_unused=True),
+    pytest.param(dict(static_argnames="loss_fn", donate_argnums=1, keep_unused=True),
+                 marks=pytest.mark.slow),
 ], ids=["names", "numbers", "mixed"])
 def test_nnx_step_with_static_and_donated_arguments(keywords):
   """Static arguments passed by position and by keyword, donated model and optimizer: as
@@ -150,8 +151,9 @@ def _eqx_problem(mesh):
   return eqx, model, optim.init(eqx.filter(model, eqx.is_array)), make_step
 
 
-@pytest.mark.parametrize("donate", ["none", "all", "all-except-first", "warn",
-                                    "warn-except-first"])
+@pytest.mark.parametrize("donate", [  # "all-except-first" and its warn form with --slow.
+    "none", "all", pytest.param("all-except-first", marks=pytest.mark.slow), "warn",
+    pytest.param("warn-except-first", marks=pytest.mark.slow)])
 def test_filter_jit_donate_modes(donate):
   """Each of Equinox's `donate=` modes, with `jax.jit` keywords through `jitkwargs`: the
   same results as `eqx.filter_jit`, and the same arguments consumed."""

@@ -81,8 +81,9 @@ def _sharded(tree) -> list:
   return [x for x in jax.tree.leaves(tree, is_leaf=is_sharded) if is_sharded(x)]
 
 
-@pytest.mark.parametrize("tx", [optax.adam(1e-2), optax.sgd(1e-2, momentum=0.9)],
-                         ids=["adam", "momentum"])
+@pytest.mark.parametrize("tx", [
+    optax.adam(1e-2), pytest.param(optax.sgd(1e-2, momentum=0.9), marks=pytest.mark.slow)],
+    ids=["adam", "momentum"])
 def test_fsdp_kernels_say_fsdp_the_rest_sharded_bit_for_bit(tx):
   """On ("data", "model") = (8, 1) (a size-1 model axis, as users name it) the kernels
   are placed over "data": their state stays as placed, 1/8 per device, and the Plan says
@@ -187,7 +188,7 @@ def test_hsdp_blocks_sharded_over_replica_weights_bit_for_bit_in_one_step():
 
 @pytest.mark.parametrize("name,make_tx", [
     ("clip_adamw", lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2))),
-    ("lamb", lambda: optax.lamb(1e-2)),
+    pytest.param("lamb", lambda: optax.lamb(1e-2), marks=pytest.mark.slow),
 ])
 def test_fsdp_norms_combine_across_blocks_within_summation_order(name, make_tx):
   """Global-norm clipping and LAMB's trust ratios read the FSDP kernels' blocks: their
@@ -289,7 +290,7 @@ def test_fsdp_embedding_under_multi_steps_runs_unchanged_bit_for_bit():
   assert "control_flow.py" not in plan.unchanged, plan.unchanged
 
 
-@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("kind", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
 def test_fsdp_position_embedding_summed_outside_the_rest_served(kind):
   """A GPT's token and learned position embeddings placed over "fsdp" (1-D FSDP), looked
   up as JAX asks on each mesh kind: their gradients are scatter-adds, summed outside the

@@ -226,7 +226,7 @@ def test_schedule_free_eval_params_as_optax_documents_them():
 # --- Sharding constraints inside the step. ------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(8,), (8, 1)])
+@pytest.mark.parametrize("shape", [(8,), pytest.param((8, 1), marks=pytest.mark.slow)])
 def test_equinox_data_parallel_example_with_filter_shard(shape):
   """Equinox's data-parallel example (examples/parallelism), shrunk: `eqx.filter_shard` of
   the model and optimizer state to `replicated` at the start and end of the step. The
@@ -275,7 +275,8 @@ def test_equinox_data_parallel_example_with_filter_shard(shape):
 
 @pytest.mark.parametrize("constraint", [
     pytest.param(lambda mesh: P(), id="P()"),
-    pytest.param(lambda mesh: NamedSharding(mesh, P()), id="NamedSharding(mesh, P())"),
+    pytest.param(lambda mesh: NamedSharding(mesh, P()), id="NamedSharding(mesh, P())",
+                 marks=pytest.mark.slow),
     pytest.param(lambda mesh: NamedSharding(mesh, P(None, "model")), id="size-1 axis"),
 ])
 def test_with_sharding_constraint_replicating_weights_and_state(constraint):

@@ -28,9 +28,11 @@ from jit_tensor_parallel import (RULES, LogicalMLP, assert_split_state, batches,
 # --- linen, logical axis rules mapping "mlp" and "heads" to "model". --------------------
 
 
-@pytest.mark.parametrize("n_data", [4, 3])
-@pytest.mark.parametrize("tx", [optax.adam(1e-2), optax.sgd(1e-2, momentum=0.9)],
-                         ids=["adam", "momentum"])
+@pytest.mark.parametrize("n_data,tx", [  # Adam on 4 x 2 by default; the rest with --slow.
+    pytest.param(4, optax.adam(1e-2), id="adam-4"),
+    pytest.param(3, optax.adam(1e-2), id="adam-3", marks=pytest.mark.slow),
+    pytest.param(4, optax.sgd(1e-2, momentum=0.9), id="momentum-4", marks=pytest.mark.slow),
+    pytest.param(3, optax.sgd(1e-2, momentum=0.9), id="momentum-3", marks=pytest.mark.slow)])
 def test_linen_logical_axis_rules_bit_for_bit_state_over_data_x_model(n_data, tx):
   mesh = make_mesh(n_data)
   model, params = linen_args(mesh, tx)

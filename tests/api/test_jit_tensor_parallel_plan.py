@@ -81,7 +81,7 @@ def test_the_plan_says_each_tensor_is_split_by_its_placement_and_sharded_by_wus(
 
 @pytest.mark.parametrize("tx", [
     optax.chain(optax.clip_by_global_norm(1e-3), optax.adam(1e-2)),
-    optax.lamb(1e-2)], ids=["clip_by_global_norm", "lamb"])
+    pytest.param(optax.lamb(1e-2), marks=pytest.mark.slow)], ids=["clip_by_global_norm", "lamb"])
 def test_reductions_over_model_split_weights_within_summation_order(tx):
   """The global norm (and LAMB's per-tensor norms) of split weights: each rank's partial
   sum combined over "model" as well as over "data"; equal to the unmodified step up to
@@ -157,6 +157,7 @@ def test_a_conditional_on_blocks_under_the_users_mesh(tx, kind):
   assert_split_state(got[1], 4)
 
 
+@pytest.mark.slow  # Muon's Newton-Schulz loop, compiled twice (a minute or more).
 def test_muon_on_split_matrices_runs_as_jax_jit_the_rest_is_served():
   """Muon orthogonalizes each matrix in a `scan` over its whole dims, which a matrix
   split over "model" cannot give it (issue 29 item 6): each such update runs as jax.jit

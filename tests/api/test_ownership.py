@@ -104,9 +104,10 @@ def _owned(tree):
   return [x for x in sharded_leaves(tree) if isinstance(x.format, OwnedFormat)]
 
 
-# The default profile runs each optimizer once, both vma modes and both N among
-# them; --slow runs every combination (docs/tests.md).
-_DEFAULT = {("muon", True, 8), ("muon_adamw", False, 6), ("shampoo_like", True, 6)}
+# The default profile runs one optimizer (Muon runs owned in the default profile under
+# wus.pmap, test_pmap_muon_bit_for_bit, and wus.jit, test_ownership_jit.py); --slow runs
+# every combination (docs/tests.md).
+_DEFAULT = {("shampoo_like", True, 6)}
 _CASES = [pytest.param(name, make_tx, vma, n, id=f"{name}-{'vma' if vma else 'novma'}-{n}",
                        marks=() if (name, vma, n) in _DEFAULT else pytest.mark.slow)
           for name, make_tx in OPTIMIZERS for vma in (True, False) for n in (8, 6)]
@@ -214,6 +215,7 @@ def _update_flops(model, tx, n, step=None, args=None):
           flops(ws.lower(params, state, x)) - base, ws.plan(params, state, x))
 
 
+@pytest.mark.slow
 def test_update_flops_per_device_are_about_one_nth():
   """XLA's cost analysis of the compiled steps (a conditional counts its costliest
   branch): each device runs the Newton-Schulz iterations of its own matrices."""
@@ -222,6 +224,7 @@ def test_update_flops_per_device_are_about_one_nth():
   assert owned <= 1.25 * replicated / n, (owned, replicated)
 
 
+@pytest.mark.slow
 def test_imbalanced_model_is_balanced_by_predicted_cost():
   """14 [32,32] kernels, one [64,64] (4x the elements, 8x the Newton-Schulz flops) and a
   few others at N = 8: each replica owns one [32,32] of the full round; the remainders

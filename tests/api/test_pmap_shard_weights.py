@@ -136,7 +136,8 @@ def _named(tree) -> dict:
       tree, is_leaf=lambda v: isinstance(v, wus.ShardedArray))[0]}
 
 
-@pytest.mark.parametrize("objective", ["memory", pytest.param("time", marks=pytest.mark.slow)])
+@pytest.mark.slow  # Both objectives end to end (a minute each); the other tests here stay.
+@pytest.mark.parametrize("objective", ["memory", "time"])
 def test_weights_stay_sharded_and_match_jax_pmap(objective):
   a, b, ws = _run(weight_decay=False, shard_weights=True, objective=objective)
   params = _named(b[0])
@@ -161,6 +162,7 @@ def test_weights_stay_sharded_and_match_jax_pmap(objective):
   assert len(clusters) == len(narrow) and all(c.sharded for c in clusters), plan
 
 
+@pytest.mark.slow  # tests/transforms/test_shard_weights.py checks the 16-bit gather by default.
 def test_the_weight_all_gather_is_bfloat16():
   """The narrow weights are gathered as 16-bit words in one batched all-gather;
   only BatchNorm's float32 scale and bias are gathered in float32."""

@@ -120,7 +120,7 @@ def _small(name: str, leaves: int) -> tuple[str, str, jax.stages.Lowered]:
   return lowered.as_text(), lowered.compile().as_text(), ref
 
 
-@pytest.mark.parametrize("leaves", [4, 8])
+@pytest.mark.parametrize("leaves", [pytest.param(4, marks=pytest.mark.slow), 8])
 def test_global_norm_clip_adds_one_small_all_reduce_not_one_per_tensor(leaves):
   """clip_by_global_norm before adam: the partial sums of squares of every sharded
   tensor travel in one all-reduce of `leaves + 1` floats (§4.1, §5.2). XLA's
@@ -218,8 +218,9 @@ _CPU = network.Topology((network.Axis("data", N, alpha=5e-5, bandwidth=1e9),),
 
 
 # Accelerator-class figures batch the small tensors (copies are cheap next to latency).
-@pytest.mark.parametrize("topology", [network.default_topology(N, platform="tpu"), _CPU],
-                         ids=["batched", "alone"])
+@pytest.mark.parametrize("topology", [
+    pytest.param(network.default_topology(N, platform="tpu"), marks=pytest.mark.slow), _CPU],
+    ids=["batched", "alone"])
 def test_donated_weights_are_gathered_into_their_buffers_without_a_copy(topology):
   """With the state donated, each weight's all-gather (or the slice of it out
   of a batched one) writes the buffer of the weight it replaces, which the

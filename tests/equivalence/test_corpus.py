@@ -175,8 +175,7 @@ PMAP_CASES = [
 
 
 @pytest.mark.parametrize("name,n,pmap_kw", [
-    pytest.param(*p, id=f"{p[0]}-n{p[1]}", marks=() if p[0] == "lm1b" else pytest.mark.slow)
-    for p in PMAP_CASES])
+    pytest.param(*p, id=f"{p[0]}-n{p[1]}", marks=pytest.mark.slow) for p in PMAP_CASES])
 def test_pmap_as_published(name, n, pmap_kw):
   """`jax.pmap(train_step, axis_name="batch")` -> `wus.pmap(...)`, nothing else."""
   c = case(name)

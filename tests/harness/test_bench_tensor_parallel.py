@@ -20,6 +20,7 @@ def test_add_data_to_spec_as_maxtext(spec, shape, want):
   assert tensor_parallel.add_data_to_spec(spec, shape, 4) == want
 
 
+@pytest.mark.slow  # A wus-bench regime (docs/tests.md: wus-bench's runs are opt-in).
 def test_the_regime_runs_and_wus_keeps_no_more_state_than_gspmd_zero1():
   """One timed round on transformer_small, 4 x 2: every variant ran the same updates
   (wus's weights are tp's bit for bit; GSPMD's near them: Adam turns the rounding of a

@@ -152,6 +152,7 @@ def test_model_parallel_that_splits_nothing_evenly_is_refused(run):
       run(bad)
 
 
+@pytest.mark.slow
 def test_rest_scales_with_examples_per_core(run):
   _, data = run("--alpha_us=2")
   rows = {(r["model"], r["cores"]): r for r in data["rows"]}

@@ -48,8 +48,10 @@ def _run(check_vma, n=8, **kw):
   return a, b, ws, xs[0]
 
 
-@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
-@pytest.mark.parametrize("n", [8, 6])
+@pytest.mark.parametrize("check_vma,n", [  # N = 6 under check_vma with --slow.
+    pytest.param(True, 8, id="8-vma"), pytest.param(False, 8, id="8-novma"),
+    pytest.param(True, 6, id="6-vma", marks=pytest.mark.slow),
+    pytest.param(False, 6, id="6-novma")])
 def test_weights_stay_sharded_and_match_the_unmodified_step(check_vma, n):
   a, b, ws, x = _run(check_vma, n, shard_weights=True)
   assert all(isinstance(w, wus.ShardedArray) for w in jax.tree.leaves(
