@@ -22,6 +22,7 @@ Modules, one concern each, in the order the passes run:
   precision      which narrower float a sharded weight is read whole in (Fig. 7)
   loops          loop bodies and conditionals in the planner (§3.2, §4.2, Fig. 4)
   plan_cluster   the planner's decision for one cluster
+  fsdp_blocks    FSDP blocks whose update copy axes repeat, sharded over those alone
   kept_state     the state a cluster keeps sharded between steps (§4.2)
   ownership      which updates can run whole on one replica each (Muon, Shampoo-like)
   owners         their predicted cost, the replica that owns each, and their rows

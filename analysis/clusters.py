@@ -74,7 +74,7 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
                   num_shards: int, min_size: int = 0, *,
                   inputs_sharded: bool = False, held_sharded=frozenset(),
                   roots=frozenset(), state=frozenset(), graph: Graph | None = None,
-                  memo: dict | None = None) -> list[Cluster]:
+                  memo: dict | None = None, collectives: bool = True) -> list[Cluster]:
   """Finds the weight-update clusters of a flat (call-free) shard_map body.
 
   Args:
@@ -98,13 +98,17 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
     memo: a conditional's branch jaxpr -> its cluster, for these `facts`, `axes`,
       `num_shards` and `min_size` (the planner's memo): each branch is
       analysed once however many conditionals run it.
+    collectives: whether the sums of the update join it (all-reduces over `axes` as
+      reduce-scatters, `Kind.update` False); without, they run as written and the
+      update reads their results by a local slice (`fsdp_blocks`: a block's sums run
+      over other axes than its shards lie over).
 
   Returns:
     The clusters, in the order of their first equation (with
     `inputs_sharded`, exactly one, possibly empty).
   """
   graph = graph or Graph(jaxpr, num_shards, min_size)
-  growth = _Growth(graph, facts, Context(facts, frozenset(axes)))
+  growth = _Growth(graph, facts, Context(facts, frozenset(axes)), collectives)
   seeds, all_reduces = _seeds(growth, held_sharded, inputs_sharded)
   growth.grow(list(seeds))
   growth.join_reductions()
@@ -124,7 +128,7 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   def branch(inner: Jaxpr) -> Cluster:
     if inner not in memo:
       memo[inner] = find_clusters(inner, facts, axes, num_shards, min_size, inputs_sharded=True,
-                                  memo=memo)[0]
+                                  memo=memo, collectives=collectives)[0]
     return memo[inner]
 
   def branches(i: int) -> tuple[Cluster, ...]:
@@ -162,8 +166,9 @@ class _Growth:
   """The clusters of one jaxpr as they grow: a union-find over their equations (`parent`)
   and each equation's shard kind, computed once."""
 
-  def __init__(self, graph: Graph, facts: Redundancy, ctx: Context):
+  def __init__(self, graph: Graph, facts: Redundancy, ctx: Context, collectives: bool = True):
     self.graph, self.facts, self.ctx, self.axes = graph, facts, ctx, ctx.axes
+    self.collectives = collectives
     self.parent: dict[int, int] = {}
     self._kinds: dict[int, Kind | None] = {}
 
@@ -177,6 +182,7 @@ class _Growth:
       eqn = self.graph.jaxpr.eqns[i]
       k = (shard_kind(eqn, self.ctx)
            if all(self.facts.is_redundant(v, self.axes) for v in eqn.outvars) else None)
+      k = None if k is not None and not (self.collectives or k.update) else k
       self._kinds[i] = k if k is not None and any(map(self.graph.big, k.big_values(eqn))) else None
     return self._kinds[i]
 

@@ -75,6 +75,9 @@ class ShardFormat:
     copy_axes: the other mesh axes (`Plan.copy_axes`) among those replicas, after the
       plan's own, when they are some of the plan's copy axes only (an FSDP block
       repeated over "model" but not over "data"); () for the plan's rule (`shard_axes`).
+    blocks: the plan's own axes split the tensor into blocks rather than shards (FSDP:
+      each of their replicas updates its own block, `analysis/fsdp_blocks.py`), so its
+      shards lie over `copy_axes` alone, within each block.
 
   Raises:
     ValueError: `merged_shape` is not `shape` with runs of adjacent dims
@@ -85,6 +88,7 @@ class ShardFormat:
   merged_shape: tuple[int, ...]
   num_shards: int
   copy_axes: tuple[str, ...] = ()
+  blocks: bool = False
 
   def __post_init__(self):
     if not self.merged_shape or not _merges_adjacent(self.shape, self.merged_shape):

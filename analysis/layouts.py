@@ -266,6 +266,8 @@ def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx, in_loop: bool = False,
     (`assign`'s result, the Plan's note on the copy axes: None without them).
   """
   n, copies = ctx.num_shards, math.prod(ctx.copies.values())
+  if ctx.block_axes:
+    return _within_blocks(jaxpr, cluster, ctx, names)
   if copies == 1 or in_loop:
     return assign(jaxpr, cluster, n, ctx.big), None
   note = functools.partial(reasons.OverCopies, tuple(sorted(ctx.axes)))
@@ -283,6 +285,24 @@ def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx, in_loop: bool = False,
     else:
       why = why or f"a tensor has at most {wide_n} elements"
   return assign(jaxpr, cluster, n, ctx.big), note(tuple(ctx.copies), why)
+
+
+def _within_blocks(jaxpr: Jaxpr, cluster: Cluster, ctx, names: Sequence[str]
+                   ) -> tuple[Layout | str, reasons.OverCopies]:
+  """`assign_repeated` of an update of blocks of the plan's axes (`ctx.block_axes`: FSDP)
+  that every replica of `ctx.copies` repeats (`fsdp_blocks`; there `ctx.axes` are the
+  copy axes): formats of `ctx.num_shards` shards over the copy axes alone, within each
+  block (`ShardFormat.blocks`), or why not."""
+  note = functools.partial(reasons.OverCopies, ctx.block_axes, tuple(ctx.copies), blocks=True)
+  why = redundancy.differs_over(jaxpr, cluster, ctx.facts, ctx.axes, names)
+  layout = assign(jaxpr, cluster, ctx.num_shards, ctx.big) if why is None else why
+  if isinstance(layout, Layout):
+    if all(math.prod(f.shape) > ctx.num_shards for f in layout.formats.values()):
+      return dataclasses.replace(layout, formats={
+          v: dataclasses.replace(f, copy_axes=tuple(ctx.copies), blocks=True)
+          for v, f in layout.formats.items()}), note()
+    layout = f"a tensor has at most {ctx.num_shards} elements"
+  return layout, note(why=layout)
 
 
 def _repeated_over(jaxpr: Jaxpr, cluster: Cluster, ctx, names: Sequence[str]

@@ -110,9 +110,10 @@ class Plan:
   input_of: tuple[int | None, ...] = ()
 
   def shard_axes(self, fmt: Format) -> tuple:
-    """The mesh axes a tensor's shards in `fmt` lie over, major first (shard r * copies + c)."""
+    """The mesh axes a tensor's shards in `fmt` lie over, major first (shard r * copies + c);
+    the copy axes alone for a block of the plan's axes (`ShardFormat.blocks`: FSDP)."""
     if getattr(fmt, "copy_axes", ()):
-      return (*self.axes, *fmt.copy_axes)
+      return (*(() if fmt.blocks else self.axes), *fmt.copy_axes)
     if self.copies > 1 and fmt.num_shards == self.num_shards * self.copies:
       return (*self.axes, *self.copy_axes)
     return tuple(self.axes)
@@ -186,14 +187,15 @@ class Plan:
     wus shards it over and what each device holds of it ("" for a whole replicated one)."""
     i = self.inputs[k]
     split = f"split over {[a for a, _ in i.split]} by {self.split_by}" if i.split else ""
+    fsdp = f"FSDP over {[a for a, _ in i.fsdp]}" if i.fsdp else ""
     fmt = self.kept_sharded.get(k) if i.sharded else None
     if fmt is None and i.fsdp and i.state:
-      return (f" [{', '.join(filter(None, [split, f'FSDP over {list(i.fsdp)}']))}: already "
+      return (f" [{', '.join(filter(None, [split, fsdp]))}: already "
               f"split by {self.split_by}, nothing repeated there: {_bytes(i.nbytes)} per device]")
     if fmt is None:
       return f" [{split}]" if split else ""
     wus = f"sharded over {list(self.shard_axes(fmt))} by wus"
-    return (f" [{', '.join(filter(None, [split, wus]))}: "
+    return (f" [{', '.join(filter(None, [split, fsdp, wus]))}: "
             f"{_bytes(fmt.shard_size * i.itemsize)} per device of {_bytes(i.nbytes * i.blocks)}]")
 
   @property
@@ -202,16 +204,20 @@ class Plan:
     return sum(i.nbytes for i in self.inputs if i.state and not i.sharded)
 
   def _wide(self) -> str:
-    """How many sharded clusters lie over copy axes too, per set of axes, for the totals."""
-    wide: dict = {}  # (axes, N) -> clusters.
+    """How many sharded clusters lie over copy axes too (or, for blocks of the plan's
+    axes, over copy axes alone), per set of axes, for the totals."""
+    wide: dict = {}  # (axes, N, blocks) -> clusters.
     for c in self.clusters:
       fmt = next((t.format for t in c.tensors if t.format is not None
-                  and len(self.shard_axes(t.format)) > len(self.axes)), None)
+                  and self.shard_axes(t.format) != tuple(self.axes)), None)
       if c.sharded and fmt is not None:
-        key = (self.shard_axes(fmt), fmt.num_shards)
+        key = (self.shard_axes(fmt), fmt.num_shards, getattr(fmt, "blocks", False))
         wide[key] = wide.get(key, 0) + 1
-    return "".join(f", {k} of them over {axes} (N={n}, identical across "
-                   f"{list(axes[len(self.axes):])})" for (axes, n), k in wide.items())
+    return "".join(
+        f", {k} of them over {axes} within each block of {self.axes} (N={n} per block, "
+        f"identical across {list(axes)})" if blocks else
+        f", {k} of them over {axes} (N={n}, identical across {list(axes[len(self.axes):])})"
+        for (axes, n, blocks), k in wide.items())
 
   def _totals(self, cite: bool) -> list[str]:
     """The totals lines; with `cite`, the bucket arithmetic, else the collectives in brief."""

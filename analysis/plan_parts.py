@@ -108,8 +108,9 @@ class InputPlan:
       the replica axes, with their sizes (tensor parallelism's model axis:
       `shape` is one rank's block, and there are `blocks` of them); () on a
       1-D mesh.
-    fsdp: the replica axes of size > 1 the user's spec splits it over itself
-      (FSDP: each replica updates its own part, nothing is repeated there).
+    fsdp: the replica axes of size > 1 the user's spec splits it over itself, with
+      their sizes (FSDP: each replica updates its own block, nothing is repeated
+      there; `shape` is one block).
   """
 
   name: str
@@ -121,12 +122,12 @@ class InputPlan:
   itemsize: int = 4
   matched: str = ""
   split: tuple[tuple[str, int], ...] = ()
-  fsdp: tuple[str, ...] = ()
+  fsdp: tuple[tuple[str, int], ...] = ()
 
   @property
   def blocks(self) -> int:
     """Blocks the user's spec splits the whole tensor into (1: none)."""
-    return int(np.prod([n for _, n in self.split]))
+    return int(np.prod([n for _, n in (*self.split, *self.fsdp)]))
 
   @property
   def reason(self) -> str:

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from wus.analysis import clusters as clusters_lib
-from wus.analysis import (compat, cost, formats, kept_state, loops, network, ordering,
-                          ownership, reasons)
+from wus.analysis import (compat, cost, formats, fsdp_blocks, kept_state, loops, network,
+                          ordering, ownership, reasons)
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
 from wus.analysis.plan import Grouping, InputPlan, JaxprPlan, Plan
@@ -245,6 +245,9 @@ class _Ctx:
   shard_weights: bool = False
   roots: frozenset = frozenset()  # Declared roots (variables of the step's jaxpr).
   copies: dict = dataclasses.field(default_factory=dict)  # `make_plan`'s.
+  # `fsdp_blocks`' pass: the plan's axes, of which each replica updates its own block;
+  # `axes` and `num_shards` are then the copy axes the block is sharded over.
+  block_axes: tuple = ()
   # This planning's memo: a loop's `loops.Body` -> its plan (`_plan_body`), a
   # conditional's branch jaxpr -> its cluster (`clusters.find_clusters`).
   memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -272,7 +275,8 @@ class _Planned:
 def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out_names,
           label: str = "", in_loop: bool = False, counters: frozenset = frozenset()) -> _Planned:
   """Clusters, formats and decisions of one jaxpr (`graph.jaxpr`), in stages: its loops
-  first (`_plan_loops`), then its clusters (`plan_cluster.plan_cluster`), the state no
+  first (`_plan_loops`), then its clusters (`plan_cluster.plan_cluster`), the FSDP blocks
+  repeated over copy axes (`fsdp_blocks`), the state no
   cluster reaches (`_whole_readers`), ownership (`_own`) and the state kept sharded
   after them (`_keep_state`); each input's reason picked from the candidates the stages
   propose (`input_reasons`).
@@ -293,6 +297,8 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
   clustered = {i for c in found for i in c.eqns}
   for c in found:
     plan_cluster(scope, ctx, acc, c, clustered)
+  if not in_loop:
+    fsdp_blocks.plan_blocks(scope, ctx, acc, clustered)
   _whole_readers(scope, ctx, acc, found, clustered)
   owned = _own(scope, ctx, acc)
   if not in_loop:

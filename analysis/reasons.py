@@ -98,12 +98,14 @@ class PartialSharding:
 @dataclasses.dataclass(frozen=True)
 class OverCopies:
   """The update of values identical across the other mesh axes `copies` (a
-  tensor-parallel step's "model") is sharded over them too, or `why` it is not."""
+  tensor-parallel step's "model") is sharded over them too, or `why` it is not; with
+  `blocks`, over them alone, within each block of the replica `axes` (FSDP)."""
 
   axes: tuple[str, ...]
   copies: tuple[str, ...]
   why: str | None = None
   summed: bool = False  # Its gradient all-reduces run over `copies` too.
+  blocks: bool = False  # Each replica of `axes` updates its own block (FSDP).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +344,10 @@ _RENDER: dict[type, Callable] = {
     PartialSharding: lambda x: (f"partial sharding (§5.2): reduce-scatter over {list(x.axes)}, "
                                 f"the shards all-reduced across {list(x.across)}"),
     OverCopies: lambda x: (
+        f"sharded over {list(x.copies)} within each block: not identical across "
+        f"{list(x.axes)} (each replica of them updates its own block, FSDP), identical on "
+        f"every replica of {list(x.copies)} (§3.1), each keeps its part of the block"
+        if x.why is None and x.blocks else
         f"sharded over {list(x.axes + x.copies)}: its gradient all-reduce runs over "
         f"{list(x.copies)} too, one reduce-scatter over all of them (§3.1)"
         if x.why is None and x.summed else

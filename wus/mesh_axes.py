@@ -83,10 +83,12 @@ def split_over(in_specs: Sequence, axes: tuple, mesh: Mesh, home) -> dict:
 def fsdp_axes(in_specs: Sequence, sources: tuple, replicated: frozenset, axes: tuple,
           mesh: Mesh) -> dict:
   """Operand position -> the replica axes of size > 1 its in_spec splits it over itself
-  (FSDP), for the Plan; not `wus.pmap`'s equal per-device copies (`replicated`)."""
+  (FSDP), with their sizes, for the Plan; not `wus.pmap`'s equal per-device copies
+  (`replicated`)."""
   out = {}
   for k, (spec, src) in enumerate(zip(in_specs, sources, strict=True)):
-    fsdp = tuple(a for a in axes if a in runtime.spec_axes(spec) and mesh.shape[a] > 1)
+    fsdp = tuple((a, mesh.shape[a]) for a in axes
+                 if a in runtime.spec_axes(spec) and mesh.shape[a] > 1)
     if fsdp and not (src[0] == "arg" and src[1] in replicated):
       out[k] = fsdp
   return out

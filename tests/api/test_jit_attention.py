@@ -74,14 +74,9 @@ def train_step(model, optimizer, idx, targets):
   return loss
 
 
-# FSDP + TP: the embedding's block over "fsdp" is whole over "model", where its update is
-# repeated; wus does not yet shard an FSDP block over a model axis (its state stays at 1/4
-# of a copy per device), so that case falls short of 1/8.
-FSDP_TP = pytest.param(("fsdp", "model"), marks=pytest.mark.xfail(
-    strict=True, reason="an FSDP block's update is not yet sharded over the model axis"))
-
-
-@pytest.mark.parametrize("axes", [("data", "model"), FSDP_TP])
+# FSDP + TP ("fsdp", "model"): the embedding's block over "fsdp" is whole over "model",
+# where its update is repeated: each model replica keeps half of the block's state.
+@pytest.mark.parametrize("axes", [("data", "model"), ("fsdp", "model")])
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_heads_split_over_model_by_a_reshape_are_served(axes, kind):
   explicit = kind == "explicit"

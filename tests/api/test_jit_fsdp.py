@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard
 
 import wus
 from helpers import assert_trees_equal, classifier_step
@@ -386,3 +386,77 @@ def test_hsdp_stacked_layers_and_a_shard_map_loss_as_levanter_writes_them():
     mu = out[1][0].mu[k]
     # A block whole over "model" (norm, head) is repeated there too, and sharded over it.
     assert is_sharded(mu) and mu.nbytes_per_device * 8 == mu.size * 4, (k, mu)
+
+
+
+def _fsdp_tp_step(tx, explicit):
+  """FSDP + TP as the JAX sharding guide writes it, shrunk: every kernel's rows over
+  "fsdp", the hidden dim over "model" (w1 column-parallel, w2 row-parallel), an input and
+  an output projection whole over "model" (FSDP alone). The activations are laid out as
+  pjit-era code lays them out on Auto axes (`with_sharding_constraint`; unconstrained,
+  GSPMD may split their products over the idle "model" axis too, another summation order
+  than the update region's), and on Explicit axes each kernel is resharded before use
+  (FSDP's all-gather) and the row-parallel product says its layout."""
+  uses = {"w_in": P(), "w1": P(None, "model"), "w2": P("model", None), "w_out": P()}
+
+  def lay(x, *spec):
+    return x if explicit else jax.lax.with_sharding_constraint(x, P(*spec))
+
+  def loss_fn(p, x, y):
+    if explicit:
+      p = {k: reshard(v, uses[k]) for k, v in p.items()}
+    h = lay(x @ p["w_in"], "fsdp", None)
+    z = lay(jnp.tanh(h @ p["w1"]), "fsdp", "model")
+    h = h + lay(jnp.einsum("bh,he->be", z, p["w2"],
+                           out_sharding=P("fsdp", None) if explicit else None), "fsdp", None)
+    return jnp.mean((h @ p["w_out"] - y) ** 2)
+
+  def step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_fsdp_blocks_whole_over_model_sharded_over_it_bit_for_bit(kind):
+  """FSDP + TP on ("fsdp", "model") = (4, 2): the projections' blocks over "fsdp" are
+  whole over "model", whose every replica repeats their update; each keeps half of its
+  block's state (1/8 of a copy per device) and all-gathers the new block over "model".
+  The hidden kernels' blocks, split over "model" too, stay as placed (their updates
+  differ across it). AdamW bit for bit against jax.jit over 3 steps."""
+  mesh = _mesh((4, 2), ("fsdp", "model"), kind)
+  tx = optax.adamw(1e-2)
+  specs = {"w_in": P("fsdp", None), "w1": P("fsdp", "model"), "w2": P("model", "fsdp"),
+           "w_out": P("fsdp", None)}
+  shapes = {"w_in": (16, 32), "w1": (32, 64), "w2": (64, 32), "w_out": (32, 8)}
+  rng = np.random.default_rng(0)
+  params = {k: jax.device_put(rng.normal(size=shapes[k]).astype(np.float32) * 0.1,
+                              NamedSharding(mesh, specs[k])) for k in specs}
+  data = NamedSharding(mesh, P("fsdp"))
+  batches = [(jax.device_put(rng.normal(size=(16, 16)).astype(np.float32), data),
+              jax.device_put(rng.normal(size=(16, 8)).astype(np.float32), data))
+             for _ in range(3)]
+  step = _fsdp_tp_step(tx, kind == "explicit")
+  ws = wus.jit(step)
+  ref = out = (params, tx.init(params))
+  with jax.set_mesh(mesh):
+    for x, y in batches:
+      *ref, ref_loss = jax.jit(step)(*ref, x, y)
+      *out, out_loss = ws(*out, x, y)
+      assert_trees_equal(ref_loss, out_loss)
+    plan = ws.plan(*out, *batches[0])
+  assert_trees_equal(ref, wus.unshard(out))
+  assert not plan.unchanged, plan.unchanged
+  lines, adam = _lines(plan), out[1][0]
+  for k in ("w_in", "w_out"):
+    mu = adam.mu[k]
+    assert is_sharded(mu) and (mu.layout.axes, mu.layout.split_axes) == (("model",), ("fsdp",))
+    assert "FSDP over ['fsdp'], sharded over ['model'] by wus" in lines[f"opt_state[0].mu['{k}']"]
+  for k in ("w1", "w2"):
+    assert not is_sharded(adam.mu[k]) and "FSDP over ['fsdp']" in lines[f"opt_state[0].mu['{k}']"]
+  leaves = [x for x in jax.tree.leaves(out[1], is_leaf=is_sharded) if np.size(x) > 8]
+  whole = sum(np.size(x) * 4 for x in leaves)
+  per_device = sum(x.nbytes_per_device if is_sharded(x) else
+                   x.addressable_shards[0].data.nbytes for x in leaves)
+  assert per_device <= 1.15 * whole / 8, (per_device, whole, plan)

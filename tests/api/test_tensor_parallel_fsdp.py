@@ -62,7 +62,7 @@ def test_fsdp_plus_tp_weights_say_fsdp_and_the_rest_of_the_step_is_served():
   for name in ("params[0][0][0]", "opt_state[0].mu[0][0][0]"):
     # State its spec already splits over "data": FSDP, nothing repeated there to shard.
     i = inputs[name]
-    assert i.state and i.fsdp == ("data",) and not i.sharded, i
+    assert i.state and i.fsdp == (("data", 4),) and not i.sharded, i
   assert not inputs["batch[0]"].state  # Split over "data" too, but a batch: no FSDP.
   scale = [x for x in sharded_leaves(b[1]) if x.shape == (width,)]
   assert len(scale) == 2 and all(x.layout.split_axes == ("model",) for x in scale)
