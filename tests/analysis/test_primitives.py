@@ -51,14 +51,26 @@ DEFAULTED = {
 }
 
 
+_JAX_MODULES = """
+import sys
+import jax, jax._src.lax.ann, jax._src.lax.linalg, jax.experimental.multihost_utils
+print("\\n".join(n for n in sys.modules if n == "jax" or n.startswith(("jax.", "jaxlib."))))
+"""
+
+
 def _all_primitives():
-  """Every primitive object a module of JAX itself defines (not tests', not Flax's)."""
+  """Every primitive object the modules of JAX itself define that `import jax` (with lax's
+  ANN and linalg modules and multihost_utils) loads, listed by a fresh interpreter: not the
+  Pallas or sparse modules another library imports into this process (Keras does), which
+  would make the set depend on which tests ran before."""
+  import subprocess
   import sys
   import jax._src.lax.ann  # noqa: F401  Registers every lax primitive.
   import jax._src.lax.linalg  # noqa: F401
   import jax.experimental.multihost_utils  # noqa: F401
-  return {v for name, module in list(sys.modules.items())
-          if name == "jax" or name.startswith(("jax.", "jaxlib."))
+  names = subprocess.run([sys.executable, "-c", _JAX_MODULES], capture_output=True,
+                         text=True, check=True).stdout.split()
+  return {v for name in names if (module := sys.modules.get(name)) is not None
           for v in list(vars(module).values()) if isinstance(v, compat.Primitive)}
 
 
