@@ -116,18 +116,16 @@ def test_hsdp_block_not_summed_by_a_matmul_sharded_over_replica(use, kind):
   assert _fraction(got[1], mesh) <= 1.15, wus.bytes_per_device(got[1])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "jax.jit's program on Explicit axes puts a sharding constraint on every value "
-    "(sdy.sharding_constraint), and XLA:CPU compiles the elementwise update around them "
-    "otherwise than on Auto axes (an ulp in some elements); wus's region, manual over "
-    "every axis, rounds as jax.jit does on Auto axes"))
-def test_explicit_mesh_elementwise_update_bit_for_bit():
+def test_explicit_mesh_elementwise_update_rounds_as_jax_jit_on_auto_axes():
   """Fuzz case (an Explicit ("data", "model") mesh of (3, 2), a [12] LayerNorm scale,
   MultiSteps of scale_by_adam, simplified AdEMAMix and scale_by_adam; shrunk to a 1-D
-  mesh of 2 without MultiSteps): the chain is elementwise, so wus promises bit for bit,
-  and the new scale differs from jax.jit's by 2 ulps in 2 of 12 elements after one step.
-  jax.jit's own result on Auto axes differs from its result on Explicit axes the same way;
-  wus's is bit for bit jax.jit's on Auto axes."""
+  mesh of 2 without MultiSteps): the chain is elementwise, and the new scale differed
+  from jax.jit's by 2 ulps in 2 of 12 elements after one step. The difference is jax.jit's
+  own: on some machines XLA:CPU compiles its Explicit-axes program (a sharding constraint
+  on every value) so that it rounds otherwise than its Auto-axes program; on others (CI's
+  newest JAX) the two agree. wus's region, manual over every axis, rounds as jax.jit does
+  on Auto axes, bit for bit, everywhere; it is within a few ulps of the scale of jax.jit on
+  Explicit axes, and equal where jax.jit's two programs are."""
   tx = optax.chain(optax.scale_by_adam(), optax.contrib.simplified_ademamix(1e-2),
                    optax.scale_by_adam())
 
@@ -151,7 +149,8 @@ def test_explicit_mesh_elementwise_update_bit_for_bit():
       if kind == "explicit":
         got = wus.unshard(wus.jit(step)(scale, tx.init(scale), batch))
   assert_trees_equal(out["auto"], got)  # wus rounds as jax.jit does on Auto axes.
-  assert_trees_equal(out["explicit"], got)
+  ulp = float(jnp.finfo(jnp.float32).eps)  # Of the scale (about 1); state leaves cancel it.
+  assert_trees_equal(out["explicit"], got, rtol=4 * ulp, atol=4 * ulp)
 
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
