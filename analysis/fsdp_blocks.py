@@ -17,12 +17,12 @@ on one path only) is not repeated there, and stays as the step places it.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 from wus.analysis import clusters as clusters_lib
 from wus.analysis import network
 from wus.analysis.graph import Graph
+from wus.analysis.layouts import copy_axis_sets
 from wus.analysis.plan_cluster import Planning, Scope, plan_cluster
 
 
@@ -44,7 +44,7 @@ def plan_blocks(s: Scope, ctx, acc: Planning, clustered: set) -> None:
   blocks = [v for k in s.state_pairs.values() if k not in acc.sharded_in
             and not facts.is_redundant(v := jaxpr.invars[k], ctx.axes)]
   names = tuple(ctx.copies)
-  for axes in (a for k in range(len(names), 0, -1) for a in itertools.combinations(names, k)):
+  for axes in copy_axis_sets(names):
     sub = _over(ctx, axes)
     graph = Graph(jaxpr, sub.num_shards, ctx.min_size)
     repeated = frozenset(v for v in blocks if facts.is_redundant(v, sub.axes)

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from wus.analysis import compat, reasons, redundancy, rules
 from wus.analysis.clusters import Cluster
@@ -305,20 +305,24 @@ def _within_blocks(jaxpr: Jaxpr, cluster: Cluster, ctx, names: Sequence[str]
   return layout, note(why=layout)
 
 
+def copy_axis_sets(copies: Sequence[str]) -> Iterator[tuple[str, ...]]:
+  """Every nonempty set of the copy axes `copies`, the most axes first, each in mesh order:
+  the order in which the planner tries to shard an update over the replicas repeating it."""
+  return (a for k in range(len(copies), 0, -1) for a in itertools.combinations(copies, k))
+
+
 def _repeated_over(jaxpr: Jaxpr, cluster: Cluster, ctx, names: Sequence[str]
                    ) -> tuple[tuple, str | None]:
   """The most copy axes (`ctx.copies`, in mesh order) every replica of which repeats the
   cluster (`redundancy.differs_over`), and why not all of them (None if all). Each set is
   checked as a whole: a gradient summed over one copy axis and not another is repeated
   over each alone, not over both at once."""
-  copies = tuple(ctx.copies)
-  why = redundancy.differs_over(jaxpr, cluster, ctx.facts, frozenset(copies), names)
-  if why is None:
-    return copies, None
-  for k in range(len(copies) - 1, 0, -1):
-    for axes in itertools.combinations(copies, k):
-      if redundancy.differs_over(jaxpr, cluster, ctx.facts, frozenset(axes), names) is None:
-        return axes, why
+  why = None
+  for axes in copy_axis_sets(tuple(ctx.copies)):
+    differs = redundancy.differs_over(jaxpr, cluster, ctx.facts, frozenset(axes), names)
+    if differs is None:
+      return axes, why
+    why = why or differs
   return (), why
 
 

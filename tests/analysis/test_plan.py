@@ -39,8 +39,11 @@ def test_adam_plan_lists_every_state_tensor():
   assert 0 < shard * 8 - whole < 8 * 8 * 4 * 8  # Padding is less than N rows per tensor.
 
 
-@pytest.mark.parametrize("name,make_tx", [  # AGC and clipping (tests/collectives/) with --slow.
-    pytest.param(*r, id=r[0], marks=pytest.mark.slow if r[0] in ("agc", "clip_adam") else ())
+# AGC and clipping (tests/collectives/), and the trust ratio alone (LARS and LAMB have it),
+# with --slow.
+@pytest.mark.parametrize("name,make_tx", [
+    pytest.param(*r, id=r[0],
+                 marks=pytest.mark.slow if r[0] in ("agc", "clip_adam", "trust_ratio") else ())
     for r in REDUCING])
 def test_norms_run_on_shards_within_summation_order(name, make_tx):
   """Norms: masked local sums, combined by one all-reduce per phase (§4.1, Fig. 6)."""

@@ -76,8 +76,12 @@ def train_step(model, optimizer, idx, targets):
 
 # FSDP + TP ("fsdp", "model"): the embedding's block over "fsdp" is whole over "model",
 # where its update is repeated: each model replica keeps half of the block's state.
-@pytest.mark.parametrize("axes", [("data", "model"), ("fsdp", "model")])
-@pytest.mark.parametrize("kind", ["auto", "explicit"])
+# Data x model on Auto axes and FSDP + TP on Explicit ones by default (about 30 s each);
+# the other two with --slow.
+@pytest.mark.parametrize("kind,axes", [
+    pytest.param(kind, axes, id=f"{kind}-{'x'.join(axes)}",
+                 marks=() if (kind == "explicit") == ("fsdp" in axes) else pytest.mark.slow)
+    for kind in ("auto", "explicit") for axes in (("data", "model"), ("fsdp", "model"))])
 def test_heads_split_over_model_by_a_reshape_are_served(axes, kind):
   explicit = kind == "explicit"
   mesh = jax.make_mesh((4, 2), axes, axis_types=(

@@ -179,6 +179,7 @@ def test_the_weight_all_gather_is_bfloat16():
   assert elements("f32") == sum(-(-x[0].size // N) * N for x in whole), gathers
 
 
+@pytest.mark.slow  # 37 s; test_shard_weights.py checks which weights stay whole by default.
 def test_weight_decay_keeps_the_weights_whole():
   """The L2 term reads every weight but BatchNorm's whole, in float32: a
   bfloat16 gather cannot feed it, and a float32 one would move as many bytes

@@ -72,7 +72,8 @@ def test_dense_layer_matches_the_unmodified_step(n, g, check_vma, name, make_tx)
 
 
 @pytest.mark.parametrize("name,make_tx", SLOW_OPTIMIZERS)
-@pytest.mark.parametrize("check_vma", [True, False], ids=_vma_ids)
+@pytest.mark.parametrize("check_vma", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=_vma_ids)  # Without check_vma: test_dense_layer_matches... above.
 @pytest.mark.parametrize("n,g", SLOW_CASES)
 def test_bit_for_bit_as_a_two_axis_mesh_sharded_by_hand(n, g, check_vma, name, make_tx):
   """The same step on a hand-made (M, G) mesh, pmean over both axes and

@@ -133,8 +133,10 @@ def test_wus_train_model_parallel_keeps_an_eighth_of_all_the_state(tp_runs):
   assert ws.summary["state_bytes_per_device"]["opt_state"] <= whole / 8 + padding + 64
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=() if m == "wus" else pytest.mark.slow)
-                                  for m in steps.MODES])
+# Opt-in (--slow; 40 s each): the default profile resumes a wus-train run in
+# test_e2e_resume.py (killed during a save), and runs this mesh's step in the tests above.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", steps.MODES)
 def test_a_model_parallel_run_resumes_as_an_uninterrupted_one(tp_runs, tmp_path, mode):
   """Checkpointed after 2 updates and resumed to 3 on 4 x 2: the third loss and the final
   weights are the uninterrupted run's (the state restored split over "model", and in wus

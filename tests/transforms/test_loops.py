@@ -27,15 +27,19 @@ FORMS = ["scan", "fori", "while"]
 REPLICAS = pytest.mark.parametrize("n", [8, 6])
 
 
-# Every form at N = 8 and the scan at N = 6 are opt-in (--slow; up to 70 s each when loaded):
-# the default profile runs the fori_loop and the while_loop at N = 6 (every weight padded).
-@pytest.mark.parametrize("n", [pytest.param(8, marks=pytest.mark.slow), 6])
-@pytest.mark.parametrize("form", [pytest.param("scan", marks=pytest.mark.slow), "fori", "while"])
-@pytest.mark.parametrize("name,make_tx,tol", [
-    ("adam", lambda: optax.adam(1e-2), {}),
-    ("lars", lambda: optax.lars(0.1), dict(rtol=2e-6, atol=1e-7)),
-])
-def test_loop_matches_unmodified_and_keeps_state_sharded(form, name, make_tx, tol, n):
+_LOOP_TX = {"adam": (lambda: optax.adam(1e-2), {}),
+            "lars": (lambda: optax.lars(0.1), dict(rtol=2e-6, atol=1e-7))}
+# By default N = 6 (every weight padded): Adam in a while_loop, LARS (a norm) in a
+# fori_loop. Every other form, optimizer and N is opt-in (--slow; up to 70 s each loaded).
+_LOOP_DEFAULT = {("while", "adam", 6), ("fori", "lars", 6)}
+
+
+@pytest.mark.parametrize("form,name,n", [
+    pytest.param(form, name, n, id=f"{name}-{form}-{n}",
+                 marks=() if (form, name, n) in _LOOP_DEFAULT else pytest.mark.slow)
+    for n in (8, 6) for form in ("scan", "fori", "while") for name in _LOOP_TX])
+def test_loop_matches_unmodified_and_keeps_state_sharded(form, name, n):
+  make_tx, tol = _LOOP_TX[name]
   params, state, xs, ref, ws = loop_setup(mesh(n), make_tx(), form)
   a, b = (params, state), (params, state)
   for _ in range(2):  # Two calls: state stays sharded between them too.
