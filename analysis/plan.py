@@ -295,7 +295,10 @@ def _label(c: ClusterPlan) -> str:
   state it updates, at most three by name (each path without the end it shares with the
   first: "params['w'] float32[64] and its opt_state.mu, .nu"), then how many more."""
   order = {"weight": 0, "state": 1, "output": 2, "gradient": 3}
-  main = min(c.tensors, key=lambda t: order.get(t.role, 4), default=None)
+  # A value named by what produced it ("<scatter-add at ...>": under wus.jit, a region
+  # operand computed before the region) names the cluster only when nothing else does.
+  main = min(c.tensors, key=lambda t: (t.name.startswith("<"), order.get(t.role, 4)),
+             default=None)
   if main is None:
     return "(no tensors)"
   name = main.name if main.role != "gradient" else "gradient"

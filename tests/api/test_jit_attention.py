@@ -106,6 +106,9 @@ def test_heads_split_over_model_by_a_reshape_are_served(axes, kind):
       assert_trees_equal(nnx.jit(train_step)(*ref, idx, targets), ws(*out, idx, targets))
     plan = ws.plan(*out, idx, targets)
   assert not plan.unchanged, plan.unchanged
+  # Every cluster is named by a weight or its state, not by an equation it reads.
+  assert all(line.split()[3].startswith(("model[", "optimizer["))
+             for line in str(plan).splitlines() if line.startswith("cluster")), str(plan)
   assert_trees_equal(nnx.state(ref), wus.unshard(nnx.state(out)))  # AdamW: bit for bit.
   state = nnx.state(out[1], nnx.optimizer.OptState)
   leaves = [x for x in jax.tree.leaves(state, is_leaf=is_sharded) if np.size(x) > 8]
