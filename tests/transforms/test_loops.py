@@ -37,7 +37,7 @@ _LOOP_DEFAULT = {("while", "adam", 6), ("fori", "lars", 6)}
 @pytest.mark.parametrize("form,name,n", [
     pytest.param(form, name, n, id=f"{name}-{form}-{n}",
                  marks=() if (form, name, n) in _LOOP_DEFAULT else pytest.mark.slow)
-    for n in (8, 6) for form in ("scan", "fori", "while") for name in _LOOP_TX])
+    for n in (8, 6) for form in FORMS for name in _LOOP_TX])
 def test_loop_matches_unmodified_and_keeps_state_sharded(form, name, n):
   make_tx, tol = _LOOP_TX[name]
   params, state, xs, ref, ws = loop_setup(mesh(n), make_tx(), form)
