@@ -950,8 +950,12 @@ STATE_SPECS = state_specs() if PLACED and CONSTRAINT != "none" else None  # For 
 def sums_reordered(params):
   """Whether wus's results may differ from the unmodified step's by summation order
   (`tolerance`): the update sums floats (`reorders_sums`), or each gradient is summed over
-  two batch axes, at once by the unmodified step, one axis after the other by wus (§5.1)."""
-  return PHASED_SUMS or reorders_sums(tx, params)
+  two batch axes, at once by the unmodified step, one axis after the other by wus (§5.1).
+  Or by XLA's rewrites: a global-view FSDP step has apply_if_finite's `cond` split into
+  its parts (`transforms.cond_parts`), and XLA's algebraic simplifier rewrites Adam's
+  divisions by what each part shows it (a few ulps)."""
+  split = FSDP_AXIS and {self.front != "shard_map"} and "apply_if_finite" in {self.tx.code!r}
+  return PHASED_SUMS or split or reorders_sums(tx, params)
 
 
 def make_inputs(mesh):

@@ -3,6 +3,7 @@
 Modules, one concern each:
   interpret    the one eval_jaxpr-style loop (env, literals, a per-equation hook) they all run on
   inline       calls inlined, all-reduces hoisted out of remat, scan and cond, for the analysis
+  cond_parts   a `cond` split into its independent parts (MultiSteps around FSDP weights)
   values       each value of the rewritten step whole, as shards, or both, made on demand
   schedule     the order the rewrite runs equations in, so waiting sums batch (§5.2)
   rewrite      the evaluate-and-retrace interpreter emitting the sharded step

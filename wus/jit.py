@@ -40,6 +40,7 @@ from wus.analysis.plan import Plan
 from wus.matching import Signature, StateMatch, argument_paths, match_state
 from wus.options import Options
 from wus.sharded import ShardedArray, check_alive, is_sharded
+from wus.transforms import cond_parts
 from wus.transforms import global_view as global_view_program
 
 
@@ -306,6 +307,11 @@ class JitStep:
       return unchanged("no argument is split over a mesh axis as the batch (the state aside), "
                        "nor laid out so by a sharding constraint in the step, so there is no "
                        "data parallelism to shard the update over")
+    if roles.fsdp and (parted := cond_parts.split(flat)) is not flat:
+      # A conditional around every update (MultiSteps, apply_if_finite) would join the
+      # FSDP blocks, computed apart on each replica, and the rest: one per part instead.
+      flat = parted
+      splits = jit_arguments.batch_splits(flat.jaxpr, leaves, declared, mesh, state)
     found = jit_region.update_region(flat, splits, mesh, roles.model, roles.fsdp, leaves,
                                      declared, state, frozenset(pairs))
     if isinstance(found, str):

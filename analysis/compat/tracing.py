@@ -161,6 +161,13 @@ def dce(jaxpr: Jaxpr) -> Jaxpr:
   return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
 
 
+def dce_eqn(eqn: JaxprEqn, used_outputs: Sequence[bool]) -> tuple[list[bool], JaxprEqn]:
+  """JAX's own dead-code rule for `eqn` (`pe.dce_rules`, which `cond`, `while`, `scan` and
+  calls have): (per operand, whether the used outputs read it; the equation computing
+  only the used outputs, from only those operands)."""
+  return _pe.dce_rules[eqn.primitive](list(used_outputs), eqn)
+
+
 def without_refs(closed: _core.ClosedJaxpr) -> _core.ClosedJaxpr:
   """`closed` with the refs it creates itself (`jax.new_ref` inside the step) discharged
   into values (JAX's `discharge_state`): a pure jaxpr that computes the same, each read a

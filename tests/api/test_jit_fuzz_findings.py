@@ -25,9 +25,10 @@ def _mesh(shape, names, kind):
                        devices=jax.devices()[:int(np.prod(shape))])
 
 
-def _run(mesh, step, params, specs, batch, steps=2):
+def _run(mesh, step, params, specs, batch, steps=2, tolerance=0.0):
   """`step` under jax.jit and wus.jit from `params` placed by `specs` and `tx.init`'s state:
-  (the unmodified step's outputs, wus's, wus's Plan); bit for bit."""
+  (the unmodified step's outputs, wus's, wus's Plan); bit for bit, or within `tolerance`
+  (rtol and atol)."""
   with jax.set_mesh(mesh):
     params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
     want = got = (params, step.tx.init(params))
@@ -35,7 +36,7 @@ def _run(mesh, step, params, specs, batch, steps=2):
     for _ in range(steps):
       want, got = jax.jit(step)(*want, batch), ws(*got, batch)
     plan = ws.plan(*got, batch)
-  assert_trees_equal(want, wus.unshard(got))
+  assert_trees_equal(want, wus.unshard(got), rtol=tolerance, atol=tolerance)
   return want, got, plan
 
 
@@ -57,31 +58,38 @@ def _fsdp_mlp(tx, explicit):
   return step
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 37 item 4: the update around the FSDP block runs in the region on blocks, and "
-    "with it the head's: MultiSteps' cond reads the head's gradient whole, apply_if_finite's "
-    "all-finite test is a pmin that cannot run on one replica alone, so no cluster is left "
-    "to shard and the whole step runs as jax.jit runs it"))
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 @pytest.mark.parametrize("tx", [optax.MultiSteps(optax.adam(1e-2), 2),
                                 optax.apply_if_finite(optax.adam(1e-2), 2)],
                          ids=["multi_steps", "apply_if_finite"])
 def test_fsdp_with_a_conditional_update_shards_the_whole_weights_state(tx, kind):
   """Fuzz cases (1-D FSDP over "data", Auto and Explicit, MultiSteps and apply_if_finite
-  around Adam; embedding tables and kernels over "data"): the whole step ran as jax.jit
-  runs it, the whole weights' state replicated. Served, the FSDP kernel's state stays as
-  placed and the head's is sharded over "data"."""
+  around Adam; embedding tables and kernels over "data"): the wrapper's one `cond` around
+  every update read the FSDP kernel's block, computed apart on each replica, and the
+  head's gradient together, so nothing was left to shard and the whole step ran as
+  jax.jit runs it (issue 37 item 4). Served since the conditional is split into its
+  independent parts (`transforms.cond_parts`): the FSDP kernel's state stays as placed
+  and the head's is sharded over "data".
+
+  MultiSteps is bit for bit. Under apply_if_finite, XLA's algebraic simplifier rewrites
+  Adam's divisions by what it sees of each branch (`a / b / c` as `a / (b * c)` in the
+  whole conditional, a division by the bias correction as a product with its
+  reciprocal in the head's part), so an element may round 1 ulp away: within 4 ulps of
+  the scale (about 1)."""
   mesh = _mesh((4,), ("data",), kind)
   rng = np.random.default_rng(0)
   params = {"w": rng.standard_normal((16, 8)).astype(np.float32),
             "head": rng.standard_normal((8, 5)).astype(np.float32)}
   x = jax.device_put(rng.standard_normal((8, 16)).astype(np.float32),
                      NamedSharding(mesh, P("data")))
+  ulp = 0.0 if isinstance(tx, optax.MultiSteps) else float(jnp.finfo(jnp.float32).eps)
   _, got, plan = _run(mesh, _fsdp_mlp(tx, kind == "explicit"), params,
-                      {"w": P("data", None), "head": P()}, x)
+                      {"w": P("data", None), "head": P()}, x, tolerance=4 * ulp)
   assert not plan.unchanged, plan.unchanged
   head = [x for x in jax.tree.leaves(got[1], is_leaf=is_sharded) if np.shape(x) == (8, 5)]
   assert head and all(is_sharded(x) for x in head), plan
+  kernel = [x for x in jax.tree.leaves(got[1], is_leaf=is_sharded) if np.shape(x) == (16, 8)]
+  assert kernel and all(x.addressable_shards[0].data.shape == (4, 8) for x in kernel), plan
 
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])

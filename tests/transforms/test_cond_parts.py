@@ -1,0 +1,73 @@
+"""A conditional split into its independent parts (`transforms.cond_parts`).
+
+The parts are what a wrapper such as `optax.MultiSteps` or `optax.apply_if_finite` puts
+under one `cond`: each tensor's update, sharing only scalars (the step count). A global
+norm joins every tensor it reads. The split program computes the same values.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.extend.core import jaxpr_as_fun
+
+from wus.analysis import compat
+from wus.transforms import cond_parts
+
+
+def _cond(closed):
+  (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive is compat.cond_p]
+  return eqn
+
+
+def _operands():
+  rng = np.random.default_rng(0)
+  return (rng.standard_normal((4, 3)).astype(np.float32),
+          rng.standard_normal((5,)).astype(np.float32), np.int32(3), np.bool_(True))
+
+
+def test_each_tensor_a_part_the_shared_count_computed_in_each():
+  def f(a, b, count, pred):
+    def update(a, b, count):
+      scale = 0.9 ** (count + 1).astype(jnp.float32)  # A bias correction: shared, scalar.
+      return a * scale, b / scale, count + 1
+    return lax.cond(pred, update, lambda a, b, c: (a, b, c), a, b, count)
+  closed = jax.make_jaxpr(f)(*_operands())
+  assert cond_parts.parts(_cond(closed)) == [[0], [1], [2]]
+  split = cond_parts.split(closed)
+  assert sum(e.primitive is compat.cond_p for e in split.jaxpr.eqns) == 3
+  for x, y in zip(jaxpr_as_fun(closed)(*_operands()), jaxpr_as_fun(split)(*_operands()),
+                  strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_a_global_norm_joins_the_tensors_it_reads():
+  def f(a, b, count, pred):
+    def clipped(a, b, count):
+      norm = jnp.sqrt(jnp.sum(a * a) + jnp.sum(b * b))
+      return a / norm, b / norm, count + 1
+    return lax.cond(pred, clipped, lambda a, b, c: (a, b, c), a, b, count)
+  closed = jax.make_jaxpr(f)(*_operands())
+  assert cond_parts.parts(_cond(closed)) == [[0, 1], [2]]
+
+
+def test_an_optax_wrapper_around_adam_splits_per_tensor():
+  """`optax.apply_if_finite` around Adam: per tensor, its update, mu and nu are one part."""
+  tx = optax.apply_if_finite(optax.adam(1e-2), 2)
+  params = {"a": jnp.ones((4, 3)), "b": jnp.ones((5,))}
+  closed = jax.make_jaxpr(lambda g, s: tx.update(g, s, params))(params, tx.init(params))
+  groups = cond_parts.parts(_cond(closed))
+  shapes = [{_cond(closed).outvars[k].aval.shape for k in g} for g in groups]
+  assert sorted(shapes, key=str) == sorted([{(4, 3)}, {(5,)}, {()}], key=str), shapes
+
+
+def test_a_conditional_with_effects_stays_whole():
+  def f(a, b, count, pred):
+    def noisy(a, b, count):
+      jax.debug.print("{}", count)
+      return a * 2, b * 2, count
+    return lax.cond(pred, noisy, lambda a, b, c: (a, b, c), a, b, count)
+  closed = jax.make_jaxpr(f)(*_operands())
+  assert len(cond_parts.parts(_cond(closed))) == 1
+  assert cond_parts.split(closed) is closed
