@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect as _inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -165,7 +166,10 @@ def dce_eqn(eqn: JaxprEqn, used_outputs: Sequence[bool]) -> tuple[list[bool], Ja
   """JAX's own dead-code rule for `eqn` (`pe.dce_rules`, which `cond`, `while`, `scan` and
   calls have): (per operand, whether the used outputs read it; the equation computing
   only the used outputs, from only those operands)."""
-  return _pe.dce_rules[eqn.primitive](list(used_outputs), eqn)
+  rule = _pe.dce_rules[eqn.primitive]
+  if len(_inspect.signature(rule).parameters) == 3:  # jax >= 0.11: (used, live_ins, eqn).
+    return rule(list(used_outputs), [True] * len(eqn.invars), eqn)
+  return rule(list(used_outputs), eqn)
 
 
 def without_refs(closed: _core.ClosedJaxpr) -> _core.ClosedJaxpr:
