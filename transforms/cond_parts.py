@@ -24,12 +24,13 @@ from __future__ import annotations
 import math
 
 import jax
+from jax import lax
 
 from wus.analysis import compat
 from wus.transforms import interpret
 
 
-def parts(eqn) -> list[list[int]]:
+def parts(eqn, hoist: bool = False) -> list[list[int]]:
   """The outputs of `cond` equation `eqn` in groups that can be computed apart.
 
   Two outputs are in one group when, in some branch, both depend on one operand
@@ -39,6 +40,8 @@ def parts(eqn) -> list[list[int]]:
 
   Args:
     eqn: a `cond` equation.
+    hoist: the groups once each branch's reductions to scalars (`hoisted`) run before
+      the conditional: their results are then operands, a global norm one scalar.
 
   Returns:
     The groups, each a sorted list of output positions, by first position; one
@@ -65,6 +68,7 @@ def parts(eqn) -> list[list[int]]:
 
   for b, closed in enumerate(cond.branches):
     jaxpr = closed.jaxpr
+    outside = hoisted(jaxpr) if hoist else frozenset()
     # Per value: the nodes (large operands and intermediates) it depends on.
     reach = {v: (frozenset({("operand", j)}) if _large(v.aval) else frozenset())
              for j, v in enumerate(jaxpr.invars)}
@@ -72,6 +76,10 @@ def parts(eqn) -> list[list[int]]:
     for i, e in enumerate(jaxpr.eqns):
       if not all(_is_array(v.aval) for v in e.outvars):
         return everything
+      if i in outside:  # Computed before the conditional: an operand of it.
+        reach.update((o, frozenset({("operand", b, i, k)}) if _large(o.aval) else frozenset())
+                     for k, o in enumerate(e.outvars))
+        continue
       read = frozenset().union(*(reach[v] for v in e.invars if not compat.is_literal(v)))
       for k, o in enumerate(e.outvars):
         if _large(o.aval):
@@ -83,7 +91,7 @@ def parts(eqn) -> list[list[int]]:
       union(("output", k), () if compat.is_literal(v) else reach[v])
   groups: dict = {}
   free = []
-  operands = {find(("operand", j)) for j in range(len(cond.operands))}
+  operands = {find(n) for n in parent if n[0] == "operand"}
   for k in range(len(eqn.outvars)):
     root = find(("output", k))
     (groups.setdefault(root, []) if root in operands else free).append(k)
@@ -99,6 +107,83 @@ def part(eqn, outputs: list[int]):
   return compat.dce_eqn(eqn, [k in used for k in range(len(eqn.outvars))])
 
 
+def hoisted(jaxpr) -> frozenset[int]:
+  """The equations of a branch that run before the conditional when it is split with
+  `parts(..., hoist=True)`: each reduction of a large value to a scalar or tiny value (a
+  global norm's sum of squares, an all-finite test) and the equations it reads from; none
+  if one of them has effects.
+
+  Run every step instead of only when the branch is taken, they cost a reduction over
+  the tensors (MultiSteps' emit branch: a norm of the accumulated gradients at every
+  micro-step), and the branch, and so each part, reads their scalar results.
+  """
+  producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+  todo = [i for i, e in enumerate(jaxpr.eqns)
+          if not any(_large(o.aval) for o in e.outvars)
+          and any(not compat.is_literal(v) and _large(v.aval) for v in e.invars)]
+  found: set = set()
+  while todo:
+    i = todo.pop()
+    if i not in found:
+      found.add(i)
+      todo += [producer[v] for v in jaxpr.eqns[i].invars
+               if not compat.is_literal(v) and v in producer]
+  if any(jaxpr.eqns[i].effects for i in found):
+    return frozenset()
+  return frozenset(found)
+
+
+def _hoist(eqn, ins: list) -> list:
+  """`eqn` (a `cond`) bound on `ins` with each branch's `hoisted` equations run before
+  it: their results that the rest of the branch reads become operands."""
+  cond = compat.cond(eqn)
+  index, ops = cond.split(ins)
+  extras, reads = [], []
+  for closed in cond.branches:
+    jaxpr, outside = closed.jaxpr, hoisted(closed.jaxpr)
+    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, ops, strict=True))
+    interpret.eval_eqns(jaxpr, env, order=sorted(outside))
+    inside = [e for i, e in enumerate(jaxpr.eqns) if i not in outside]
+    read = {v for v in (*(v for e in inside for v in e.invars), *jaxpr.outvars)
+            if not compat.is_literal(v)}
+    made = [o for i in sorted(outside) for o in jaxpr.eqns[i].outvars if o in read]
+    reads.append((len(extras), made))
+    extras += [env[o] for o in made]
+
+  def branch(b: int):
+    closed = cond.branches[b]
+    jaxpr, outside = closed.jaxpr, hoisted(closed.jaxpr)
+    start, made = reads[b]
+
+    def fn(*args):
+      env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+      env.update(zip(jaxpr.invars, args[:len(ops)], strict=True))
+      env.update(zip(made, args[len(ops) + start:len(ops) + start + len(made)], strict=True))
+      interpret.eval_eqns(jaxpr, env, order=[i for i in range(len(jaxpr.eqns))
+                                             if i not in outside])
+      return [interpret.read(env, v) for v in jaxpr.outvars]
+    return fn
+  with compat.source_of(eqn):
+    return list(lax.switch(index, [branch(b) for b in range(len(cond.branches))],
+                           *ops, *extras))
+
+
+def _retraced(closed, which, hook):
+  """`closed` traced again, `hook(eqn, ins)` in place of each top-level `cond` `which`
+  selects; the same jaxpr when it selects none."""
+  jaxpr = closed.jaxpr
+  if not any(e.primitive is compat.cond_p and which(e) for e in jaxpr.eqns):
+    return closed
+
+  def on(i, eqn, ins):
+    if eqn.primitive is compat.cond_p and which(eqn):
+      return hook(eqn, ins)
+    return compat.bind(eqn, *ins)
+  return jax.make_jaxpr(lambda *a: interpret.eval_jaxpr(jaxpr, closed.consts, a, on))(
+      *closed.in_avals)
+
+
 def _is_array(aval) -> bool:
   return hasattr(aval, "shape") and hasattr(aval, "dtype")
 
@@ -109,21 +194,18 @@ def _large(aval) -> bool:
 
 def split(closed):
   """`closed` (a flat closed jaxpr) traced again with each `cond` at its top level as its
-  independent parts (`parts`); the same jaxpr when none has more than one."""
-  jaxpr = closed.jaxpr
-  if all(len(parts(e)) == 1 for e in jaxpr.eqns if e.primitive is compat.cond_p):
-    return closed
+  independent parts (`parts`), its reductions to scalars run before it (`hoisted`) where
+  they join parts; the same jaxpr when no `cond` has more than one part."""
+  closed = _retraced(closed, lambda e: len(parts(e, hoist=True)) > len(parts(e)), _hoist)
+  return _retraced(closed, lambda e: len(parts(e)) > 1, _split)
 
-  def hook(i, eqn, ins):
-    groups = parts(eqn) if eqn.primitive is compat.cond_p else []
-    if len(groups) <= 1:
-      return compat.bind(eqn, *ins)
-    outs: list = [None] * len(eqn.outvars)
-    for group in groups:
-      read, sub = part(eqn, group)
-      for k, x in zip(group, compat.bind(sub, *[x for x, r in zip(ins, read, strict=True) if r]),
-                      strict=True):
-        outs[k] = x
-    return outs
-  return jax.make_jaxpr(lambda *a: interpret.eval_jaxpr(jaxpr, closed.consts, a, hook))(
-      *closed.in_avals)
+
+def _split(eqn, ins: list) -> list:
+  """`eqn` (a `cond`) bound on `ins` as its parts, one `cond` each."""
+  outs: list = [None] * len(eqn.outvars)
+  for group in parts(eqn):
+    read, sub = part(eqn, group)
+    for k, x in zip(group, compat.bind(sub, *[x for x, r in zip(ins, read, strict=True) if r]),
+                    strict=True):
+      outs[k] = x
+  return outs

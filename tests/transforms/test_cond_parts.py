@@ -52,6 +52,24 @@ def test_a_global_norm_joins_the_tensors_it_reads():
   assert cond_parts.parts(_cond(closed)) == [[0, 1], [2]]
 
 
+def test_a_global_norm_run_before_the_conditional_leaves_each_tensor_a_part():
+  def f(a, b, count, pred):
+    def clipped(a, b, count):
+      norm = jnp.sqrt(jnp.sum(a * a) + jnp.sum(b * b))
+      return a / norm, b / norm, count + 1
+    return lax.cond(pred, clipped, lambda a, b, c: (a, b, c), a, b, count)
+  closed = jax.make_jaxpr(f)(*_operands())
+  assert cond_parts.parts(_cond(closed), hoist=True) == [[0], [1], [2]]
+  split = cond_parts.split(closed)
+  conds = [e for e in split.jaxpr.eqns if e.primitive is compat.cond_p]
+  assert len(conds) == 3
+  assert all(e.primitive is not lax.reduce_sum_p for c in conds
+             for b in compat.cond(c).branches for e in b.jaxpr.eqns)  # The sums run before.
+  for x, y in zip(jaxpr_as_fun(closed)(*_operands()), jaxpr_as_fun(split)(*_operands()),
+                  strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-6)
+
+
 def test_an_optax_wrapper_around_adam_splits_per_tensor():
   """`optax.apply_if_finite` around Adam: per tensor, its update, mu and nu are one part
   (the calls in its branches inlined first, as `wus.jit`'s flat jaxpr has them)."""
