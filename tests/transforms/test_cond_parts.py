@@ -42,23 +42,21 @@ def test_each_tensor_a_part_the_shared_count_computed_in_each():
     np.testing.assert_array_equal(x, y)
 
 
+def _clipped(a, b, count, pred):
+  """Both tensors divided by their global norm, under a conditional."""
+  def clipped(a, b, count):
+    norm = jnp.sqrt(jnp.sum(a * a) + jnp.sum(b * b))
+    return a / norm, b / norm, count + 1
+  return lax.cond(pred, clipped, lambda a, b, c: (a, b, c), a, b, count)
+
+
 def test_a_global_norm_joins_the_tensors_it_reads():
-  def f(a, b, count, pred):
-    def clipped(a, b, count):
-      norm = jnp.sqrt(jnp.sum(a * a) + jnp.sum(b * b))
-      return a / norm, b / norm, count + 1
-    return lax.cond(pred, clipped, lambda a, b, c: (a, b, c), a, b, count)
-  closed = jax.make_jaxpr(f)(*_operands())
+  closed = jax.make_jaxpr(_clipped)(*_operands())
   assert cond_parts.parts(_cond(closed)) == [[0, 1], [2]]
 
 
 def test_a_global_norm_run_before_the_conditional_leaves_each_tensor_a_part():
-  def f(a, b, count, pred):
-    def clipped(a, b, count):
-      norm = jnp.sqrt(jnp.sum(a * a) + jnp.sum(b * b))
-      return a / norm, b / norm, count + 1
-    return lax.cond(pred, clipped, lambda a, b, c: (a, b, c), a, b, count)
-  closed = jax.make_jaxpr(f)(*_operands())
+  closed = jax.make_jaxpr(_clipped)(*_operands())
   assert cond_parts.parts(_cond(closed), hoist=True) == [[0], [1], [2]]
   split = cond_parts.split(closed)
   conds = [e for e in split.jaxpr.eqns if e.primitive is compat.cond_p]
