@@ -10,6 +10,7 @@ sharded by `kept_state`) -> notes -> tensors -> reasons.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 from wus.analysis import clusters as clusters_lib
@@ -47,7 +48,7 @@ class Scope:
   def jaxpr(self) -> Jaxpr:
     return self.graph.jaxpr
 
-  @property
+  @functools.cached_property
   def invar_pos(self) -> dict:
     return {v: k for k, v in enumerate(self.jaxpr.invars)}
 

@@ -296,7 +296,8 @@ class JitStep:
                        "wus.jit shards updates of values the step takes and returns, so the "
                        "step runs as jax.jit runs it; pass the values (ref[...]) and return "
                        "the new ones to shard the update")
-    pairs = self._state(args, dyn, traced.out_info).pairs  # Output -> the input it follows.
+    match = self._state(args, dyn, traced.out_info)
+    pairs = match.pairs  # Output -> the input it follows.
     state = frozenset(pairs.values())
     flat = jit_arguments.flat_jaxpr(traced.jaxpr, mesh)
     splits = jit_arguments.batch_splits(flat.jaxpr, leaves, declared, mesh, state)
@@ -319,7 +320,7 @@ class JitStep:
                        roles.batch)
     blocks = found[2]
     roles = mesh_axes.Roles.of(mesh, roles.batch, placed, jit_region.blocked(blocks))
-    compiled = self._compile(*found, args, dyn, traced, mesh, roles, paths, declared)
+    compiled = self._compile(*found, match, dyn, traced, mesh, roles, paths, declared)
     if isinstance(compiled, str):
       return unchanged(compiled + _split_ends(propagation.where_lost(flat.jaxpr, splits)),
                        roles.batch)
@@ -350,7 +351,7 @@ class JitStep:
     return match_state((*dyn[0], dyn[1]), out, signature)
 
   def _compile(self, flat, region: global_view.Region, blocks: ModelSplits | None,
-               specs: tuple, outside: tuple[str, ...], args: tuple, dyn: tuple, traced,
+               specs: tuple, outside: tuple[str, ...], match: StateMatch, dyn: tuple, traced,
                mesh: Mesh, roles: mesh_axes.Roles, paths: list[str],
                declared: list) -> pipeline.Compiled | str:
     """The compiled step; or, where parts of the update run outside the region and the
@@ -360,7 +361,6 @@ class JitStep:
     in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
     out_shape = traced.out_info
     region_out = {v: k for k, v in enumerate(region.outvars)}
-    match = self._state(args, dyn, out_shape)
     pairs, how = jit_region.region_state(jaxpr, region, match)
     in_names = [jit_region.name_of(jaxpr, v, in_pos, paths) for v in region.invars]
     out_paths = ["output" + jax.tree_util.keystr(p)

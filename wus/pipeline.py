@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 import types
@@ -148,7 +149,7 @@ class Traced:
   def operand_avals(self) -> list:  # Per body input.
     return [self.avals[s[1]] if s[0] == "arg" else s[1] for s in self.sources]
 
-  @property
+  @functools.cached_property
   def body_pos(self) -> dict:
     """Flat leaf -> its body input position."""
     return {s[1]: k for k, s in enumerate(self.sources) if s[0] == "arg"}
