@@ -195,7 +195,20 @@ def _large(aval) -> bool:
 def split(closed):
   """`closed` (a flat closed jaxpr) traced again with each `cond` at its top level as its
   independent parts (`parts`), its reductions to scalars run before it (`hoisted`) where
-  they join parts; the same jaxpr when no `cond` has more than one part."""
+  they join parts, and the conditionals in its branches split first, the same way
+  (`optax.MultiSteps` around `optax.apply_if_finite`); the same jaxpr when no `cond` has
+  more than one part."""
+  nested: dict = {}
+
+  def inner(eqn):  # The conditional with its branches split (the same one if none is).
+    if id(eqn) not in nested:
+      branches = eqn.params["branches"]
+      new = tuple(split(b) for b in branches)
+      nested[id(eqn)] = (eqn if all(n is b for n, b in zip(new, branches, strict=True))
+                         else eqn.replace(params={**eqn.params, "branches": new}))
+    return nested[id(eqn)]
+  closed = _retraced(closed, lambda e: inner(e) is not e,
+                     lambda e, ins: compat.bind(inner(e), *ins))
   closed = _retraced(closed, lambda e: len(parts(e, hoist=True)) > len(parts(e)), _hoist)
   return _retraced(closed, lambda e: len(parts(e)) > 1, _split)
 

@@ -66,7 +66,9 @@ _EPS = float(jnp.finfo(jnp.float32).eps)
     (optax.MultiSteps(optax.adam(1e-2), 2), 0.0),
     (optax.apply_if_finite(optax.adam(1e-2), 2), 4 * _EPS),
     (optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), 2),
-     1e-5)], ids=["multi_steps", "apply_if_finite", "multi_steps_clip"])
+     1e-5),
+    (optax.MultiSteps(optax.apply_if_finite(optax.adam(1e-2), 2), 2), 4 * _EPS)],
+    ids=["multi_steps", "apply_if_finite", "multi_steps_clip", "multi_steps_apply_if_finite"])
 def test_fsdp_with_a_conditional_update_shards_the_whole_weights_state(tx, tolerance, kind):
   """Fuzz cases (1-D FSDP over "data", Auto and Explicit, MultiSteps and apply_if_finite
   around Adam; embedding tables and kernels over "data"): the wrapper's one `cond` around
@@ -82,7 +84,9 @@ def test_fsdp_with_a_conditional_update_shards_the_whole_weights_state(tx, toler
   reciprocal in the head's part), so an element may round 1 ulp away: within 4 ulps of
   the scale (about 1). Under MultiSteps of a clipped AdamW, the global norm in the emit
   branch joined the parts too: it runs before the conditional (`cond_parts.hoisted`),
-  each part reads its scalar; within summation order (the norm sums blocks and shards)."""
+  each part reads its scalar; within summation order (the norm sums blocks and shards).
+  MultiSteps around apply_if_finite: the inner conditional, in the outer one's branch,
+  is split first."""
   mesh = _mesh((4,), ("data",), kind)
   rng = np.random.default_rng(0)
   params = {"w": rng.standard_normal((16, 8)).astype(np.float32),

@@ -68,6 +68,30 @@ def test_a_global_norm_run_before_the_conditional_leaves_each_tensor_a_part():
     np.testing.assert_allclose(x, y, rtol=1e-6)
 
 
+def test_a_conditional_in_a_branch_is_split_first():
+  """`MultiSteps` around `apply_if_finite`: the outer branch holds the inner conditional,
+  which alone would join the tensors."""
+  def f(a, b, count, pred):
+    def inner(a, b, count):
+      return lax.cond(count > 2, lambda a, b: (a * 2, b * 3), lambda a, b: (a, b), a, b)
+    return lax.cond(pred, inner, lambda a, b, c: (a, b), a, b, count)
+  closed = jax.make_jaxpr(f)(*_operands())
+  assert len(cond_parts.parts(_cond(closed))) == 1
+  split = cond_parts.split(closed)
+
+  def conds(jaxpr):  # Every conditional, its branches' included.
+    for e in jaxpr.eqns:
+      if e.primitive is compat.cond_p:
+        yield e
+        for b in compat.cond(e).branches:
+          yield from conds(b.jaxpr)
+  shapes = [{v.aval.shape for v in e.outvars} for e in conds(split.jaxpr)]
+  assert len(shapes) == 4 and all(len(s) == 1 for s in shapes), shapes
+  for x, y in zip(jaxpr_as_fun(closed)(*_operands()), jaxpr_as_fun(split)(*_operands()),
+                  strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
 def test_an_optax_wrapper_around_adam_splits_per_tensor():
   """`optax.apply_if_finite` around Adam: per tensor, its update, mu and nu are one part
   (the calls in its branches inlined first, as `wus.jit`'s flat jaxpr has them)."""
