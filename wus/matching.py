@@ -272,10 +272,14 @@ class _Pairing:
     self.paired_in.update(i.leaves)
 
   def by_position(self, ins: list[_Part], tops: list[_Part]) -> None:
-    """Rule 1: element i of a tuple output, argument at parameter position i."""
+    """Rule 1: element i of a tuple output, argument at parameter position i, where some
+    leaf of theirs agrees in shape and dtype (a step returning only its new weights, a list
+    of (kernel, bias) pairs, does not pair its second layer with the (inputs, targets)
+    batch at position 1)."""
     for i in ins:
       o = next((o for o in tops if o.position is not None and o.position == i.position), None)
       if (i.level == 0 and o is not None and o.treedef == i.treedef
+          and any(x == y for x, y in zip(i.avals, o.avals, strict=True))
           and self.free(i, self.paired_in) and self.free(o, self.paired_out)):
         self.pair(i, o, "position")
 

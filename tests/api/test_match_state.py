@@ -34,6 +34,21 @@ def test_position_pairs_the_elements_of_a_tuple_output_with_the_arguments():
   assert n_params + n_state not in match.pairs.values()  # The batch is no state.
 
 
+def test_a_step_returning_only_its_new_weights_pairs_them_whole():
+  """The JAX docs' data-parallel example ("Distributed arrays and automatic
+  parallelization"): `train_step(params, batch)` returns the new params, a list of
+  (W, b) pairs; the batch is an (inputs, targets) pair. Element 1 of the list, (W1, b1),
+  has the batch's tree structure but none of its shapes: position pairs nothing there,
+  and the whole list pairs with the params by structure, every layer (the four equal
+  middle layers too)."""
+  params = [(_f32(784, 128), _f32(128))] + [(_f32(128, 128), _f32(128))] * 4 + [
+      (_f32(128, 8), _f32(8))]
+  batch = (_f32(32, 784), _f32(32, 8))
+  match = match_state((params, batch), list(params), Signature(("params", "batch")))
+  assert match.pairs == {k: k for k in range(12)}
+  assert set(match.how.values()) == {"structure"}
+
+
 def test_name_pairs_a_dict_output_with_the_parameters_of_those_names():
   """jaxline's `{"params": ..., "mom": ...}` returned from `(params, mom, batch)`."""
   args = (PARAMS, PARAMS, BATCH)
