@@ -202,10 +202,10 @@ def split(closed):
 
   def inner(eqn):  # The conditional with its branches split (the same one if none is).
     if id(eqn) not in nested:
-      branches = eqn.params["branches"]
+      branches = compat.cond(eqn).branches
       new = tuple(split(b) for b in branches)
       nested[id(eqn)] = (eqn if all(n is b for n, b in zip(new, branches, strict=True))
-                         else eqn.replace(params={**eqn.params, "branches": new}))
+                         else compat.with_branches(eqn, new))
     return nested[id(eqn)]
   closed = _retraced(closed, lambda e: inner(e) is not e,
                      lambda e, ins: compat.bind(inner(e), *ins))

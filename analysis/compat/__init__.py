@@ -41,7 +41,7 @@ from wus.analysis.compat.handles import (add_any_p, all_gather_invariant_p, all_
                                          side_effects, stack_p, sub_jaxprs, threefry2x32_p,
                                          threefry4x32_p, tile_p, unstack_p, Var, while_p,
                                          zeros_like_p)
-from wus.analysis.compat.control_flow import (Atom, Cond, cond, loop, Loop)
+from wus.analysis.compat.control_flow import (Atom, Cond, cond, loop, Loop, with_branches)
 from wus.analysis.compat.source import (has_user_frame, source_line)
 from wus.analysis.compat.axes import (collective_axes, constraint_spec, explicit_axes, lays_out,
                                       has_axis_index_groups, has_result_layout, laid_out,

@@ -49,6 +49,12 @@ def cond(eqn: JaxprEqn) -> Cond:
   return Cond(eqn.invars[0], tuple(eqn.invars[1:]), tuple(eqn.params["branches"]))
 
 
+def with_branches(eqn: JaxprEqn, branches: Sequence[ClosedJaxpr]) -> JaxprEqn:
+  """`cond` equation `eqn` with `branches` in place of its branches (each taking its
+  operands and returning its results)."""
+  return eqn.replace(params={**eqn.params, "branches": tuple(branches)})
+
+
 @dataclasses.dataclass(frozen=True)
 class Loop:
   """A `while` or `scan` equation, read as one loop.
