@@ -206,7 +206,7 @@ def _of_arguments(operands: list[InputPlan], arguments: Sequence[Argument],
   inputs = []
   for k, a in enumerate(arguments):
     if a.operand is None:
-      outside = reasons.Reason(reasons.OutsideRegion())
+      outside = reasons.Reason(reasons.OutsideRegion(state=bool(a.matched)))
       inputs.append(InputPlan(a.name, tuple(a.shape), a.dtype.name, False, outside,
                               bool(a.matched), a.dtype.itemsize, a.matched))
       continue

@@ -258,7 +258,11 @@ class NotRead:
 @dataclasses.dataclass(frozen=True)
 class OutsideRegion:
   """Whole: an argument only the rest of a `wus.jit` step reads (the forward and backward
-  pass), which runs as `jax.jit` runs it."""
+  pass), which runs as `jax.jit` runs it. With `state`, the step returns its next value,
+  which that rest computes too: no gradient of it reached the update region as a sum over
+  the batch."""
+
+  state: bool = False
 
 
 def shifted(x, offset: int):
@@ -384,6 +388,10 @@ _RENDER: dict[type, Callable] = {
                                     "axis_name= the data-parallel axes)"),
     NotRead: lambda x: ("no weight-update cluster reads it (read whole only, e.g. by the "
                         "forward pass)"),
-    OutsideRegion: lambda x: ("read only by the rest of the step (the forward and backward "
-                              "pass), which runs as jax.jit runs it"),
+    OutsideRegion: lambda x: (
+        "state the rest of the step updates, as jax.jit runs it (its next value is computed "
+        "outside the update region: an RNG key, a counter, batch statistics, or a weight "
+        "whose gradient is not seen as a sum over the batch)" if x.state else
+        "read only by the rest of the step (the forward and backward pass), which runs as "
+        "jax.jit runs it"),
 }

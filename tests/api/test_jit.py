@@ -21,6 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, classifier_batches, classifier_step, collective_arrays
+from wus.analysis import reasons
 from wus.sharded import is_sharded
 
 KINDS = ["auto", "explicit"]
@@ -366,6 +367,11 @@ def test_transformer_with_dropout_and_a_state_dict_holding_step_and_rng():
   assert_trees_equal(ref, wus.unshard(out))
   # Every optimizer-state tensor, the tied embedding and the position table included.
   assert all(is_sharded(x) for x in _float_state(out["opt_state"], 8))
+  # The RNG key is state the forward pass updates, outside the region: the Plan says so,
+  # not that only the forward and backward pass read it.
+  (rng_input,) = [i for i in ws.plan(out, batches[0]).inputs if i.name == "state['rng']"]
+  assert rng_input.why.verdict == reasons.OutsideRegion(state=True), rng_input
+  assert str(rng_input.why).startswith("state the rest of the step updates"), rng_input
 
 
 class CNN(nn.Module):
