@@ -138,9 +138,10 @@ def _hoist(eqn, ins: list) -> list:
   it: their results that the rest of the branch reads become operands."""
   cond = compat.cond(eqn)
   index, ops = cond.split(ins)
+  outsides = [hoisted(closed.jaxpr) for closed in cond.branches]
   extras, reads = [], []
-  for closed in cond.branches:
-    jaxpr, outside = closed.jaxpr, hoisted(closed.jaxpr)
+  for closed, outside in zip(cond.branches, outsides, strict=True):
+    jaxpr = closed.jaxpr
     env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, ops, strict=True))
     interpret.eval_eqns(jaxpr, env, order=sorted(outside))
@@ -152,9 +153,8 @@ def _hoist(eqn, ins: list) -> list:
     extras += [env[o] for o in made]
 
   def branch(b: int):
-    closed = cond.branches[b]
-    jaxpr, outside = closed.jaxpr, hoisted(closed.jaxpr)
-    start, made = reads[b]
+    closed, outside, (start, made) = cond.branches[b], outsides[b], reads[b]
+    jaxpr = closed.jaxpr
 
     def fn(*args):
       env = dict(zip(jaxpr.constvars, closed.consts, strict=True))

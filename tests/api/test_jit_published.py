@@ -397,7 +397,7 @@ def test_jax_docs_data_parallel_step_returning_only_its_new_params():
   the new params (SGD written by hand). Every layer's next value is found (the second
   layer's pair has the batch's tree structure, not its shapes) and the weight update
   runs on shards; bit for bit over 3 steps."""
-  mesh = _auto_mesh((8,), ("batch",))
+  mesh = jax.make_mesh((8,), ("batch",))  # As the docs make it: Explicit axes.
   sizes = [24, 16, 16, 16, 4]
   keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
   params = [(jax.random.normal(k, (m, n)) / jnp.sqrt(m), jax.random.normal(k, (n,)))
