@@ -250,6 +250,8 @@ class _Propagation:
       return [self.constraint(eqn, ins[0])]
     if eqn.primitive is compat.shard_map_p and any(f.split for f in ins):
       return self.manual(eqn, batch, state)
+    if all(f.dims is not None and all(e is None for e in f.dims) for f in ins):
+      return [_none(v, batch, state) for v in eqn.outvars]  # No batch dim: none comes out.
     if any(f.dims is None for f in ins) or (
         compat.has_manual_code(eqn) and any(f.split for f in ins)):
       return unknown

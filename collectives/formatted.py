@@ -26,6 +26,7 @@ the all-gather runs over all of them.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -57,7 +58,7 @@ def shard(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:
   Returns:
     shape `fmt.shard_shape`, dtype of `x`.
   """
-  start = _replica(axis_name) * fmt.shard_rows
+  start = lax.mul(_replica(axis_name), np.int32(fmt.shard_rows))  # A literal.
   return lax.dynamic_slice_in_dim(pad(x, fmt), start, fmt.shard_rows, axis=0,
                                   allow_negative_indices=False)
 
@@ -71,7 +72,7 @@ def row_mask(fmt, axis_name) -> jnp.ndarray:
   Returns:
     bool [shard_rows] (shape `fmt.shard_shape[:1]`).
   """
-  start = _replica(axis_name) * fmt.shard_rows
+  start = lax.mul(_replica(axis_name), np.int32(fmt.shard_rows))  # A literal.
   return start + lax.iota(jnp.int32, fmt.shard_rows) < fmt.merged_shape[0]
 
 

@@ -52,7 +52,7 @@ def after(values: Sequence[jnp.ndarray], tokens: Sequence[jnp.ndarray]) -> list[
     return list(values)
   acc = bits[0]
   for b in bits[1:]:
-    acc = acc | b
+    acc = lax.bitwise_or(acc, b)
   if len(bits) > _FUSED_TOKENS:
     acc = lax.sort(jnp.concatenate([acc, acc]))[-1:]
   # A population count of 32 bits is at most 32, so shifting it right by 6 is 0.
@@ -83,26 +83,29 @@ def opaque(ints: Sequence[int], like: jnp.ndarray) -> list[jnp.ndarray] | None:
 
 def _bits(t: jnp.ndarray) -> jnp.ndarray | None:
   """The bits of one element of `t` as uint32 [1], or None for an empty or untyped array."""
+  # lax, not jnp: each jnp function is a jit of its own to trace, and this runs per tensor.
   if not t.size:
     return None
-  x = jnp.ravel(t)[:1]
+  x = lax.slice(lax.reshape(t, (t.size,)), (0,), (1,))
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    x = jnp.real(x)
+    x = lax.real(x)
   if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint32)
+    return lax.convert_element_type(x, jnp.uint32)
   if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
     return None
-  return lax.bitcast_convert_type(x, _uint(x.dtype)).astype(jnp.uint32)
+  return lax.convert_element_type(lax.bitcast_convert_type(x, _uint(x.dtype)), jnp.uint32)
 
 
 def _or(x: jnp.ndarray, zero: jnp.ndarray) -> jnp.ndarray:
   """`x | zero` on the bits of `x` (zero: a uint32 scalar that is 0)."""
+  def with_zero(bits):
+    return lax.bitwise_or(bits, lax.broadcast_in_dim(
+        lax.convert_element_type(zero, bits.dtype), bits.shape, ()))
   if x.dtype == jnp.bool_:
-    return x | zero.astype(jnp.bool_)
+    return with_zero(x)
   if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
     return x
-  unsigned = _uint(x.dtype)
-  return lax.bitcast_convert_type(lax.bitcast_convert_type(x, unsigned) | zero.astype(unsigned),
+  return lax.bitcast_convert_type(with_zero(lax.bitcast_convert_type(x, _uint(x.dtype))),
                                   x.dtype)
 
 

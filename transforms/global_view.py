@@ -114,26 +114,29 @@ def _runs(names: tuple, axes: tuple) -> list[tuple]:
   return [tuple(r) for r in out]
 
 
-def without_input_placements(closed, axis_sizes) -> Callable[..., list]:
-  """`closed` (a flat global jaxpr) as a function to trace again, in which each placement
-  (`global_view.is_placement`) of a step input, or of a constant, is its operand: the
+def without_input_placements(closed, axis_sizes) -> compat.ClosedJaxpr:
+  """`closed` (a flat global jaxpr) in which each placement (`global_view.is_placement`)
+  of a step input, or of a constant, is dropped, its result read as its operand: the
   input is placed whole already (the step takes it so), and the update then reads the
   step's argument itself, whose next value it computes (`eqx.filter_shard((model,
   opt_state), replicated)` at the start of Equinox's data-parallel step)."""
   jaxpr = closed.jaxpr
+  sources = set(jaxpr.invars) | set(jaxpr.constvars)
+  env: dict = {}  # A dropped placement's result -> its operand.
 
-  def fn(*args):
-    sources = set(jaxpr.invars) | set(jaxpr.constvars)
-
-    def hook(i, eqn, ins):
-      if (global_view.is_placement(eqn, axis_sizes) and len(ins) == 1
-          and (compat.is_literal(eqn.invars[0]) or eqn.invars[0] in sources)
-          and _same_type(eqn.invars[0].aval, eqn.outvars[0].aval)):
-        sources.add(eqn.outvars[0])
-        return ins
-      return compat.bind(eqn, *ins)
-    return interpret.eval_jaxpr(jaxpr, closed.consts, args, hook)
-  return fn
+  def read(atom):
+    return atom if compat.is_literal(atom) else env.get(atom, atom)
+  eqns = []
+  for eqn in jaxpr.eqns:
+    if (global_view.is_placement(eqn, axis_sizes) and len(eqn.invars) == 1
+        and (compat.is_literal(eqn.invars[0]) or eqn.invars[0] in sources)
+        and _same_type(eqn.invars[0].aval, eqn.outvars[0].aval)):
+      sources.add(eqn.outvars[0])
+      env[eqn.outvars[0]] = read(eqn.invars[0])
+      continue
+    eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars]) if env else eqn)
+  return compat.ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars]),
+                            closed.consts)
 
 
 def _same_type(a, b) -> bool:

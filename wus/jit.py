@@ -422,12 +422,15 @@ def _compiled(plan: Plan, run: Callable, sharded_leaves: dict, sharded_outputs: 
 def _abstract_operands(leaves: list, compiled: pipeline.Compiled) -> list:
   """The step program's operands for `leaves`, abstract where it keeps them sharded (their
   padded shards)."""
+  # A Python scalar (Flax's `TrainState.create` starts `step` at 0) is typed as jax.jit
+  # types it: weakly typed, of JAX's default dtype.
+  types = [x if hasattr(x, "dtype") else jax.typeof(x) for x in leaves]
   return [jax.ShapeDtypeStruct(compiled.sharded_leaves[k].padded_shape, x.dtype,
                                sharding=compiled.sharded_leaves[k].data_sharding)
           if k in compiled.sharded_leaves else
           jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=compiled.in_shardings[k],
                                weak_type=bool(getattr(x, "weak_type", False)))
-          for k, x in enumerate(leaves)]
+          for k, x in enumerate(types)]
 
 
 def _shards_nothing(plan: Plan, blocks: ModelSplits | None, outside: tuple[str, ...]) -> str:

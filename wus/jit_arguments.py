@@ -228,16 +228,19 @@ def abstract(x, mesh: Mesh | None):
 
 
 def flat_jaxpr(closed, mesh: Mesh):
-  """The traced jaxpr with its calls inlined, the refs it creates discharged into values
-  (`compat.without_refs`), the placements of its inputs dropped
-  (`global_view.without_input_placements`) and dead code dropped."""
-  # The types `jax.jit` traced the step with (on the mesh's abstract mesh): each equation
-  # is then replayed with its own types (`compat.bind`'s fast path), not bound anew.
-  avals = closed.in_avals
-  flat = compat.without_refs(jax.make_jaxpr(inline.inlined(closed))(*avals))
+  """The traced jaxpr with its calls inlined (spliced in where `inline.spliced` applies,
+  else traced), the refs it creates discharged into values (`compat.without_refs`), the
+  placements of its inputs dropped (`global_view.without_input_placements`) and dead code
+  dropped."""
+  flat = inline.spliced(closed)
+  if flat is None:
+    # The types `jax.jit` traced the step with (on the mesh's abstract mesh): each equation
+    # is then replayed with its own types (`compat.bind`'s fast path), not bound anew.
+    flat = jax.make_jaxpr(inline.inlined(closed))(*closed.in_avals)
+  flat = compat.without_refs(flat)
   sizes = dict(mesh.shape)
   if any(global_view.is_placement(e, sizes) for e in flat.jaxpr.eqns):
-    flat = jax.make_jaxpr(global_view_program.without_input_placements(flat, sizes))(*avals)
+    flat = global_view_program.without_input_placements(flat, sizes)
   return compat.ClosedJaxpr(compat.dce(flat.jaxpr), flat.consts)
 
 

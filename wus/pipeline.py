@@ -339,19 +339,23 @@ def group(matched: Matched) -> Grouped:
 
 
 def flatten(grouped: Grouped) -> Flat:
-  """Stage 4: inlines calls and retraces, then drops dead code (as jax.jit does before
-  lowering): the analysis works on one flat jaxpr, and an unused read of optimizer
-  state does not keep it whole. With groups, the step is renamed onto the derived
-  mesh while it is inlined. State its in_spec and out_spec split differently
-  (tensor parallelism) is kept whole between steps."""
+  """Stage 4: inlines calls (spliced in where `inline.spliced` applies, else retraced),
+  then drops dead code (as jax.jit does before lowering): the analysis works on one flat
+  jaxpr, and an unused read of optimizer state does not keep it whole. With groups, the
+  step is renamed onto the derived mesh while it is inlined. State its in_spec and
+  out_spec split differently (tensor parallelism) is kept whole between steps."""
   g, t = grouped, grouped.matched.traced
-  rename = g.home.rename if g.home is not None else None
-  with groups.on(g.mesh) if g.home is not None else contextlib.nullcontext():
-    flat_outer = jax.make_jaxpr(jax.shard_map(
-        lambda *a: tuple(inline.inlined(ClosedJaxpr(t.body, ()), rename)(*a)), mesh=g.mesh,
-        in_specs=g.in_specs, out_specs=g.out_specs, check_vma=t.check_vma,
-        axis_names=g.manual))(*g.operand_avals)
-  flat = compat.body_without_dead_code(compat.shard_map_eqn(flat_outer))
+  spliced = inline.spliced(ClosedJaxpr(t.body, ())) if g.home is None else None
+  if spliced is not None and not spliced.consts:
+    flat = compat.without_dead_code(spliced.jaxpr, g.mesh, g.manual, t.check_vma)
+  else:
+    rename = g.home.rename if g.home is not None else None
+    with groups.on(g.mesh) if g.home is not None else contextlib.nullcontext():
+      flat_outer = jax.make_jaxpr(jax.shard_map(
+          lambda *a: tuple(inline.inlined(ClosedJaxpr(t.body, ()), rename)(*a)), mesh=g.mesh,
+          in_specs=g.in_specs, out_specs=g.out_specs, check_vma=t.check_vma,
+          axis_names=g.manual))(*g.operand_avals)
+    flat = compat.body_without_dead_code(compat.shard_map_eqn(flat_outer))
   pairs = dict(g.matched.pairs)
   axes = (g.axes if g.axes is not None else t.call.roles.update if t.call.roles
           else mesh_axes.replica_axes(t.call.options.axis_name, g.mesh, g.manual, flat,

@@ -26,8 +26,8 @@ from wus.analysis.compat.handles import (add_any_p, all_gather_invariant_p, all_
                                          all_to_all_p, approx_top_k_p, axis_index_p, call_jaxpr,
                                          CALL_JAXPR_PARAM, closed_call_p, ClosedJaxpr, cond_p,
                                          custom_jvp_call_p, custom_vjp_call_p, device_put_p,
-                                         DropVar, geqp3_p, geqrf_p, iota_2x32_shape_p, is_literal,
-                                         is_ref_type,
+                                         DropVar, fresh_var, geqp3_p, geqrf_p, iota_2x32_shape_p,
+                                         is_literal, is_ref_type,
                                          is_zero_literal, Jaxpr, JaxprEqn, jit_p,
                                          layout_constraint_p, Literal, log2_p, mulhi_p, name_p,
                                          one_minus_square_p, pbroadcast_p, polynomial_p,
@@ -54,4 +54,4 @@ from wus.analysis.compat.tracing import (attributed, bind, dce, dce_eqn, in_curr
                                          is_staging_tracer, rebind, rebind_call, retyped,
                                          source_of, static_args, without_refs)
 from wus.analysis.compat.shard_map import (body_without_dead_code, has_manual_code, INFER,
-                                           shard_map_eqn, shard_map_params)
+                                           shard_map_eqn, shard_map_params, without_dead_code)

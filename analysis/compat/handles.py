@@ -115,6 +115,11 @@ CALL_JAXPR_PARAM: dict[Primitive, str] = {
 }
 
 
+def fresh_var(v: Var) -> Var:
+  """A new variable of `v`'s type (a dropped result stays dropped)."""
+  return DropVar(v.aval) if isinstance(v, DropVar) else Var(v.aval)
+
+
 def call_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr:
   """The inner jaxpr of a call-like equation, closed (remat holds an open one)."""
   inner = eqn.params[CALL_JAXPR_PARAM[eqn.primitive]]

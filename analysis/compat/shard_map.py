@@ -37,13 +37,18 @@ def shard_map_params(eqn: JaxprEqn) -> tuple[Jaxpr, Any, tuple, tuple, frozenset
 
 
 def body_without_dead_code(eqn: JaxprEqn) -> Jaxpr:
-  """The body of shard_map equation `eqn` without dead code (`dce`).
+  """The body of shard_map equation `eqn` without dead code (`dce`)."""
+  body, mesh, _, _, manual, check_vma = shard_map_params(eqn)
+  return without_dead_code(body, mesh, manual, check_vma)
+
+
+def without_dead_code(body: Jaxpr, mesh, manual, check_vma: bool) -> Jaxpr:
+  """A shard_map body (over `manual` axes of `mesh`, with `check_vma`) without dead code.
 
   Runs where the body's types hold (its manual axes, its check_vma), as
   shard_map's own DCE rule does: with `jax_enable_checks` JAX type-checks the
   result, and a body's varying types only check inside that context.
   """
-  body, mesh, _, _, manual, check_vma = shard_map_params(eqn)
   with (_shard_map._extend_axis_env(mesh, manual), _config._check_vma(check_vma),
         _mesh_lib.use_abstract_mesh(_shard_map._as_manual_mesh(mesh, manual))):
     return dce(body)

@@ -163,6 +163,10 @@ def test_flax_train_state(kind):
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     batches = _batches(mesh, 3)
     ws = wus.jit(train_step.__wrapped__)
+    # `TrainState.create` starts `step` at the Python int 0: served from the first call.
+    assert isinstance(state.step, int)
+    plan = ws.plan(state, batches[0])
+    assert not plan.unchanged, plan.unchanged
     ref, out = state, state
     for b in batches:
       ref, out = train_step(ref, b), ws(out, b)
