@@ -69,7 +69,8 @@ def spliced(closed: ClosedJaxpr) -> ClosedJaxpr | None:
   (a tenth of a trace's time on a Transformer's step).
 
   Args:
-    closed: a jaxpr of global values (a `jax.jit` step's).
+    closed: a `jax.jit` step's jaxpr (global values), or a shard_map body closed with
+      no constants (the pipeline's `flatten` stage).
 
   Returns:
     The flat jaxpr, with the same inputs and outputs; or None where only `inlined` applies
@@ -92,15 +93,11 @@ class _Unspliced(Exception):
 class _Splice:
   """One scope of `spliced`: a jaxpr rebuilt with its calls' equations in their place."""
 
-  def __init__(self):
-    self.env: dict = {}  # A variable of a spliced call's jaxpr -> its atom here.
-    self.eqns: list = []
-    self.constvars: list = []
-    self.consts: list = []
-
   def closed(self, jaxpr: Jaxpr, consts) -> tuple[Jaxpr, list]:
     """`jaxpr` (whose constants are `consts`) with every call spliced in, and the
     constants of the result."""
+    self.env: dict = {}  # A variable of a spliced call's jaxpr -> its atom here.
+    self.eqns: list = []
     self.constvars, self.consts = list(jaxpr.constvars), list(consts)
     for eqn in jaxpr.eqns:
       self.eqn(eqn, None, fresh=False)
@@ -132,7 +129,7 @@ class _Splice:
                       if not isinstance(v, compat.DropVar))
       return
     params = eqn.params
-    if any(True for _ in compat.sub_jaxprs(eqn)):
+    if next(compat.sub_jaxprs(eqn), None) is not None:
       params = _spliced_params(eqn)
     outvars = eqn.outvars
     if fresh:
