@@ -164,7 +164,8 @@ def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
 
 def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
                bucket_bytes: int, alone_bytes: int | None = None,
-               keys: Sequence | None = None) -> list[jnp.ndarray]:
+               keys: Sequence | None = None, zero: jnp.ndarray | None = None
+               ) -> list[jnp.ndarray]:
   """Per replica: `formatted.all_gather` of many shards in few collectives.
 
   Shards of one dtype share a collective, in buckets of `bucket_bytes` (of
@@ -178,6 +179,9 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
     bucket_bytes: bytes of whole tensors per bucket (`buckets`).
     alone_bytes: see `buckets`.
     keys: see `reduce_scatter`.
+    zero: a uint32 [] zero from `order.zero_after`, or None: each collective's
+      operand is ORed with it (`order.tied`), so that the all-gathers follow its
+      tokens; one tie per collective, not per shard.
 
   Returns:
     The whole tensors: shapes `fmt.shape`, dtypes of the shards, identical on
@@ -185,8 +189,8 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
   """
   def one(shards, fmts):
     if len(shards) == 1:
-      return [formatted.all_gather(shards[0], fmts[0], axis_name)]
-    flat = jnp.concatenate([jnp.ravel(s) for s in shards])
+      return [formatted.all_gather(order.tied(shards[0], zero), fmts[0], axis_name)]
+    flat = order.tied(jnp.concatenate([jnp.ravel(s) for s in shards]), zero)
     every = formatted.gather(flat, axis_name, tiled=False)  # [N, total]: replica r's in row r.
     return [formatted.unpad(jnp.reshape(part, f.padded_shape), f) for part, f in
             zip(_cut(every, [math.prod(f.shard_shape) for f in fmts], axis=1), fmts)]

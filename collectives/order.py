@@ -47,17 +47,23 @@ def after(values: Sequence[jnp.ndarray], tokens: Sequence[jnp.ndarray]) -> list[
   Returns:
     Arrays equal to `values` bit for bit, shapes and dtypes as given.
   """
+  zero = zero_after(tokens)
+  return [tied(x, zero) for x in values]
+
+
+def zero_after(tokens: Sequence[jnp.ndarray]) -> jnp.ndarray | None:
+  """A uint32 [] zero computed from one element of each of `tokens` (`after`), which
+  `tied` ORs into values; None if no token has bits to read."""
   bits = [b for t in tokens if (b := _bits(t)) is not None]
-  if not bits or not values:
-    return list(values)
+  if not bits:
+    return None
   acc = bits[0]
   for b in bits[1:]:
     acc = lax.bitwise_or(acc, b)
   if len(bits) > _FUSED_TOKENS:
     acc = lax.sort(jnp.concatenate([acc, acc]))[-1:]
   # A population count of 32 bits is at most 32, so shifting it right by 6 is 0.
-  zero = lax.shift_right_logical(lax.population_count(acc), jnp.uint32(6))[0]
-  return [_or(x, zero) for x in values]
+  return lax.shift_right_logical(lax.population_count(acc), jnp.uint32(6))[0]
 
 
 def opaque(ints: Sequence[int], like: jnp.ndarray) -> list[jnp.ndarray] | None:
@@ -96,8 +102,10 @@ def _bits(t: jnp.ndarray) -> jnp.ndarray | None:
   return lax.convert_element_type(lax.bitcast_convert_type(x, _uint(x.dtype)), jnp.uint32)
 
 
-def _or(x: jnp.ndarray, zero: jnp.ndarray) -> jnp.ndarray:
-  """`x | zero` on the bits of `x` (zero: a uint32 scalar that is 0)."""
+def tied(x: jnp.ndarray, zero: jnp.ndarray | None) -> jnp.ndarray:
+  """`x` bit for bit, as `x | zero` on its bits (`zero` from `zero_after`; None: `x`)."""
+  if zero is None:
+    return x
   def with_zero(bits):
     return lax.bitwise_or(bits, lax.broadcast_in_dim(
         lax.convert_element_type(zero, bits.dtype), bits.shape, ()))

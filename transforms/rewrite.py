@@ -58,8 +58,8 @@ def _elementwise(eqn: JaxprEqn, env: Env) -> list[Any]:
   keys = [_literal_key(x) if compat.is_literal(x) else x if x.aval.shape in ((), y.aval.shape)
           else None for x in eqn.invars]
   # A result layout describes the whole value; shards have none.
-  return compat.bind(eqn, *compat.match_varying(ins, keys, env.casts),
-                     **compat.without_result_layout(eqn))
+  return compat.bind_elementwise(eqn, *compat.match_varying(ins, keys, env.casts),
+                                 **compat.without_result_layout(eqn))
 
 
 def _literal_key(atom) -> tuple:

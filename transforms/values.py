@@ -145,12 +145,12 @@ class Env:
     # Rows of owned new weights join the same batched all-gathers (§5.2).
     dtypes, rows, row_fmts = self.owned.to_gather() if len(mine) < len(vs) else ([], [], [])
     shards += rows
-    if after and shards:
-      shards = collectives.after(shards, self.tokens(after))
+    zero = collectives.order.zero_after(self.tokens(after)) if after and shards else None
     outs = collectives.batched.grouped(  # Shards over `copy_axes` too: collectives of their own.
         [self.axes(v) for v in mine] + [tuple(self.plan.axes)] * len(rows),
         lambda over, xs, fmts: collectives.batched.all_gather(
-            xs, fmts, over, self.plan.bucket_bytes, self.plan.alone_bytes, keys=vma(xs)),
+            xs, fmts, over, self.plan.bucket_bytes, self.plan.alone_bytes, keys=vma(xs),
+            zero=zero),
         shards, [self.fmt(v) for v in mine] + row_fmts)
     wholes = dict(zip(mine, outs, strict=False))
     if dtypes:

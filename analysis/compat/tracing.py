@@ -83,7 +83,52 @@ _PLAIN_STAGING = frozenset({_lax.broadcast_in_dim_p, _lax.reshape_p, _lax.iota_p
                             _slicing.dynamic_slice_p})
 
 
-def _stage(eqn: JaxprEqn, args: Sequence[Any]) -> list[Any] | None:
+def bind_elementwise(eqn: JaxprEqn, *args: Any, **new_params: Any) -> list[Any]:
+  """`bind` of an elementwise equation (results of its operands' shape) on operands
+  of another shape, as the rewrite binds one on shards.
+
+  Where every operand has the equation's dtype and weak type, and the operands
+  that are not scalars share one type but for the dtype, the results take that
+  type with the equation's dtypes, as JAX's elementwise rules give them, and
+  are staged without abstract evaluation (`_stage`); else `rebind`.
+  """
+  avals = _elementwise_avals(eqn, args)
+  out = None if avals is None else _stage(eqn, args, {**eqn.params, **new_params}, avals)
+  return out if out is not None else rebind(eqn, *args, **new_params)
+
+
+def _elementwise_avals(eqn: JaxprEqn, args: Sequence[Any]) -> list | None:
+  """The result types of elementwise `eqn` bound on `args`, or None if not derived here:
+  every operand but its scalar literals is an array of the equation's dtype and weak type,
+  those of the result's shape all of one type but for the dtype, the scalars varying over
+  the same mesh axes."""
+  shape = eqn.outvars[0].aval.shape
+  if any(v.aval.shape != shape for v in eqn.outvars):
+    return None
+  like, scalars = None, []
+  for v, x in zip(eqn.invars, args, strict=True):
+    if isinstance(v, Literal) and x is v.val and not v.aval.shape:
+      continue
+    aval = getattr(x, "aval", None)
+    if (not isinstance(aval, _core.ShapedArray) or aval.dtype != v.aval.dtype
+        or aval.weak_type != v.aval.weak_type or v.aval.shape not in ((), shape)
+        or bool(aval.shape) != bool(v.aval.shape)):
+      return None
+    if not aval.shape:
+      scalars.append(aval)
+    elif like is None:
+      like = aval
+    elif aval.update(dtype=like.dtype, weak_type=like.weak_type) != like:
+      return None
+  if like is None or any(
+      a.update(shape=like.shape, dtype=like.dtype, weak_type=like.weak_type,
+               sharding=like.sharding) != like for a in scalars):
+    return None
+  return [like.update(dtype=v.aval.dtype, weak_type=v.aval.weak_type) for v in eqn.outvars]
+
+
+def _stage(eqn: JaxprEqn, args: Sequence[Any], params: dict | None = None,
+           out_avals: list | None = None) -> list[Any] | None:
   """`bind` under a jaxpr trace when every operand has the equation's own type.
 
   The outputs then have the equation's types too, so the equation is staged as
@@ -91,9 +136,11 @@ def _stage(eqn: JaxprEqn, args: Sequence[Any]) -> list[Any] | None:
   evaluation: a replayed equation costs a fraction of a bind. Literal operands
   must be passed as their `.val`. None (bind instead) under any other trace,
   for other operand types, effects, a primitive with its own staging rule, or
-  a type of JAX's hijax layer.
+  a type of JAX's hijax layer. With `out_avals` (and `params`), operands of
+  other shapes are staged with those result types (`bind_elementwise`).
   """
   trace = _core.trace_ctx.trace
+  params = eqn.params if params is None else params
   if (not isinstance(trace, _pe.DynamicJaxprTrace) or side_effects(eqn)
       or (eqn.primitive in _pe.custom_staging_rules and eqn.primitive not in _PLAIN_STAGING)
       or eqn.primitive.is_high(*[v.aval for v in eqn.invars], **eqn.params)):
@@ -104,14 +151,16 @@ def _stage(eqn: JaxprEqn, args: Sequence[Any]) -> list[Any] | None:
   for v, x in zip(eqn.invars, args, strict=True):
     if isinstance(v, Literal) and x is v.val:
       tracers.append(_pe.DynamicJaxprTracer(trace, v.aval, v, src))
-    elif isinstance(x, _pe.DynamicJaxprTracer) and x._trace is trace and x.aval == v.aval:
+    elif (isinstance(x, _pe.DynamicJaxprTracer) and x._trace is trace
+          and (out_avals is not None or x.aval == v.aval)):
       tracers.append(x)
     else:
       return None
-  out_avals = [v.aval for v in eqn.outvars]
-  if _pe.try_constant_folding(eqn.primitive, tracers, eqn.params, out_avals) is not None:
+  if out_avals is None:
+    out_avals = [v.aval for v in eqn.outvars]
+  if _pe.try_constant_folding(eqn.primitive, tracers, params, out_avals) is not None:
     return None
-  staged, outs = trace.make_eqn(tracers, out_avals, eqn.primitive, eqn.params, eqn.effects,
+  staged, outs = trace.make_eqn(tracers, out_avals, eqn.primitive, params, eqn.effects,
                                 src, eqn.ctx)
   if eqn.primitive in _pe.forwarding_rules:
     forwarded, staged = _pe.forwarding_rules[eqn.primitive](staged)
