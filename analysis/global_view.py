@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -105,6 +105,21 @@ def is_placement(eqn: JaxprEqn, axis_sizes: Mapping[str, int]) -> bool:
   axis of size > 1 (it changes no value, only where it lies)."""
   axes = compat.placement_axes(eqn)
   return axes is not None and all(axis_sizes.get(a, 1) == 1 for a in axes)
+
+
+def reads_sum(jaxpr: Jaxpr, splits: Splits) -> Callable[[JaxprEqn], bool]:
+  """Whether an equation of `jaxpr` reads a value computed from a gradient sum (a sum of
+  every batch split of its operands, `propagation.is_sum`, the sum's result included):
+  the update's equations do, the forward pass's do not."""
+  is_zero = Graph(jaxpr).is_zero
+  summed: set = set()
+  for eqn in jaxpr.eqns:
+    ins = [None if compat.is_literal(v) else splits.get(v) for v in eqn.invars]
+    if (any(not compat.is_literal(v) and v in summed for v in eqn.invars)
+        or (all(v not in splits for v in eqn.outvars)
+            and propagation.is_sum(eqn, ins, is_zero))):
+      summed.update(eqn.outvars)
+  return lambda eqn: any(not compat.is_literal(v) and v in summed for v in eqn.invars)
 
 
 def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import strategies as st
+from hypothesis import assume, strategies as st
 
 import wus
 
@@ -1053,6 +1053,10 @@ def _split(draw, ls: Sequence[Layer], model: int, embed: bool) -> tuple[Layer, .
                for layer in ls)
 
 
+# Transformations whose update is the sign of a function of the gradient (rprop: of the
+# product of two steps' gradients).
+SIGN_OF_GRADIENT = ("lion", "sign_sgd", "scale_by_sign", "rprop")
+
 FRONTS = ("shard_map", "shard_map", "auto", "explicit")  # Half per-replica, half global view.
 
 
@@ -1073,6 +1077,11 @@ def cases(draw, fronts: Sequence[str] = FRONTS) -> Case:
     return dataclasses.replace(case, layers=_split(draw, ls, 2, embed=False), mesh=Mesh(
         ("data", "model"), (draw(st.sampled_from((2, 3, 4))), 2), model=("model",)))
   mesh, extra = draw(global_meshes(n, case.front))
+  # A sign of a gradient summed in another order (`tolerance`, phased sums) is no number
+  # within a tolerance of the unmodified step's: an element whose sum cancels to near
+  # zero takes either sign, and the weight moves by a whole step either way (seen: Lion
+  # then scale_by_sign on replica 2 x fsdp 2, 6 of 598 elements 2 apart).
+  assume(not (mesh.phased and any(s in tx.code for s in SIGN_OF_GRADIENT)))
   if mesh.model:
     ls = _split(draw, ls, mesh.size(mesh.model), embed=True)
   return dataclasses.replace(case, mesh=mesh, layers=ls, size1_axes=extra,

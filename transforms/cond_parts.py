@@ -22,6 +22,8 @@ HSDP), where the whole conditional would leave nothing to shard.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax import lax
@@ -192,25 +194,62 @@ def _large(aval) -> bool:
   return math.prod(aval.shape) > 1
 
 
-def split(closed):
-  """`closed` (a flat closed jaxpr) traced again with each `cond` at its top level as its
-  independent parts (`parts`), its reductions to scalars run before it (`hoisted`) where
-  they join parts, and the conditionals in its branches split first, the same way
-  (`optax.MultiSteps` around `optax.apply_if_finite`); the same jaxpr when no `cond` has
-  more than one part."""
+def split(closed, select: Callable[[Any], bool] = lambda eqn: True):
+  """`closed` (a flat closed jaxpr) traced again with each `cond` at its top level that
+  `select` takes as its independent parts (`parts`), its reductions to scalars run
+  before it (`hoisted`) where they join parts, and the conditionals in its branches
+  split first, the same way (`optax.MultiSteps` around `optax.apply_if_finite`); the
+  same jaxpr when no such `cond` has more than one part.
+
+  `select` (a top-level `cond` equation of `closed` -> bool) is asked once per equation,
+  of `closed` itself: `wus.jit` splits the conditionals of the update (those reading a
+  gradient sum) and leaves the forward pass's as the user wrote them.
+  """
+  alone: dict = {}
+
+  def split_alone(eqn):  # The conditional as a closed jaxpr of its own, split; None if whole.
+    if id(eqn) not in alone:
+      alone[id(eqn)] = _split_alone(eqn) if select(eqn) else None
+    return alone[id(eqn)]
+
+  def hook(eqn, ins):
+    parted = split_alone(eqn)
+    return interpret.eval_jaxpr(parted.jaxpr, parted.consts,
+                                [x for x, v in zip(ins, eqn.invars, strict=True)
+                                 if not compat.is_literal(v)])
+  return _retraced(closed, lambda e: split_alone(e) is not None, hook)
+
+
+def _split_alone(eqn):
+  """`eqn` (a `cond`) as a closed jaxpr of its operands that are not literals, split
+  (`_split_all`); None if it has one part."""
+  ins = [v for v in eqn.invars if not compat.is_literal(v)]
+
+  def fn(*args):
+    it = iter(args)
+    return compat.bind(eqn, *[v.val if compat.is_literal(v) else next(it) for v in eqn.invars])
+  closed = jax.make_jaxpr(fn)(*[v.aval for v in ins])
+  parted = _split_all(closed)
+  return None if parted is closed else parted
+
+
+def _split_all(closed):
+  """`split` of every top-level `cond` of `closed`."""
   nested: dict = {}
 
   def inner(eqn):  # The conditional with its branches split (the same one if none is).
     if id(eqn) not in nested:
       branches = compat.cond(eqn).branches
-      new = tuple(split(b) for b in branches)
+      new = tuple(_split_all(b) for b in branches)
       nested[id(eqn)] = (eqn if all(n is b for n, b in zip(new, branches, strict=True))
                          else compat.with_branches(eqn, new))
     return nested[id(eqn)]
+  start = closed
   closed = _retraced(closed, lambda e: inner(e) is not e,
                      lambda e, ins: compat.bind(inner(e), *ins))
   closed = _retraced(closed, lambda e: len(parts(e, hoist=True)) > len(parts(e)), _hoist)
-  return _retraced(closed, lambda e: len(parts(e)) > 1, _split)
+  closed = _retraced(closed, lambda e: len(parts(e)) > 1, _split)
+  return closed if closed is not start else start
 
 
 def _split(eqn, ins: list) -> list:

@@ -308,7 +308,8 @@ class JitStep:
       return unchanged("no argument is split over a mesh axis as the batch (the state aside), "
                        "nor laid out so by a sharding constraint in the step, so there is no "
                        "data parallelism to shard the update over")
-    if roles.fsdp and (parted := cond_parts.split(flat)) is not flat:
+    if roles.fsdp and (parted := cond_parts.split(
+        flat, global_view.reads_sum(flat.jaxpr, splits))) is not flat:
       # A conditional around every update (MultiSteps, apply_if_finite) would join the
       # FSDP blocks, computed apart on each replica, and the rest: one per part instead.
       flat = parted

@@ -114,3 +114,50 @@ def test_a_conditional_with_effects_stays_whole():
   closed = jax.make_jaxpr(f)(*_operands())
   assert len(cond_parts.parts(_cond(closed))) == 1
   assert cond_parts.split(closed) is closed
+
+
+def test_only_the_update_conditionals_of_a_global_step_are_split():
+  """`wus.jit` splits the conditionals that read a gradient sum (`global_view.reads_sum`:
+  MultiSteps' around Adam) and leaves the forward pass's as the user wrote them, though
+  its outputs are independent too (a weight and a bias picked by a flag)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from wus import jit_arguments
+  from wus.analysis import global_view
+
+  tx = optax.MultiSteps(optax.adam(1e-2), 2)
+
+  def step(params, opt_state, x, y):
+    def loss_fn(p):
+      w, b = lax.cond(jnp.sum(p["b"]) > -1e9, lambda w, b: (w, 2 * b),
+                      lambda w, b: (0.5 * w, b), p["w"], p["b"])
+      return jnp.mean((jnp.tanh(x @ w + b) - y) ** 2)
+    grads = jax.grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  params = {"w": jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data"))),
+            "b": jax.device_put(jnp.zeros((8,)), NamedSharding(mesh, P()))}
+  data = NamedSharding(mesh, P("data"))
+  x, y = jax.device_put(jnp.ones((32, 16)), data), jax.device_put(jnp.ones((32, 8)), data)
+  args = (params, tx.init(params), x, y)
+  leaves = jax.tree.leaves(args)
+  flat = jit_arguments.flat_jaxpr(jax.jit(step).trace(*args).jaxpr, mesh)
+  state = frozenset(range(len(leaves) - 2))
+  splits = jit_arguments.batch_splits(flat.jaxpr, leaves, [None] * len(leaves), mesh, state)
+  reads_sum = global_view.reads_sum(flat.jaxpr, splits)
+  conds = [e for e in flat.jaxpr.eqns if e.primitive is compat.cond_p]
+  forward = [e for e in conds if not reads_sum(e)]
+  update = [e for e in conds if reads_sum(e)]
+  assert len(forward) == 1 and len(update) >= 1, conds
+  assert len(cond_parts.parts(forward[0])) == 2  # Independent parts, not split.
+  split = cond_parts.split(flat, reads_sum)
+  after = [e for e in split.jaxpr.eqns if e.primitive is compat.cond_p]
+  assert sum(e.params["branches"] == forward[0].params["branches"] for e in after) == 1
+  assert len(after) > len(conds)  # The update's conditional, per tensor.
+  assert cond_parts.split(flat, lambda eqn: False) is flat
+  ins = [*jax.tree.leaves(args)]
+  np.testing.assert_array_equal(
+      np.concatenate([np.ravel(a) for a in jaxpr_as_fun(split)(*ins)]),
+      np.concatenate([np.ravel(a) for a in jaxpr_as_fun(flat)(*ins)]))
