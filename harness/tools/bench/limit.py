@@ -47,6 +47,7 @@ class Parts:
     collectives: runs the reduce-scatter and the all-gather once (blocking
       not included); reuses the buffers it returned last.
     update: runs the optimizer's update of one flat shard once.
+    update_per_tensor: the same update of each tensor's own shard (padded).
     elements: the flat elements (`flat_elements`): N k.
   """
 
@@ -71,28 +72,49 @@ class Parts:
         collectives, mesh=mesh, in_specs=P(axis), out_specs=P(axis), check_vma=False),
         donate_argnums=(2, 3), keep_unused=True)
     self._weights = shard
-
-    def update(params, grads, state):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    shapes = jax.eval_shape(tx.init, jax.ShapeDtypeStruct((self.elements // n,), dtype))
-    specs = jax.tree.map(lambda x: P(axis) if x.ndim else P(), shapes)
-    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(axis), out_specs=specs,
-                                  check_vma=False))(shard)
-    self._update = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(axis), P(axis), specs),
-                                         out_specs=(P(axis), specs), check_vma=False),
-                           donate_argnums=(0, 2))
-    self._state = (jax.device_put(jnp.ones((self.elements,), dtype), split), state)
-    self._update_grads = jax.device_put(jnp.full((self.elements,), 1e-3, dtype), split)
+    self._flat = _Update(tx, mesh, axis, [self.elements], dtype)
+    # The same update on each tensor's shard (padded to a multiple of N), as a step that
+    # shards tensor by tensor runs it: what that costs beside one flat shard.
+    self._per_tensor = _Update(tx, mesh, axis, [flat_elements([k], n) for k in sizes], dtype)
 
   def collectives(self) -> object:
     self._buffers = self._collectives(self._grads, self._weights, *self._buffers)
     return self._buffers
 
   def update(self) -> object:
+    return self._flat()
+
+  def update_per_tensor(self) -> object:
+    return self._per_tensor()
+
+
+class _Update:
+  """The optimizer's update of 1/N shards of flat tensors of `elements` (each a multiple
+  of N), state and weights donated, as a zero-argument call."""
+
+  def __init__(self, tx: optax.GradientTransformation, mesh: Mesh, axis: str,
+               elements: Sequence[int], dtype):
+    n, split = mesh.shape[axis], NamedSharding(mesh, P(axis))
+
+    def update(params, grads, state):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    shards = [jax.ShapeDtypeStruct((k // n,), dtype) for k in elements]
+    shapes = jax.eval_shape(tx.init, shards)
+    specs = jax.tree.map(lambda x: P(axis) if x.ndim else P(), shapes)
+    ones = [jax.device_put(jnp.ones((k,), dtype), split) for k in elements]
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(axis), out_specs=specs,
+                                  check_vma=False))(ones)
+    self._update = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(axis), P(axis), specs),
+                                         out_specs=(P(axis), specs), check_vma=False),
+                           donate_argnums=(0, 2))
+    self._state = ([jax.device_put(jnp.ones((k,), dtype), split) for k in elements], state)
+    self._grads = [jax.device_put(jnp.full((k,), 1e-3, dtype), split) for k in elements]
+
+  def __call__(self) -> object:
     params, state = self._state
-    self._state = self._update(params, self._update_grads, state)
+    self._state = self._update(params, self._grads, state)
     return self._state
 
 

@@ -54,8 +54,8 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     "alone_bytes" and "buckets" (the Plan's choice). With one update per call
     (`Regime.rest`) also "rest_seconds": each timed call of the forward and
     backward pass alone (`steps.make_gradient_step`); without partial-sharding
-    variants (`Regime.parts`) also "collectives_seconds" and "update_seconds"
-    (`limit.Parts`). "tensor_elements": of every weight.
+    variants (`Regime.parts`) also "collectives_seconds", "update_seconds" and
+    "update_per_tensor_seconds" (`limit.Parts`). "tensor_elements": of every weight.
   """
   model = regime.model or model
   kind = tasks.MODELS[model][0]
@@ -78,7 +78,8 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
          "batch_size": regime.batch_size, "steps_per_call": regime.steps_per_call,
          "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(state.opt_state)),
          "tensor_elements": [int(x.size) for x in jax.tree.leaves(params)],
-         "rest_seconds": [], "collectives_seconds": [], "update_seconds": []}
+         "rest_seconds": [], "collectives_seconds": [], "update_seconds": [],
+         "update_per_tensor_seconds": []}
   # The parts alone: the forward and backward pass (no all-reduce, no update;
   # the cost model's "rest" of a one-update step), the collectives and the update.
   parts = {}
@@ -88,7 +89,8 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
   if regime.parts:
     pieces = limit.Parts(out["tensor_elements"], tx, mesh, steps.AXIS_NAME)
     parts.update(collectives_seconds=lambda r: pieces.collectives(),
-                 update_seconds=lambda r: pieces.update())
+                 update_seconds=lambda r: pieces.update(),
+                 update_per_tensor_seconds=lambda r: pieces.update_per_tensor())
   states, batchings = {}, {}
   for name, (step, fresh) in variants.items():
     start = time.perf_counter()

@@ -45,6 +45,35 @@ def limit_of(result: dict) -> dict | None:
   return {**parts, "total": sum(parts.values()), "rounds": rounds}
 
 
+def breakdown(result: dict) -> dict | None:
+  """wus's step time by its parts (seconds per update, medians over the rounds of each
+  round's figure), or None without the parts or the Plan's batching timed alone.
+
+  Returns:
+    {"wus": its step, "rest": forward and backward, "collectives": the reduce-scatters
+    and all-gathers as the Plan batches them, alone, "flat": one flat pair of the same
+    bytes, "update": the optimizer on each tensor's shard, "flat_update": on one flat
+    shard, "unaccounted": the step less rest, collectives and update, "donation": the
+    donated step less the undonated one (part of the unaccounted; None without the
+    undonated variant)}.
+  """
+  if (not result.get("collectives_seconds") or not result.get("update_per_tensor_seconds")
+      or "plan" not in result.get("choices", {})):
+    return None
+  step, plan = result["wus"]["step_seconds"], result["choices"]["plan"]["seconds"]
+  update = result["update_per_tensor_seconds"]
+  rounds = zip(step, result["rest_seconds"], plan, update, strict=True)
+  undonated = result.get("wus_undonated", {}).get("step_seconds")
+  return {"wus": statistics.median(step), "rest": statistics.median(result["rest_seconds"]),
+          "collectives": statistics.median(plan),
+          "flat": statistics.median(result["collectives_seconds"]),
+          "update": statistics.median(update),
+          "flat_update": statistics.median(result["update_seconds"]),
+          "unaccounted": statistics.median(t - a - c - u for t, a, c, u in rounds),
+          "donation": None if undonated is None else statistics.median(
+              a - b for a, b in zip(step, undonated, strict=True))}
+
+
 def predict(result: dict, topology: network.Topology) -> dict | None:
   """The cost model's step time of each of a regime's replicated and wus variants
   (seconds per update).
@@ -265,6 +294,18 @@ def limit_markdown(r: dict) -> str:
                              "XLA compile CPU s"], rows))
   if "buckets" in r.get("wus", {}):
     lines.append(f"wus plan: {r['wus']['buckets']}.")
+  if (parts := breakdown(r)) is not None:
+    ms = {k: 1e3 * v for k, v in parts.items() if v is not None}
+    donation = ("" if parts["donation"] is None else
+                f"; the donated step less the undonated one: {ms['donation']:.2f} ms")
+    lines.append(
+        f"wus's {ms['wus']:.2f} ms by its parts (medians of each round's figure): forward and "
+        f"backward {ms['rest']:.2f} + its collectives as the Plan batches them, alone "
+        f"{ms['collectives']:.2f} ({ms['collectives'] - ms['flat']:+.2f} against one flat "
+        f"pair) + Adam on each tensor's shard {ms['update']:.2f} "
+        f"({ms['update'] - ms['flat_update']:+.2f} against one flat shard) + unaccounted "
+        f"{ms['unaccounted']:.2f} ms ({ms['unaccounted'] / ms['wus']:.1%}: scheduling, "
+        f"dispatch, the parts' overlap){donation}.")
   return "\n\n".join(lines)
 
 
