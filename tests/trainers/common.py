@@ -86,6 +86,20 @@ def median_step(times: Sequence[float], skip: int = 2) -> float:
   return statistics.median(rest) if rest else math.nan
 
 
+def compiled_summary(lowered) -> str | None:
+  """The compiled step's collectives and data movement, from its optimized HLO (per
+  device: count / MiB), or None if the step was not lowered by the trainer."""
+  if lowered is None:
+    return None
+  from wus.harness.tools import report as hlo  # noqa: PLC0415 -- after the device flags
+  text = lowered.compile().as_text()
+  parts = [f"{k} {c.count} / {c.bytes / 2**20:.3g}"
+           for k, c in sorted(hlo.collectives(text).items()) if c.count]
+  parts += [f"{k} {m.count} / {m.bytes / 2**20:.3g}"
+            for k, m in sorted(hlo.data_movement(text).items()) if m.count]
+  return ", ".join(parts) + " (count / MiB per device)"
+
+
 def report(title: str, records: dict, base: str = "jax") -> str:
   """The runs side by side: losses per step, optimizer state per device, step times."""
   lines = [title]
@@ -118,6 +132,8 @@ def report(title: str, records: dict, base: str = "jax") -> str:
   for n, r in ok.items():
     if r.get("plan"):
       lines.append(f"  {n}'s Plan: {r['plan']}")
+    if r.get("compiled"):
+      lines.append(f"  {n}'s compiled step: {r['compiled']}")
     if r.get("state_matched"):
       lines.append(f"  {n}'s state: {r['state_matched']}")
   return "\n".join(lines)

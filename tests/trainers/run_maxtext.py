@@ -26,6 +26,7 @@ step times, and wus's Plan (or why the step runs unchanged).
 Usage (Python >= 3.12, MaxText 0.2.5 and wus installed; docs/trainers/maxtext.md):
 
     python tests/trainers/run_maxtext.py --mesh data8 [--shard-mode explicit] [--steps 6]
+        [--size small]  # a model whose update matters on these CPUs, for step times
 """
 
 from __future__ import annotations
@@ -49,8 +50,15 @@ TINY = ["hardware=cpu", "dataset_type=synthetic", "enable_checkpointing=False",
         "enable_dropout=False", "attention=dot_product", "enable_tensorboard=False"]
 
 
+# A model whose weight update is a real part of the step on these CPUs (4.6M weights), for
+# step times: `--size small`.
+SMALL = ["base_emb_dim=256", "base_num_query_heads=8", "base_num_kv_heads=8",
+         "base_mlp_dim=1024", "base_num_decoder_layers=4", "head_dim=32", "vocab_size=2048"]
+
+
 def add_arguments(parser) -> None:
   parser.add_argument("--mesh", choices=sorted(MESHES), default="data8")
+  parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
   parser.add_argument("--shard-mode", choices=["auto", "explicit"], default="auto")
 
 
@@ -64,7 +72,11 @@ class Recorded:
   for `wus.jit`, the Plan of its first call; anything else is the step's own."""
 
   def __init__(self, step):
-    self.step, self.state, self.plan = step, None, None
+    self.step, self.state, self.plan, self.lowered = step, None, None, None
+
+  def lower(self, *args, **kwargs):  # MaxText lowers and compiles the step itself.
+    self.lowered = self.step.lower(*args, **kwargs)
+    return self.lowered
 
   def __call__(self, *args, **kwargs):
     if self.plan is None and hasattr(self.step, "plan"):
@@ -92,7 +104,8 @@ def child(args) -> dict:
   mesh = [f"ici_{a}_parallelism={MESHES[args.mesh].get(a, 1)}"
           for a in ("data", "fsdp", "tensor")]
   config = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-  train.main([None, config, *TINY, *mesh, f"steps={args.steps}",
+  size = SMALL if args.size == "small" else []
+  train.main([None, config, *TINY, *size, *mesh, f"steps={args.steps}",
               f"shard_mode={args.shard_mode}", f"run_name={args.variant}",
               f"base_output_directory={os.path.abspath('out')}", f"metrics_file={metrics}",
               f"shard_optimizer_over_data={args.variant == 'zero1'}"])
@@ -110,7 +123,8 @@ def child(args) -> dict:
           "opt_bytes_per_device": common.bytes_per_device(opt),
           "opt_bytes_whole": common.whole_bytes(opt),
           "params": common.save_params(args.variant, params),
-          "plan": common.plan_summary(step.plan)}
+          "plan": common.plan_summary(step.plan),
+          "compiled": common.compiled_summary(step.lowered)}
 
 
 if __name__ == "__main__":
