@@ -47,7 +47,7 @@ def after(values: Sequence[jnp.ndarray], tokens: Sequence[jnp.ndarray]) -> list[
   Returns:
     Arrays equal to `values` bit for bit, shapes and dtypes as given.
   """
-  zero = zero_after(tokens)
+  zero = zero_after(tokens) if values else None
   return [tied(x, zero) for x in values]
 
 

@@ -222,7 +222,7 @@ def split(closed, select: Callable[[Any], bool] = lambda eqn: True):
 
 def _split_alone(eqn):
   """`eqn` (a `cond`) as a closed jaxpr of its operands that are not literals, split
-  (`_split_all`); None if it has one part."""
+  (`_split_all`); None if neither it nor a conditional in its branches splits."""
   ins = [v for v in eqn.invars if not compat.is_literal(v)]
 
   def fn(*args):
@@ -244,12 +244,10 @@ def _split_all(closed):
       nested[id(eqn)] = (eqn if all(n is b for n, b in zip(new, branches, strict=True))
                          else compat.with_branches(eqn, new))
     return nested[id(eqn)]
-  start = closed
   closed = _retraced(closed, lambda e: inner(e) is not e,
                      lambda e, ins: compat.bind(inner(e), *ins))
   closed = _retraced(closed, lambda e: len(parts(e, hoist=True)) > len(parts(e)), _hoist)
-  closed = _retraced(closed, lambda e: len(parts(e)) > 1, _split)
-  return closed if closed is not start else start
+  return _retraced(closed, lambda e: len(parts(e)) > 1, _split)
 
 
 def _split(eqn, ins: list) -> list:
