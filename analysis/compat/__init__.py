@@ -51,8 +51,8 @@ from wus.analysis.compat.axes import (collective_axes, constraint_spec, explicit
                                       to_varying, type_axes, varying_axes,
                                       without_result_layout)
 from wus.analysis.compat.tracing import (attributed, bind, bind_elementwise, dce, dce_eqn,
-                                         in_current_mesh,
-                                         is_staging_tracer, rebind, rebind_call, retyped,
-                                         source_of, static_args, without_refs)
+                                         in_current_mesh, is_staging_tracer, rebind,
+                                         rebind_call, retyped, source_of, static_args,
+                                         without_refs)
 from wus.analysis.compat.shard_map import (body_without_dead_code, has_manual_code, INFER,
                                            shard_map_eqn, shard_map_params, without_dead_code)

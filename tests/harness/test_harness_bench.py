@@ -124,7 +124,6 @@ def test_parts_alone_give_the_limit_of_each_one_update_regime(results):
         r["wus"]["step_seconds"], r["rest_seconds"], r["choices"]["plan"]["seconds"],
         r["update_per_tensor_seconds"], strict=True)]
     assert min(residuals) <= parts["unaccounted"] <= max(residuals)
-    assert parts["flat"] == bound["collectives"] and parts["rest"] == bound["rest"]
     assert r["wus"]["moves"]["parameter copy"]["count"] == 0  # Donated, gathered in place.
   rows = [t for t, _, _ in summary.targets(results)]
   assert "weight-update-bound: wus / limit (the parts timed alone) <= 1.05" in rows

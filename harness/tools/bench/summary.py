@@ -57,18 +57,17 @@ def breakdown(result: dict) -> dict | None:
     donated step less the undonated one (part of the unaccounted; None without the
     undonated variant)}.
   """
-  if (not result.get("collectives_seconds") or not result.get("update_per_tensor_seconds")
+  bound = limit_of(result)
+  if (bound is None or not result.get("update_per_tensor_seconds")
       or "plan" not in result.get("choices", {})):
     return None
   step, plan = result["wus"]["step_seconds"], result["choices"]["plan"]["seconds"]
   update = result["update_per_tensor_seconds"]
   rounds = zip(step, result["rest_seconds"], plan, update, strict=True)
   undonated = result.get("wus_undonated", {}).get("step_seconds")
-  return {"wus": statistics.median(step), "rest": statistics.median(result["rest_seconds"]),
-          "collectives": statistics.median(plan),
-          "flat": statistics.median(result["collectives_seconds"]),
-          "update": statistics.median(update),
-          "flat_update": statistics.median(result["update_seconds"]),
+  return {"wus": statistics.median(step), "rest": bound["rest"],
+          "collectives": statistics.median(plan), "flat": bound["collectives"],
+          "update": statistics.median(update), "flat_update": bound["update"],
           "unaccounted": statistics.median(t - a - c - u for t, a, c, u in rounds),
           "donation": None if undonated is None else statistics.median(
               a - b for a, b in zip(step, undonated, strict=True))}
