@@ -154,10 +154,11 @@ def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
   def one(values, fmts):
     if len(values) == 1:
       return [formatted.reduce_scatter(values[0], fmts[0], axis_name, copies)]
-    rows = [jnp.reshape(formatted.pad(x, f), (f.num_shards // c, -1))
+    rows = [formatted.reshape(formatted.pad(x, f), (f.num_shards // c, -1))
             for x, f in zip(values, fmts)]
-    mine = formatted.scatter_rows(jnp.concatenate(rows, axis=1), axis_name)[0]
-    return [jnp.reshape(formatted.keep_copy(jnp.reshape(part, (c, -1)), copies), f.shard_shape)
+    mine = formatted.scatter_rows(_concatenate(rows, axis=1), axis_name)[0]
+    return [formatted.reshape(formatted.keep_copy(formatted.reshape(part, (c, -1)), copies),
+                              f.shard_shape)
             for part, f in zip(_cut(mine, [c * math.prod(f.shard_shape) for f in fmts]), fmts)]
   return _bucketed(one, values, fmts, bucket_bytes, alone_bytes, keys=keys)
 
@@ -190,9 +191,9 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
   def one(shards, fmts):
     if len(shards) == 1:
       return [formatted.all_gather(order.tied(shards[0], zero), fmts[0], axis_name)]
-    flat = order.tied(jnp.concatenate([jnp.ravel(s) for s in shards]), zero)
+    flat = order.tied(_concatenate([formatted.reshape(s, (-1,)) for s in shards]), zero)
     every = formatted.gather(flat, axis_name, tiled=False)  # [N, total]: replica r's in row r.
-    return [formatted.unpad(jnp.reshape(part, f.padded_shape), f) for part, f in
+    return [formatted.unpad(formatted.reshape(part, f.padded_shape), f) for part, f in
             zip(_cut(every, [math.prod(f.shard_shape) for f in fmts], axis=1), fmts)]
   return _bucketed(one, shards, fmts, bucket_bytes, alone_bytes, keys=keys)
 
@@ -259,6 +260,11 @@ def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence, limit: 
                     strict=True):
       out[k] = y
   return out
+
+
+def _concatenate(values: Sequence[jnp.ndarray], axis: int = 0) -> jnp.ndarray:
+  """`jnp.concatenate` of values of one dtype, staged as `lax.concatenate`."""
+  return lax.concatenate(list(values), axis)
 
 
 def _cut(x: jnp.ndarray, sizes: Sequence[int], axis: int = 0) -> list[jnp.ndarray]:

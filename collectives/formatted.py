@@ -25,6 +25,8 @@ the all-gather runs over all of them.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -32,16 +34,31 @@ from jax import lax
 
 def pad(x: jnp.ndarray, fmt) -> jnp.ndarray:
   """Reshapes `x` (shape `fmt.shape`) to `fmt.padded_shape`, zero padded."""
-  merged = jnp.reshape(x, fmt.merged_shape)
+  merged = reshape(x, fmt.merged_shape)
   extra = fmt.padded_shape[0] - fmt.merged_shape[0]
   if not extra:
     return merged
-  return jnp.pad(merged, [(0, extra)] + [(0, 0)] * (len(fmt.merged_shape) - 1))
+  return lax.pad(merged, np.zeros((), merged.dtype),
+                 [(0, extra, 0)] + [(0, 0, 0)] * (len(fmt.merged_shape) - 1))
 
 
 def unpad(x: jnp.ndarray, fmt) -> jnp.ndarray:
   """Inverse of `pad`: drops the padding rows and restores `fmt.shape`."""
-  return jnp.reshape(x[:fmt.merged_shape[0]], fmt.shape)
+  rows = fmt.merged_shape[0]
+  if rows != x.shape[0]:
+    x = lax.slice(x, (0,) * x.ndim, (rows, *x.shape[1:]))
+  return reshape(x, fmt.shape)
+
+
+def reshape(x: jnp.ndarray, shape) -> jnp.ndarray:
+  """`jnp.reshape(x, shape)` (one dim may be -1), staged as `lax.reshape`: the
+  collectives reshape every tensor of the update, and jnp's checks cost more than the
+  equation."""
+  shape = tuple(shape)
+  if -1 in shape:
+    known = math.prod(d for d in shape if d != -1)
+    shape = tuple(math.prod(x.shape) // known if d == -1 else d for d in shape)
+  return lax.reshape(x, shape)
 
 
 def shard(x: jnp.ndarray, fmt, axis_name) -> jnp.ndarray:

@@ -12,6 +12,7 @@ from jax import lax
 
 from wus.analysis import compat, global_view
 from wus.analysis.model_splits import ModelSplits
+from wus.analysis.primitives import ELEMENTWISE
 from wus.transforms import inline, interpret, model_local
 
 
@@ -70,6 +71,11 @@ def _region_eqn(region: global_view.Region, axes: tuple, model: ModelSplits | No
     return ins
   if model is not None and model_local.is_local(eqn, i, model):
     outs = model_local.eval_local(eqn, i, ins, model, axis_sizes)
+  elif eqn.primitive in ELEMENTWISE and not compat.has_result_layout(eqn):
+    # Staged with its result type derived from its operands' (`compat.bind_elementwise`):
+    # most of an optimizer's equations, a fraction of a bind each.
+    outs = compat.bind_elementwise(compat.in_current_mesh(eqn), *[
+        v.val if compat.is_literal(v) else x for v, x in zip(eqn.invars, ins, strict=True)])
   else:
     outs = inline.eval_eqn(eqn, ins, rename={})
   if i in region.moved or i in region.sums:

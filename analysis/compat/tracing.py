@@ -101,7 +101,8 @@ def _elementwise_avals(eqn: JaxprEqn, args: Sequence[Any]) -> list | None:
   """The result types of elementwise `eqn` bound on `args`, or None if not derived here:
   every operand but its scalar literals is an array of the equation's dtype and weak type,
   those of the result's shape all of one type but for the dtype, the scalars varying over
-  the same mesh axes."""
+  the same mesh axes (or, where every operand is a scalar, all of one type but for the
+  dtype, typed on the current trace's mesh)."""
   shape = eqn.outvars[0].aval.shape
   if any(v.aval.shape != shape for v in eqn.outvars):
     return None
@@ -120,9 +121,14 @@ def _elementwise_avals(eqn: JaxprEqn, args: Sequence[Any]) -> list | None:
       like = aval
     elif aval.update(dtype=like.dtype, weak_type=like.weak_type) != like:
       return None
-  if like is None or any(
-      a.update(shape=like.shape, dtype=like.dtype, weak_type=like.weak_type,
-               sharding=like.sharding) != like for a in scalars):
+  if like is None:  # Scalars only: all of one type but for the dtype, on the current mesh.
+    if (not scalars or getattr(scalars[0].sharding, "mesh", None) != _mesh_lib.get_abstract_mesh()
+        or any(a.update(dtype=scalars[0].dtype, weak_type=scalars[0].weak_type) != scalars[0]
+               for a in scalars)):
+      return None
+    like = scalars[0]
+  elif any(a.update(shape=like.shape, dtype=like.dtype, weak_type=like.weak_type,
+                    sharding=like.sharding) != like for a in scalars):
     return None
   return [like.update(dtype=v.aval.dtype, weak_type=v.aval.weak_type) for v in eqn.outvars]
 
@@ -150,7 +156,10 @@ def _stage(eqn: JaxprEqn, args: Sequence[Any], params: dict | None = None,
   tracers = []
   for v, x in zip(eqn.invars, args, strict=True):
     if isinstance(v, Literal) and x is v.val:
-      tracers.append(_pe.DynamicJaxprTracer(trace, v.aval, v, src))
+      # Replayed with results typed anew (`bind_elementwise`), inside another shard_map.
+      if (literal := v if out_avals is None else _on_current_mesh(v)) is None:
+        return None
+      tracers.append(_pe.DynamicJaxprTracer(trace, literal.aval, literal, src))
     elif (isinstance(x, _pe.DynamicJaxprTracer) and x._trace is trace
           and (out_avals is not None or x.aval == v.aval)):
       tracers.append(x)
@@ -168,6 +177,18 @@ def _stage(eqn: JaxprEqn, args: Sequence[Any], params: dict | None = None,
   if staged is not None:
     trace.frame.add_eqn(staged)
   return outs
+
+
+def _on_current_mesh(literal: Literal) -> Literal | None:
+  """`literal`, typed on the current trace's mesh as JAX types a constant it stages (an
+  equation of a global jaxpr replayed inside a shard_map); None for a literal laid out
+  over mesh axes."""
+  sharding = getattr(literal.aval, "sharding", None)
+  if sharding is None or sharding.mesh == _mesh_lib.get_abstract_mesh():
+    return literal
+  if any(sharding.spec):
+    return None
+  return Literal(literal.val, literal.aval.update(sharding=_core.get_cur_mesh_sharding()))
 
 
 @contextlib.contextmanager
