@@ -121,6 +121,7 @@ def test_core_tests_read_hlo_without_the_harness():
 
 MAX_FUNCTION_LINES = 60
 
+
 def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
   """Lines of code of a function, nested functions included: no blank or comment line, no
   docstring."""

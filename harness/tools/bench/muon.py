@@ -263,6 +263,7 @@ def run(model: nn.Module, mesh: Mesh, *, rounds: int, batch_size: int = 1,
     for batch in data[:2]:  # Warm up: compile, and (wus) convert the state.
       current = jax.block_until_ready(step(*current, batch))
     states[name] = current
+
   def update(name: str):
     def call(r: int) -> None:
       states[name] = jax.block_until_ready(steps[name][0](*states[name], data[2 + r]))

@@ -19,6 +19,7 @@ from wus.harness.tools.bench import choices, limit, timing
 from wus.harness.tools.bench.variants import Regime, variant_steps
 from wus.harness.training import config as config_lib, optim, steps
 
+
 def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int = 0,
                progress=None, topology: network.Topology | None = None) -> dict:
   """Measures every variant of `regime` on `model` (Adam), interleaved.
@@ -125,6 +126,7 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     states[name] = fresh
   for call in parts.values():
     jax.block_until_ready(call(-2))
+
   def update(name: str) -> Callable[[int], None]:
     def call(r: int) -> None:
       states[name] = steps.TrainState(
