@@ -161,12 +161,3 @@ def test_no_function_over_60_lines_of_code():
 if __name__ == "__main__":  # `python tests/test_lint.py`: the functions over the limit.
   for name, n in sorted(long_functions().items(), key=lambda item: -item[1]):
     print(f"{n:4d}  {name}")
-
-
-def test_each_package_index_lists_every_module():
-  """The package docstrings of analysis/ and transforms/ name each module and its concern."""
-  for folder in ("analysis", "transforms"):
-    index = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text()))
-    listed = {line.split()[0] for line in index.splitlines() if line.startswith("  ")}
-    modules = {p.stem for p in (ROOT / folder).glob("*.py")} - {"__init__"}
-    assert modules <= listed, f"{folder}/__init__.py does not list {sorted(modules - listed)}"
