@@ -41,6 +41,7 @@ from wus.analysis.compat import JaxprEqn, Var
 def _shape(v) -> tuple:
   return tuple(getattr(v.aval, "shape", ()))
 
+
 @dataclasses.dataclass(frozen=True)
 class ModelSplits:
   """The model splits of a region's values.

@@ -25,6 +25,7 @@ from wus.analysis.compat import Jaxpr
 from wus.analysis.cost import nbytes, tensor
 from wus.analysis.owned import Ownership, OwnedFormat, OwnedUnit, Slot, build_bank
 
+
 def work(eqns) -> tuple[float, float]:
   """(flops, bytes read and written) of equations, unfused; loops times their trip count."""
   flops = traffic = 0.0

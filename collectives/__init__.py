@@ -1,6 +1,12 @@
 """Reduce-scatter, all-gather and local sharding with a sharding format fused in (§5).
 
 Usable by hand inside `jax.shard_map`, as the rewritten step uses them.
+
+Modules, one concern each:
+  formatted  reduce-scatter, all-gather and local shards with a sharding format fused in (§5.1)
+  batched    many small tensors in one collective, in buckets (§5.2, Fig. 10)
+  owned      rows of whole tensors, one row per replica: the layout of owned updates
+  order      data dependencies XLA keeps: `after` orders a computation, `opaque` hides constants
 """
 
 from wus.collectives import batched

@@ -106,6 +106,7 @@ def tied(x: jnp.ndarray, zero: jnp.ndarray | None) -> jnp.ndarray:
   """`x` bit for bit, as `x | zero` on its bits (`zero` from `zero_after`; None: `x`)."""
   if zero is None:
     return x
+
   def with_zero(bits):
     return lax.bitwise_or(bits, lax.broadcast_in_dim(
         lax.convert_element_type(zero, bits.dtype), bits.shape, ()))

@@ -98,7 +98,6 @@ def megatron_inputs(n_data, steps=3, width=16):
   return params, batches
 
 
-
 # --- A step with a GELU MLP, column- then row-parallel (w1 P(None, "model"), w2 P("model", None)).
 
 

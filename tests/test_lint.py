@@ -119,7 +119,14 @@ def test_core_tests_read_hlo_without_the_harness():
   assert not found, f"core tests importing the harness: {found}"
 
 
+# The size limits hold for the library and the harness alike (issue 38 item 6).
+LIMITED = (*LIBRARY, "harness")
 MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 450
+# Library modules over MAX_MODULE_LINES when the rule was first tested (issue 38 item 6: to
+# be cut by concept); the test fails when one is back under it, so that it leaves this set.
+OVER_MODULE_LINES = {"analysis/dims.py", "wus/jit.py"}
+
 
 def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
   """Lines of code of a function, nested functions included: no blank or comment line, no
@@ -135,9 +142,10 @@ def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) 
 
 
 def long_functions(limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
-  """"folder/module.py:function" -> lines of code, for the library's functions over `limit`."""
+  """"folder/module.py:function" -> lines of code, for the functions over `limit` of the library
+  and the harness."""
   out = {}
-  for folder in LIBRARY:
+  for folder in LIMITED:
     for path in sorted((ROOT / folder).rglob("*.py")):
       text = path.read_text()
       lines = text.splitlines()
@@ -155,17 +163,31 @@ def test_no_function_over_60_lines_of_code():
   assert long_functions(10)  # The count sees functions.
   found = long_functions()
   assert not found, f"functions over {MAX_FUNCTION_LINES} lines of code: {found}"
+  assert any(name.startswith("harness/") for name in long_functions(10))  # Harness counted.
 
 
-if __name__ == "__main__":  # `python tests/test_lint.py`: the functions over the limit.
-  for name, n in sorted(long_functions().items(), key=lambda item: -item[1]):
+def long_modules(limit: int = MAX_MODULE_LINES) -> dict[str, int]:
+  """"folder/module.py" -> lines, for the modules over `limit` of the library and the harness."""
+  out = {}
+  for folder in LIMITED:
+    for path in sorted((ROOT / folder).rglob("*.py")):
+      n = len(path.read_text().splitlines())
+      if n > limit:
+        out[path.relative_to(ROOT).as_posix()] = n
+  return out
+
+
+def test_no_module_over_450_lines():
+  """Modules of at most 450 lines, each one concept (STYLE.md: small modules split by
+  concern), in the library and the harness."""
+  assert any(name.startswith("harness/") for name in long_modules(300))  # The count sees them.
+  found = long_modules()
+  over = {name: n for name, n in found.items() if name not in OVER_MODULE_LINES}
+  assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
+  back = sorted(OVER_MODULE_LINES - set(found))
+  assert not back, f"{back} within {MAX_MODULE_LINES} lines now: drop from OVER_MODULE_LINES"
+
+
+if __name__ == "__main__":  # `python tests/test_lint.py`: functions and modules over the limits.
+  for name, n in sorted({**long_functions(), **long_modules()}.items(), key=lambda item: -item[1]):
     print(f"{n:4d}  {name}")
-
-
-def test_each_package_index_lists_every_module():
-  """The package docstrings of analysis/ and transforms/ name each module and its concern."""
-  for folder in ("analysis", "transforms"):
-    index = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text()))
-    listed = {line.split()[0] for line in index.splitlines() if line.startswith("  ")}
-    modules = {p.stem for p in (ROOT / folder).glob("*.py")} - {"__init__"}
-    assert modules <= listed, f"{folder}/__init__.py does not list {sorted(modules - listed)}"

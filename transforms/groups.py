@@ -70,6 +70,7 @@ class Groups:
   def user_spec(self, spec: P) -> P:
     """The inverse of `derived_spec`."""
     pair = (self.outer, self.inner)
+
     def back(entry: tuple) -> tuple:
       for k in range(len(entry) - 1):
         if entry[k:k + 2] == pair:

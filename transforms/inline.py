@@ -291,6 +291,7 @@ def _cond(eqn, ins, rename):
 
   def branch(closed, psum):
     run = _closed(closed, rename, [psum[k] for k in hoisted if k in psum])
+
     def body(args):
       return [compat.to_varying(x, [b for a in compat.collective_axes(hoisted[k])
                                     for b in (rename or {}).get(a, (a,))])

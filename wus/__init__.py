@@ -30,6 +30,26 @@ need another library import it when first used (PEP 562 module `__getattr__`):
 and TensorStore (also imported by the steps' `state_target`). Where that library is
 missing, the name is a stand-in that raises an ImportError naming what to install when
 called or read from, so that `help(wus)` and `dir(wus)` work in every install.
+
+Modules, one concern each:
+  api            `wus.shard_map` (`ShardedStep`): the front end of `jax.shard_map` steps
+  pmap           `wus.pmap`: a drop-in for `jax.pmap`
+  jit            `wus.jit` (`JitStep`): a global-view `jax.jit` step
+  jit_arguments  `jax.jit`'s calling convention as `wus.jit` reads it
+  jit_region     a global-view step's update region: what runs as a shard_map, what outside it
+  pjit           `wus.pjit`: `pjit`'s signature and rules, on `wus.jit`
+  filter_jit     `wus.filter_jit`: `wus.jit` for steps with non-array leaves (Equinox)
+  named_jit      `wus.named_jit`: `wus.jit` for haliax's `named_jit` (Levanter)
+  nnx            `wus.nnx_jit`: `flax.nnx.jit` for steps that update NNX objects in place
+  options        `Options`: what a user tells wus besides the step, validated once
+  matching       state matching: which output of a step is the next value of which input
+  mesh_axes      what the pipeline reads off the mesh and the specs
+  pipeline       the seven stages every front end shares, each one value to the next
+  runtime        the runtime every front end shares: operands in, sharded state out
+  sharded        `ShardedArray`: the tensors wus keeps sharded between steps
+  saving         what a step saves: the warning when it saves little, bytes per device
+  errors         the errors and warnings wus raises
+  checkpoint     checkpoints of sharded state with stock Orbax, restored at any N (a package)
 """
 import importlib
 import sys

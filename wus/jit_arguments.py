@@ -128,6 +128,7 @@ def declared(shardings: Any, tree: Any, leaves: list) -> list:
   one for all) gives it; None where it gives none."""
   if shardings is None:
     return [None] * len(leaves)
+
   def is_leaf(x):
     return x is _UNSPECIFIED or isinstance(x, (jax.sharding.Sharding, P))
   if is_leaf(shardings):

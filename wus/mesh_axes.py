@@ -133,6 +133,7 @@ def sharding_groups(mesh: Mesh, axes: tuple, group_size: int) -> tuple[groups.Gr
                   "(plain sharding)")
   return found, found.describe()
 
+
 def topology_for(topology: network.Topology | None, mesh: Mesh, axes: tuple,
                   num_shards: int) -> network.Topology:
   """The cost model's devices: the user's topology (of a sharding group's devices
@@ -163,6 +164,7 @@ def topology_for(topology: network.Topology | None, mesh: Mesh, axes: tuple,
   host = sum(d.process_index == first for d in mesh.devices.flat)
   return network.default_topology(num_shards, local if num_shards % local == 0 else None,
                                   platform=group.flat[0].platform, host_devices=host)
+
 
 def replica_axes(axis_name, mesh: Mesh, manual: frozenset, jaxpr, state: list) -> tuple:
   """The data-parallel axes, in mesh order."""

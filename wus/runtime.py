@@ -120,7 +120,6 @@ def needs_arguments(args: tuple, method: str) -> None:
         "or jax.ShapeDtypeStruct from jax.eval_shape)")
 
 
-
 def as_positions(positions: int | Sequence[int]) -> frozenset:
   """One position or several, as a frozenset."""
   return frozenset([positions] if isinstance(positions, int) else positions)

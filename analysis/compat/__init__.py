@@ -15,8 +15,7 @@ Modules, one concern each:
   control_flow  `cond`, `while` and `scan` as records (`Cond`, `Loop`), re-bound through lax
   axes          mesh axes in equations and types: collectives' axes, renaming, varying types
   source        where an equation came from in the user's code
-  tracing       re-binding equations under a new trace, dead-code elimination, jax.jit's
-                static arguments
+  tracing       equations re-bound under a new trace, dead-code elimination, static arguments
   shard_map     the shard_map equation's parameters and body; manual code in a global view
 """
 

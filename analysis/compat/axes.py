@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from wus.analysis.compat.handles import Jaxpr, JaxprEqn, is_literal, reshard_p, sub_jaxprs
 from wus.analysis.compat.source import source_line
 
+
 def without_result_layout(eqn: JaxprEqn) -> dict[str, Any]:
   """Params that drop an equation's result layout (jax 0.10: `sharding` of
   elementwise ops describes the whole value; a shard has none); {} if none."""

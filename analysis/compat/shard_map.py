@@ -17,6 +17,7 @@ from wus.analysis.compat.handles import (ClosedJaxpr, Jaxpr, JaxprEqn, all_gathe
                                          shard_map_p, sub_jaxprs)
 from wus.analysis.compat.tracing import dce
 
+
 def shard_map_eqn(jaxpr: ClosedJaxpr) -> JaxprEqn:
   """The single shard_map equation of a traced `jax.shard_map(f)` call.
 

@@ -215,27 +215,10 @@ def predict_case(case: Case, settings: Settings = Settings()) -> dict:
   return out
 
 
-# Variants of the assumptions: (name, changes to the settings); "group_size": None
-# stands for G = N of each case.
-SENSITIVITY = (
-    ("as above", {}),
-    ("alpha / 10", {"alpha": lambda s: s.alpha / 10}),
-    ("alpha x 10", {"alpha": lambda s: s.alpha * 10}),
-    ("core-to-core at one ICI link", {"core_bandwidth": lambda s: s.link_bandwidth}),
-    ("ICI port from the bisection figure (100 GB/s)",
-     {"link_bandwidth": lambda s: tpu_v3.BISECTION_LINK_BANDWIDTH}),
-    ("bfloat16 convert fused into the matmuls (+4 B read)", {"cast": lambda s: (2, 2)}),
-    ("no bfloat16 copy priced (the model before Fig. 7's)", {"cast": lambda s: (0, 0)}),
-    ("all-gather in float32 (no Fig. 7)", {"gather_bytes": lambda s: 4}),
-    ("no tile padding", {"tile_elements": lambda s: 1}),
-    ("full sharding, G = N", {"group_size": None}),
-)
-
-
 def sensitivity(settings: Settings = Settings()) -> list[dict]:
   """The predicted change of each case under each variant of the assumptions."""
   rows = []
-  for name, changes in SENSITIVITY:
+  for name, changes in tpu_v3.SENSITIVITY:
     row = {"variant": name, "cases": []}
     for case in CASES:
       s = dataclasses.replace(settings, **{
@@ -276,6 +259,29 @@ def headline(out: dict) -> str:
           f"{hw['bfloat16_copy_bytes_per_weight']['value']}.")
 
 
+def _main_row(r: dict) -> list:
+  """A case's row of the main table: its predicted times and change beside the published."""
+  rep, sh = r["replicated"], r["sharded"]
+  if r["published_ms"]:
+    baseline, sharded = r["published_ms"]
+    published = f"{baseline} -> {sharded} ms ({_pct(-r['published_reduction'])})"
+  elif r["published_reduction"] is not None:
+    published = f"about {_pct(-r['published_reduction'])}"
+  else:
+    published = "small (no figure)"
+  error = _pct(r["relative_error"])
+  if "relative_error_sharded_ms" in r:
+    error += f"; sharded ms {_pct(r['relative_error_sharded_ms'])}"
+  sharded_comm = sh["step_ms"] - sh["rest_ms"] - sh["update_ms"] - sh["cast_ms"]
+  return [r["model"], r["optimizer"], f"{r['cores']} ({r['cores'] // 2})",
+          r["per_core"], f"{r['params'] / 1e6:.1f}", f"{rep['rest_ms']:.2f}",
+          f"{rep['step_ms']:.2f} = {rep['all_reduce_ms']:.2f} + {rep['update_ms']:.2f}"
+          f" + {rep['cast_ms']:.2f}",
+          f"{sh['step_ms']:.2f} = {sharded_comm:.2f} + {sh['update_ms']:.3f}"
+          f" + {sh['cast_ms']:.3f}",
+          sh["group_size"], _pct(-r["predicted_reduction"]), published, error]
+
+
 def _plan_rows(rows: list[dict]) -> list[list]:
   """The 2048-replica rows' collectives and times, replicated and sharded."""
   plan = []
@@ -294,28 +300,6 @@ def markdown(out: dict) -> str:
   """`results` as text: predictions beside the paper, the 2048-replica plan, hardware,
   assumptions, sensitivity, sources."""
   rows, sens = out["rows"], out["sensitivity"]
-  main = []
-  for r in rows:
-    rep, sh = r["replicated"], r["sharded"]
-    if r["published_ms"]:
-      baseline, sharded = r["published_ms"]
-      published = f"{baseline} -> {sharded} ms ({_pct(-r['published_reduction'])})"
-    elif r["published_reduction"] is not None:
-      published = f"about {_pct(-r['published_reduction'])}"
-    else:
-      published = "small (no figure)"
-    error = _pct(r["relative_error"])
-    if "relative_error_sharded_ms" in r:
-      error += f"; sharded ms {_pct(r['relative_error_sharded_ms'])}"
-    sharded_comm = sh["step_ms"] - sh["rest_ms"] - sh["update_ms"] - sh["cast_ms"]
-    main.append([r["model"], r["optimizer"], f"{r['cores']} ({r['cores'] // 2})",
-                 r["per_core"], f"{r['params'] / 1e6:.1f}", f"{rep['rest_ms']:.2f}",
-                 f"{rep['step_ms']:.2f} = {rep['all_reduce_ms']:.2f} + {rep['update_ms']:.2f}"
-                 f" + {rep['cast_ms']:.2f}",
-                 f"{sh['step_ms']:.2f} = {sharded_comm:.2f} + {sh['update_ms']:.3f}"
-                 f" + {sh['cast_ms']:.3f}",
-                 sh["group_size"], _pct(-r["predicted_reduction"]), published, error])
-  plan = _plan_rows(rows)
   sens_rows = [[s["variant"], *(f"{_pct(-c['predicted_reduction'])} (G={c['group_size']})"
                                 for c in s["cases"])] for s in sens]
   parts = [
@@ -332,7 +316,8 @@ def markdown(out: dict) -> str:
       report.table(["model", "optimizer", "cores (chips)", "examples/core", "params M",
                     "rest ms", "replicated ms = AR + update + bf16",
                     "sharded ms = comm + update + bf16",
-                    "G", "predicted change", "published (§6.1)", "relative error"], main),
+                    "G", "predicted change", "published (§6.1)", "relative error"],
+                   [_main_row(r) for r in rows]),
       *([scale_tp.markdown(out["model_parallel"])] if out.get("model_parallel") else []),
       "Other statements of the paper, beside the PREDICTED figure:\n" + "\n".join(
           f"  {c['section']} '{c['claim']}': predicted {c['predicted']}" for c in out["checks"]),
@@ -343,7 +328,7 @@ def markdown(out: dict) -> str:
       "sharded all-reduces are those across groups, plus one of the LARS norms).",
       report.table(["model", "mode", "G", "bucket MiB", "reduce-scatters", "all-reduces",
                     "all-gathers", "RS ms", "AR ms", "AG ms", "update ms",
-                    "wire MiB/device"], plan),
+                    "wire MiB/device"], _plan_rows(rows)),
       "Hardware (TPU v3):\n" + "\n".join(f"  {k}: {_value(v['value'])} [{v['source']}]"
                                          for k, v in out["hardware"].items()),
       "Assumptions:\n" + "\n".join(f"  - {a}" for a in ASSUMPTIONS),

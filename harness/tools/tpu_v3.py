@@ -4,8 +4,8 @@ r"""TPU v3 as the cost model sees it: published figures, their sources, and the 
 §6: 16 and 1024 TPU v3 chips, two cores per chip, one replica per core) on the
 `wus.analysis.network.Topology` built here. Every figure is a published one,
 cited by key in `CITATIONS`; what no source gives is an assumption, named in
-`ASSUMPTIONS` and varied in `wus-scale`'s sensitivity table. Nothing here is
-fitted to the results the predictions are compared with.
+`ASSUMPTIONS` and varied in `wus-scale`'s sensitivity table (`SENSITIVITY`).
+Nothing here is fitted to the results the predictions are compared with.
 """
 
 from __future__ import annotations
@@ -88,6 +88,22 @@ ASSUMPTIONS = [
     "rest per example. The README's TPU v3-32 row is not used: its pod command sets a batch "
     "of 32 x 256 = 8192, while its 125,100 steps imply 1024 (100 epochs).",
 ]
+
+# Variants of the assumptions: (name, changes to the settings); "group_size": None
+# stands for G = N of each case.
+SENSITIVITY = (
+    ("as above", {}),
+    ("alpha / 10", {"alpha": lambda s: s.alpha / 10}),
+    ("alpha x 10", {"alpha": lambda s: s.alpha * 10}),
+    ("core-to-core at one ICI link", {"core_bandwidth": lambda s: s.link_bandwidth}),
+    ("ICI port from the bisection figure (100 GB/s)",
+     {"link_bandwidth": lambda s: BISECTION_LINK_BANDWIDTH}),
+    ("bfloat16 convert fused into the matmuls (+4 B read)", {"cast": lambda s: (2, 2)}),
+    ("no bfloat16 copy priced (the model before Fig. 7's)", {"cast": lambda s: (0, 0)}),
+    ("all-gather in float32 (no Fig. 7)", {"gather_bytes": lambda s: 4}),
+    ("no tile padding", {"tile_elements": lambda s: 1}),
+    ("full sharding, G = N", {"group_size": None}),
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,4 +9,5 @@ Modules, one concern each:
   optim       LARS and Adam with their schedules (optax)
   checkpoint  Orbax checkpoints of sharded state
   logs        progress bar, JSON-lines metrics, TensorBoard
+  figure      the run's picture: the modes' loss curves and each device's memory
 """

@@ -135,6 +135,19 @@ def init_state(task: tasks.Task, tx, dataset: datasets.Dataset, seed: int) -> st
   return steps.TrainState(params, model_state, tx.init(params))
 
 
+def _placed_step(config: RunConfig, task: tasks.Task, tx, mesh: Mesh, init) -> tuple:
+  """(the train step, mapped as `config.mode` says; the state's specs; its shardings): where
+  the state of `init()` lies, each leaf whole or split over "model", and the step reading it."""
+  specs = steps.state_specs(task, tx, jax.eval_shape(init))
+  placed = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))  # whole, or split over "model"
+  train_step = steps.map_train_step(config.mode, steps.make_train_step(task, tx, config.step),
+                                    mesh, step=config.step,
+                                    specs=specs if config.model_parallel > 1 and
+                                    config.step == "shard_map" else None)
+  return train_step, specs, placed
+
+
 def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx, schedule,
           mesh: Mesh, checkpointer: checkpoint.Checkpointer | None, log_enabled: bool) -> Result:
   """Trains `task` from scratch or from the latest checkpoint up to `config.steps`.
@@ -174,13 +187,7 @@ def train(config: RunConfig, *, task: tasks.Task, dataset: datasets.Dataset, tx,
   replicas = mesh.shape[steps.AXIS_NAME]
   global_batch = config.batch_size * replicas
   init = functools.partial(init_state, task, tx, dataset, config.seed)
-  specs = steps.state_specs(task, tx, jax.eval_shape(init))
-  placed = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, P))  # whole, or split over "model"
-  train_step = steps.map_train_step(config.mode, steps.make_train_step(task, tx, config.step),
-                                    mesh, step=config.step,
-                                    specs=specs if config.model_parallel > 1 and
-                                    config.step == "shard_map" else None)
+  train_step, specs, placed = _placed_step(config, task, tx, mesh, init)
   start = checkpointer.latest_step() if checkpointer else None
   if start is None:
     start, state = 0, jax.jit(init, out_shardings=placed,

@@ -252,40 +252,11 @@ def format_results(results: dict[str, dict]) -> str:
   """
   modes = list(results)
   both = len(modes) == 2
-  start = max(results[m]["start_step"] for m in modes)
-  stop = min(results[m]["final_step"] for m in modes)
-  # [num_modes, num_steps]: updates start+1..stop, run by every mode.
-  losses = np.array([results[m]["losses"][start - results[m]["start_step"]:
-                                          stop - results[m]["start_step"]] for m in modes])
+  start, stop, losses, loss_rows = _training_losses(results, modes)
   num_steps = losses.shape[1]
   loss_headers = ["step", *(f"{m} loss" for m in modes)]
-  loss_rows = [[start + i + 1, *map(float, losses[:, i])]
-               for i in sorted({*range(0, num_steps, max(1, num_steps // 10)), num_steps - 1})
-               if num_steps]
-
-  def row(label, value):
-    return [label, *(value(results[m]) for m in modes)]
-
   split = all(r.get("update_seconds") and r["step_seconds"] for r in results.values())
-  summary_rows = [
-      row("held-out loss", lambda r: r["eval"]["loss"]),
-      row("held-out accuracy", lambda r: r["eval"]["accuracy"]),
-      row("median step time (ms)", lambda r: 1e3 * r["step_seconds"] if r["step_seconds"]
-          else "-"),
-      *([row("  collectives + update alone (ms)", lambda r: 1e3 * r["update_seconds"])]
-        if split else []),
-      row("throughput (examples/s)", lambda r: r["examples_per_second"] or "-"),
-      row("first step, incl. compile (s)", lambda r: r["first_step_seconds"] or "-"),
-      row("optimizer state, whole (bytes)", lambda r: r["opt_state_bytes"]),
-      *(row(f"{k} per device (bytes)", lambda r, k=k: r["state_bytes_per_device"][k])
-        for k in results[modes[0]]["state_bytes_per_device"]),
-      *([row("opt_state per device / whole copy", lambda r: r["state_bytes_per_device"][
-          "opt_state"] / r["opt_state_bytes"])]
-        if any(r.get("replicas", r.get("num_devices")) != r.get("num_devices")
-               for r in results.values()) else []),  # tensor parallelism: say the fraction
-      *(row(f"compiled step {k} (bytes)", lambda r, k=k: r.get("memory", {}).get(k, "-"))
-        for k in ("argument", "output", "alias", "temp", "total")),
-  ]
+  summary_rows = _summary_rows(results, modes, split)
   summary_headers = ["", *modes]
   notes = []
   if both:
@@ -313,13 +284,60 @@ def format_results(results: dict[str, dict]) -> str:
   parts += [f"{m}'s Plan:\n" + "\n".join(results[m]["plan"]) for m in modes
             if results[m].get("plan")]
   if all("collectives" in results[m] for m in modes):
-    fields = [(m, f) for m in modes for f in ("count", "bytes", "wire_bytes")]
-    parts += ["Collectives in the compiled step (from its optimized HLO; bytes per device: "
-              "result sizes, and sent by ring algorithms on a network)",
-              report.table(["kind", *(f"{m} {f}" for m, f in fields)],
-                           [[kind, *(results[m]["collectives"][kind][f] for m, f in fields)]
-                            for kind in report.COLLECTIVE_KINDS])]
+    parts += _collectives_table(results, modes)
   return "\n\n".join(parts)
+
+
+def _training_losses(results: dict[str, dict], modes: list[str]) -> tuple:
+  """(start, stop, losses, rows): the updates start+1..stop every mode ran, their training
+  losses [num_modes, num_steps], and the loss table's rows (about ten updates and the last)."""
+  start = max(results[m]["start_step"] for m in modes)
+  stop = min(results[m]["final_step"] for m in modes)
+  losses = np.array([results[m]["losses"][start - results[m]["start_step"]:
+                                          stop - results[m]["start_step"]] for m in modes])
+  num_steps = losses.shape[1]
+  rows = [[start + i + 1, *map(float, losses[:, i])]
+          for i in sorted({*range(0, num_steps, max(1, num_steps // 10)), num_steps - 1})
+          if num_steps]
+  return start, stop, losses, rows
+
+
+def _summary_rows(results: dict[str, dict], modes: list[str], split: bool) -> list[list]:
+  """The summary table's rows, one per figure (held-out metrics, times, memory), a column per
+  mode; with the collectives and update timed alone if `split`."""
+
+  def row(label, value):
+    return [label, *(value(results[m]) for m in modes)]
+
+  return [
+      row("held-out loss", lambda r: r["eval"]["loss"]),
+      row("held-out accuracy", lambda r: r["eval"]["accuracy"]),
+      row("median step time (ms)", lambda r: 1e3 * r["step_seconds"] if r["step_seconds"]
+          else "-"),
+      *([row("  collectives + update alone (ms)", lambda r: 1e3 * r["update_seconds"])]
+        if split else []),
+      row("throughput (examples/s)", lambda r: r["examples_per_second"] or "-"),
+      row("first step, incl. compile (s)", lambda r: r["first_step_seconds"] or "-"),
+      row("optimizer state, whole (bytes)", lambda r: r["opt_state_bytes"]),
+      *(row(f"{k} per device (bytes)", lambda r, k=k: r["state_bytes_per_device"][k])
+        for k in results[modes[0]]["state_bytes_per_device"]),
+      *([row("opt_state per device / whole copy", lambda r: r["state_bytes_per_device"][
+          "opt_state"] / r["opt_state_bytes"])]
+        if any(r.get("replicas", r.get("num_devices")) != r.get("num_devices")
+               for r in results.values()) else []),  # tensor parallelism: say the fraction
+      *(row(f"compiled step {k} (bytes)", lambda r, k=k: r.get("memory", {}).get(k, "-"))
+        for k in ("argument", "output", "alias", "temp", "total")),
+  ]
+
+
+def _collectives_table(results: dict[str, dict], modes: list[str]) -> list[str]:
+  """The collectives of each mode's compiled step, counted and sized by kind: title, table."""
+  fields = [(m, f) for m in modes for f in ("count", "bytes", "wire_bytes")]
+  return ["Collectives in the compiled step (from its optimized HLO; bytes per device: "
+          "result sizes, and sent by ring algorithms on a network)",
+          report.table(["kind", *(f"{m} {f}" for m, f in fields)],
+                       [[kind, *(results[m]["collectives"][kind][f] for m, f in fields)]
+                        for kind in report.COLLECTIVE_KINDS])]
 
 
 def temp_note(replicated: dict, sharded: dict) -> str:

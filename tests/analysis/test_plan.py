@@ -166,6 +166,7 @@ def test_state_leaf_whose_dtype_changes_stays_unpaired_and_the_rest_shards():
   first call (state is matched leaf by leaf within the pytree)."""
   def halve_dtype():
     init = lambda params: {"scale": jnp.float32(1.0), "m": jax.tree.map(jnp.zeros_like, params)}
+
     def update(grads, state, params=None):
       m = jax.tree.map(lambda m, g: 0.9 * m + g, state["m"], grads)
       return (jax.tree.map(lambda m: -0.1 * m, m),
@@ -189,6 +190,7 @@ def test_pmap_finds_equal_copies_and_says_which_differ():
   """wus.pmap compares per-device copies itself: equal ones are sharded, differing
   ones stay whole with the reason in the Plan."""
   tx = optax.sgd(0.1, momentum=0.9)
+
   def step(params, opt_state, x):
     grads = jax.lax.pmean(jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p)))(params), "batch")
     updates, opt_state = tx.update(grads, opt_state, params)

@@ -78,6 +78,7 @@ def test_gradient_accumulation_in_a_scan_sums_each_micro_batch():
   def step(w, x):
     micro = x.reshape(2, 4, 6)
     micro = lax.with_sharding_constraint(micro, P(None, "data", None))
+
     def body(acc, xb):
       return acc + jax.grad(_loss)(w, xb), None
     return lax.scan(body, jnp.zeros_like(w), micro)[0]

@@ -212,6 +212,7 @@ def _while_shifts_a_varying_value_in(x, y):
 
 def _while_varying_predicate(x, y):
   n = x[0]  # Differs across "data".
+
   def body(c):
     i, s = c
     return i + 1.0, s + y

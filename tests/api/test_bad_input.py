@@ -153,8 +153,10 @@ def test_unshard_gathers_a_tree_in_one_program():
   mesh = jax.make_mesh((8,), ("data",))
   tx = optax.adam(1e-2)
   params = {f"w{i}": jnp.full((64 + i,), float(i)) for i in range(20)}
+
   def loss(p, x):
     return sum(jnp.sum(jnp.sin(v * jnp.mean(x))) for v in p.values())
+
   def step(p, s, x):
     grads = jax.lax.pmean(jax.grad(loss)(p, x), "data")
     u, s = tx.update(grads, s, p)

@@ -196,7 +196,6 @@ def test_no_batch_split_runs_unchanged_with_the_reason():
   assert "no argument is split" in str(plan)
 
 
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_plan_lists_the_step_arguments_not_the_region_operands(kind):
   """The Plan's inputs are the step's argument leaves, by path and in order, with the same

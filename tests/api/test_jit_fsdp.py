@@ -389,7 +389,6 @@ def test_hsdp_stacked_layers_and_a_shard_map_loss_as_levanter_writes_them():
     assert is_sharded(mu) and mu.nbytes_per_device * 8 == mu.size * 4, (k, mu)
 
 
-
 def _fsdp_tp_step(tx, explicit):
   """FSDP + TP as the JAX sharding guide writes it, shrunk: every kernel's rows over
   "fsdp", the hidden dim over "model" (w1 column-parallel, w2 row-parallel), an input and

@@ -204,6 +204,7 @@ def test_state_replicated_on_a_mesh_of_its_own_over_the_batch_devices():
   _, out = _run_both(train_step, ws, (params, opt_state), batches)
   assert_state_sharded(out[1], 8)
 
+
 def test_schedule_free_eval_params_as_optax_documents_them():
   """`optax.contrib.schedule_free_eval_params(opt_state, params)` on the step's outputs,
   then the user's jitted evaluation."""

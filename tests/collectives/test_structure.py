@@ -45,11 +45,12 @@ def test_gradients_reduce_scattered_and_weights_all_gathered():
   assert {t.name for c in sharded for t in c.tensors if t.role == "state"} == {
       f"opt_state[0].{m}['{k}']" for m in ("mu", "nu") for k in ("big", "conv", "bias", "half")}
   text = ws.as_text()
-  # Every sharded gradient is reduce-scattered and every weight all-gathered;
-  # the small ones share collectives (§5.2), so there are fewer than tensors.
+
   def nbytes(role):
     return sum(math.prod(t.shape) * np.dtype(t.dtype).itemsize
                for c in sharded for t in c.tensors if t.role == role)
+  # Every sharded gradient is reduce-scattered and every weight all-gathered;
+  # the small ones share collectives (§5.2), so there are fewer than tensors.
   scattered, gathered = (_collective_shapes(text, k) for k in ("reduce-scatter", "all-gather"))
   assert 1 <= len(scattered) < len(sharded) and N * sum(scattered) >= nbytes("gradient")
   assert 1 <= len(gathered) < len(sharded) and sum(gathered) >= nbytes("output")
@@ -80,6 +81,7 @@ def test_argument_bytes_drop_by_optimizer_state_shards():
 def test_step_without_gradient_all_reduce_is_unchanged():
   """Nothing to shard: same collectives, empty Plan, same result."""
   mesh = jax.make_mesh((N,), ("data",))
+
   def evaluate(params, x):
     return jax.lax.pmean(jnp.sum(jnp.tanh(x @ params["w"])), "data")
   params = {"w": jnp.ones((16, 16))}

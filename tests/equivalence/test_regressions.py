@@ -53,6 +53,7 @@ def test_typed_key_as_a_step_argument():
 
   def step(params, opt_state, key, x):
     key = jax.random.fold_in(key, jax.lax.axis_index("data"))
+
     def loss(p):
       keep = jax.random.bernoulli(key, 0.9, x.shape)
       return jnp.mean(jnp.tanh(jnp.where(keep, x, 0.0) @ p["w"] + p["b"]) ** 2)
@@ -229,6 +230,7 @@ def test_a_tensor_of_exactly_n_elements_stays_whole(n):
   """One-element shards: XLA:CPU computes them by another code path than the whole
   tensor and Adam's update differed in the last bit (fuzzer); they stay whole."""
   tx = optax.adam(1e-3)
+
   def step(params, opt_state, x):
     grads = jax.lax.pmean(jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(params),
                           "data")
@@ -377,8 +379,6 @@ def test_jit_update_reading_a_constant_the_step_closes_over():
       want, got = jax.jit(step)(*want[:2], x), ws(*got[:2], x)
     assert_trees_equal(wus.unshard(got), want)
     assert "<constant float32[6]>" in ws.plan(*got[:2], xs[0]).details()
-
-
 
 
 def _explicit_2x2(tx, table_term, params):

@@ -241,28 +241,9 @@ def run(model: nn.Module, mesh: Mesh, *, rounds: int, batch_size: int = 1,
                "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(whole_state))}
   states = {}
   for name in variants:
-    step, state = steps[name]
-    state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
-    started = time.perf_counter()
-    lowered = step.lower(_copy(params), state, data[0])
-    compiled = lowered.compile()
-    hlo = compiled.as_text()
-    collectives = report.collectives(hlo, per_run=True)
-    out[name] = {"compile_seconds": time.perf_counter() - started,
-                 "update_flops": compiled.cost_analysis()["flops"] - base,
-                 "wire_bytes": sum(c.wire_bytes for c in collectives.values()),
-                 "collectives": {k: c.count for k, c in collectives.items() if c.count},
-                 "step_seconds": []}
-    if name == "wus":
-      plan = step.plan(params, state, data[0])
-      out["loads"] = list(plan.owned.loads) if plan.owned else []
-      out["imbalance"] = plan.owned.imbalance if plan.owned else None
-      out["plan_ownership"] = str(plan.owned)
-      out["predicted"] = list(plan.owned.predicted) if plan.owned else []
-    current = (_copy(params), state)
-    for batch in data[:2]:  # Warm up: compile, and (wus) convert the state.
-      current = jax.block_until_ready(step(*current, batch))
-    states[name] = current
+    out[name], ownership, states[name] = _warmed(name, *steps[name], params, data, base)
+    out.update(ownership)
+
   def update(name: str):
     def call(r: int) -> None:
       states[name] = jax.block_until_ready(steps[name][0](*states[name], data[2 + r]))
@@ -275,15 +256,49 @@ def run(model: nn.Module, mesh: Mesh, *, rounds: int, batch_size: int = 1,
   out["rest_seconds"] = seconds["rest"]
   for name in variants:
     out[name]["step_seconds"] = seconds[name]
+  _record(out, states)
+  return out
+
+
+def _warmed(name: str, step, state, params, data: list, base: float) -> tuple[dict, dict, tuple]:
+  """A variant compiled and measured (its flops above `base`, the step's without an update),
+  then warmed up on the first two batches: (its entry of the result, the Plan's ownership
+  for "wus", else {}; its (params, state) after them)."""
+  state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+  started = time.perf_counter()
+  lowered = step.lower(_copy(params), state, data[0])
+  compiled = lowered.compile()
+  hlo = compiled.as_text()
+  collectives = report.collectives(hlo, per_run=True)
+  entry = {"compile_seconds": time.perf_counter() - started,
+           "update_flops": compiled.cost_analysis()["flops"] - base,
+           "wire_bytes": sum(c.wire_bytes for c in collectives.values()),
+           "collectives": {k: c.count for k, c in collectives.items() if c.count},
+           "step_seconds": []}
+  ownership = {}
+  if name == "wus":
+    plan = step.plan(params, state, data[0])
+    ownership = {"loads": list(plan.owned.loads) if plan.owned else [],
+                 "imbalance": plan.owned.imbalance if plan.owned else None,
+                 "plan_ownership": str(plan.owned),
+                 "predicted": list(plan.owned.predicted) if plan.owned else []}
+  current = (_copy(params), state)
+  for batch in data[:2]:  # Warm up: compile, and (wus) convert the state.
+    current = jax.block_until_ready(step(*current, batch))
+  return entry, ownership, current
+
+
+def _record(out: dict, states: dict) -> None:
+  """Each variant's times per step (median, min, max), its optimizer state's bytes on device 0
+  and its weights' difference from the replicated variant's, after the run, into `out`."""
   reference = jax.tree.map(np.asarray, states["replicated"][0])
-  for name in variants:
+  for name in out["variants"]:
     seconds = out[name]["step_seconds"]
     out[name].update(median=statistics.median(seconds), min=min(seconds), max=max(seconds))
     out[name]["opt_state_per_device"] = report.bytes_per_device(states[name][1])
     out[name]["max_param_difference"] = max(
         float(np.max(np.abs(np.asarray(a, np.float64) - b)))
         for a, b in zip(jax.tree.leaves(states[name][0]), jax.tree.leaves(reference), strict=True))
-  return out
 
 
 def _copy(tree):

@@ -6,9 +6,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import cost, network
@@ -18,6 +20,7 @@ from wus.harness.tools import report
 from wus.harness.tools.bench import choices, limit, timing
 from wus.harness.tools.bench.variants import Regime, variant_steps
 from wus.harness.training import config as config_lib, optim, steps
+
 
 def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int = 0,
                progress=None, topology: network.Topology | None = None) -> dict:
@@ -57,6 +60,45 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     variants (`Regime.parts`) also "collectives_seconds", "update_seconds" and
     "update_per_tensor_seconds" (`limit.Parts`). "tensor_elements": of every weight.
   """
+  s = _setting(regime, model, rounds, mesh, seed)
+  variants = variant_steps(regime, s.task, s.tx, mesh, s.state, topology)
+  out = {"regime": regime.name, "model": s.model, "num_devices": mesh.size,
+         "variants": list(variants),
+         "batch_size": regime.batch_size, "steps_per_call": regime.steps_per_call,
+         "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(s.state.opt_state)),
+         "tensor_elements": [int(x.size) for x in jax.tree.leaves(s.params)],
+         "rest_seconds": [], "collectives_seconds": [], "update_seconds": [],
+         "update_per_tensor_seconds": []}
+  parts = _parts(regime, s, mesh, out["tensor_elements"])
+  states, batchings = {}, {}
+  for name, (step, fresh) in variants.items():
+    out[name], states[name], found = _warmed(name, step, fresh, s.data, regime, mesh, topology)
+    batchings.update(found)
+  for call in parts.values():
+    jax.block_until_ready(call(-2))
+  calls = _calls(parts, variants, states, batchings, s.data)
+  faults = {}
+  seconds = timing.interleaved(
+      calls, rounds, seed=seed,
+      progress=progress and (lambda name: name in variants and progress()), faults=faults)
+  _record(out, seconds, faults, parts, batchings, regime)
+  _compare(out, variants, states)
+  return out
+
+
+class _Setting(NamedTuple):
+  """What every variant of a regime runs on: the model, its task, Adam, the replicated
+  state and the global batches (two warm-up calls', then one per round)."""
+  model: str
+  task: tasks.Task
+  tx: optax.GradientTransformation
+  params: Any
+  state: steps.TrainState
+  data: list
+
+
+def _setting(regime: Regime, model: str, rounds: int, mesh: Mesh, seed: int) -> _Setting:
+  """The model (`regime.model` if it names one), initialized, and synthetic data for it."""
   model = regime.model or model
   kind = tasks.MODELS[model][0]
   cfg = config_lib.RunConfig.for_model(model, optimizer="adam", seed=seed)
@@ -72,59 +114,72 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
   data = [batches.train_batch(dataset.train, seed=seed, step=i, batch_size=global_batch,
                               sharding=NamedSharding(mesh, P(steps.AXIS_NAME)))
           for i in range(rounds + 2)]
-  variants = variant_steps(regime, task, tx, mesh, state, topology)
-  out = {"regime": regime.name, "model": model, "num_devices": mesh.size,
-         "variants": list(variants),
-         "batch_size": regime.batch_size, "steps_per_call": regime.steps_per_call,
-         "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(state.opt_state)),
-         "tensor_elements": [int(x.size) for x in jax.tree.leaves(params)],
-         "rest_seconds": [], "collectives_seconds": [], "update_seconds": [],
-         "update_per_tensor_seconds": []}
-  # The parts alone: the forward and backward pass (no all-reduce, no update;
-  # the cost model's "rest" of a one-update step), the collectives and the update.
+  return _Setting(model, task, tx, params, state, data)
+
+
+def _parts(regime: Regime, s: _Setting, mesh: Mesh,
+           tensor_elements: list[int]) -> dict[str, Callable[[int], Any]]:
+  """The parts alone, by their key in the result: the forward and backward pass (no
+  all-reduce, no update; the cost model's "rest" of a one-update step), the collectives and
+  the update; each a call of the round."""
   parts = {}
   if regime.rest:
-    rest = steps.make_gradient_step(task, mesh)
-    parts["rest_seconds"] = lambda r: rest(state.params, state.model_state, data[2 + r])
+    rest = steps.make_gradient_step(s.task, mesh)
+    parts["rest_seconds"] = lambda r: rest(s.state.params, s.state.model_state, s.data[2 + r])
   if regime.parts:
-    pieces = limit.Parts(out["tensor_elements"], tx, mesh, steps.AXIS_NAME)
+    pieces = limit.Parts(tensor_elements, s.tx, mesh, steps.AXIS_NAME)
     parts.update(collectives_seconds=lambda r: pieces.collectives(),
                  update_seconds=lambda r: pieces.update(),
                  update_per_tensor_seconds=lambda r: pieces.update_per_tensor())
-  states, batchings = {}, {}
-  for name, (step, fresh) in variants.items():
-    start = time.perf_counter()
-    lowered = step.lower(*fresh, data[0])
-    middle, cpu = time.perf_counter(), time.process_time()
-    compiled = lowered.compile()
-    cpu = time.process_time() - cpu
-    hlo = compiled.as_text()
-    collectives = report.collectives(hlo, per_run=True)
-    in_loop = report.collectives(hlo, per_run=True, only=report.in_loops(hlo))
-    out[name] = {"lower_seconds": middle - start, "compile_seconds": time.perf_counter() - middle,
-                 "compile_cpu_seconds": cpu,
-                 "memory": report.memory(compiled),
-                 "collectives": {k: c._asdict() for k, c in collectives.items()},
-                 "moves": {k: m._asdict() for k, m in report.data_movement(hlo).items()},
-                 "wire_bytes": sum(c.wire_bytes for c in collectives.values())
-                               / regime.steps_per_call,
-                 "loop_wire_bytes": sum(c.wire_bytes for c in in_loop.values())
-                                    / regime.steps_per_call,
-                 "step_seconds": []}
-    if name.startswith("wus"):
-      plan = step.plan(*fresh, data[0])
-      out[name].update(bucket_bytes=plan.bucket_bytes, alone_bytes=plan.alone_bytes,
-                       buckets=plan.buckets)
-      if name == "wus" and regime.parts:
-        batchings = _batchings(plan, mesh, topology)
-    if hasattr(step, "timings"):  # wus.shard_map (wus.jit has no timings).
-      timings = step.timings(*fresh, data[0])
-      out[name].update(analysis_seconds=timings["analysis"], rewrite_seconds=timings["rewrite"])
-    for batch in data[:2]:  # Warm up: compile, and (wus) shard the state.
-      fresh = steps.TrainState(*jax.block_until_ready(step(*fresh, batch))[:3])
-    states[name] = fresh
-  for call in parts.values():
-    jax.block_until_ready(call(-2))
+  return parts
+
+
+def _compiled(step, fresh: steps.TrainState, batch, steps_per_call: int) -> dict:
+  """A variant's step lowered and compiled, timed: its compile times, memory, collectives and
+  data movement (the variant's entry of the result, "step_seconds" still empty)."""
+  start = time.perf_counter()
+  lowered = step.lower(*fresh, batch)
+  middle, cpu = time.perf_counter(), time.process_time()
+  compiled = lowered.compile()
+  cpu = time.process_time() - cpu
+  hlo = compiled.as_text()
+  collectives = report.collectives(hlo, per_run=True)
+  in_loop = report.collectives(hlo, per_run=True, only=report.in_loops(hlo))
+  return {"lower_seconds": middle - start, "compile_seconds": time.perf_counter() - middle,
+          "compile_cpu_seconds": cpu,
+          "memory": report.memory(compiled),
+          "collectives": {k: c._asdict() for k, c in collectives.items()},
+          "moves": {k: m._asdict() for k, m in report.data_movement(hlo).items()},
+          "wire_bytes": sum(c.wire_bytes for c in collectives.values()) / steps_per_call,
+          "loop_wire_bytes": sum(c.wire_bytes for c in in_loop.values()) / steps_per_call,
+          "step_seconds": []}
+
+
+def _warmed(name: str, step, fresh: steps.TrainState, data: list, regime: Regime, mesh: Mesh,
+            topology: network.Topology | None) -> tuple[dict, steps.TrainState, dict]:
+  """A variant compiled (`_compiled`, with wus's Plan choice and times), then warmed up on
+  the first two batches: (its entry of the result, its state after them, the batchings
+  `_batchings` times beside the "wus" variant of a regime with parts, else {})."""
+  entry, batchings = _compiled(step, fresh, data[0], regime.steps_per_call), {}
+  if name.startswith("wus"):
+    plan = step.plan(*fresh, data[0])
+    entry.update(bucket_bytes=plan.bucket_bytes, alone_bytes=plan.alone_bytes,
+                 buckets=plan.buckets)
+    if name == "wus" and regime.parts:
+      batchings = _batchings(plan, mesh, topology)
+  if hasattr(step, "timings"):  # wus.shard_map (wus.jit has no timings).
+    timings = step.timings(*fresh, data[0])
+    entry.update(analysis_seconds=timings["analysis"], rewrite_seconds=timings["rewrite"])
+  for batch in data[:2]:  # Warm up: compile, and (wus) shard the state.
+    fresh = steps.TrainState(*jax.block_until_ready(step(*fresh, batch))[:3])
+  return entry, fresh, batchings
+
+
+def _calls(parts: dict, variants: dict, states: dict, batchings: dict,
+           data: list) -> dict[str, Callable[[int], None]]:
+  """What `timing.interleaved` times, by name: the parts, each variant's update (which
+  advances its state in `states`) and each batching's program (compiled here)."""
+
   def update(name: str) -> Callable[[int], None]:
     def call(r: int) -> None:
       states[name] = steps.TrainState(
@@ -137,29 +192,37 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     run, args = b["program"]
     jax.block_until_ready(run(*args))  # Compile.
     calls[f"batching:{name}"] = lambda r, run=run, args=args: jax.block_until_ready(run(*args))
-  faults = {}
-  seconds = timing.interleaved(
-      calls, rounds, seed=seed,
-      progress=progress and (lambda name: name in variants and progress()), faults=faults)
+  return calls
+
+
+def _record(out: dict, seconds: dict, faults: dict, parts: dict, batchings: dict,
+            regime: Regime) -> None:
+  """The timed calls' seconds into `out`: the parts', the batchings' beside their
+  predictions, and each variant's per update with their median, min, max and page faults."""
   for key in parts:
     out[key] = seconds[key]
   if batchings:
     out["choices"] = {name: {"collectives": b["collectives"], "predicted": b["predicted"],
                              "seconds": seconds[f"batching:{name}"]}
                       for name, b in batchings.items()}
-  for name in variants:
+  for name in out["variants"]:
     out[name]["step_seconds"] = [t / regime.steps_per_call for t in seconds[name]]
     out[name]["page_faults"] = statistics.median(faults[name]) / regime.steps_per_call
+  for name in out["variants"]:
+    times = out[name]["step_seconds"]
+    out[name].update(median=statistics.median(times), min=min(times), max=max(times))
+
+
+def _compare(out: dict, variants: dict, states: dict) -> None:
+  """Each variant's state after the run into `out`: its optimizer state's bytes on device 0
+  and its weights' difference from the replicated variant's (wus_jit's also from jit's)."""
   for name in variants:
-    seconds = out[name]["step_seconds"]
-    out[name].update(median=statistics.median(seconds), min=min(seconds), max=max(seconds))
     out[name]["opt_state_per_device"] = report.bytes_per_device(states[name].opt_state)
     out[name]["max_param_difference"] = _max_difference(states[name].params,
                                                          states["replicated"].params)
   if "wus_jit" in variants:
     out["wus_jit"]["max_jit_param_difference"] = _max_difference(states["wus_jit"].params,
                                                                  states["jit"].params)
-  return out
 
 
 def _batchings(plan, mesh: Mesh, topology: network.Topology | None) -> dict:
