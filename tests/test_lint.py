@@ -3,6 +3,7 @@ JAX and Orbax internals in the one place each may be touched."""
 
 import ast
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -169,3 +170,12 @@ def test_each_package_index_lists_every_module():
     listed = {line.split()[0] for line in index.splitlines() if line.startswith("  ")}
     modules = {p.stem for p in (ROOT / folder).glob("*.py")} - {"__init__"}
     assert modules <= listed, f"{folder}/__init__.py does not list {sorted(modules - listed)}"
+
+
+def test_no_front_end_result_is_told_apart_as_a_str():
+  """Issue 38 item 4: `wus.jit` returns its refusals as `reasons.Reason` values, never as
+  strings told apart from results by `isinstance(_, str)`."""
+  found = [f"{p.name}:{k}" for p in sorted((ROOT / "wus").glob("jit*.py"))
+           for k, line in enumerate(p.read_text().splitlines(), 1)
+           if re.search(r"isinstance\([^()]*, str\)", line)]
+  assert not found, found
