@@ -42,9 +42,10 @@ from collections.abc import Callable, Mapping, Sequence
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from wus.analysis import compat, propagation
+from wus.analysis import compat, propagation, refusals
 from wus.analysis.compat import Jaxpr, JaxprEqn, Var
 from wus.analysis.graph import Graph
+from wus.analysis.reasons import Reason
 
 # Per value split over the batch axes: one entry per dim, None (not split) or
 # the tuple of mesh axes the dim is split over. A value not in the map is
@@ -125,7 +126,7 @@ def reads_sum(jaxpr: Jaxpr, splits: Splits) -> Callable[[JaxprEqn], bool]:
 def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
                 model_axes: frozenset = frozenset(),
                 outside: frozenset = frozenset(),
-                state_out: frozenset = frozenset()) -> Region | str:
+                state_out: frozenset = frozenset()) -> Region | Reason:
   """The sums and the update of a global step.
 
   An equation joins the region if it is a gradient sum (`sum_rules`, its
@@ -152,9 +153,10 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
       it (`_joined`); the rest runs outside. Empty: every whole-value equation.
 
   Returns:
-    The Region, or why the step has none. A region without gradient sums (the
-    gradients summed inside a loop, which GSPMD all-reduces there) still runs
-    as a shard_map: the planner's roots slice its whole gradients locally.
+    The Region, or why the step has none (a `Reason`, `refusals.NoUpdate`). A region
+    without gradient sums (the gradients summed inside a loop, which GSPMD all-reduces
+    there) still runs as a shard_map: the planner's roots slice its whole gradients
+    locally.
   """
   kind = _kinds(jaxpr, splits, axis_sizes, model_axes, outside)
   moved = _move_sums(jaxpr, kind)
@@ -170,8 +172,7 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
                                 if not compat.is_literal(v) and v in made))
   used = _used(jaxpr, inside, outvars)
   if not used:
-    return ("no update reads only whole values (the step's forward and backward pass read "
-            "every result)")
+    return Reason(refusals.NoUpdate())
   inside = [i for i in inside if i in used]
   invars = tuple(dict.fromkeys(
       v for i in inside for v in jaxpr.eqns[i].invars

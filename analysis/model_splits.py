@@ -23,7 +23,7 @@ region names. A dim that a primitive without a rule reads or writes, or that
 a rule says must be whole (an iota's, a size-1 dim broadcast), stays whole;
 a class seeded with two splits, a value split twice over one axis, or a split
 dim its axes do not divide is a conflict: the region cannot run on blocks, and
-the caller says why in the Plan.
+the caller says why in the Plan (a `reasons.Reason`, its verdict one of `refusals`').
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
-from wus.analysis import compat, dims as dims_lib
+from wus.analysis import compat, dims as dims_lib, refusals
 from wus.analysis.compat import JaxprEqn, Var
+from wus.analysis.reasons import Reason
 
 
 def _shape(v) -> tuple:
@@ -79,19 +80,6 @@ class ModelSplits:
     return tuple(None if e == s else e for e, s in zip(split, scatter, strict=True))
 
 
-class Refusal(str):
-  """Why a region cannot run on model blocks (a `str`, as every refusal is), and the
-  position of the equation that needs a split dim whole, where one does: the caller
-  may run that equation, and what it reads, outside the region instead."""
-
-  position: int | None
-
-  def __new__(cls, why: str, position: int | None = None) -> Refusal:
-    out = super().__new__(cls, why)
-    out.position = position
-    return out
-
-
 class _Classes:
   """Union-find over (value, dim) nodes."""
 
@@ -111,7 +99,7 @@ class _Classes:
 
 def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
           seeds: Mapping[Var, tuple], axis_sizes: Mapping[str, int],
-          typed: frozenset = frozenset()) -> ModelSplits | str:
+          typed: frozenset = frozenset()) -> ModelSplits | Reason:
   """The model splits of `values` that the equations' rules and the seeds imply.
 
   Args:
@@ -125,9 +113,9 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
       that cannot run on blocks.
 
   Returns:
-    The `ModelSplits`, or why the region cannot run on model blocks (a `Refusal`
-    naming the equation, for one that needs a split dim whole or reshards where
-    splits meet).
+    The `ModelSplits`, or why the region cannot run on model blocks (a `Reason`; its
+    verdict `refusals.NeedsWhole` or `refusals.Reshards`, naming the equation and its
+    position, for one that needs a split dim whole or reshards where splits meet).
   """
   eqns = dims_lib.nested(eqns)  # A conditional's branches run on blocks too.
   values = [*values, *(v for _, e in eqns for v in e.outvars),
@@ -145,14 +133,12 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
       if entry:
         root = classes.find((v, d))
         if by_class.setdefault(root, entry) != entry:
-          return _resharded(edges, classes, {root}, typed) or (
-              f"a tensor {v.aval.str_short()} is placed over {entry} where what it meets "
-              f"is placed over {by_class[root]}")
+          return _resharded(edges, classes, {root}, typed) or Reason(
+              refusals.PlacedApart(v.aval.str_short(), entry, by_class[root]))
   for (v, d), i, eqn in whole:
     if (entry := by_class.get(classes.find((v, d)))):
-      return Refusal(f"{eqn.primitive} at {compat.source_line(eqn)} needs dim {d} of "
-                     f"{v.aval.str_short()} whole, which is split over {list(entry)}",
-                     dims_lib.top(i))
+      return Reason(refusals.NeedsWhole(str(eqn.primitive), compat.source_line(eqn), d,
+                                        v.aval.str_short(), tuple(entry), dims_lib.top(i)))
   out = {}
   for v in dict.fromkeys(values):
     split = tuple(by_class.get(classes.find((v, d))) for d in range(len(_shape(v))))
@@ -161,17 +147,16 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
     names = [a for e in split if e for a in e]
     if len(set(names)) != len(names):
       return _resharded(edges, classes, {classes.find((v, d)) for d, e in enumerate(split)
-                                         if e}, typed) or (
-          f"a value {v.aval.str_short()} would be split twice over one axis ({split})")
+                                         if e}, typed) or Reason(
+          refusals.SplitTwice(v.aval.str_short(), split))
     for n, e in zip(_shape(v), split, strict=True):
       if e and n % math.prod(axis_sizes[a] for a in e):
-        return (f"a dim of {n} of {v.aval.str_short()} does not divide over {list(e)}, which "
-                "its placement splits it over")
+        return Reason(refusals.Indivisible(n, v.aval.str_short(), tuple(e)))
     out[v] = split
   return ModelSplits(out, _reduced(eqns, out))
 
 
-def _resharded(edges: list, classes: _Classes, roots: set, typed: frozenset) -> Refusal | None:
+def _resharded(edges: list, classes: _Classes, roots: set, typed: frozenset) -> Reason | None:
   """The first equation joining two dims of the classes `roots` whose types (over the
   `typed` axes) lay them out differently: it reshards there (JAX's Explicit axes), so it
   runs outside the region with what it reads; None if there is none."""
@@ -185,10 +170,9 @@ def _resharded(edges: list, classes: _Classes, roots: set, typed: frozenset) -> 
   for i, eqn, a, b in edges:
     (ta, known_a), (tb, known_b) = entry(a), entry(b)
     if known_a and known_b and ta != tb and classes.find(a) in roots:
-      return Refusal(f"{eqn.primitive} at {compat.source_line(eqn)} lays dim {a[1]} of "
-                     f"{a[0].aval.str_short()} out as dim {b[1]} of {b[0].aval.str_short()} "
-                     f"(over {list(ta or ())}, then {list(tb or ())}): a reshard, which runs "
-                     "as jax.jit runs it", dims_lib.top(i))
+      return Reason(refusals.Reshards(
+          str(eqn.primitive), compat.source_line(eqn), a[1], a[0].aval.str_short(), b[1],
+          b[0].aval.str_short(), tuple(ta or ()), tuple(tb or ()), dims_lib.top(i)))
   return None
 
 
@@ -205,7 +189,8 @@ def _reduced(eqns, splits: Mapping[Var, tuple]) -> dict:
   return out
 
 
-def merged(parts: Iterable[ModelSplits], scattered: Mapping[int, tuple]) -> ModelSplits | str:
+def merged(parts: Iterable[ModelSplits],
+           scattered: Mapping[int, tuple]) -> ModelSplits | Reason:
   """One `ModelSplits` of splits solved over disjoint axes (the model axes, and the
   batch axes the state is placed over: FSDP), or why a dim is split by both."""
   of: dict = {}
@@ -214,8 +199,7 @@ def merged(parts: Iterable[ModelSplits], scattered: Mapping[int, tuple]) -> Mode
     for v, split in part.of.items():
       old = of.get(v, (None,) * len(split))
       if any(a and b for a, b in zip(old, split, strict=True)):
-        return (f"a dim of {v.aval.str_short()} is split over the model axes and over the "
-                f"batch axes at once ({old}, {split})")
+        return Reason(refusals.SplitBothWays(v.aval.str_short(), old, split))
       of[v] = tuple(a or b for a, b in zip(old, split, strict=True))
     for i, axes in part.reduced.items():
       reduced[i] = tuple(dict.fromkeys((*reduced.get(i, ()), *axes)))

@@ -62,15 +62,16 @@ class Plan:
     resolution: seconds; the cost model's predictions of a cluster below this are
       not shown (`network.resolution`: one ring step's latency).
     unchanged: why the step runs as the front end's JAX function would, with
-      nothing sharded (`wus.jit` of a step without data parallelism); "" when
-      it is planned.
+      nothing sharded (`wus.jit` of a step without data parallelism): a
+      `reasons.Reason`, its verdict one of `refusals`'; None when it is planned.
     split_by: what splits inputs over model axes: "its spec" (shard_map) or "its placement".
     copy_axes, copies: the other manual mesh axes (size > 1) over which an update identical
       on all their replicas is sharded too (a TP step's LayerNorms, embeddings), and their
       replicas: its tensors have `num_shards * copies` shards (`shard_axes`).
     outside: why parts of the update run outside the sharded region, as the front
       end's JAX function runs them (`wus.jit`: an equation that needs a dim whole
-      that a model axis splits, and what it reads); () when none does.
+      that a model axis splits, and what it reads), one `reasons.Reason` each (its
+      verdict `refusals.NeedsWhole` or `refusals.Reshards`); () when none does.
     input_of: per input of the planned jaxpr, the index in `inputs` of the argument it
       is, or None for a value the rest of the step computes (`wus.jit`'s region reads
       gradients and activations); () when the planned jaxpr's inputs are the
@@ -102,11 +103,11 @@ class Plan:
   collectives: str = ""
   owned: Ownership | None = None
   resolution: float = 0.0
-  unchanged: str = ""
+  unchanged: reasons.Reason | None = None
   split_by: str = "its spec"
   copy_axes: tuple = ()
   copies: int = 1
-  outside: tuple[str, ...] = ()
+  outside: tuple[reasons.Reason, ...] = ()
   input_of: tuple[int | None, ...] = ()
 
   def shard_axes(self, fmt: Format) -> tuple:
@@ -227,8 +228,10 @@ class Plan:
     lines = [f"wus plan: {sharded} of {len(self.clusters)} weight-update clusters sharded"
              + (f", {owned} owned" if owned else "") + f" over "
              f"{self.axes} (N={self.num_shards})" + self._wide() + f", {self.objective} objective",
-             *([f"  the step runs unchanged: {self.unchanged}"] if self.unchanged else []),
-             *[f"  runs as jax.jit runs it, with what it reads: {why}" for why in self.outside],
+             *([f"  the step runs unchanged: {reasons.render(self.unchanged)}"]
+               if self.unchanged is not None else []),
+             *[f"  runs as jax.jit runs it, with what it reads: {reasons.render(why)}"
+               for why in self.outside],
              f"  state kept sharded between steps: {_bytes(whole)} whole -> {_bytes(shard)} per "
              f"device (predicted{self._split_state()}); state kept whole: "
              f"{_bytes(self.whole_state_bytes)} (weights, tiny tensors)",

@@ -61,7 +61,7 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
               fsdp: Mapping[int, tuple] | None = None,
               copies: Mapping[str, int] | None = None, group_size: int | None = None,
               grouping: Grouping | None = None, split_by: str = "its spec",
-              outside: tuple[str, ...] = (),
+              outside: tuple[reasons.Reason, ...] = (),
               arguments: Sequence[Argument] | None = None) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
@@ -176,7 +176,7 @@ def replicated(plan: Plan, reason: str) -> Plan:
 
 
 def unchanged_plan(jaxpr: Jaxpr, in_names: Sequence[str], axes: Sequence, num_shards: int,
-                   reason: str) -> Plan:
+                   reason: reasons.Reason) -> Plan:
   """The Plan of a step a front end runs unchanged (`wus.jit`'s, with no batch split or
   no update it can find), every input whole for `reason`.
 
@@ -184,10 +184,9 @@ def unchanged_plan(jaxpr: Jaxpr, in_names: Sequence[str], axes: Sequence, num_sh
     jaxpr: the step's jaxpr (one input per argument leaf).
     in_names: a name (argument path) per input.
     axes, num_shards: the batch axes and their replicas (N = 1 without).
-    reason: why the step runs unchanged, for the Plan (`Plan.unchanged`).
+    reason: why the step runs unchanged, for the Plan (`Plan.unchanged`) and each input.
   """
-  inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False,
-                           reasons.Reason(reason))
+  inputs = tuple(InputPlan(name, tuple(v.aval.shape), str(v.aval.dtype), False, reason)
                  for name, v in zip(in_names, jaxpr.invars, strict=True))
   return Plan(tuple(axes), num_shards, 0, inputs, (), JaxprPlan({}, {}, {}), unchanged=reason)
 

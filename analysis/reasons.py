@@ -9,8 +9,9 @@ whole, why ownership does not take it. An input's (`plan.InputPlan.why`) is
 why it is kept sharded between steps (the cluster that alone reads it, a
 loop's carry, its owner) or whole (the replicated cluster that reads it, a
 reader with no shard rule, its in_spec, its size), and what
-`shard_weights=True` adds. `render` turns one into the Plan's text, in this
-one place, by a table keyed by the verdict's or note's type.
+`shard_weights=True` adds. A front end's refusal (`Plan.unchanged`, `Plan.outside`) is
+a Reason too, its verdict one of `refusals`'. `render` turns one into the Plan's text, in
+this one place, by a table keyed by the verdict's or note's type.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 
-from wus.analysis import verdicts
+from wus.analysis import refusals, verdicts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +278,8 @@ class Reason:
 
   Attributes:
     verdict: the deciding pass's words, or one of this module's verdicts
-      (`FormatClash`, `KeptWhole`, `Owned`, `OwnedWith`; an input's `OnlyCluster`...).
+      (`FormatClash`, `KeptWhole`, `Owned`, `OwnedWith`; an input's `OnlyCluster`...),
+      the cost model's (`verdicts`) or a front end's refusal (`refusals`).
     notes: what later passes add, in order.
     where: the loop the cluster sits in ("loop at f.py:12: "), "" at the step's level.
   """
@@ -334,6 +336,7 @@ def _owned(x: Owned) -> str:
 
 _RENDER: dict[type, Callable] = {
     **verdicts.RENDER,
+    **refusals.RENDER,
     FormatClash: lambda x: (f"{x.name} is read as shards of another format by an earlier "
                             "cluster (one value, one format)"),
     RunsWhole: lambda x: (f"{x.what} and {x.more} more equation(s) run whole: {x.reader} reads "

@@ -3,6 +3,7 @@ JAX and Orbax internals in the one place each may be touched."""
 
 import ast
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -186,6 +187,15 @@ def test_no_module_over_450_lines():
   assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
   back = sorted(OVER_MODULE_LINES - set(found))
   assert not back, f"{back} within {MAX_MODULE_LINES} lines now: drop from OVER_MODULE_LINES"
+
+
+def test_no_front_end_result_is_told_apart_as_a_str():
+  """Issue 38 item 4: `wus.jit` returns its refusals as `reasons.Reason` values, never as
+  strings told apart from results by `isinstance(_, str)`."""
+  found = [f"{p.name}:{k}" for p in sorted((ROOT / "wus").glob("jit*.py"))
+           for k, line in enumerate(p.read_text().splitlines(), 1)
+           if re.search(r"isinstance\([^()]*, str\)", line)]
+  assert not found, found
 
 
 if __name__ == "__main__":  # `python tests/test_lint.py`: functions and modules over the limits.

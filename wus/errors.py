@@ -4,6 +4,9 @@ import os
 import sys
 import traceback
 
+from wus.analysis import refusals
+from wus.analysis.reasons import Reason
+
 
 class StateMismatchError(ValueError):
   """Sharded state does not fit the step it was passed to.
@@ -48,14 +51,11 @@ def first_line(error: BaseException) -> str:
   return text if len(text) <= 300 else text[:297] + "..."
 
 
-OWN_ERROR = "wus could not shard this step (an error of its own"
-
-
-def own_error(error: BaseException) -> str:
+def own_error(error: BaseException) -> Reason:
   """A Plan's `unchanged` reason for one of wus's own errors while analysing a step: where
-  it was raised and what it says (the step then runs as `jax.jit` runs it)."""
-  return (f"{OWN_ERROR}, at {where(error)}: {type(error).__name__}: {error}); it runs as "
-          "jax.jit runs it")
+  it was raised and what it says (`refusals.OwnError`; the step then runs as `jax.jit`
+  runs it)."""
+  return Reason(refusals.OwnError(where(error), type(error).__name__, str(error)))
 
 
 def where(error: BaseException) -> str:

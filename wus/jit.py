@@ -34,9 +34,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from wus import errors, jit_arguments, jit_region, mesh_axes, pipeline, runtime, saving
-from wus.analysis import compat, global_view, planner, propagation
+from wus.analysis import compat, global_view, planner, propagation, refusals
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import Plan
+from wus.analysis.reasons import Reason
 from wus.matching import Signature, StateMatch, argument_paths, match_state
 from wus.options import Options
 from wus.sharded import ShardedArray, check_alive, is_sharded
@@ -267,7 +268,7 @@ class JitStep:
     traced = self._trace(args, kwargs, [jit_arguments.abstract(x, mesh) for x in leaves])
     traced_at = time.perf_counter()
 
-    def unchanged(reason: str, axes: tuple = ()) -> pipeline.Compiled:
+    def unchanged(reason: Reason, axes: tuple = ()) -> pipeline.Compiled:
       plan = _unchanged_plan(traced.jaxpr.jaxpr, paths, axes, mesh, reason)
       return _compiled(plan, self._jitted, {}, {}, paths, traced.out_tree, None)
 
@@ -285,17 +286,13 @@ class JitStep:
                mesh: Mesh | None, traced, unchanged: Callable) -> pipeline.Compiled:
     """The batch's splits propagated from the placements, the update region, and the
     region's sharded program (`_compile`); or the step unchanged, and why."""
-    if jit_arguments.pinned(self._jit_kwargs):
-      return unchanged(jit_arguments.pinned(self._jit_kwargs))
+    if (pinned := jit_arguments.pinned(self._jit_kwargs)) is not None:
+      return unchanged(pinned)
     if mesh is None:
-      return unchanged("no argument is placed on a mesh of more than one device, so there is "
-                       "no data parallelism to shard the update over")
+      return unchanged(Reason(refusals.NoMesh()))
     refs = jit_arguments.refs(traced.jaxpr, paths)
     if refs:
-      return unchanged(f"the step reads or writes JAX refs it does not create ({refs[0]}): "
-                       "wus.jit shards updates of values the step takes and returns, so the "
-                       "step runs as jax.jit runs it; pass the values (ref[...]) and return "
-                       "the new ones to shard the update")
+      return unchanged(Reason(refusals.ReadsRefs(refs[0])))
     match = self._state(args, dyn, traced.out_info)
     pairs = match.pairs  # Output -> the input it follows.
     state = frozenset(pairs.values())
@@ -305,9 +302,7 @@ class JitStep:
                                       mesh)
     roles = mesh_axes.Roles.of(mesh, propagation.batch_axes(splits, dict(mesh.shape)), placed)
     if not roles.batch:
-      return unchanged("no argument is split over a mesh axis as the batch (the state aside), "
-                       "nor laid out so by a sharding constraint in the step, so there is no "
-                       "data parallelism to shard the update over")
+      return unchanged(Reason(refusals.NoBatchSplit()))
     if roles.fsdp and (parted := cond_parts.split(
         flat, global_view.reads_sum(flat.jaxpr, splits))) is not flat:
       # A conditional around every update (MultiSteps, apply_if_finite) would join the
@@ -316,14 +311,14 @@ class JitStep:
       splits = jit_arguments.batch_splits(flat.jaxpr, leaves, declared, mesh, state)
     found = jit_region.update_region(flat, splits, mesh, roles.model, roles.fsdp, leaves,
                                      declared, state, frozenset(pairs))
-    if isinstance(found, str):
-      return unchanged(found + _split_ends(propagation.where_lost(flat.jaxpr, splits)),
+    if isinstance(found, Reason):
+      return unchanged(found.noted(*_split_ends(propagation.where_lost(flat.jaxpr, splits))),
                        roles.batch)
     blocks = found[2]
     roles = mesh_axes.Roles.of(mesh, roles.batch, placed, jit_region.blocked(blocks))
     compiled = self._compile(*found, match, dyn, traced, mesh, roles, paths, declared)
-    if isinstance(compiled, str):
-      return unchanged(compiled + _split_ends(propagation.where_lost(flat.jaxpr, splits)),
+    if isinstance(compiled, Reason):
+      return unchanged(compiled.noted(*_split_ends(propagation.where_lost(flat.jaxpr, splits))),
                        roles.batch)
     runtime.trace(leaves, compiled)  # Raises here, not at the user's call.
     compiled.step.trace(*_abstract_operands(leaves, compiled))
@@ -352,9 +347,9 @@ class JitStep:
     return match_state((*dyn[0], dyn[1]), out, signature)
 
   def _compile(self, flat, region: global_view.Region, blocks: ModelSplits | None,
-               specs: tuple, outside: tuple[str, ...], match: StateMatch, dyn: tuple, traced,
-               mesh: Mesh, roles: mesh_axes.Roles, paths: list[str],
-               declared: list) -> pipeline.Compiled | str:
+               specs: tuple, outside: tuple[Reason, ...], match: StateMatch, dyn: tuple,
+               traced, mesh: Mesh, roles: mesh_axes.Roles, paths: list[str],
+               declared: list) -> pipeline.Compiled | Reason:
     """The compiled step; or, where parts of the update run outside the region and the
     region shards nothing, why the whole step runs as jax.jit runs it (the region would
     only change how GSPMD partitions the rest)."""
@@ -434,29 +429,23 @@ def _abstract_operands(leaves: list, compiled: pipeline.Compiled) -> list:
           for k, x in enumerate(types)]
 
 
-def _shards_nothing(plan: Plan, blocks: ModelSplits | None, outside: tuple[str, ...]) -> str:
+def _shards_nothing(plan: Plan, blocks: ModelSplits | None,
+                    outside: tuple[Reason, ...]) -> Reason:
   """Why a step whose region would shard nothing runs as jax.jit runs it: the region would
   only change how GSPMD partitions the rest (the order of a sum, an ulp), for no saving."""
-  why = (f"every weight-update cluster stays replicated, cluster 0: {plan.clusters[0].reason}"
-         if plan.clusters else "no weight-update cluster with a tensor to shard: each is "
-         "split by its placement already (FSDP), or has at most "
-         f"N={plan.num_shards} elements or fewer than min_shard_size={plan.min_size}")
-  if outside:
-    why += (f"; parts of the update run outside it, on the blocks of the tensors split over "
-            f"{sorted(set(blocks.axes()))}: {outside[0]}")
-  return f"the update region shards nothing ({why}); the step runs as jax.jit runs it"
+  return Reason(refusals.ShardsNothing(
+      plan.clusters[0].why if plan.clusters else None, plan.num_shards, plan.min_size,
+      outside[0] if outside else None, tuple(sorted(set(blocks.axes()))) if outside else ()))
 
 
-def _split_ends(eqn) -> str:
-  """Where the batch's split ends, for a Plan's reason ("" if nowhere)."""
+def _split_ends(eqn) -> tuple[refusals.SplitEnds, ...]:
+  """Where the batch's split ends, a note for a Plan's reason (none if nowhere)."""
   if eqn is None:
-    return ""
-  return (f"; the batch's split ends at {eqn.primitive} ({compat.source_line(eqn)}): wus has "
-          "no rule carrying it through there, so no gradient after it is seen as a sum over "
-          "the batch")
+    return ()
+  return (refusals.SplitEnds(str(eqn.primitive), compat.source_line(eqn)),)
 
 
-def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: str) -> Plan:
+def _unchanged_plan(jaxpr, paths: list[str], axes: tuple, mesh, reason: Reason) -> Plan:
   """The Plan of a step wus runs unchanged, every input whole for `reason` (the planner's)."""
   n = math.prod(mesh.shape[a] for a in axes) if mesh is not None and axes else 1
   return planner.unchanged_plan(jaxpr, paths, axes, n, reason)

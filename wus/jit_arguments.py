@@ -9,7 +9,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wus.analysis import compat, global_view, propagation
+from wus.analysis import compat, global_view, propagation, refusals
+from wus.analysis.reasons import Reason
 from wus import runtime
 from wus.sharded import is_sharded
 from wus.transforms import global_view as global_view_program
@@ -80,14 +81,12 @@ def static_args(fun: Callable, jit_kwargs: dict) -> tuple[frozenset, frozenset]:
                             jit_kwargs.get("static_argnames"))
 
 
-def pinned(jit_kwargs: dict) -> str | None:
+def pinned(jit_kwargs: dict) -> Reason | None:
   """Why a step runs as `jax.jit` runs it whatever its arguments (`device=` or `backend=`
-  pins it to one device: no data parallelism); None where nothing pins it."""
-  given = [f"{k}={jit_kwargs[k]!r}" for k in ("device", "backend") if k in jit_kwargs]
-  if not given:
-    return None
-  return (f"{' and '.join(given)} pins the step to one device, so there is no data "
-          "parallelism to shard the update over")
+  pins it to one device: no data parallelism, `refusals.Pinned`); None where nothing
+  pins it."""
+  given = tuple((k, repr(jit_kwargs[k])) for k in ("device", "backend") if k in jit_kwargs)
+  return Reason(refusals.Pinned(given)) if given else None
 
 
 def program_options(jit_kwargs: dict) -> dict:

@@ -16,19 +16,21 @@ from __future__ import annotations
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from wus.analysis import compat, global_view
+from wus.analysis import compat, global_view, refusals
 from wus.analysis import model_splits as splits_lib
 from wus.analysis.graph import Graph
 from wus.analysis.planner import Argument
+from wus.analysis.reasons import Reason
 from wus.matching import StateMatch
 from wus.sharded import is_sharded
 
 
 def update_region(flat, splits, mesh: Mesh, model: tuple, fsdp: tuple, leaves: list,
                   declared: list, state: frozenset,
-                  state_out: frozenset = frozenset()) -> tuple | str:
+                  state_out: frozenset = frozenset()) -> tuple | Reason:
   """(the flat jaxpr, its update region, the region's model splits, its (in_specs,
-  out_specs), why parts run outside it), or why the step has no region wus can run.
+  out_specs), why parts run outside it (`Reason`s)), or why the step has no region wus
+  can run (a `Reason`, its verdict one of `refusals`').
 
   Args:
     flat: the step's flat global jaxpr (`jit_arguments.flat_jaxpr`), closed.
@@ -40,41 +42,42 @@ def update_region(flat, splits, mesh: Mesh, model: tuple, fsdp: tuple, leaves: l
     state: the flat positions of the leaves with a next value.
     state_out: the flat output positions that are such next values.
   """
-  # Equations run outside the region -> why ("": no limit). First, those reading a value
+  # Equations run outside the region -> why (None: no limit). First, those reading a value
   # typed on other axis types than the mesh's: `auto_axes` computes them in Auto axes
   # inside an Explicit mesh (the gather of `x.at[i].get(out_sharding=...)` and its
   # gradient's scatter-add), where GSPMD orders their sums; the update reads the results.
   types = tuple(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  outside: dict[int, str] = {
-      i: "" for i, e in enumerate(flat.jaxpr.eqns)
+  outside: dict[int, Reason | None] = {
+      i: None for i, e in enumerate(flat.jaxpr.eqns)
       if any(_typed_otherwise(v.aval, types) for v in e.invars)}
-  cannot = (f"the update cannot run on the blocks of the tensors split over "
-            f"{[*model, *fsdp]}: {{}}; the step runs as jax.jit runs it")
+
+  def cannot(why: Reason) -> Reason:
+    return Reason(refusals.OnBlocks((*model, *fsdp), why))
   while True:
     region = global_view.find_region(flat.jaxpr, splits, dict(mesh.shape),
                                      frozenset(model) | frozenset(fsdp), frozenset(outside),
                                      state_out)
-    if isinstance(region, str):
+    if isinstance(region, Reason):
       why = next(filter(None, outside.values()), None)
-      return cannot.format(why) if why else region
+      return cannot(why) if why else region
     blocks = model_splits(flat.jaxpr, region, leaves, declared, mesh, model, fsdp, state,
                           splits)
-    position = getattr(blocks, "position", None)
+    position = getattr(blocks.verdict, "position", None) if isinstance(blocks, Reason) else None
     if isinstance(blocks, splits_lib.ModelSplits) and (gspmd := {
         i for i in blocks.scattered if i not in outside
         and global_view.summing_primitive(flat.jaxpr, i) is not lax.dot_general_p}):
       # An FSDP gradient summed by another primitive (an embedding's scatter-add) is
       # summed as GSPMD sums it, outside: its block enters the region.
-      outside.update(dict.fromkeys(gspmd, ""))
+      outside.update(dict.fromkeys(gspmd))
       continue
     if position is None or position in outside:
       break
     outside[position] = blocks
-  if isinstance(blocks, str):
-    return cannot.format(blocks)
+  if isinstance(blocks, Reason):
+    return cannot(blocks)
   specs = region_specs(region, blocks)
-  return specs if isinstance(specs, str) else (flat, region, blocks, specs,
-                                               tuple(filter(None, outside.values())))
+  return specs if isinstance(specs, Reason) else (flat, region, blocks, specs,
+                                                  tuple(filter(None, outside.values())))
 
 
 def _typed_otherwise(aval, types: tuple) -> bool:
@@ -88,7 +91,7 @@ def _typed_otherwise(aval, types: tuple) -> bool:
 
 def model_splits(jaxpr, region, leaves: list, declared: list, mesh: Mesh, model: tuple,
                  fsdp: tuple = (), state: frozenset = frozenset(),
-                 batch_splits=None) -> splits_lib.ModelSplits | None | str:
+                 batch_splits=None) -> splits_lib.ModelSplits | None | Reason:
   """The model splits of the region's values (`analysis.model_splits`); None on a mesh
   without model axes and no state split over the batch axes, or why the region cannot
   run on blocks.
@@ -118,14 +121,14 @@ def model_splits(jaxpr, region, leaves: list, declared: list, mesh: Mesh, model:
         jaxpr, [(i, e) for i, e in eqns if i not in partial],
         [v for v in values if v not in carried and v not in batch_splits],
         region, leaves, declared, mesh, frozenset(fsdp), state))
-    if not isinstance(part, str):
+    if not isinstance(part, Reason):
       scattered = {i: s for i in region.sums if (s := part.split(jaxpr.eqns[i].outvars[0]))}
-  why = next((p for p in parts if isinstance(p, str)), None)
+  why = next((p for p in parts if isinstance(p, Reason)), None)
   return why if why is not None else splits_lib.merged(parts, scattered)
 
 
 def _solve(jaxpr, eqns: list, values: list, region, leaves: list, declared: list, mesh: Mesh,
-           axes: frozenset, seeded) -> splits_lib.ModelSplits | str:
+           axes: frozenset, seeded) -> splits_lib.ModelSplits | Reason:
   """`model_splits.solve` of `values` over `axes`, seeded by the placements of the step's
   arguments at the flat positions in `seeded`, the constraints among `eqns` and, on a
   mesh with Explicit axes, the types of `values`."""
@@ -147,7 +150,7 @@ def _solve(jaxpr, eqns: list, values: list, region, leaves: list, declared: list
   return splits_lib.solve(eqns, values, seeds, dict(mesh.shape), typed)
 
 
-def region_specs(region, blocks) -> tuple[tuple, tuple] | str:
+def region_specs(region, blocks) -> tuple[tuple, tuple] | Reason:
   """(in_specs, out_specs) of the region's shard_map: each value's batch split, then its
   model split (`blocks`); or why they cannot be merged (a dim split both ways)."""
   if blocks is None:
@@ -157,8 +160,8 @@ def region_specs(region, blocks) -> tuple[tuple, tuple] | str:
     batch = tuple(None if e is None else e if isinstance(e, tuple) else (e,) for e in spec)
     merged = splits_lib.spec_with(batch + (None,) * (v.aval.ndim - len(batch)), blocks.split(v))
     if merged is None:
-      return (f"a value {v.aval.str_short()} the update reads is split over the batch and "
-              f"the model axes on one dim ({spec}, {blocks.split(v)})")
+      return Reason(refusals.SplitBothWays(v.aval.str_short(), blocks.split(v), spec,
+                                           read=True))
     ins.append(global_view.spec_of(merged))
   return tuple(ins), tuple(global_view.spec_of(blocks.split(v)) for v in region.outvars)
 

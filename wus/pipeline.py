@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from wus import mesh_axes, runtime
-from wus.analysis import compat, cost, network, redundancy
+from wus.analysis import compat, cost, network, reasons, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Grouping, Plan
 from wus.analysis.planner import Argument, make_plan
@@ -45,7 +45,8 @@ class Step:
     split_reason: why an input its in_spec splits differs across replicas
       (for the Plan; `wus.pmap` names its per-device copies).
     split_by: what splits inputs over model axes, in the Plan's words (`make_plan`).
-    outside: why parts of the front end's update run outside this step (`Plan.outside`).
+    outside: why parts of the front end's update run outside this step (`Plan.outside`),
+      one `reasons.Reason` each.
     signature: how the positional arguments map to the user's parameters.
     match_state: the front end's own state pairs (`wus.jit`'s region), or None
       for `matching.match_state`.
@@ -65,7 +66,7 @@ class Step:
   match_state: Callable[[tuple, Any], StateMatch] | None = None
   names: tuple[Sequence[str], Sequence[str]] | None = None
   split_by: str = "its spec"
-  outside: tuple[str, ...] = ()
+  outside: tuple[reasons.Reason, ...] = ()
   arguments: tuple[Argument, ...] | None = None
 
 

@@ -18,10 +18,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from wus.analysis import reasons
+from wus.analysis import reasons, refusals
 from wus.analysis.network import format_bytes
 from wus.analysis.plan import Plan
-from wus.errors import OWN_ERROR, NotShardedWarning
+from wus.errors import NotShardedWarning
 from wus.sharded import check_alive, is_sharded
 
 SILENCE = 'warnings.filterwarnings("ignore", category=wus.NotShardedWarning)'
@@ -65,7 +65,7 @@ def not_sharded(plan: Plan) -> str | None:
 
 def _fix(plan: Plan, front_end: str) -> str:
   """What to do about it, for the usual first cause: no batch split over a mesh axis."""
-  if plan.unchanged.startswith(OWN_ERROR):
+  if plan.unchanged is not None and isinstance(plan.unchanged.verdict, refusals.OwnError):
     return ("nothing in your program: the error is wus's own, a bug; please report it with "
             "this message")
   if plan.unchanged and not plan.axes:

@@ -8,7 +8,8 @@ import optax
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from wus.analysis import global_view, propagation
+from wus.analysis import global_view, propagation, refusals
+from wus.analysis.reasons import Reason
 from wus.transforms import inline
 
 N = 8
@@ -116,8 +117,9 @@ def test_sum_rules_need_every_split_dim_summed():
   def features(params, opt_state, x):  # Sums over the features, not the batch.
     return params, opt_state, jnp.sum(x, axis=1)
   jaxpr, region = _region(features, mesh, params, (), x)
-  assert region == ("no update reads only whole values (the step's forward and backward pass "
-                    "read every result)")
+  assert region == Reason(refusals.NoUpdate()), region
+  assert str(region) == ("no update reads only whole values (the step's forward and backward "
+                         "pass read every result)")
   (eqn,) = [e for e in jaxpr.eqns if e.primitive is lax.reduce_sum_p]
   rule, batch = propagation.sum_rules[lax.reduce_sum_p], (("data",), None)
   assert eqn.params["axes"] == (1,) and not rule(eqn, [batch], lambda v: False)

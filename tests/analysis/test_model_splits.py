@@ -1,11 +1,14 @@
 """`analysis.model_splits`: which dims of an update's values a model axis splits, from the
 placements of its inputs (wus.jit on a data x model mesh, issue 29 item 2)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from wus.analysis import model_splits
+from wus.analysis import model_splits, refusals
+from wus.analysis.reasons import Reason
 
 SIZES = {"data": 4, "model": 2}
 
@@ -53,13 +56,29 @@ def test_a_reshape_keeps_a_split_on_the_major_factor_and_needs_minor_dims_whole(
   jaxpr, out = _solve(lambda w: w.reshape(16, 4, 16) * 2.0, (16, 64), seeds=[(None, M)])
   assert out.split(jaxpr.outvars[0]) == (None, M, None)
   _, why = _solve(lambda w: w.reshape(48) * 2.0, (8, 6), seeds=[(None, M)])
-  assert isinstance(why, str) and "reshape" in why and "whole" in why, why
+  _assert_refused(why, refusals.NeedsWhole("reshape", "", 1, "float32[8,6]", M, 0))
+  assert str(why) == (f"reshape at {why.verdict.line} needs dim 1 of float32[8,6] whole, "
+                      "which is split over ['model']")
+
+
+def _assert_refused(why, verdict) -> None:
+  """`why` is a Reason with `verdict` (its source line, if any, in this file)."""
+  assert isinstance(why, Reason) and not why.notes, why
+  line = getattr(why.verdict, "line", None)
+  if line is not None:
+    assert "test_model_splits.py:" in line, why
+    verdict = dataclasses.replace(verdict, line=line)
+  assert why.verdict == verdict, why
 
 
 def test_conflicts_say_why():
   _, why = _solve(lambda a, b: a + b, (8, 8), (8, 8), seeds=[(M, None), (None, M)])
-  assert isinstance(why, str) and "split twice" in why, why
+  _assert_refused(why, refusals.SplitTwice("float32[8,8]", (M, M)))
+  assert str(why) == "a value float32[8,8] would be split twice over one axis ((('model',), " \
+      "('model',)))"
   _, why = _solve(lambda a: a + jnp.arange(8.0)[:, None], (8, 8), seeds=[(M, None)])
-  assert isinstance(why, str) and "iota" in why, why
+  _assert_refused(why, refusals.NeedsWhole("iota", "", 0, "float32[8]", M, 0))
   _, why = _solve(lambda a: a * 2.0, (7, 8), seeds=[(M, None)])
-  assert isinstance(why, str) and "does not divide" in why, why
+  _assert_refused(why, refusals.Indivisible(7, "float32[7,8]", M))
+  assert str(why) == ("a dim of 7 of float32[7,8] does not divide over ['model'], which its "
+                      "placement splits it over")

@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from helpers import analysed_body, mesh
-from wus.analysis import planner, reasons
+from wus.analysis import planner, reasons, refusals
 from wus.analysis.plan import Grouping
 
 N = 8
@@ -85,8 +85,8 @@ def test_what_splits_inputs_over_model_axes_is_a_planner_input():
 def test_a_step_run_unchanged_is_planned_with_every_input_whole_for_the_reason():
   jaxpr, _ = analysed_body(_step, [P(), P(), P(), P("data")],
                            [(64,), (64,), (64,), (1, 4)], (P(), P(), P()), mesh=mesh(N))
-  why = "no batch split: the step runs as jax.jit runs it"
+  why = reasons.Reason(refusals.NoBatchSplit())
   plan = planner.unchanged_plan(jaxpr, ["w", "m", "b", "x"], ("data",), N, why)
   assert plan.unchanged == why and not plan.clusters and not plan.state_inputs
   assert [i.name for i in plan.inputs] == ["w", "m", "b", "x"]
-  assert all(not i.sharded and i.why == reasons.Reason(why) for i in plan.inputs)
+  assert all(not i.sharded and i.why == why for i in plan.inputs)

@@ -14,6 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal
+from wus.analysis import refusals
 from wus.sharded import is_sharded
 
 
@@ -225,7 +226,10 @@ def test_jit_device_pins_the_step_and_it_runs_as_jax_jit_runs_it():
   out = ws(params, opt_state, b)
   assert_trees_equal(ref, out)
   assert out[0]["w"].devices() == {device}
-  assert "pins the step to one device" in ws.plan(params, opt_state, b).unchanged
+  unchanged = ws.plan(params, opt_state, b).unchanged
+  assert unchanged.verdict == refusals.Pinned((("device", repr(device)),)), unchanged
+  assert str(unchanged) == (f"device={device!r} pins the step to one device, so there is no "
+                            "data parallelism to shard the update over")
 
 
 def test_jit_compiler_options_reach_wus_program():

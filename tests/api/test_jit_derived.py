@@ -20,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, classifier_batches
+from wus.analysis import refusals
 from wus.sharded import is_sharded
 
 
@@ -150,7 +151,13 @@ def test_an_error_of_wus_own_runs_the_step_as_jax_jit_with_the_reason(monkeypatc
   params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 12))),
                           NamedSharding(mesh, P()))
   plan = ws.plan(params, tx.init(params), batches[0])
-  assert "RuntimeError: injected" in plan.unchanged and "jit.py" in plan.unchanged
+  error = plan.unchanged.verdict
+  assert isinstance(error, refusals.OwnError), plan.unchanged
+  assert (error.kind, error.message) == ("RuntimeError", "injected"), error
+  assert error.where.startswith("wus/jit.py:"), error
+  assert str(plan.unchanged) == (f"wus could not shard this step (an error of its own, at "
+                                 f"{error.where}: RuntimeError: injected); it runs as jax.jit "
+                                 "runs it")
 
 
 @pytest.mark.parametrize("shape,names,batch,specs", [
@@ -253,5 +260,7 @@ def test_a_step_whose_split_ends_at_a_primitive_without_a_rule_says_where():
   with pytest.warns(wus.NotShardedWarning, match="split ends at fft"):
     assert_trees_equal(jax.jit(step)(w, tx.init(w), x), ws(w, tx.init(w), x))
   plan = ws.plan(w, tx.init(w), x)
-  assert "the batch's split ends at fft (" in plan.unchanged, plan.unchanged
-  assert "test_jit_derived.py" in plan.unchanged, plan.unchanged
+  (ends,) = plan.unchanged.notes
+  assert isinstance(ends, refusals.SplitEnds) and ends.primitive == "fft", plan.unchanged
+  assert "test_jit_derived.py:" in ends.line, ends
+  assert f"; the batch's split ends at fft ({ends.line}): " in str(plan.unchanged)

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, classifier_step, collective_lines, replica_groups
+from wus.analysis import refusals
 from wus.sharded import is_sharded
 from jit_tensor_parallel import (LogicalMLP, assert_split_state, batches, linen_args,
                                  linen_step, make_mesh, mlp_inputs, mlp_run, mlp_step, run_both,
@@ -173,8 +174,12 @@ def test_muon_on_split_matrices_runs_as_jax_jit_the_rest_is_served():
   assert_trees_equal(ref, wus.unshard(out))
   plan = ws.plan(*out, b)
   assert len(plan.outside) == 3, plan.outside  # The three kernels.
+  whole = [why.verdict for why in plan.outside]
+  assert all(isinstance(x, refusals.NeedsWhole) and x.primitive == "scan"
+             and x.axes == ("model",) and re.fullmatch(r"float32\[1,\d+,\d+\]", x.aval)
+             for x in whole), plan.outside
   assert all(re.match(r"scan at .* needs dim \d of float32\[1,\d+,\d+\] whole, which is "
-                      r"split over \['model'\]", why) for why in plan.outside), plan.outside
+                      r"split over \['model'\]", str(why)) for why in plan.outside), plan.outside
   kept = sharded(out[1])
   assert kept and all(x.ndim == 1 for x in kept), kept
   assert all(not is_sharded(x) for x in jax.tree.leaves(

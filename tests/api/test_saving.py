@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, mesh
-from wus.analysis import reasons
+from wus.analysis import reasons, refusals
 from wus.saving import not_sharded
 
 TX = optax.adam(1e-2)
@@ -176,8 +176,11 @@ def test_what_saves_little_is_said_by_one_rule():
       f"the largest, cluster {w.index}: {reasons.render(w.why, cite=False)}")
   assert not_sharded(replicated(w, b)).startswith(
       f"shards none of its 2 weight-update cluster(s); cluster {w.index}: ")
-  unchanged = dataclasses.replace(plan, unchanged="no batch")
-  assert not_sharded(unchanged) == "runs unchanged: no batch"
+  unchanged = dataclasses.replace(plan, unchanged=reasons.Reason(refusals.NoBatchSplit()))
+  assert not_sharded(unchanged) == ("runs unchanged: no argument is split over a mesh axis as "
+                                    "the batch (the state aside), nor laid out so by a sharding "
+                                    "constraint in the step, so there is no data parallelism "
+                                    "to shard the update over")
 
 
 # --- wus.bytes_per_device. ---------------------------------------------------------------

@@ -218,7 +218,8 @@ def _measure(case, m, opt_state, plan) -> None:
   if measured <= fuzz_cases.UNDER * ideal:
     return
   kept = [c.reason.strip() for c in plan.clusters if not c.sharded]
-  reason = _reason(plan.unchanged or (kept[0] if kept else "sharded less than the ideal"))
+  reason = _reason(str(plan.unchanged) if plan.unchanged is not None
+                   else kept[0] if kept else "sharded less than the ideal")
   SUMMARY.counts["under"] += 1
   SUMMARY.under[reason] += 1
   SUMMARY.examples.setdefault("under-sharded: " + reason, repr(case))

@@ -9,7 +9,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, dense_inputs, dense_step, mesh, sharded_leaves
-from wus.analysis import reasons, verdicts
+from wus.analysis import reasons, refusals, verdicts
 
 
 def _compare(step, params, state, xs, m, check_vma=True):
@@ -423,7 +423,10 @@ def test_jit_region_that_shards_nothing_runs_as_jax_jit():
       lambda init: {"s": jnp.float32(0.3),
                     "table": jnp.asarray(init(21, (1, 1), 0.5), jnp.bfloat16)})
   assert_trees_equal(ref, out)
-  assert "the update region shards nothing" in plan.unchanged
+  nothing = plan.unchanged.verdict
+  assert isinstance(nothing, refusals.ShardsNothing), plan.unchanged
+  assert nothing.cluster is None and nothing.outside is None, nothing  # Every tensor tiny.
+  assert str(plan.unchanged).startswith("the update region shards nothing ("), plan.unchanged
 
 
 def test_jit_embedding_gradient_summed_in_auto_axes_stays_outside_the_region():
