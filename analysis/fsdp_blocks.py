@@ -24,9 +24,10 @@ from wus.analysis import network
 from wus.analysis.graph import Graph
 from wus.analysis.layouts import copy_axis_sets
 from wus.analysis.plan_cluster import Planning, Scope, plan_cluster
+from wus.analysis.planning import PlanningContext
 
 
-def plan_blocks(s: Scope, ctx, acc: Planning, clustered: set) -> None:
+def plan_blocks(s: Scope, ctx: PlanningContext, acc: Planning, clustered: set) -> None:
   """Plans into `acc` the updates of the step's state that differs across the plan's axes
   (`ctx.axes`: FSDP blocks) and that every replica of some copy axes (`ctx.copies`)
   repeats, over the most copy axes first (each set whole, as `layouts.assign_repeated`
@@ -35,7 +36,7 @@ def plan_blocks(s: Scope, ctx, acc: Planning, clustered: set) -> None:
 
   Args:
     s: the step's scope (never a loop body's: a carry crosses its loop in one format).
-    ctx: the planner's context.
+    ctx: the planning's context.
     acc: the step's planning so far (its clusters planned).
     clustered: the equations of its clusters.
   """
@@ -64,7 +65,7 @@ def plan_blocks(s: Scope, ctx, acc: Planning, clustered: set) -> None:
     taken = grown
 
 
-def _over(ctx, axes: tuple):
+def _over(ctx: PlanningContext, axes: tuple) -> PlanningContext:
   """`ctx` for the update of blocks of `ctx.axes` sharded over the copy `axes`."""
   n = math.prod(ctx.copies[a] for a in axes)
   return dataclasses.replace(

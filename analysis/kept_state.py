@@ -7,9 +7,9 @@ through the layout-only equations `wus.pmap` adds (`through_copies`,
 first (mixed precision, Fig. 4 right, Fig. 7). `continued` finds the rest of
 a replicated update that no cluster holds, so the Plan lists its state.
 
-`ctx` throughout is the planner's context: `facts` (the step's
-`Redundancy`), `axes` (the replica axes), `num_shards`, and `big` (whether a
-value is large enough to shard).
+`ctx` throughout is the planning's `planning.PlanningContext`, of which this
+module reads `facts` (the step's `Redundancy`), `axes` (the replica axes),
+`num_shards`, and `big` (whether a value is large enough to shard).
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ from wus.analysis import clusters as clusters_lib
 from wus.analysis import compat, layouts, precision, shardable
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
+from wus.analysis.planning import PlanningContext
 from wus.analysis.shardable import Kind
 
 
-def passed_through(graph: Graph, in_pos: int, out_pos: int, ctx) -> list[int] | None:
+def passed_through(graph: Graph, in_pos: int, out_pos: int,
+                   ctx: PlanningContext) -> list[int] | None:
   """The layout-only equations (`wus.pmap`'s squeeze and expand_dims) by which
   output `out_pos` returns input `in_pos` unchanged, if nothing else reads it
   and it is identical on every replica and worth sharding; else None.
@@ -87,7 +89,7 @@ def pairs(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph,
 
 
 def through_copies(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph,
-                   candidates: Mapping[int, int], ctx, why_whole: dict
+                   candidates: Mapping[int, int], ctx: PlanningContext, why_whole: dict
                    ) -> tuple[clusters_lib.Cluster, layouts.Layout, frozenset]:
   """`c` reading the weights it updates through layout-only equations (shard_weights).
 
@@ -148,7 +150,8 @@ def _with_copies(c: clusters_lib.Cluster, jaxpr: Jaxpr, copies: list[int],
 
 
 def continued(graph: Graph, c: clusters_lib.Cluster, clustered: set[int],
-              state_pairs: Mapping[int, int], ctx) -> tuple[clusters_lib.Cluster, dict]:
+              state_pairs: Mapping[int, int],
+              ctx: PlanningContext) -> tuple[clusters_lib.Cluster, dict]:
   """The rest of a replicated cluster's weight update, which no cluster holds.
 
   Growth stops at an equation with no shard rule (a matmul with the weight, a
@@ -183,7 +186,7 @@ def continued(graph: Graph, c: clusters_lib.Cluster, clustered: set[int],
   return clusters_lib.Cluster((), {}, (), (), tuple(reads), {}, outputs), pairs
 
 
-def whole_reader(graph: Graph, x, clustered: set[int], ctx) -> str | None:
+def whole_reader(graph: Graph, x, clustered: set[int], ctx: PlanningContext) -> str | None:
   """A reader of `x` outside the clusters (`clustered`) that every replica repeats and
   that has no shard rule (a `sort` of the momentum), in words ("sort at f.py:5"), or
   None: what keeps state whole whose next value an update computes."""

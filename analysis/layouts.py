@@ -27,6 +27,7 @@ from wus.analysis import compat, reasons, redundancy, rules
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, JaxprEqn, Var
 from wus.analysis.formats import ShardFormat, format_from_bounds, nonunit_dims
+from wus.analysis.planning import PlanningContext
 from wus.analysis.shardable import Kind
 
 
@@ -243,7 +244,7 @@ def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str
   return Layout(formats, frozenset(c.whole_reads), frozenset(c.partial))
 
 
-def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx, in_loop: bool = False,
+def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx: PlanningContext, in_loop: bool = False,
                     names: Sequence[str] = ()) -> tuple[Layout | str, reasons.OverCopies | None]:
   """`assign` over the replica axes, or over the other axes `ctx.copies` too.
 
@@ -257,7 +258,7 @@ def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx, in_loop: bool = False,
 
   Args:
     jaxpr, cluster: as for `assign`.
-    ctx: the planner's context (`axes`, `num_shards`, `copies`: axis -> size,
+    ctx: the planning's context (`axes`, `num_shards`, `copies`: axis -> size,
       `facts`, `big`).
     in_loop: whether `jaxpr` is a loop body.
     names: a name per input of `jaxpr` (its pytree path), for the reason.
@@ -287,7 +288,7 @@ def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx, in_loop: bool = False,
   return assign(jaxpr, cluster, n, ctx.big), note(tuple(ctx.copies), why)
 
 
-def _within_blocks(jaxpr: Jaxpr, cluster: Cluster, ctx, names: Sequence[str]
+def _within_blocks(jaxpr: Jaxpr, cluster: Cluster, ctx: PlanningContext, names: Sequence[str]
                    ) -> tuple[Layout | str, reasons.OverCopies]:
   """`assign_repeated` of an update of blocks of the plan's axes (`ctx.block_axes`: FSDP)
   that every replica of `ctx.copies` repeats (`fsdp_blocks`; there `ctx.axes` are the
@@ -311,7 +312,7 @@ def copy_axis_sets(copies: Sequence[str]) -> Iterator[tuple[str, ...]]:
   return (a for k in range(len(copies), 0, -1) for a in itertools.combinations(copies, k))
 
 
-def _repeated_over(jaxpr: Jaxpr, cluster: Cluster, ctx, names: Sequence[str]
+def _repeated_over(jaxpr: Jaxpr, cluster: Cluster, ctx: PlanningContext, names: Sequence[str]
                    ) -> tuple[tuple, str | None]:
   """The most copy axes (`ctx.copies`, in mesh order) every replica of which repeats the
   cluster (`redundancy.differs_over`), and why not all of them (None if all). Each set is

@@ -61,17 +61,18 @@ def update_seconds(jaxpr: Jaxpr, eqns, topology: network.Topology) -> float:
   return network.compute_seconds(traffic, topology, flops)
 
 
-def worth(jaxpr: Jaxpr, u, ctx) -> str | None:
-  """Why owning unit `u` would not pay (`ownership` docstring, 2), or None; fills its cost."""
-  u.cost = update_seconds(jaxpr, u.eqns, ctx.topology)
+def worth(jaxpr: Jaxpr, u, topology: network.Topology, num_shards: int) -> str | None:
+  """Why owning unit `u` would not pay (`ownership` docstring, 2) on `num_shards` replicas
+  of `topology`, or None; fills its cost."""
+  u.cost = update_seconds(jaxpr, u.eqns, topology)
   # Its collectives as the cost model prices a cluster's; its update is this
   # module's (flops and traffic), shared by N replicas when owned.
   w = costmodel.Workload(tuple(tensor(jaxpr.eqns[i].outvars[0]) for i in u.seeds),
                          tuple(map(tensor, u.exits)))
-  rep, own = costmodel.cluster_seconds(w, ctx.topology)
-  rep, own = rep + u.cost, own + u.cost / ctx.num_shards
+  rep, own = costmodel.cluster_seconds(w, topology)
+  rep, own = rep + u.cost, own + u.cost / num_shards
   moved = sum(n * b for n, b in (*w.gradients, *w.gathered))
-  own += network.copy_seconds(moved, ctx.topology)  # Into and out of the rows.
+  own += network.copy_seconds(moved, topology)  # Into and out of the rows.
   u.predicted = (rep, own)
   if own > rep:
     return (f"its update is too cheap to own (predicted {own * 1e6:.3g} us owned, with the "
@@ -176,10 +177,9 @@ def rows(jaxpr: Jaxpr, units: list, stacks, num_shards: int, rewritten: frozense
 
 
 def whole_prediction(jaxpr: Jaxpr, units: list, ownership: Ownership,
-                      ctx) -> tuple[float, float]:
-  """(replicated, owned) predicted seconds of all owned units' collectives and updates."""
-  topo = ctx.topology
-  n = ctx.num_shards
+                     topo: network.Topology, n: int) -> tuple[float, float]:
+  """(replicated, owned) predicted seconds of all owned units' collectives and updates, on
+  `n` replicas of `topo`."""
   grads = tuple(tensor(jaxpr.eqns[i].outvars[0]) for u in units for i in u.seeds)
   # The rows of each dtype, as tensors of N rows (`costmodel.cluster_seconds`).
   rows = [tuple((n * length, np.dtype(d).itemsize) for d, length in lengths.items())

@@ -40,6 +40,7 @@ from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
 from wus.analysis.owned import Ownership, Placement
 from wus.analysis.plan import ClusterPlan, TensorPlan
+from wus.analysis.planning import PlanningContext
 from wus.analysis.shardable import Kind
 
 # Primitives an owner may run (with their sub-jaxprs): pure ones, and loops
@@ -91,13 +92,13 @@ class _Unit:
     return self.clusters[0][0]
 
 
-def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind],
+def plan_ownership(graph: Graph, ctx: PlanningContext, candidates: list, taken: Mapping[int, Kind],
                    state_pairs: Mapping[int, int], in_names, out_names) -> OwnershipPart:
   """Plans ownership for the replicated clusters `candidates` of a step (module docstring).
 
   Args:
     graph: the graph of the step's flat per-replica jaxpr (not a loop body).
-    ctx: the planner's context (facts, axes, num_shards, big, topology).
+    ctx: the planning's context (facts, axes, num_shards, big, topology).
     candidates: (cluster index, Cluster, ClusterPlan) of clusters kept
       replicated for a reason of structure, not cost.
     taken: equations that already run on shards (JaxprPlan.shard_eqns).
@@ -121,7 +122,7 @@ def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind
                        eqns.union(*(u.eqns for u in merged))))
   owned = []
   for u in units:
-    why = _check(graph, u, ctx, state_pairs) or owners.worth(jaxpr, u, ctx)
+    why = _check(graph, u, ctx, state_pairs) or owners.worth(jaxpr, u, ctx.topology, ctx.num_shards)
     if why:
       for idx, cp in u.clusters:
         out.clusters[idx] = dataclasses.replace(cp, why=cp.why.noted(reasons.NotOwned(why)))
@@ -136,7 +137,8 @@ def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind
     # such tensors stay replicated until the rest is predicted no slower owned.
     stacks = owners.assign(jaxpr, owned, ctx.num_shards)
     ownership, state = owners.rows(jaxpr, owned, stacks, ctx.num_shards, rewritten)
-    rep, own = owners.whole_prediction(jaxpr, owned, ownership, ctx)
+    rep, own = owners.whole_prediction(jaxpr, owned, ownership, ctx.topology,
+                                       ctx.num_shards)
     if own <= rep:
       break
     largest = max(owned, key=lambda u: (owners.unit_bytes(jaxpr, u), -min(u.eqns)))
@@ -163,7 +165,7 @@ def plan_ownership(graph: Graph, ctx, candidates: list, taken: Mapping[int, Kind
   return out
 
 
-def _unit(graph: Graph, seeds, ctx, taken) -> set[int]:
+def _unit(graph: Graph, seeds, ctx: PlanningContext, taken) -> set[int]:
   """The equations of the update that the all-reduces `seeds` start (module docstring, 1)."""
   eqns, outputs = graph.jaxpr.eqns, graph.outputs
 
@@ -192,7 +194,7 @@ def _unit(graph: Graph, seeds, ctx, taken) -> set[int]:
   return unit
 
 
-def _runs_on_owner(eqn, ctx) -> bool:
+def _runs_on_owner(eqn, ctx: PlanningContext) -> bool:
   """Whether one replica can run `eqn` alone: pure, or a collective of equal values."""
   if eqn.primitive is compat.pvary_p:
     return True
@@ -203,7 +205,7 @@ def _runs_on_owner(eqn, ctx) -> bool:
       _runs_on_owner(e, ctx) for sub in compat.sub_jaxprs(eqn) for e in sub.eqns)
 
 
-def _split_over(eqn, ctx) -> list[str]:
+def _split_over(eqn, ctx: PlanningContext) -> list[str]:
   """The manual axes besides the sharding axes over which the operands of a gradient
   all-reduce differ (a weight its spec splits over a model axis), sorted."""
   other = ctx.facts.all_axes - ctx.axes
@@ -211,7 +213,8 @@ def _split_over(eqn, ctx) -> list[str]:
                  for a in other - ctx.facts.of(v)})
 
 
-def _check(graph: Graph, u: _Unit, ctx, state_pairs: Mapping[int, int]) -> str | None:
+def _check(graph: Graph, u: _Unit, ctx: PlanningContext,
+           state_pairs: Mapping[int, int]) -> str | None:
   """Why `u` cannot be owned, or None; fills its seeds, state pairs, exits and weights."""
   jaxpr = graph.jaxpr
   eqns = jaxpr.eqns

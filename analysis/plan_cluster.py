@@ -13,12 +13,17 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from wus.analysis import clusters as clusters_lib
 from wus.analysis import compat, cost, kept_state, layouts, loops, reasons
-from wus.analysis.compat import Jaxpr, source_line
+from wus.analysis.compat import Jaxpr, Var, source_line
+from wus.analysis.formats import Format
 from wus.analysis.graph import Graph
 from wus.analysis.input_reasons import InputReasons
 from wus.analysis.plan import ClusterPlan, JaxprPlan, TensorPlan
+from wus.analysis.planning import PlanningContext
+from wus.analysis.shardable import Kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,19 +60,35 @@ class Scope:
 
 @dataclasses.dataclass
 class Planning:
-  """What the planning of one jaxpr has found so far (the `JaxprPlan`'s parts, the
-  cluster plans, the inputs' candidate reasons)."""
+  """What the planning of one jaxpr has found so far, written by the planner's stages in
+  turn (loops, clusters, FSDP blocks, whole readers, ownership, state kept sharded).
 
-  cluster_plans: list = dataclasses.field(default_factory=list)
-  shard_eqns: dict = dataclasses.field(default_factory=dict)
-  sharded_in: dict = dataclasses.field(default_factory=dict)
-  sharded_out: dict = dataclasses.field(default_factory=dict)
-  formats: dict = dataclasses.field(default_factory=dict)
-  bodies: dict = dataclasses.field(default_factory=dict)
-  gather_dtypes: dict = dataclasses.field(default_factory=dict)
+  Attributes:
+    cluster_plans: the plans of its clusters so far, a loop body's among them (each
+      `ClusterPlan.index` its position here).
+    shard_eqns: equation index -> how it runs on shards (`JaxprPlan.shard_eqns`).
+    sharded_in: input position -> its format, for the inputs kept sharded.
+    sharded_out: output position -> its format, for the outputs returned sharded.
+    formats: value -> its shard format, for the values held as shards.
+    bodies: conditional or loop equation index -> the JaxprPlans of its branches or body.
+    gather_dtypes: value -> the narrower float it is all-gathered in.
+    reasons: each input's candidate reasons, kept sharded or whole (`InputReasons`).
+    read_whole: values a sharded cluster reads whole.
+    candidates: (cluster index, Cluster, ClusterPlan) of the clusters kept replicated
+      that ownership may take (`ownership.plan_ownership`).
+  """
+
+  cluster_plans: list[ClusterPlan] = dataclasses.field(default_factory=list)
+  shard_eqns: dict[int, Kind] = dataclasses.field(default_factory=dict)
+  sharded_in: dict[int, Format] = dataclasses.field(default_factory=dict)
+  sharded_out: dict[int, Format] = dataclasses.field(default_factory=dict)
+  formats: dict[Var, Format] = dataclasses.field(default_factory=dict)
+  bodies: dict[int, tuple[JaxprPlan, ...]] = dataclasses.field(default_factory=dict)
+  gather_dtypes: dict[Var, np.dtype] = dataclasses.field(default_factory=dict)
   reasons: InputReasons = dataclasses.field(default_factory=InputReasons)
-  read_whole: set = dataclasses.field(default_factory=set)  # Read whole by a sharded cluster.
-  candidates: list = dataclasses.field(default_factory=list)  # Replicated, for ownership.
+  read_whole: set[Var] = dataclasses.field(default_factory=set)
+  candidates: list[tuple[int, clusters_lib.Cluster, ClusterPlan]] = dataclasses.field(
+      default_factory=list)
 
 
 @dataclasses.dataclass
@@ -85,7 +106,7 @@ class _Decided:
   members: set = dataclasses.field(default_factory=set)
 
 
-def plan_cluster(s: Scope, ctx, acc: Planning, c: clusters_lib.Cluster,
+def plan_cluster(s: Scope, ctx: PlanningContext, acc: Planning, c: clusters_lib.Cluster,
                  clustered: set) -> None:
   """Plans cluster `c` of `s.jaxpr` into `acc` (its index: the next ClusterPlan's)."""
   idx = len(acc.cluster_plans)
@@ -120,7 +141,7 @@ def plan_cluster(s: Scope, ctx, acc: Planning, c: clusters_lib.Cluster,
           s.jaxpr.invars[in_pos]]
 
 
-def _layout(s: Scope, ctx, c) -> tuple[layouts.Layout | object, object]:
+def _layout(s: Scope, ctx: PlanningContext, c) -> tuple[layouts.Layout | object, object]:
   """The cluster's layout, or the verdict that stops it (words, or the parts that run
   whole); and whether it is sharded over copies too (`layouts.assign_repeated`)."""
   layout, over_copies = layouts.assign_repeated(s.jaxpr, c, ctx, s.in_loop, s.in_names)
@@ -133,7 +154,7 @@ def _layout(s: Scope, ctx, c) -> tuple[layouts.Layout | object, object]:
   return layout, over_copies
 
 
-def _decide(s: Scope, ctx, acc: Planning, c, layout) -> _Decided:
+def _decide(s: Scope, ctx: PlanningContext, acc: Planning, c, layout) -> _Decided:
   """Shard or not (`cost.decide`), with the state the cluster keeps sharded."""
   if not isinstance(layout, layouts.Layout):
     return _Decided(c, layouts.Layout({}, frozenset(), frozenset()),
@@ -167,7 +188,7 @@ def _decide(s: Scope, ctx, acc: Planning, c, layout) -> _Decided:
   return d
 
 
-def _notes(s: Scope, ctx, d: _Decided, over_copies) -> list:
+def _notes(s: Scope, ctx: PlanningContext, d: _Decided, over_copies) -> list:
   """What the passes add to the cluster's verdict (`reasons`)."""
   c, shard, notes = d.c, d.decision.shard, []
   if shard and s.rare & set(c.nested):

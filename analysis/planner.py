@@ -1,9 +1,11 @@
 """The planner: clusters, formats and cost decisions of a step, frozen into a Plan (§3, §4).
 
-`make_plan` builds the step's `graph.Graph` and runs the passes (clusters,
+`make_plan` takes one `planning.PlanRequest`, builds the step's `graph.Graph` and
+the `planning.PlanningContext` its stages read, and runs the passes (clusters,
 formats, cost, ownership) on it, loops first: each loop body through one
-memoized entry point, `_plan_body` (loops nest); it returns the `plan.Plan`,
-whose reasons are `reasons.Reason` values.
+memoized entry point, `_plan_body` (loops nest); each stage writes what it finds
+into the jaxpr's `plan_cluster.Planning`. It returns the `plan.Plan`, whose
+reasons are `reasons.Reason` values.
 """
 
 from __future__ import annotations
@@ -11,133 +13,39 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+import numpy as np
 
 from wus.analysis import clusters as clusters_lib
 from wus.analysis import (compat, cost, formats, fsdp_blocks, kept_state, loops, network,
                           ordering, ownership, reasons)
-from wus.analysis.compat import Jaxpr, source_line
+from wus.analysis.compat import Jaxpr, Var, source_line
+from wus.analysis.formats import Format
 from wus.analysis.graph import Graph
-from wus.analysis.plan import Grouping, InputPlan, JaxprPlan, Plan
+from wus.analysis.owned import Ownership
+from wus.analysis.plan import ClusterPlan, Grouping, InputPlan, JaxprPlan, Plan
 from wus.analysis.plan_cluster import Planning, Scope, plan_cluster
-from wus.analysis.redundancy import Redundancy
+from wus.analysis.planning import Argument, PlanningContext, PlanRequest
 from wus.analysis.shardable import Kind
 from wus.collectives import batched
 
 
-@dataclasses.dataclass(frozen=True)
-class Argument:
-  """One argument leaf of a step whose planned jaxpr is a region of it (`wus.jit`): a
-  planner input, so that the Plan lists the step's arguments rather than the region's
-  operands.
-
-  Attributes:
-    name: the argument's pytree path.
-    shape, dtype: its shape and dtype (a numpy dtype, or a typed PRNG key's). The Plan
-      shows an argument the region reads as the region reads it (one replica's rows of a
-      batch split over the batch axes, one block of a weight split over model axes), one
-      it does not read whole.
-    operand: the region's input it enters as (through sharding constraints too), or None:
-      only the rest of the step (the forward and backward pass) reads it.
-    matched: its next value among the step's outputs and the rule that found it, or ""
-      when the step returns none (it is not state).
-  """
-
-  name: str
-  shape: tuple[int, ...]
-  dtype: Any
-  operand: int | None
-  matched: str = ""
-
-
-def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: int,
-              in_names: Sequence[str], out_names: Sequence[str],
-              state_pairs: Mapping[int, int], min_size: int = 0,
-              split_reason: str = "its in_spec splits it", objective: str = "memory",
-              topology: network.Topology | None = None, shard_weights: bool = False,
-              state_whole: Mapping[int, str] | None = None,
-              matched: Mapping[int, str] | None = None, roots: Sequence[int] = (),
-              split: Mapping[int, tuple] | None = None,
-              fsdp: Mapping[int, tuple] | None = None,
-              copies: Mapping[str, int] | None = None, group_size: int | None = None,
-              grouping: Grouping | None = None, split_by: str = "its spec",
-              outside: tuple[reasons.Reason, ...] = (),
-              arguments: Sequence[Argument] | None = None) -> Plan:
+def make_plan(request: PlanRequest) -> Plan:
   """Plans the weight-update sharding of a flat shard_map body.
 
   Args:
-    jaxpr: the per-replica jaxpr, calls inlined.
-    facts: its redundancy analysis.
-    axes: the replica mesh axes (a gradient all-reduce runs over exactly these).
-    num_shards: N, the number of replicas along `axes`.
-    in_names, out_names: a name (pytree path) per flat input / output.
-    state_pairs: output position -> input position for outputs that are the
-      next value of an input (the step's state, matched by position, name or
-      structure). Such a pair stays sharded between steps when only the
-      update reads the input.
-    min_size: tensors with fewer elements stay replicated (never below N).
-    split_reason: why an input that differs across replicas does (shown in
-      the Plan; `wus.pmap` points at replicated_argnums).
-    objective, topology: as for `cost.decide` (the topology has N devices).
-    shard_weights: a weight whose next value the step returns, which the
-      forward pass reads only converted to one narrower float, stays sharded
-      between steps like optimizer state and is all-gathered in that float at
-      its first read (Fig. 4 right, Fig. 7, across calls instead of a loop).
-    state_whole: input position -> why the caller keeps that state whole
-      between steps (left out of `state_pairs`), for the Plan.
-    matched: input position -> which output the state matching took for its
-      next value and by which rule, or why it found none, for the Plan.
-    roots: positions of inputs that are identical on every replica and that
-      an update reads whole, to be sliced locally (`clusters.find_roots`): a
-      front end's gradients that arrive all-reduced. The planner finds the
-      roots of the updates of state that no all-reduce reaches itself.
-    split: input position -> the mesh axes of size > 1 the user's spec splits it
-      over besides `axes`, with their sizes (tensor parallelism), for the Plan.
-    fsdp: input position -> the axes of `axes` its spec splits it over (FSDP), for
-      the Plan.
-    copies: other manual mesh axes -> their sizes (> 1): a cluster that every replica
-      of them repeats (`redundancy.differs_over`) is sharded over them too
-      (`Plan.copy_axes`).
-    group_size: `shard_group_size`'s G, the update sharded within groups of G
-      replicas of the one axis in `axes` (§5.2): N / G groups, whose gradient
-      shards are all-reduced across them; 1: every update replicated (the reason
-      is `grouping.layout`); None: one group of all N.
-    grouping: the groups as the Plan says them (`Grouping`: for "auto", the
-      choice and its predicted times; the groups in words; M = N / G for
-      groups the programs run in), or None; the planner counts the all-reduces
-      across the groups.
-    split_by: what splits `split`'s inputs over their model axes, in the Plan's words:
-      "its spec" (`wus.shard_map`) or "its placement" (`wus.jit`).
-    outside: why parts of the update run outside this step, as the front end's JAX
-      function runs them (`wus.jit`'s equations outside its region: `Plan.outside`).
-    arguments: the step's argument leaves, when `jaxpr` is a region of the step
-      (`wus.jit`): the Plan's inputs are then these, each with the plan of the input
-      of `jaxpr` it enters as (`Plan.input_of`); None: the inputs of `jaxpr` are the
-      arguments, named `in_names`.
+    request: the step and everything the front end knows of it (`PlanRequest`).
 
   Returns:
     The frozen Plan.
   """
-  graph = Graph(jaxpr, num_shards, min_size)
-  ctx = _Ctx(facts, frozenset(axes), num_shards, min_size, graph.big, objective,
-             topology or network.default_topology(num_shards), shard_weights,
-             frozenset(jaxpr.invars[k] for k in roots), dict(copies or {}))
-  planned = _plan(graph, ctx, state_pairs, in_names, out_names)
-  state = set(state_pairs.values()) | set(state_whole or ())
-  inputs = []
-  for k, v in enumerate(jaxpr.invars):
-    sharded, why = planned.input_reason.get(
-        k, (False, _why_whole(v, facts, ctx, bool(planned.clusters), split_reason)))
-    why = why if isinstance(why, reasons.Reason) else reasons.Reason(why)
-    if not sharded and k in (state_whole or {}):
-      why = reasons.Reason(state_whole[k], (why.verdict, *why.notes))
-    inputs.append(InputPlan(in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, why,
-                            k in state, v.aval.dtype.itemsize, (matched or {}).get(k, ""),
-                            tuple((split or {}).get(k, ())), tuple((fsdp or {}).get(k, ()))))
-  inputs, input_of = (tuple(inputs), ()) if arguments is None else _of_arguments(
-      inputs, arguments, planned.jaxpr_plan.sharded_in)
-  limit, alone, buckets, collectives = cost.bucket_bytes(planned.clusters, num_shards, ctx.topology,
-                                            objective)
+  r = request
+  graph = Graph(r.jaxpr, r.num_shards, r.min_size)
+  ctx = PlanningContext.of(r, graph.big)
+  planned = _plan(graph, ctx, r.state_pairs, r.in_names, r.out_names)
+  inputs, input_of = _inputs(r, ctx, planned)
+  limit, alone, buckets, collectives = cost.bucket_bytes(planned.clusters, r.num_shards,
+                                                         ctx.topology, r.objective)
   # In a step with clusters grown from roots, the copy-free order of donated weights
   # (`ordering`) takes only the gradient all-reduces as tokens, never the result of a
   # read: the roots' gradients are computed whole on every replica in the same
@@ -147,16 +55,35 @@ def make_plan(jaxpr: Jaxpr, facts: Redundancy, *, axes: Sequence, num_shards: in
   after, tied = ordering.gather_after(graph, planned.jaxpr_plan.shard_eqns, planned.formats,
                                       planned.jaxpr_plan.sharded_out, read_tokens=not rooted)
   jaxpr_plan = dataclasses.replace(planned.jaxpr_plan, gather_after=after, tied_outputs=tied)
-  plan = Plan(tuple(axes), num_shards, min_size, inputs, tuple(planned.clusters),
-              jaxpr_plan, planned.formats, planned.gather_dtypes, objective=objective,
+  plan = Plan(tuple(r.axes), r.num_shards, r.min_size, inputs, tuple(planned.clusters),
+              jaxpr_plan, planned.formats, planned.gather_dtypes, objective=r.objective,
               bucket_bytes=limit, alone_bytes=alone, buckets=buckets, collectives=collectives,
               owned=planned.owned,
               resolution=network.resolution(ctx.topology), copy_axes=tuple(ctx.copies),
-              copies=math.prod(ctx.copies.values()), group_size=group_size,
-              groups=_with_across(grouping, planned.clusters, limit), split_by=split_by,
-              outside=tuple(outside), input_of=input_of)
+              copies=math.prod(ctx.copies.values()), group_size=r.group_size,
+              groups=_with_across(r.grouping, planned.clusters, limit), split_by=r.split_by,
+              outside=tuple(r.outside), input_of=input_of)
   # G = 1: groups of one replica shard nothing; the rewrite replays the step.
-  return replicated(plan, grouping.layout) if group_size == 1 else plan
+  return replicated(plan, r.grouping.layout) if r.group_size == 1 else plan
+
+
+def _inputs(r: PlanRequest, ctx: PlanningContext,
+            planned: _Planned) -> tuple[tuple[InputPlan, ...], tuple]:
+  """The Plan's inputs, each kept sharded or whole and why, and `Plan.input_of`."""
+  state = set(r.state_pairs.values()) | set(r.state_whole)
+  inputs = []
+  for k, v in enumerate(r.jaxpr.invars):
+    sharded, why = planned.input_reason.get(
+        k, (False, _why_whole(v, ctx, bool(planned.clusters), r.split_reason)))
+    why = why if isinstance(why, reasons.Reason) else reasons.Reason(why)
+    if not sharded and k in r.state_whole:
+      why = reasons.Reason(r.state_whole[k], (why.verdict, *why.notes))
+    inputs.append(InputPlan(r.in_names[k], tuple(v.aval.shape), v.aval.dtype.name, sharded, why,
+                            k in state, v.aval.dtype.itemsize, r.matched.get(k, ""),
+                            tuple(r.split.get(k, ())), tuple(r.fsdp.get(k, ()))))
+  if r.arguments is None:
+    return tuple(inputs), ()
+  return _of_arguments(inputs, r.arguments, planned.jaxpr_plan.sharded_in)
 
 
 def replicated(plan: Plan, reason: str) -> Plan:
@@ -232,36 +159,25 @@ def _with_across(grouping: Grouping | None, cluster_plans, bucket_bytes: int) ->
   return dataclasses.replace(grouping, across=across)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Ctx:
-  facts: Redundancy
-  axes: frozenset
-  num_shards: int
-  min_size: int
-  big: object
-  objective: str
-  topology: network.Topology
-  shard_weights: bool = False
-  roots: frozenset = frozenset()  # Declared roots (variables of the step's jaxpr).
-  copies: dict = dataclasses.field(default_factory=dict)  # `make_plan`'s.
-  # `fsdp_blocks`' pass: the plan's axes, of which each replica updates its own block;
-  # `axes` and `num_shards` are then the copy axes the block is sharded over.
-  block_axes: tuple = ()
-  # This planning's memo: a loop's `loops.Body` -> its plan (`_plan_body`), a
-  # conditional's branch jaxpr -> its cluster (`clusters.find_clusters`).
-  memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-
-
 @dataclasses.dataclass
 class _Planned:
-  """The plan of one jaxpr (the step, or a loop body)."""
+  """The plan of one jaxpr (the step, or a loop body).
+
+  Attributes:
+    jaxpr_plan: its instructions for the rewrite.
+    clusters: its cluster plans, a loop body's among them.
+    input_reason: input position -> (kept sharded, why), picked (`InputReasons.picked`).
+    formats: value -> its shard format.
+    gather_dtypes: value -> the narrower float it is all-gathered in.
+    owned: the step's `owned.Ownership`, or None (never a loop body's).
+  """
 
   jaxpr_plan: JaxprPlan
-  clusters: list
-  input_reason: dict
-  formats: dict
-  gather_dtypes: dict
-  owned: object = None  # The step's `owned.Ownership` (never a loop body's).
+  clusters: list[ClusterPlan]
+  input_reason: dict[int, tuple[bool, object]]
+  formats: dict[Var, Format]
+  gather_dtypes: dict[Var, np.dtype]
+  owned: Ownership | None = None
 
   @property
   def whole_inputs(self) -> dict:
@@ -271,7 +187,7 @@ class _Planned:
             if not sharded and isinstance(why, (reasons.ClusterReplicated, reasons.NoShardRule))}
 
 
-def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out_names,
+def _plan(graph: Graph, ctx: PlanningContext, state_pairs: Mapping[int, int], in_names, out_names,
           label: str = "", in_loop: bool = False, counters: frozenset = frozenset()) -> _Planned:
   """Clusters, formats and decisions of one jaxpr (`graph.jaxpr`), in stages: its loops
   first (`_plan_loops`), then its clusters (`plan_cluster.plan_cluster`), the FSDP blocks
@@ -307,7 +223,8 @@ def _plan(graph: Graph, ctx: _Ctx, state_pairs: Mapping[int, int], in_names, out
                   owned.ownership)
 
 
-def _plan_loops(s: Scope, ctx: _Ctx, acc: Planning) -> dict:
+def _plan_loops(s: Scope, ctx: PlanningContext,
+                acc: Planning) -> dict[int, loops.PlannedLoop]:
   """Stage 1: the loops of `s.jaxpr`, each body planned through `_plan_body`; their
   clusters numbered on from the step's, sharded or not (a body that shards nothing
   still says why); the state a loop carries as shards. Returns loop equation ->
@@ -342,7 +259,8 @@ def _plan_loops(s: Scope, ctx: _Ctx, acc: Planning) -> dict:
   return planned_loops
 
 
-def _find_clusters(s: Scope, ctx: _Ctx, acc: Planning) -> list:
+def _find_clusters(s: Scope, ctx: PlanningContext,
+                   acc: Planning) -> list[clusters_lib.Cluster]:
   """Stage 2: the weight-update clusters (§3.2). Outside loops, updates no all-reduce
   reaches grow from their roots (§3.1: redundant computation, whatever feeds it)."""
   state = frozenset() if s.in_loop else frozenset(
@@ -353,7 +271,8 @@ def _find_clusters(s: Scope, ctx: _Ctx, acc: Planning) -> list:
                                     graph=s.graph, memo=ctx.memo)
 
 
-def _whole_readers(s: Scope, ctx: _Ctx, acc: Planning, found: list, clustered: set) -> None:
+def _whole_readers(s: Scope, ctx: PlanningContext, acc: Planning, found: list,
+                   clustered: set) -> None:
   """Stage 4: state whose next value an update computes, kept whole by a reader outside
   the clusters with no shard rule (a `sort` of the momentum), for inputs no stage has
   proposed a reason for."""
@@ -365,7 +284,7 @@ def _whole_readers(s: Scope, ctx: _Ctx, acc: Planning, found: list, clustered: s
       acc.reasons.whole(in_pos, reasons.NoShardRule(reader))
 
 
-def _own(s: Scope, ctx: _Ctx, acc: Planning) -> ownership.OwnershipPart:
+def _own(s: Scope, ctx: PlanningContext, acc: Planning) -> ownership.OwnershipPart:
   """Stage 5: replicated clusters run on whole tensors by their owners (`ownership`)."""
   if not acc.candidates:
     return ownership.OwnershipPart()
@@ -380,7 +299,7 @@ def _own(s: Scope, ctx: _Ctx, acc: Planning) -> ownership.OwnershipPart:
   return owned
 
 
-def _keep_state(s: Scope, ctx: _Ctx, acc: Planning) -> None:
+def _keep_state(s: Scope, ctx: PlanningContext, acc: Planning) -> None:
   """Stage 6 (the step only): state no cluster keeps sharded, kept sharded between steps
   when only sharded updates read it, or when the step passes it through unchanged."""
   jaxpr, graph = s.jaxpr, s.graph
@@ -409,7 +328,7 @@ def _keep_state(s: Scope, ctx: _Ctx, acc: Planning) -> None:
       acc.reasons.keep(in_pos, reasons.PassedThrough())
 
 
-def _plan_body(body: loops.Body, ctx: _Ctx) -> _Planned:
+def _plan_body(body: loops.Body, ctx: PlanningContext) -> _Planned:
   """The plan of a loop body: the one entry point of the planner's recursion into loops,
   memoized by `body` (its jaxpr, carries and names), so a body that several loops run
   is planned once and every such loop shares the same JaxprPlan (as
@@ -421,9 +340,9 @@ def _plan_body(body: loops.Body, ctx: _Ctx) -> _Planned:
   return ctx.memo[body]
 
 
-def _why_whole(v, facts: Redundancy, ctx: _Ctx, any_cluster: bool, split_reason: str):
+def _why_whole(v, ctx: PlanningContext, any_cluster: bool, split_reason: str):
   """Why an input no cluster decided on stays whole (a `reasons` verdict)."""
-  if not facts.is_redundant(v, ctx.axes):
+  if not ctx.facts.is_redundant(v, ctx.axes):
     return reasons.Differs(tuple(sorted(ctx.axes)), split_reason)
   if not ctx.big(v):
     return reasons.Tiny(ctx.num_shards, ctx.min_size)

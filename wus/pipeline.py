@@ -26,7 +26,8 @@ from wus import mesh_axes, runtime
 from wus.analysis import compat, cost, network, reasons, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Grouping, Plan
-from wus.analysis.planner import Argument, make_plan
+from wus.analysis.planner import make_plan
+from wus.analysis.planning import Argument, PlanRequest
 from wus.matching import Signature, StateMatch, argument_paths, aval, match_state
 from wus.options import Options
 from wus.sharded import is_sharded
@@ -44,7 +45,8 @@ class Step:
     in_specs, out_specs, check_vma, axis_names: as for `jax.shard_map`.
     split_reason: why an input its in_spec splits differs across replicas
       (for the Plan; `wus.pmap` names its per-device copies).
-    split_by: what splits inputs over model axes, in the Plan's words (`make_plan`).
+    split_by: what splits inputs over model axes, in the Plan's words
+      (`planning.PlanRequest`).
     outside: why parts of the front end's update run outside this step (`Plan.outside`),
       one `reasons.Reason` each.
     signature: how the positional arguments map to the user's parameters.
@@ -53,7 +55,7 @@ class Step:
     names: the front end's names of the flat inputs and outputs, or None for
       the argument paths.
     arguments: the step's argument leaves when `f` is a region of it (`wus.jit`):
-      the Plan lists these (`planner.Argument`); None: `f`'s own.
+      the Plan lists these (`planning.Argument`); None: `f`'s own.
   """
 
   f: Callable
@@ -390,13 +392,20 @@ def analyse(flat: Flat) -> Analysed:
 
 def plan(analysed: Analysed) -> Planned:
   """Stage 6: the complete Plan (`planner.make_plan`), groups and all."""
+  return Planned(analysed, make_plan(plan_request(analysed)))
+
+
+def plan_request(analysed: Analysed) -> PlanRequest:
+  """What the planner is asked of the analysed step (`planning.PlanRequest`): its flat
+  jaxpr and facts, the mesh axes' roles, the state, the user's options and the front
+  end's words."""
   f, g, m = analysed.flat, analysed.flat.grouped, analysed.flat.grouped.matched
   call, options, step = m.traced.call, m.traced.call.options, m.traced.call.step
   roles = call.roles
   copies = ({a: g.mesh.shape[a] for a in roles.copies} if roles and g.home is None else
             mesh_axes.copy_axes(roles is None and options.axis_name is None, g.mesh, g.manual,
                                 f.axes, g.home))
-  return Planned(analysed, make_plan(
+  return PlanRequest(
       f.jaxpr, analysed.facts, axes=f.axes, num_shards=analysed.num_shards,
       in_names=analysed.in_names, out_names=list(m.out_names), state_pairs=f.pairs,
       state_whole=f.split_state, matched=m.matched,
@@ -404,13 +413,12 @@ def plan(analysed: Analysed) -> Planned:
       fsdp=mesh_axes.fsdp_axes(g.in_specs, m.traced.sources, call.replicated, f.axes, g.mesh),
       min_size=options.min_shard_size, split_reason=step.split_reason,
       objective=options.objective, shard_weights=options.shard_weights,
-      topology=analysed.topology,
-      copies=copies,
+      topology=analysed.topology, copies=copies,
       group_size=m.request.size, grouping=g.grouping, split_by=step.split_by,
       outside=step.outside, arguments=None if step.arguments is None else tuple(
           # Each argument's operand of the region, as an operand of the traced step.
           dataclasses.replace(a, operand=m.traced.body_pos.get(a.operand))
-          for a in step.arguments)))
+          for a in step.arguments))
 
 
 def build(planned: Planned, seconds: Mapping[str, float]) -> Compiled:

@@ -22,6 +22,7 @@ from wus.analysis import compat, network, ownership, planner, reasons
 from wus.analysis.graph import Graph
 from wus.analysis.owned import OwnedFormat
 from wus.analysis.plan_cluster import Planning, Scope, plan_cluster
+from wus.analysis.planning import PlanningContext
 from wus.analysis.shardable import Kind
 
 N = 8
@@ -59,8 +60,8 @@ def _own(jaxpr, facts, state_pairs, in_names, out_names):
   """The planner's stages up to ownership, on N replicas: (the replicated clusters
   ownership may take, what `ownership.plan_ownership` adds)."""
   graph = Graph(jaxpr, N)
-  ctx = planner._Ctx(facts, frozenset({"data"}), N, 0, graph.big, "memory",
-                     network.default_topology(N))
+  ctx = PlanningContext(facts, frozenset({"data"}), N, 0, graph.big, "memory",
+                        network.default_topology(N))
   scope = Scope(graph, state_pairs, in_names, out_names)
   acc = Planning()
   found = planner._find_clusters(scope, ctx, acc)

@@ -7,6 +7,8 @@ says (DESIGN.md §3, Programs; the paper's §4.2, Fig. 4), not against a run.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -16,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from helpers import analysed_body, mesh
 from wus.analysis import compat, loops, network, planner, reasons, redundancy, verdicts
 from wus.analysis.graph import Graph
+from wus.analysis.planning import PlanningContext, PlanRequest
 
 N = 8
 SHAPES = [(64,), (64,), (2, 3, 64)]  # w, m, and 3 steps of 2 rows per replica.
@@ -34,9 +37,9 @@ def _body(forward_dtype=jnp.float32):
 
 def _plan(train, in_names=("w", "m", "xs")):
   jaxpr, facts = analysed_body(train, SPECS, SHAPES, (P(), P()), mesh=mesh(N))
-  return jaxpr, planner.make_plan(jaxpr, facts, axes=("data",), num_shards=N,
-                                  in_names=list(in_names), out_names=["w", "m"],
-                                  state_pairs={0: 0, 1: 1})
+  return jaxpr, planner.make_plan(PlanRequest(jaxpr, facts, axes=("data",), num_shards=N,
+                                              in_names=list(in_names), out_names=["w", "m"],
+                                              state_pairs={0: 0, 1: 1}))
 
 
 def _loops(jaxpr) -> list[int]:
@@ -162,9 +165,9 @@ def test_a_loop_body_that_several_loops_run_is_planned_once(monkeypatch):
     return plan_one(graph, *args, **kw)
 
   monkeypatch.setattr(planner, "_plan", counting)
-  plan = planner.make_plan(jaxpr, facts, axes=("data",), num_shards=N,
-                           in_names=["w", "m", "xs"], out_names=["w", "m"],
-                           state_pairs={0: 0, 1: 1})
+  plan = planner.make_plan(PlanRequest(jaxpr, facts, axes=("data",), num_shards=N,
+                                       in_names=["w", "m", "xs"], out_names=["w", "m"],
+                                       state_pairs={0: 0, 1: 1}))
   assert planned.count(body) == 1 and planned.count(jaxpr) == 1, planned
   assert plan.jaxpr_plan.bodies[first][0] is plan.jaxpr_plan.bodies[second][0]
   # Both loops still appear in the Plan, each with the body's cluster.
@@ -181,8 +184,8 @@ def test_memo_is_keyed_by_the_body_not_only_its_jaxpr(shared):
   other = body if shared else loops.Body(body.jaxpr, body.state_pairs,
                                          ("another name",) + body.in_names[1:], body.out_names,
                                          body.label, body.counters)
-  ctx = planner._Ctx(facts, frozenset({"data"}), N, 0, Graph(jaxpr, N).big, "memory",
-                     network.default_topology(N))
+  ctx = PlanningContext(facts, frozenset({"data"}), N, 0, Graph(jaxpr, N).big, "memory",
+                        network.default_topology(N))
   a, b = planner._plan_body(body, ctx), planner._plan_body(other, ctx)
   assert (a is b) == shared
   assert a.jaxpr_plan == b.jaxpr_plan  # The names change the Plan's words, not the program.
@@ -209,3 +212,10 @@ def test_graph_lists_readers_once_in_order_and_outputs_by_position():
   lit = jax.make_jaxpr(lambda x: x * 2.0)(jnp.ones(16)).jaxpr
   two = lit.eqns[0].invars[1]
   assert compat.is_literal(two) and Graph(lit, N).readers(two) == () and not Graph(lit, N).big(two)
+
+
+def test_make_plan_takes_one_request():
+  """Issue 38: the planner's inputs are one typed value (`PlanRequest`), not 23 parameters;
+  a front end adds a field, not a keyword (at most 8 parameters)."""
+  params = inspect.signature(planner.make_plan).parameters
+  assert list(params) == ["request"], params

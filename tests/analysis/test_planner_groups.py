@@ -1,5 +1,5 @@
-"""The planner takes the sharding groups as inputs (issue 31 item 3): `make_plan` with
-`group_size` and `grouping` returns the Plan complete, groups and all (§5.2, Fig. 10).
+"""The planner takes the sharding groups as inputs (issue 31 item 3): `make_plan` with a
+request's `group_size` and `grouping` returns the Plan complete, groups and all (§5.2, Fig. 10).
 
 Analysis only: each Plan is checked against what `shard_group_size` means.
 """
@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import analysed_body, mesh
 from wus.analysis import planner, reasons, refusals
 from wus.analysis.plan import Grouping
+from wus.analysis.planning import PlanRequest
 
 N = 8
 
@@ -31,9 +32,9 @@ def _plan(**groups):
   shapes = [jax.ShapeDtypeStruct((64,), d) for d in (jnp.float32, jnp.float32, jnp.bfloat16)]
   jaxpr, facts = analysed_body(_step, [P(), P(), P(), P("data")], [*shapes, (1, 4)],
                                (P(), P(), P()), mesh=mesh(N))
-  return planner.make_plan(jaxpr, facts, axes=("data",), num_shards=N,
-                           in_names=["w", "m", "b", "x"], out_names=["w", "m", "b"],
-                           state_pairs={0: 0, 1: 1, 2: 2}, **groups)
+  return planner.make_plan(PlanRequest(jaxpr, facts, axes=("data",), num_shards=N,
+                                       in_names=["w", "m", "b", "x"], out_names=["w", "m", "b"],
+                                       state_pairs={0: 0, 1: 1, 2: 2}, **groups))
 
 
 def test_without_groups_the_plan_has_none():

@@ -15,6 +15,7 @@ from wus.analysis import network, planner, reasons
 from wus.analysis.formats import ShardFormat
 from wus.analysis.graph import Graph
 from wus.analysis.plan_cluster import Planning, Scope, plan_cluster
+from wus.analysis.planning import PlanningContext
 from wus.analysis.shardable import Kind
 
 N = 8
@@ -37,8 +38,8 @@ def _scope(step):
   jaxpr, facts = analysed_body(step, [P(), P(), P(), P("data")], [(64,)] * 3 + [(1, 4)],
                                (P(), P(), P()), mesh=mesh(N))
   graph = Graph(jaxpr, N)
-  ctx = planner._Ctx(facts, frozenset({"data"}), N, 0, graph.big, "memory",
-                     network.default_topology(N))
+  ctx = PlanningContext(facts, frozenset({"data"}), N, 0, graph.big, "memory",
+                        network.default_topology(N))
   return Scope(graph, {0: 0, 1: 1, 2: 2}, ["w", "m", "p0", "x"], ["w", "m", "p0"]), ctx
 
 

@@ -24,6 +24,7 @@ from helpers import (analysed_body, assert_trees_equal, collective_arrays, mesh,
                      parameter_copies, run_both)
 from wus.analysis import clusters, planner, reasons, verdicts
 from wus.analysis.graph import Graph
+from wus.analysis.planning import PlanRequest
 from wus.analysis.reasons import Reason
 
 TX = optax.adam(1e-2)
@@ -255,12 +256,12 @@ def test_roots_of_state_no_all_reduce_reaches_are_found():
 
 @pytest.mark.parametrize("declared", [True, False])
 def test_planner_shards_a_rooted_update_and_names_the_root(declared):
-  """`make_plan(roots=...)`: a front end declares its all-reduced gradients
+  """`PlanRequest(roots=...)`: a front end declares its all-reduced gradients
   (input positions); without it the planner finds them from the state."""
   jaxpr, facts = analysed_body(_update, [R, R, R], [(64,)] * 3, (R, R), mesh=mesh(N))
-  plan = planner.make_plan(jaxpr, facts, axes=("data",), num_shards=N,
-                           in_names=["w", "m", "g"], out_names=["w", "m"],
-                           state_pairs={0: 0, 1: 1}, roots=[2] if declared else [])
+  plan = planner.make_plan(PlanRequest(jaxpr, facts, axes=("data",), num_shards=N,
+                                       in_names=["w", "m", "g"], out_names=["w", "m"],
+                                       state_pairs={0: 0, 1: 1}, roots=[2] if declared else []))
   (c,) = plan.clusters
   assert c.sharded and isinstance(c.why.verdict, verdicts.RootsSliced), c.why
   assert c.why.verdict.what.startswith("g, "), c.why

@@ -8,6 +8,8 @@ against what that stage decides; the whole chain against `compile_step`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,8 +20,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import mesh
 from wus import pipeline
-from wus.analysis import reasons
+from wus.analysis import network, reasons
 from wus.analysis.formats import ShardFormat
+from wus.analysis.planning import PlanningContext
 from wus.analysis.reasons import Reason
 from wus.matching import Signature
 from wus.options import Options
@@ -91,6 +94,26 @@ def test_analyse_names_the_arguments_and_finds_the_gradient_redundant():
   assert analysed.num_shards == 8 and analysed.topology.num_devices == 8
   w, m, x = analysed.flat.jaxpr.invars
   assert analysed.facts.is_redundant(w, {"data"}) and not analysed.facts.is_redundant(x, {"data"})
+
+
+@pytest.mark.parametrize("size", [None, 2])
+def test_plan_request_is_what_the_stages_before_it_found(size):
+  """`plan_request`: one value with everything the planner is asked; the context its stages
+  read is derived from it (a topology of N devices when the request names none)."""
+  analysed = pipeline.analyse(pipeline.flatten(pipeline.group(pipeline.match(
+      pipeline.trace(_call(shard_group_size=size))))))
+  request = pipeline.plan_request(analysed)
+  assert request.jaxpr is analysed.flat.jaxpr and request.facts is analysed.facts
+  assert tuple(request.axes) == (("data",) if size is None else ("data.in_group",))
+  assert request.num_shards == (8 if size is None else size)
+  assert request.in_names == ["w", "m", "x"] and request.out_names == ["[0]", "[1]"]
+  assert request.state_pairs == {0: 0, 1: 1} and request.group_size == size
+  assert request.matched == {0: "next value [0] (by position)", 1: "next value [1] (by position)"}
+  assert request.arguments is None and request.topology is analysed.topology
+  ctx = PlanningContext.of(dataclasses.replace(request, topology=None, roots=(2,)), bool)
+  assert ctx.axes == frozenset(request.axes) and ctx.num_shards == request.num_shards
+  assert ctx.topology == network.default_topology(request.num_shards)
+  assert ctx.roots == {request.jaxpr.invars[2]}
 
 
 @pytest.mark.parametrize("size", [None, 2])
