@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from wus.analysis import compat, global_view, refusals
 from wus.analysis import model_splits as splits_lib
 from wus.analysis.graph import Graph
-from wus.analysis.planner import Argument
+from wus.analysis.planning import Argument
 from wus.analysis.reasons import Reason
 from wus.matching import StateMatch
 from wus.sharded import is_sharded

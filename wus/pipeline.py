@@ -47,8 +47,7 @@ class Step:
       (for the Plan; `wus.pmap` names its per-device copies).
     split_by: what splits inputs over model axes, in the Plan's words
       (`planning.PlanRequest`).
-    outside: why parts of the front end's update run outside this step (`Plan.outside`),
-      one `reasons.Reason` each.
+    outside: why parts of the front end's update run outside it (`Plan.outside`'s Reasons).
     signature: how the positional arguments map to the user's parameters.
     match_state: the front end's own state pairs (`wus.jit`'s region), or None
       for `matching.match_state`.
