@@ -119,18 +119,23 @@ def _elementwise_avals(eqn: JaxprEqn, args: Sequence[Any]) -> list | None:
       scalars.append(aval)
     elif like is None:
       like = aval
-    elif aval.update(dtype=like.dtype, weak_type=like.weak_type) != like:
+    elif not _same_but_dtype(aval, like):
       return None
   if like is None:  # Scalars only: all of one type but for the dtype, on the current mesh.
     if (not scalars or getattr(scalars[0].sharding, "mesh", None) != _mesh_lib.get_abstract_mesh()
-        or any(a.update(dtype=scalars[0].dtype, weak_type=scalars[0].weak_type) != scalars[0]
-               for a in scalars)):
+        or not all(_same_but_dtype(a, scalars[0]) for a in scalars)):
       return None
     like = scalars[0]
-  elif any(a.update(shape=like.shape, dtype=like.dtype, weak_type=like.weak_type,
-                    sharding=like.sharding) != like for a in scalars):
+  elif any(a != like and a.update(shape=like.shape, dtype=like.dtype, weak_type=like.weak_type,
+                                  sharding=like.sharding) != like for a in scalars):
     return None
-  return [like.update(dtype=v.aval.dtype, weak_type=v.aval.weak_type) for v in eqn.outvars]
+  return [like if (like.dtype, like.weak_type) == (v.aval.dtype, v.aval.weak_type)
+          else like.update(dtype=v.aval.dtype, weak_type=v.aval.weak_type) for v in eqn.outvars]
+
+
+def _same_but_dtype(a, b) -> bool:
+  """Whether types `a` and `b` differ at most in their dtype and weak type."""
+  return a is b or a == b or a.update(dtype=b.dtype, weak_type=b.weak_type) == b
 
 
 def _stage(eqn: JaxprEqn, args: Sequence[Any], params: dict | None = None,
