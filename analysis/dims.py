@@ -60,11 +60,10 @@ DimRule = Callable[[JaxprEqn], Dims]
 dim_rules: dict[compat.Primitive, DimRule] = {}
 dim_rule = rules.registrar(dim_rules, "dim rule")
 
-# The all-reduce completing a partial result over a summed dim, by primitive.
+# The all-reduce completing a partial result over a summed dim, by primitive: a
+# reduction's combining op (`primitives.REDUCTIONS`), a contraction's sum.
 COMBINE: dict[compat.Primitive, str] = {
-    lax.reduce_sum_p: "sum", lax.reduce_max_p: "max", lax.reduce_min_p: "min",
-    lax.reduce_and_p: "and", lax.reduce_or_p: "or", lax.dot_general_p: "sum",
-}
+    **{p: r.op for p, r in primitives.REDUCTIONS.items()}, lax.dot_general_p: "sum"}
 
 
 def of(eqn: JaxprEqn) -> Dims:

@@ -132,11 +132,16 @@ def _scatter_add(eqn, splits, is_zero) -> bool:
           and _paired(indices, updates, batch, scatter))
 
 
+def never_a_sum(eqn: JaxprEqn, splits: list, is_zero: Callable[[Var], bool]) -> bool:
+  """The default rule: a primitive with no rule sums nothing over the batch."""
+  del eqn, splits, is_zero
+  return False
+
+
 def is_sum(eqn: JaxprEqn, splits: list, is_zero: Callable[[Var], bool]) -> bool:
   """Whether `eqn` sums every split of its operands (`splits`: per operand, per dim None
   or the axes; None for a whole operand; unknown splits are never summed)."""
-  rule = sum_rules.get(eqn.primitive)
-  return rule is not None and rule(eqn, splits, is_zero)
+  return sum_rules.get(eqn.primitive, never_a_sum)(eqn, splits, is_zero)
 
 
 # --- Propagation. ----------------------------------------------------------------

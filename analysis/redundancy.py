@@ -195,14 +195,19 @@ def _eval(jaxpr: Jaxpr | ClosedJaxpr, in_rep: Sequence[Rep], facts: Redundancy) 
     facts.facts[v] = frozenset(r)
   for eqn in inner.eqns:
     ins = [facts.of(v) for v in eqn.invars]
-    rule = redundancy_rules.get(eqn.primitive)
-    if rule is None or (compat.side_effects(eqn) and eqn.primitive not in _RECURSIVE):
-      outs = [frozenset()] * len(eqn.outvars)  # Unknown or effectful: varying.
-    else:
-      outs = rule(eqn, ins, facts)
+    rule = (varying if compat.side_effects(eqn) and eqn.primitive not in _RECURSIVE
+            else redundancy_rules.get(eqn.primitive, varying))
+    outs = rule(eqn, ins, facts)
     for v, r in zip(eqn.outvars, outs, strict=True):
       facts.facts[v] = r
   return out_rep(inner, facts)
+
+
+def varying(eqn: JaxprEqn, ins: Sequence[Rep], facts: Redundancy) -> list[Rep]:
+  """The default rule, and every effectful equation's but a call's or control flow's:
+  its results may differ on every replica."""
+  del ins, facts
+  return [frozenset()] * len(eqn.outvars)
 
 
 def _meet(reps: Sequence[Rep], top: frozenset) -> Rep:

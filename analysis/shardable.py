@@ -228,7 +228,12 @@ def _cond_rule(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   return Kind.COND
 
 
+def whole(eqn: JaxprEqn, ctx: Context) -> Kind | None:
+  """The default rule: a primitive with no rule sees whole tensors (its cluster stays
+  replicated)."""
+  del eqn, ctx
+
+
 def shard_kind(eqn: JaxprEqn, ctx: Context) -> Kind | None:
   """The kind of shard computation for `eqn`, or None if it must see whole tensors."""
-  rule = shardable_rules.get(eqn.primitive)
-  return None if rule is None else rule(eqn, ctx)
+  return shardable_rules.get(eqn.primitive, whole)(eqn, ctx)

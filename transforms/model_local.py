@@ -5,8 +5,9 @@ Inside the region's shard_map, manual over every mesh axis, a value split over
 "model" is its rank's block. An equation with no shape in its params (an
 elementwise op, a transpose, a dot_general) runs on blocks as it is; one whose
 params give the result's shape (a broadcast, a reshape) gets the block's shape
-(`local_params`, keyed by primitive); a sharding constraint is the identity (the
-block is laid out as it asks); a reduction over a split dim gives this rank's
+(`local_params`, keyed by primitive, registered at each rule by
+`@local_params_rule(prim)`; `same_params` the default); a sharding constraint is the
+identity (the block is laid out as it asks); a reduction over a split dim gives this rank's
 partial result, which an all-reduce over the model axes completes, as the
 partitioner's all-reduce completes it in the unmodified step (exact up to
 summation order: the global norm of optax.clip_by_global_norm, LAMB's trust
@@ -22,7 +23,7 @@ from typing import Any
 
 from jax import lax
 
-from wus.analysis import compat, dims
+from wus.analysis import compat, dims, rules
 from wus.transforms import inline, interpret
 from wus.analysis.model_splits import ModelSplits
 
@@ -44,10 +45,27 @@ def local_shape(shape: Sequence[int], split: tuple | None,
 
 
 # Params giving a result's shape, as a block's: primitive -> (eqn, block shape) -> params.
-local_params: dict[compat.Primitive, Callable[[Any, tuple], dict]] = {
-    lax.broadcast_in_dim_p: lambda eqn, shape: {"shape": shape},
-    lax.reshape_p: lambda eqn, shape: {"new_sizes": shape},
-}
+LocalParams = Callable[[Any, tuple], dict]
+local_params: dict[compat.Primitive, LocalParams] = {}
+local_params_rule = rules.registrar(local_params, "local params rule")
+
+
+def same_params(eqn, shape: tuple) -> dict:
+  """The default: no param gives the result's shape, so the equation's are the block's."""
+  del eqn, shape
+  return {}
+
+
+@local_params_rule(lax.broadcast_in_dim_p)
+def _broadcast_params(eqn, shape: tuple) -> dict:
+  del eqn
+  return {"shape": shape}
+
+
+@local_params_rule(lax.reshape_p)
+def _reshape_params(eqn, shape: tuple) -> dict:
+  del eqn
+  return {"new_sizes": shape}
 
 
 def is_local(eqn, position, splits: ModelSplits) -> bool:
@@ -90,7 +108,7 @@ def eval_local(eqn, position, ins: Sequence[Any], splits: ModelSplits,
     # On the region's mesh, every axis manual: a result's layout names none of them.
     eqn = compat.in_current_mesh(eqn)
     params = compat.renamed_axes(eqn, {a: () for a in axis_sizes})
-    if (rule := local_params.get(eqn.primitive)) is not None:
+    if (rule := local_params.get(eqn.primitive, same_params)) is not same_params:
       out = eqn.outvars[0]
       params.update(rule(eqn, local_shape(out.aval.shape, splits.computed(position, out),
                                           axis_sizes)))

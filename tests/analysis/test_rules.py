@@ -5,12 +5,15 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 from jax import lax
 
 from wus.analysis import (compat, dims, layouts, primitives, propagation, redundancy,
                           rules, shardable)
 from wus.analysis.shardable import Kind
+from wus.transforms import model_local
 
 
 def test_a_decorator_registers_its_function_for_every_key_unchanged():
@@ -105,6 +108,8 @@ def test_the_tables_import_when_compat_names_one_primitive_twice(monkeypatch):
     (shardable, "shardable_rules", "shardable_rule", lax.add_p, "shardable rules for add"),
     (propagation, "sum_rules", "sum_rule", lax.dot_general_p, "sum rules for dot_general"),
     (dims, "dim_rules", "dim_rule", lax.reshape_p, "dim rules for reshape"),
+    (model_local, "local_params", "local_params_rule", lax.reshape_p,
+     "local params rules for reshape"),
 ])
 def test_a_second_rule_for_a_primitive_is_refused(module, table, decorator, key, what):
   before = dict(getattr(module, table))
@@ -131,3 +136,54 @@ def test_every_redundancy_rule_is_registered_once_and_the_table_covers_the_passe
   assert set(table) == pure | set(COLLECTIVES) | recursive
   assert not any(table[p] is redundancy._standard_rule for p in (*COLLECTIVES, *recursive))
   assert redundancy._RECURSIVE == recursive
+
+
+# What each fact of `primitives` needs of the per-primitive tables (docs/layout.md's
+# checklist): the family's rules are registered from the facts, so a primitive added to a
+# set and missing from a table it needs is a registration gone wrong.
+_NEEDS = {
+    "ELEMENTWISE": (primitives.ELEMENTWISE, ("redundancy", "shardable", "dim")),
+    "REDUCTIONS": (frozenset(primitives.REDUCTIONS), ("redundancy", "shardable", "dim",
+                                                      "combine")),
+    "PURE": (primitives.PURE, ("redundancy",)),
+}
+
+
+def _tables() -> dict:
+  return {"redundancy": redundancy.redundancy_rules, "shardable": shardable.shardable_rules,
+          "dim": dims.dim_rules, "combine": dims.COMBINE}
+
+
+def missing_rules() -> list[str]:
+  """"prim (FACT): no X rule" for every primitive missing a table its fact needs."""
+  tables = _tables()
+  return [f"{p.name} ({fact}): no {what} rule" for fact, (prims, needs) in _NEEDS.items()
+          for p in sorted(prims, key=lambda q: q.name) for what in needs
+          if p not in tables[what]]
+
+
+def test_every_primitive_has_the_rules_its_facts_need():
+  assert not missing_rules(), missing_rules()
+
+
+def test_a_primitive_missing_a_rule_it_needs_is_named(monkeypatch):
+  monkeypatch.delitem(dims.dim_rules, lax.exp_p)
+  monkeypatch.delitem(dims.COMBINE, lax.reduce_max_p)
+  assert missing_rules() == ["exp (ELEMENTWISE): no dim rule",
+                             "reduce_max (REDUCTIONS): no combine rule"]
+
+
+def test_each_table_names_its_default_the_conservative_answer():
+  """As `pe.dce_rules.get(prim, default)`: a primitive with no rule sees whole tensors, sums
+  nothing, may differ on every replica, needs every dim whole, keeps its params on blocks."""
+  jaxpr = jax.make_jaxpr(lambda x: lax.fft(x, "FFT", (4,)))(
+      jax.ShapeDtypeStruct((4,), jnp.complex64))
+  eqn = jaxpr.jaxpr.eqns[0]
+  assert eqn.primitive not in shardable.shardable_rules
+  assert shardable.shard_kind(eqn, None) is None and shardable.whole(eqn, None) is None
+  assert propagation.is_sum(eqn, [None], lambda v: False) is False
+  assert redundancy.varying(eqn, [frozenset({"data"})], None) == [frozenset()]
+  assert dims.of(eqn) == dims.whole(eqn)
+  assert model_local.local_params.get(eqn.primitive, model_local.same_params) is (
+      model_local.same_params)
+  assert model_local.same_params(eqn, (4,)) == {}
