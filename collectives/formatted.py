@@ -51,9 +51,17 @@ def unpad(x: jnp.ndarray, fmt) -> jnp.ndarray:
 
 
 def reshape(x: jnp.ndarray, shape) -> jnp.ndarray:
-  """`jnp.reshape(x, shape)` (one dim may be -1), staged as `lax.reshape`: the
-  collectives reshape every tensor of the update, and jnp's checks cost more than the
-  equation."""
+  """`jnp.reshape(x, shape)`, staged as `lax.reshape`: the collectives reshape every
+  tensor of the update, and jnp's checks cost more than the equation.
+
+  Args:
+    x: any shape and dtype.
+    shape: the new shape, of `x.size` elements; one dim may be -1 (inferred).
+
+  Returns:
+    `x`'s elements in row-major order, shape `shape`, dtype of `x` (`x` itself where the
+    shape is its own).
+  """
   shape = tuple(shape)
   if -1 in shape:
     known = math.prod(d for d in shape if d != -1)

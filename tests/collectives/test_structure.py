@@ -281,3 +281,18 @@ def test_donated_jit_step_gathers_weights_without_a_copy(topology):
     want = ref(*want[:2], x)
     got = donating(*got[:2], x)
   assert_trees_equal(wus.unshard(got), want)
+
+
+def test_format_pad_unpad_and_reshape_match_jnp_and_stage_no_nested_call():
+  """`formatted.pad` / `unpad` / `reshape` (lax, for the tracing time of issue 37) give
+  what the jnp forms give, and stage plain equations (jnp.pad is a nested jit)."""
+  from wus.analysis.formats import ShardFormat
+  from wus.collectives import formatted
+  fmt = ShardFormat.flat((10, 3), 4)  # 30 elements padded to 32.
+  x = jnp.arange(30, dtype=jnp.float32).reshape(10, 3)
+  padded = formatted.pad(x, fmt)
+  np.testing.assert_array_equal(padded, jnp.pad(jnp.reshape(x, (30,)), [(0, 2)]))
+  np.testing.assert_array_equal(formatted.unpad(padded, fmt), x)
+  np.testing.assert_array_equal(formatted.reshape(padded, (4, -1)), jnp.reshape(padded, (4, 8)))
+  jaxpr = jax.make_jaxpr(lambda v: formatted.unpad(formatted.pad(v, fmt), fmt))(x)
+  assert [e.primitive.name for e in jaxpr.jaxpr.eqns] == ["reshape", "pad", "slice", "reshape"]
