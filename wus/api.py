@@ -1,28 +1,26 @@
 """`wus.shard_map`: a data-parallel step with its weight update sharded (DESIGN.md §1).
 
 The front end of `jax.shard_map` steps: `ShardedStep` translates the
-`jax.shard_map` calling convention into the pipeline's `Step` and `Options`
-(`wus.pipeline`) and runs the compiled step with the shared runtime
-(`wus.runtime`). `wus.pmap` and `wus.jit` build on it.
+`jax.shard_map` calling convention into the pipeline's `Step` and `Call`
+(`wus.pipeline`); the shared runtime (`wus.runtime`) runs the step the
+pipeline compiles, lowers it and makes its restore targets.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import pipeline, runtime, saving
+from wus import pipeline, runtime
 from wus.analysis import compat, network
 from wus.analysis.plan import Plan
-from wus.matching import Signature, StateMatch, aval
+from wus.matching import Signature
 from wus.options import Options
-from wus.sharded import ShardedArray, is_sharded
+from wus.sharded import is_sharded
 
 
 def shard_map(f: Callable | None = None, /, *, out_specs: Any, in_specs: Any = compat.INFER,
@@ -145,100 +143,30 @@ class ShardedStep:
   """
 
   def __init__(self, f: Callable, *, mesh: Mesh | None, in_specs: Any, out_specs: Any,
-               check_vma: bool, axis_names: frozenset, axis_name=None, min_shard_size: int = 0,
-               shard_group_size: int | str | None = None,
-               objective: str = "memory", topology: network.Topology | None = None,
-               shard_weights: bool = False, donate_argnums: frozenset = frozenset(),
-               split_reason: str = "its in_spec splits it", signature: Signature | None = None,
-               match_state: Callable[[tuple, Any], StateMatch] | None = None,
-               names: tuple[Sequence[str], Sequence[str]] | None = None,
-               options: Options | None = None,
-               split_by: str = "its spec", outside: tuple[str, ...] = ()):
-    """The step of `f`; `options` (built and validated by a front end) or, without it,
-    the option arguments (validated here: ValueError as for `Options`)."""
+               check_vma: bool, axis_names: frozenset, options: Options,
+               donate_argnums: frozenset):
+    """The step of `f`, with `shard_map`'s arguments (`options` built and validated there)."""
     self._f = f
-    self._step = pipeline.Step(
-        f, in_specs, out_specs, check_vma, frozenset(axis_names), split_reason,
-        Signature.of(f) if signature is None else signature, match_state=match_state,
-        names=names, split_by=split_by, outside=outside)
-    self._options = options if options is not None else Options(
-        min_shard_size, shard_group_size, objective, topology, shard_weights, axis_name)
+    self._step = pipeline.Step(f, in_specs, out_specs, check_vma, frozenset(axis_names),
+                               signature=Signature.of(f))
+    self._options = options
     self._mesh = mesh  # None: the mesh set with jax.set_mesh at call time.
     self._donate_argnums = frozenset(donate_argnums)
     self._cache: dict = {}
     self._warned = False  # Warned once that a call runs as plain jax.shard_map.
-    # What `saving.warn_if_not_sharded` calls the step (`wus.pmap` names its own).
+    # What `saving.warn_if_not_sharded` calls the step.
     self.front_end = f"wus.shard_map({getattr(f, '__name__', 'step')})"
     functools.update_wrapper(self, f)
 
   # --- Public. ---------------------------------------------------------------
 
   def __call__(self, *args):
-    if (why := self._inside_transform(args)) is not None:
-      return self._as_jax_shard_map(args, why)[0]
-    return self.run(self.per_call(args))[0]
-
-  def per_call(self, args: tuple, replicated: frozenset = frozenset()) -> pipeline.Call:
-    """The pipeline's input for a call with `args`: one value for everything per call.
-
-    Args:
-      args: the positional arguments.
-      replicated: flat leaf positions (`jax.tree.leaves(args, is_leaf=
-        wus.sharded.is_sharded)`) whose values are identical on every replica
-        although their in_spec splits them (the paper's annotated parameters,
-        §3.1: `wus.pmap`'s equal per-device copies).
-
-    Raises:
-      ValueError: no mesh (neither `mesh=` nor `jax.set_mesh`).
-    """
-    leaves, treedef = jax.tree.flatten(args, is_leaf=is_sharded)
-    mesh = self._mesh if self._mesh is not None else jax.sharding.get_mesh()
-    if mesh.empty:
-      raise ValueError("wus.shard_map needs a mesh: pass mesh=, or call it inside "
-                       "`with jax.set_mesh(mesh):`")
-    return pipeline.Call(self._step, self._options, tuple(args), tuple(leaves), treedef,
-                         frozenset(replicated), mesh, self._donate_argnums)
-
-  def run(self, call: pipeline.Call) -> tuple[Any, list[bool]]:
-    """Runs the step on `call`'s arguments (`per_call`); also says which flat outputs are
-    identical on every replica.
-
-    Returns:
-      (the outputs, a bool per flat output leaf).
-    """
-    if (why := self._inside_transform(call.args)) is not None:
-      return self._as_jax_shard_map(call.args, why)
-    leaves, compiled = list(call.leaves), self.compiled(call)
-    outs = compiled.step(*runtime.operands(leaves, compiled))
-    wrapped = [ShardedArray(x, compiled.sharded_outputs[k]) if k in compiled.sharded_outputs else x
-               for k, x in enumerate(outs)]
-    return jax.tree.unflatten(compiled.out_tree, wrapped), list(compiled.out_replicated)
-
-  def _inside_transform(self, args: tuple) -> str | None:
-    """Why this call runs as plain `jax.shard_map`: it is inside `jax.grad`, `jax.vmap` or
-    another transformation (its arguments are their tracers), or inside `jax.jit` with
-    the mesh to come from `jax.set_mesh`; None otherwise."""
-    leaves = [x.data if is_sharded(x) else x for x in jax.tree.leaves(args, is_leaf=is_sharded)]
-    if any(isinstance(x, jax.core.Tracer) and not compat.is_staging_tracer(x) for x in leaves):
-      return "inside jax.grad, jax.vmap or another transformation of a function that calls it"
-    if self._mesh is None and any(isinstance(x, jax.core.Tracer) for x in leaves):
-      return "inside jax.jit with the mesh from jax.set_mesh"
-    return None
-
-  def _as_jax_shard_map(self, args: tuple, why: str) -> tuple[Any, list[bool]]:
-    """The call as `jax.shard_map` makes it: there is no weight update inside to shard
-    (the update, if any, is outside the mapped function)."""
-    if not self._warned:
+    why = runtime.inside_transform(jax.tree.leaves(args, is_leaf=is_sharded), self._mesh is None)
+    if why is not None:
+      out = runtime.as_jax_shard_map(self._step, self._mesh, args, None if self._warned else why)
       self._warned = True
-      warnings.warn(
-          f"wus.shard_map({getattr(self._f, '__name__', self._f)}) called {why}: it runs as "
-          "jax.shard_map, with nothing sharded. To shard the weight update of a jax.jit "
-          "training step, use wus.jit on the step.", stacklevel=4)
-    s = self._step
-    smap = jax.shard_map(s.f, mesh=self._mesh, in_specs=s.in_specs, out_specs=s.out_specs,
-                         check_vma=s.check_vma, axis_names=s.axis_names)
-    out = smap(*runtime.unshard(args))
-    return out, [False] * len(jax.tree.leaves(out))
+      return out
+    return runtime.call(*self._compiled(args))
 
   def plan(self, *args) -> Plan:
     """The Plan for these arguments (whole or sharded state alike).
@@ -256,7 +184,7 @@ class ShardedStep:
       TypeError: no arguments (the plan is made for the arguments' shapes and dtypes).
     """
     runtime.needs_arguments(args, "plan")
-    return self.compiled(self.per_call(args)).plan
+    return self._compiled(args)[1].plan
 
   def state_target(self, *args) -> tuple:
     """The arguments as this step reads them, abstract: the target to restore a checkpoint into.
@@ -283,26 +211,14 @@ class ShardedStep:
       >>> ckptr = ocp.StandardCheckpointer()  # doctest: +SKIP
       >>> params, opt_state = ckptr.restore(path, (params, opt_state))  # doctest: +SKIP
     """
-    return self.state_target_of(self.per_call(args))
-
-  def state_target_of(self, call: pipeline.Call) -> tuple:
-    """`state_target` for `call`'s arguments (`per_call`)."""
-    from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
-    args, leaves, compiled = call.args, list(call.leaves), self.compiled(call)
-    mesh = compiled.user_mesh
+    leaves, compiled = self._compiled(args)
     if self._step.in_specs is compat.INFER:
       specs = [x.layout.user_spec if is_sharded(x) else x.sharding.spec for x in leaves]
     else:
       specs = jax.tree.leaves(jax.tree.broadcast(self._step.in_specs, args, is_leaf=is_sharded))
-    out = []
-    for k, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
-      if k in compiled.sharded_leaves:
-        out.append(checkpoint.restore_target(compiled.sharded_leaves[k], x.dtype))
-      else:
-        out.append(jax.ShapeDtypeStruct(np.shape(x), aval(x)[1],
-                                        sharding=NamedSharding(mesh, spec),
-                                        weak_type=bool(getattr(x, "weak_type", False))))
-    return tuple(jax.tree.unflatten(jax.tree.structure(args, is_leaf=is_sharded), out))
+    targets = runtime.state_target(leaves, compiled,
+                                   [NamedSharding(compiled.user_mesh, s) for s in specs])
+    return tuple(jax.tree.unflatten(jax.tree.structure(args, is_leaf=is_sharded), targets))
 
   def timings(self, *args) -> dict[str, float]:
     """Seconds wus spends on these arguments' program, beside XLA's compile time.
@@ -313,7 +229,7 @@ class ShardedStep:
       rewrite interpreter emitting the sharded step, present once the step
       has been called or lowered}.
     """
-    return dict(self.compiled(self.per_call(args)).timings)
+    return dict(self._compiled(args)[1].timings)
 
   def lower(self, *args) -> jax.stages.Lowered:
     """Lowers the steady-state step program (optimizer state already sharded).
@@ -322,26 +238,24 @@ class ShardedStep:
       A `jax.stages.Lowered`; `.compile().memory_analysis()` gives per-device
       bytes, `.compile().as_text()` the optimized HLO.
     """
-    return self.lower_of(self.per_call(args))
+    return runtime.lower(*self._compiled(args))
 
-  def lower_of(self, call: pipeline.Call) -> jax.stages.Lowered:
-    """`lower` for `call`'s arguments (`per_call`)."""
-    leaves, compiled = list(call.leaves), self.compiled(call)
-    ops = []
-    for src in compiled.sources:
-      if src[0] == "arg" and src[1] in compiled.sharded_leaves:
-        layout = compiled.sharded_leaves[src[1]]
-        ops.append(jax.ShapeDtypeStruct(layout.padded_shape, leaves[src[1]].dtype,
-                                        sharding=layout.data_sharding))
-      else:
-        ops.append(src[1] if src[0] == "const" else leaves[src[1]])
-    return compiled.step.lower(*ops)
+  # --- Compiling. --------------------------------------------------------------
 
-  def compiled(self, call: pipeline.Call) -> pipeline.Compiled:
-    """The compiled step for `call` (`per_call`): compiled once per input signature."""
-    key = (call.treedef, tuple(runtime.leaf_signature(x) for x in call.leaves),
-           call.replicated, call.mesh)
-    if key not in self._cache:
-      self._cache[key] = pipeline.compile_step(call)
-      saving.warn_if_not_sharded(self._cache[key].plan, self)
-    return self._cache[key]
+  def _compiled(self, args: tuple) -> tuple[list, runtime.Compiled]:
+    """(the flat argument leaves, the step compiled for them): compiled once per input
+    signature.
+
+    Raises:
+      ValueError: no mesh (neither `mesh=` nor `jax.set_mesh`).
+    """
+    leaves, treedef = jax.tree.flatten(args, is_leaf=is_sharded)
+    mesh = self._mesh if self._mesh is not None else jax.sharding.get_mesh()
+    if mesh.empty:
+      raise ValueError("wus.shard_map needs a mesh: pass mesh=, or call it inside "
+                       "`with jax.set_mesh(mesh):`")
+    call = pipeline.Call(self._step, self._options, tuple(args), tuple(leaves), treedef,
+                         frozenset(), mesh, self._donate_argnums)
+    key = (treedef, tuple(runtime.leaf_signature(x) for x in leaves), mesh)
+    return leaves, runtime.compiled_once(self._cache, key,
+                                         lambda: pipeline.compile_step(call), self)

@@ -30,17 +30,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import errors, jit_arguments, jit_region, mesh_axes, pipeline, runtime, saving
+from wus import errors, jit_arguments, jit_region, mesh_axes, pipeline, runtime
 from wus.analysis import compat, global_view, planner, propagation, refusals
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import Plan
 from wus.analysis.reasons import Reason
 from wus.matching import Signature, StateMatch, argument_paths, match_state
 from wus.options import Options
-from wus.sharded import ShardedArray, check_alive, is_sharded
+from wus.sharded import is_sharded
 from wus.transforms import cond_parts
 from wus.transforms import global_view as global_view_program
 
@@ -148,18 +147,9 @@ class JitStep:
 
   def __call__(self, *args, **kwargs):
     leaves, compiled = self._compiled(args, kwargs)
-    if compiled.mesh is None:
+    if compiled.mesh is None:  # The step runs unchanged.
       return self._jitted(*args, **kwargs)
-    for k, x in enumerate(leaves):
-      check_alive(x, compiled.in_names[k])
-    ops = runtime.operands(leaves, compiled) if compiled.sharded_leaves else leaves
-    # Placed where the program takes them, so the next call compiles nothing new.
-    ops = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
-           for x, s in zip(ops, compiled.in_shardings, strict=True)]
-    outs = compiled.step(*ops)
-    wrapped = [ShardedArray(x, compiled.sharded_outputs[k]) if k in compiled.sharded_outputs else x
-               for k, x in enumerate(outs)]
-    return jax.tree.unflatten(compiled.out_tree, wrapped)
+    return runtime.call(leaves, compiled)
 
   def plan(self, *args, **kwargs) -> Plan:
     """The Plan for these arguments (whole or sharded state alike).
@@ -191,7 +181,7 @@ class JitStep:
     leaves, compiled = self._compiled(args, kwargs)
     if compiled.mesh is None:
       return self._jitted.lower(*args, **kwargs)
-    return compiled.step.lower(*_abstract_operands(leaves, compiled))
+    return runtime.lower(leaves, compiled)
 
   def timings(self, *args, **kwargs) -> dict[str, float]:
     """Seconds wus spends on these arguments' program, beside XLA's compile time.
@@ -225,35 +215,25 @@ class JitStep:
       `wus.checkpoint.LogicalView`s for what it keeps sharded; with keyword
       arguments, `(that tuple, a dict like kwargs)`.
     """
-    from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
     leaves, compiled = self._compiled(args, kwargs)
-    out = []
-    for k, x in enumerate(leaves):
-      if k in compiled.sharded_leaves:
-        out.append(checkpoint.restore_target(compiled.sharded_leaves[k], x.dtype))
-      else:
-        sharding = (compiled.in_shardings[k] if compiled.in_shardings
-                    else getattr(x, "sharding", None))
-        out.append(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding,
-                                        weak_type=bool(getattr(x, "weak_type", False))))
-    full, full_kwargs = self._with_dynamic(args, kwargs, out)
+    shardings = compiled.in_shardings or [getattr(x, "sharding", None) for x in leaves]
+    full, full_kwargs = self._with_dynamic(args, kwargs,
+                                           runtime.state_target(leaves, compiled, shardings))
     return tuple(full) if not kwargs else (tuple(full), full_kwargs)
 
   # --- Tracing and planning. ----------------------------------------------------
 
-  def _compiled(self, args: tuple, kwargs: dict) -> tuple[list, pipeline.Compiled]:
+  def _compiled(self, args: tuple, kwargs: dict) -> tuple[list, runtime.Compiled]:
     dyn = (tuple(x for i, x in enumerate(args) if i not in self._static),
            {k: v for k, v in kwargs.items() if k not in self._static_names})
     leaves, treedef = jax.tree.flatten(dyn, is_leaf=is_sharded)
     statics = (tuple((i, args[i]) for i in sorted(self._static) if i < len(args)),
                tuple(sorted((k, kwargs[k]) for k in self._static_names if k in kwargs)))
     key = (treedef, tuple(jit_arguments.leaf_key(x) for x in leaves), statics, self._jit.mesh())
-    if key not in self._cache:
-      self._cache[key] = self._build(args, kwargs, dyn, leaves)
-      saving.warn_if_not_sharded(self._cache[key].plan, self)
-    return leaves, self._cache[key]
+    return leaves, runtime.compiled_once(self._cache, key,
+                                         lambda: self._build(args, kwargs, dyn, leaves), self)
 
-  def _build(self, args: tuple, kwargs: dict, dyn: tuple, leaves: list) -> pipeline.Compiled:
+  def _build(self, args: tuple, kwargs: dict, dyn: tuple, leaves: list) -> runtime.Compiled:
     """The step for these arguments: the user's function traced once, as `jax.jit` traces
     it (its errors are the user's), then analysed and rewritten; an error of wus's own
     there makes the step run as `jax.jit` runs it, with the error in the Plan."""
@@ -268,7 +248,7 @@ class JitStep:
     traced = self._trace(args, kwargs, [jit_arguments.abstract(x, mesh) for x in leaves])
     traced_at = time.perf_counter()
 
-    def unchanged(reason: Reason, axes: tuple = ()) -> pipeline.Compiled:
+    def unchanged(reason: Reason, axes: tuple = ()) -> runtime.Compiled:
       plan = _unchanged_plan(traced.jaxpr.jaxpr, paths, axes, mesh, reason)
       return _compiled(plan, self._jitted, {}, {}, paths, traced.out_tree, None)
 
@@ -283,7 +263,7 @@ class JitStep:
         {"trace": traced_at - start, "analysis": spent}))
 
   def _analyse(self, args: tuple, dyn: tuple, leaves: list, paths: list[str], declared: list,
-               mesh: Mesh | None, traced, unchanged: Callable) -> pipeline.Compiled:
+               mesh: Mesh | None, traced, unchanged: Callable) -> runtime.Compiled:
     """The batch's splits propagated from the placements, the update region, and the
     region's sharded program (`_compile`); or the step unchanged, and why."""
     if (pinned := jit_arguments.pinned(self._jit_kwargs)) is not None:
@@ -321,7 +301,6 @@ class JitStep:
       return unchanged(compiled.noted(*_split_ends(propagation.where_lost(flat.jaxpr, splits))),
                        roles.batch)
     runtime.trace(leaves, compiled)  # Raises here, not at the user's call.
-    compiled.step.trace(*_abstract_operands(leaves, compiled))
     return compiled
 
   def _dynamic_positions(self, args: tuple) -> tuple[int, ...]:
@@ -349,7 +328,7 @@ class JitStep:
   def _compile(self, flat, region: global_view.Region, blocks: ModelSplits | None,
                specs: tuple, outside: tuple[Reason, ...], match: StateMatch, dyn: tuple,
                traced, mesh: Mesh, roles: mesh_axes.Roles, paths: list[str],
-               declared: list) -> pipeline.Compiled | Reason:
+               declared: list) -> runtime.Compiled | Reason:
     """The compiled step; or, where parts of the update run outside the region and the
     region shards nothing, why the whole step runs as jax.jit runs it (the region would
     only change how GSPMD partitions the rest)."""
@@ -405,28 +384,14 @@ class JitStep:
 
 def _compiled(plan: Plan, run: Callable, sharded_leaves: dict, sharded_outputs: dict,
               paths: list[str], out_tree, mesh: Mesh | None, in_shardings: tuple = (),
-              region: pipeline.Compiled | None = None) -> pipeline.Compiled:
+              region: runtime.Compiled | None = None) -> runtime.Compiled:
   """The pipeline's `Compiled` of a global-view step: `run` (the jitted program of the flat
   dynamic leaves, or the user's `jax.jit` with `mesh` None: the step runs unchanged) takes
   every leaf as an operand, on the user's mesh; its timings are its `region`'s."""
-  return pipeline.Compiled(plan, run, tuple(("arg", k) for k in range(len(paths))),
+  return runtime.Compiled(plan, run, tuple(("arg", k) for k in range(len(paths))),
                            sharded_leaves, sharded_outputs, tuple(paths), (), (), out_tree,
                            mesh, mesh, region.seconds if region else {},
                            region.lowering if region else {}, in_shardings)
-
-
-def _abstract_operands(leaves: list, compiled: pipeline.Compiled) -> list:
-  """The step program's operands for `leaves`, abstract where it keeps them sharded (their
-  padded shards)."""
-  # A Python scalar (Flax's `TrainState.create` starts `step` at 0) is typed as jax.jit
-  # types it: weakly typed, of JAX's default dtype.
-  types = [x if hasattr(x, "dtype") else jax.typeof(x) for x in leaves]
-  return [jax.ShapeDtypeStruct(compiled.sharded_leaves[k].padded_shape, x.dtype,
-                               sharding=compiled.sharded_leaves[k].data_sharding)
-          if k in compiled.sharded_leaves else
-          jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=compiled.in_shardings[k],
-                               weak_type=bool(getattr(x, "weak_type", False)))
-          for k, x in enumerate(types)]
 
 
 def _shards_nothing(plan: Plan, blocks: ModelSplits | None,

@@ -31,7 +31,6 @@ from wus.analysis.planning import Argument, PlanRequest
 from wus.matching import Signature, StateMatch, argument_paths, aval, match_state
 from wus.options import Options
 from wus.sharded import is_sharded
-from wus.runtime import Compiled
 from wus.transforms import gc_pause, groups, inline, programs
 from wus.transforms.layout import ShardedLayout
 
@@ -71,7 +70,7 @@ class Step:
   arguments: tuple[Argument, ...] | None = None
 
 
-def compile_step(call: Call) -> Compiled:
+def compile_step(call: Call) -> runtime.Compiled:
   """The pipeline: trace, match state, group, flatten, analyse, plan, build (§3, §4).
 
   Every front end calls this once per input signature, with the one value it
@@ -420,7 +419,7 @@ def plan_request(analysed: Analysed) -> PlanRequest:
           for a in step.arguments))
 
 
-def build(planned: Planned, seconds: Mapping[str, float]) -> Compiled:
+def build(planned: Planned, seconds: Mapping[str, float]) -> runtime.Compiled:
   """Stage 7: the rewritten step, jit-compiled (lowered at its first call), and how its
   operands and outputs map to the user's leaves; `seconds` the earlier stages' times."""
   a, p, f = planned.analysed, planned.plan, planned.analysed.flat
@@ -445,6 +444,6 @@ def build(planned: Planned, seconds: Mapping[str, float]) -> Compiled:
   same = frozenset(f.axes) | (frozenset((home.outer, home.inner)) if home is not None
                               else set())
   out_replicated = tuple(a.facts.is_redundant(v, same) for v in f.jaxpr.outvars)
-  return Compiled(p, program, t.sources, sharded_leaves, sharded_outputs, a.names,
+  return runtime.Compiled(p, program, t.sources, sharded_leaves, sharded_outputs, a.names,
                   g.out_specs, out_replicated, jax.tree.structure(t.out_shape), mesh,
                   call.mesh, types.MappingProxyType(dict(seconds)), lowering)

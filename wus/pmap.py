@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from wus import pipeline, runtime
 from wus.analysis import network
-from wus.api import ShardedStep
 from wus.matching import Signature
 from wus.options import Options
 from wus.runtime import donated_positions, needs_arguments
@@ -119,7 +119,8 @@ def _spec(axis_name, axis: int | None) -> P:
 
 
 class _Pmapped:
-  """The callable `wus.pmap` returns."""
+  """The callable `wus.pmap` returns: `jit(shard_map(...))` at the pipeline's level (its own
+  `pipeline.Step` and `pipeline.Call`), run by the runtime."""
 
   def __init__(self, f, axis_name, in_axes, out_axes, static, devices, backend, axis_size,
                donated, donate_argnames, replicated_argnums, options: Options):
@@ -129,18 +130,32 @@ class _Pmapped:
     self._donated, self._donate_argnames = donated, donate_argnames
     self._replicated_argnums = replicated_argnums
     self._options = options  # Built and validated once, by `pmap`.
-    self._steps: dict[tuple, ShardedStep] = {}
+    # By the arguments' structure, mapped axes, static values, mesh and keywords: the
+    # pipeline's Step and the donated positions among the dynamic arguments.
+    self._steps: dict[tuple, tuple[pipeline.Step, frozenset]] = {}
+    self._cache: dict = {}  # By that and the leaves' signatures: the compiled step.
+    self._warned: set = set()  # The steps warned of running as plain jax.shard_map.
     # Outputs of the last call that are identical on every device, by id.
     self._known: dict[int, weakref.ref] = {}
     functools.update_wrapper(self, f)
+    # What `saving.warn_if_not_sharded` calls the step.
+    self.front_end = f"wus.pmap({getattr(f, '__name__', 'step')})"
 
   # --- Public. ---------------------------------------------------------------
 
   def __call__(self, *args, **kwargs):
-    step, call = self._prepare(args, kwargs, check=True)
-    out, out_replicated = step.run(call)
+    call, key = self._prepare(args, kwargs)
+    if (why := runtime.inside_transform(list(call.leaves), False)) is not None:
+      warn = None if key in self._warned else why
+      self._warned.add(key)
+      out = runtime.as_jax_shard_map(call.step, call.mesh, call.args, warn, stacklevel=3)
+      self._known = {}
+      return out
+    compiled = self._compiled(call, key)
+    out = runtime.call(list(call.leaves), compiled)
     self._known = {}
-    for x, same in zip(jax.tree.leaves(out, is_leaf=is_sharded), out_replicated, strict=True):
+    for x, same in zip(jax.tree.leaves(out, is_leaf=is_sharded), compiled.out_replicated,
+                       strict=True):
       if same and isinstance(x, jax.Array):
         self._known[id(x)] = weakref.ref(x)
     return out
@@ -148,8 +163,7 @@ class _Pmapped:
   def plan(self, *args, **kwargs):
     """The wus Plan for these arguments (TypeError without any)."""
     needs_arguments((*args, *kwargs.values()), "plan")
-    step, call = self._prepare(args, kwargs, check=True)
-    return step.compiled(call).plan
+    return self._compiled(*self._prepare(args, kwargs)).plan
 
   def state_target(self, *args, **kwargs) -> tuple:
     """The arguments as this step reads them, abstract, to restore a checkpoint saved as
@@ -177,10 +191,12 @@ class _Pmapped:
     """
     from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
     needs_arguments((*args, *kwargs.values()), "state_target")
-    step, call = self._prepare(args, kwargs, check=True)
+    call, key = self._prepare(args, kwargs)
+    compiled = self._compiled(call, key)
     dyn_pos = [i for i in range(len(args)) if i not in self._static]
     axes = self._leaf_axes(dyn_pos, args, kwargs, call.treedef)
-    targets = jax.tree.leaves(step.state_target_of(call), is_leaf=is_sharded)
+    targets = runtime.state_target(list(call.leaves), compiled, [
+        NamedSharding(compiled.user_mesh, _spec(self._axis, ax)) for ax in axes])
     targets = [checkpoint.stacked_target(t, ax)
                if ax is not None and isinstance(t, jax.ShapeDtypeStruct) else t
                for t, ax in zip(targets, axes, strict=True)]
@@ -192,14 +208,14 @@ class _Pmapped:
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """Lowers the steady-state step program, as `ShardedStep.lower`."""
-    step, call = self._prepare(args, kwargs, check=True)
-    return step.lower_of(call)
+    call, key = self._prepare(args, kwargs)
+    return runtime.lower(list(call.leaves), self._compiled(call, key))
 
   # --- Calls. ----------------------------------------------------------------
 
-  def _prepare(self, args: tuple, kwargs: dict, check: bool) -> tuple[ShardedStep, Any]:
-    """(the ShardedStep, the call's one value for the pipeline: its positional arguments
-    with their equal per-device copies, `ShardedStep.per_call`)."""
+  def _prepare(self, args: tuple, kwargs: dict) -> tuple[pipeline.Call, tuple]:
+    """(the call's one value for the pipeline: its dynamic arguments, keyword arguments
+    last as one dict, with their equal per-device copies; its step's key in `_steps`)."""
     if self._static and max(self._static) >= len(args):
       raise ValueError(f"pmapped function has static_broadcasted_argnums={self._static} but was "
                        f"called with only {len(args)} positional arguments")
@@ -222,9 +238,16 @@ class _Pmapped:
     key = (treedef, axes, statics, mesh, tuple(sorted(kwargs)))
     if key not in self._steps:
       self._steps[key] = self._make_step(treedef, axes, statics, dyn_pos, len(args),
-                                         tuple(sorted(kwargs)), mesh)
-    step = self._steps[key]
-    return step, step.per_call(jax.tree.unflatten(treedef, leaves), replicated)
+                                         tuple(sorted(kwargs)))
+    step, donated = self._steps[key]
+    return pipeline.Call(step, self._options, jax.tree.unflatten(treedef, leaves),
+                         tuple(leaves), treedef, replicated, mesh, donated), key
+
+  def _compiled(self, call: pipeline.Call, key: tuple) -> runtime.Compiled:
+    """The step compiled for `call` (`_prepare`): once per input signature."""
+    signature = (key, tuple(runtime.leaf_signature(x) for x in call.leaves), call.replicated)
+    return runtime.compiled_once(self._cache, signature, lambda: pipeline.compile_step(call),
+                                 self)
 
   def _leaf_axes(self, dyn_pos, args, kwargs, treedef) -> tuple:
     """The mapped axis of every flat leaf, as jax.pmap broadcasts `in_axes`."""
@@ -302,7 +325,10 @@ class _Pmapped:
                 "leave it out of replicated_argnums")
     return frozenset(known)
 
-  def _make_step(self, treedef, axes, statics, dyn_pos, num_args, kwarg_names, mesh) -> ShardedStep:
+  def _make_step(self, treedef, axes, statics, dyn_pos, num_args,
+                 kwarg_names) -> tuple[pipeline.Step, frozenset]:
+    """The pipeline's Step of `f` mapped as `axes` say, and the donated positions among
+    its arguments."""
     f, axis_name, out_axes = self._f, self._axis, self._out_axes
 
     def body(*dyn):
@@ -328,13 +354,10 @@ class _Pmapped:
     donated = {dyn_pos.index(i) for i in self._donated if i in dyn_pos}
     if set(kwarg_names) & set(self._donate_argnames):
       donated.add(len(dyn_pos))  # The keyword dict (jax.pmap never donates keywords).
-    step = ShardedStep(
-        body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False,
-        axis_names=frozenset(), options=self._options, donate_argnums=frozenset(donated),
-        split_reason="mapped, and its per-device copies differ",
-        signature=Signature.of(f, positions=tuple(dyn_pos), keywords=True))
-    step.front_end = f"wus.pmap({getattr(f, '__name__', 'step')})"
-    return step
+    step = pipeline.Step(body, tuple(in_specs), out_specs, check_vma=False,
+                         split_reason="mapped, and its per-device copies differ",
+                         signature=Signature.of(f, positions=tuple(dyn_pos), keywords=True))
+    return step, frozenset(donated)
 
 
 def _check_mapped_ranks(paths: list, axes: tuple) -> None:

@@ -1,47 +1,58 @@
 """The runtime every front end shares: operands in, sharded state out (§4.2).
 
-A compiled step takes sharded state as its padded shards; `operands` checks
-what the caller passes (donated buffers, state made for another mesh or
-another plan) and shards whole state in one program, as the paper's runtime
-"invokes the sharding program when there is a state mismatch". `Compiled` is what the
-pipeline compiles for one input signature and what `operands` reads.
+A front end translates its calling convention into the flat argument leaves
+of one input signature and the `Compiled` step the pipeline made for it; the
+runtime does the rest, the same for every front end: `call` runs the step
+(`operands` checks what the caller passes, donated buffers, state made for
+another mesh or another plan, and shards whole state in one program, as the
+paper's runtime "invokes the sharding program when there is a state
+mismatch"; the state the step keeps sharded comes back as `ShardedArray`s),
+`lower` lowers its steady-state program, `state_target` makes the targets to
+restore a checkpoint into, and `compiled_once` compiles each input signature
+once. `Compiled` is what the pipeline compiles for one input signature and
+what these functions read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from wus import saving
+from wus.analysis import compat
 from wus.analysis.plan import Plan
 from wus.errors import StateMismatchError
+from wus.matching import aval
 from wus.sharded import ShardedArray, check_alive, is_sharded, unshard
 from wus.transforms import programs
 from wus.transforms.layout import ShardedLayout, spec_axes  # noqa: F401 -- re-exported
 
 
-def trace(leaves: list, compiled) -> None:
-  """Traces the sharding program the first call with `leaves` runs for the whole state
-  among them, without running it: an error of the rewrite's own then surfaces while the
-  step is built, where the front end can run the step as JAX runs it instead, not at the
-  user's call."""
+def trace(leaves: list, compiled: Compiled) -> None:
+  """Traces the programs the first call with `leaves` runs, without running them: the
+  sharding program for the whole state among them, then the step's program. An error of
+  the rewrite's own then surfaces while the step is built, where the front end can run the
+  step as JAX runs it instead, not at the user's call."""
   whole = [(layout, leaves[k]) for k, layout in compiled.sharded_leaves.items()
            if not is_sharded(leaves[k])]
   if whole:
     programs.shard_program(tuple(layout for layout, _ in whole)).trace(
         *[jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
           for _, x in whole])
+  compiled.step.trace(*abstract_operands(leaves, compiled))
 
 
-def operands(leaves: list, compiled) -> list:
+def operands(leaves: list, compiled: Compiled) -> list:
   """The step's operands: sharded state checked, whole state sharded (§4.2).
 
-  `compiled` is a compiled step (`pipeline.Compiled`, or `wus.jit`'s): its
+  `compiled` is a compiled step (`Compiled`, the pipeline's or `wus.jit`'s): its
   `sources` (per operand: ("arg", leaf index) or ("const", value)), `sharded_leaves`
   (leaf index -> the `ShardedLayout` of an input passed sharded), `in_names`,
   `mesh` (where the programs run) and `user_mesh` (the mesh `mesh` was derived
@@ -89,6 +100,126 @@ def operands(leaves: list, compiled) -> list:
     for p, x in zip(pos, shards, strict=True):
       ops[p] = x
   return ops
+
+
+def call(leaves: list, compiled: Compiled) -> Any:
+  """Runs `compiled` on the flat argument leaves of its input signature (§4.2).
+
+  The operands go where the program takes them (`Compiled.in_shardings`, where
+  given), so that the next call compiles nothing new.
+
+  Returns:
+    The step's outputs as the user's pytree, the state it keeps sharded as
+    `ShardedArray`s.
+
+  Raises:
+    As `operands`.
+  """
+  ops = operands(leaves, compiled)
+  if compiled.in_shardings:
+    ops = [x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
+           for x, s in zip(ops, compiled.in_shardings, strict=True)]
+  outs = compiled.step(*ops)
+  return jax.tree.unflatten(compiled.out_tree, [
+      ShardedArray(x, compiled.sharded_outputs[k]) if k in compiled.sharded_outputs else x
+      for k, x in enumerate(outs)])
+
+
+def abstract_operands(leaves: list, compiled: Compiled) -> list:
+  """The step program's operands for `leaves` in the steady state: the state it keeps
+  sharded as its padded shards, abstract; the rest abstract where the program takes it
+  (`Compiled.in_shardings`), or as given."""
+  ops = []
+  for src in compiled.sources:
+    if src[0] == "const":
+      ops.append(src[1])
+      continue
+    k, x = src[1], leaves[src[1]]
+    if k in compiled.sharded_leaves:
+      layout = compiled.sharded_leaves[k]
+      ops.append(jax.ShapeDtypeStruct(layout.padded_shape, x.dtype,
+                                      sharding=layout.data_sharding))
+    elif compiled.in_shardings:
+      # A Python scalar (Flax's `TrainState.create` starts `step` at 0) is typed as
+      # jax.jit types it: weakly typed, of JAX's default dtype.
+      x = x if hasattr(x, "dtype") else jax.typeof(x)
+      ops.append(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=compiled.in_shardings[k],
+                                      weak_type=bool(getattr(x, "weak_type", False))))
+    else:
+      ops.append(x)
+  return ops
+
+
+def lower(leaves: list, compiled: Compiled) -> jax.stages.Lowered:
+  """Lowers `compiled`'s steady-state program (the state it keeps sharded already
+  sharded) for the flat argument leaves `leaves`."""
+  return compiled.step.lower(*abstract_operands(leaves, compiled))
+
+
+def state_target(leaves: list, compiled: Compiled, shardings: Sequence) -> list:
+  """The target to restore each flat argument leaf into (a checkpoint's, §4.2).
+
+  Args:
+    leaves: the flat argument leaves, concrete or abstract, whole or sharded.
+    compiled: the step compiled for them.
+    shardings: per leaf, where the front end reads it whole.
+
+  Returns:
+    Per leaf: a `wus.checkpoint.LogicalView` (of the logical shape) in the step's
+    format for the state it keeps sharded; a `jax.ShapeDtypeStruct` placed at
+    `shardings[k]` for the rest.
+  """
+  from wus import checkpoint  # noqa: PLC0415 -- imports Orbax only when checkpoints are used
+  return [checkpoint.restore_target(compiled.sharded_leaves[k], x.dtype)
+          if k in compiled.sharded_leaves else
+          jax.ShapeDtypeStruct(np.shape(x), aval(x)[1], sharding=sharding,
+                               weak_type=bool(getattr(x, "weak_type", False)))
+          for k, (x, sharding) in enumerate(zip(leaves, shardings, strict=True))]
+
+
+def compiled_once(cache: dict, key: Hashable, build: Callable[[], Compiled],
+                  front_end: Any) -> Compiled:
+  """The step compiled for the input signature `key`: `build()` once, its Plan then
+  read by `saving.warn_if_not_sharded` for `front_end` (the step the user called)."""
+  if key not in cache:
+    cache[key] = build()
+    saving.warn_if_not_sharded(cache[key].plan, front_end)
+  return cache[key]
+
+
+def inside_transform(leaves: list, mesh_from_context: bool) -> str | None:
+  """Why a call with the flat argument leaves `leaves` runs as plain `jax.shard_map`
+  (`as_jax_shard_map`): it is inside `jax.grad`, `jax.vmap` or another transformation (its
+  arguments are their tracers), or inside `jax.jit` with the mesh to come from
+  `jax.set_mesh` (`mesh_from_context`); None otherwise."""
+  data = [x.data if is_sharded(x) else x for x in leaves]
+  if any(isinstance(x, jax.core.Tracer) and not compat.is_staging_tracer(x) for x in data):
+    return "inside jax.grad, jax.vmap or another transformation of a function that calls it"
+  if mesh_from_context and any(isinstance(x, jax.core.Tracer) for x in data):
+    return "inside jax.jit with the mesh from jax.set_mesh"
+  return None
+
+
+def as_jax_shard_map(step, mesh: Mesh | None, args: tuple, why: str | None,
+                     stacklevel: int = 4) -> Any:
+  """The call as `jax.shard_map` makes it, sharded state passed whole: a call inside
+  another transformation (`inside_transform`) has no weight update inside to shard.
+
+  Args:
+    step: the `pipeline.Step` (its `f` and `jax.shard_map`'s arguments).
+    mesh: the mesh; None: `jax.set_mesh`'s.
+    args: the positional arguments.
+    why: `inside_transform`'s reason, to warn with; None: warned already.
+    stacklevel: the warning's, as for `warnings.warn`, from this function.
+  """
+  if why is not None:
+    warnings.warn(
+        f"wus.shard_map({getattr(step.f, '__name__', step.f)}) called {why}: it runs as "
+        "jax.shard_map, with nothing sharded. To shard the weight update of a jax.jit "
+        "training step, use wus.jit on the step.", stacklevel=stacklevel)
+  smap = jax.shard_map(step.f, mesh=mesh, in_specs=step.in_specs, out_specs=step.out_specs,
+                       check_vma=step.check_vma, axis_names=step.axis_names)
+  return smap(*unshard(args))
 
 
 def donated_positions(f: Callable, argnums: int | Sequence[int],

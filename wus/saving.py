@@ -1,7 +1,7 @@
 """What a step saves: the warning when it saves little, and a state tree's bytes per device.
 
-`warn_if_not_sharded` is called by every front end where it compiles a new signature
-(`ShardedStep.compiled`, `JitStep._compiled`): it reads the Plan and says, once, when the
+`warn_if_not_sharded` is called where a front end compiles a new signature
+(`runtime.compiled_once`): it reads the Plan and says, once, when the
 step runs unchanged or keeps most of its weight update whole (`not_sharded` is the rule).
 `bytes_per_device` measures what a device holds of a tree, from its arrays' shards: the
 check after switching to wus.

@@ -1,4 +1,4 @@
-"""wus/runtime.py alone (issue 31 item 7): `operands` on a `pipeline.Compiled` and the leaves a
+"""wus/runtime.py alone (issue 31 item 7): `operands` on a `runtime.Compiled` and the leaves a
 caller passes (whole state sharded, sharded state passed as its shards, state of another
 group size re-sharded, donated or foreign state refused), and the front ends' shared
 helpers (`donated_positions`, `leaf_signature`, `normal`).
@@ -37,7 +37,7 @@ def _leaves(n=N):
           jax.device_put(jnp.ones((2 * n, 4)), NamedSharding(mesh(n), P("data")))]
 
 
-def _compiled(shard_group_size=None) -> pipeline.Compiled:
+def _compiled(shard_group_size=None) -> runtime.Compiled:
   leaves = _leaves()
   step = pipeline.Step(_step, (P(), P(), P("data")), (P(), P()), signature=Signature.of(_step))
   call = pipeline.Call(step, Options(shard_group_size=shard_group_size), tuple(leaves),
@@ -104,6 +104,50 @@ def test_state_sharded_on_another_mesh_is_refused():
   leaves = _leaves()
   with pytest.raises(StateMismatchError, match="argument m was sharded on another mesh"):
     runtime.operands([leaves[0], m, leaves[2]], compiled)
+
+
+def test_a_call_returns_the_outputs_with_the_state_kept_sharded():
+  """`runtime.call`: operands in, the step's outputs out, as `jax.shard_map` computes them,
+  the state the step keeps sharded as a ShardedArray in its layout."""
+  compiled = _compiled()
+  w, m = runtime.call(_leaves(), compiled)
+  assert isinstance(m, wus.ShardedArray) and m.layout == compiled.sharded_outputs[1]
+  assert not isinstance(w, wus.ShardedArray)
+  want = jax.jit(jax.shard_map(_step, mesh=mesh(N), in_specs=(P(), P(), P("data")),
+                               out_specs=(P(), P())))(*_leaves())
+  np.testing.assert_allclose(np.asarray(w), np.asarray(want[0]), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(m.whole()), np.asarray(want[1]), rtol=1e-6)
+
+
+def test_lowering_takes_the_state_kept_sharded_as_its_padded_shards():
+  compiled = _compiled()
+  leaves = _leaves()
+  w, m, x = runtime.abstract_operands(leaves, compiled)
+  assert w is leaves[0] and x is leaves[2]  # Read whole: as given.
+  layout = compiled.sharded_leaves[1]
+  assert (m.shape, m.sharding) == ((64,), layout.data_sharding)
+  assert runtime.lower(leaves, compiled).compile() is not None
+
+
+def test_a_restore_target_is_a_logical_view_for_state_kept_sharded():
+  compiled = _compiled()
+  replicated = NamedSharding(mesh(N), P())
+  w, m, x = runtime.state_target(_leaves(), compiled, [replicated] * 3)
+  assert isinstance(w, jax.ShapeDtypeStruct) and (w.shape, w.sharding) == ((60,), replicated)
+  assert not isinstance(m, jax.ShapeDtypeStruct) and m.shape == (60,)
+  assert isinstance(x, jax.ShapeDtypeStruct) and x.shape == (16, 4)
+
+
+def test_each_signature_is_compiled_once():
+  compiled, built = _compiled(), []
+
+  def build():
+    built.append(1)
+    return compiled
+  cache: dict = {}
+  for _ in range(2):
+    assert runtime.compiled_once(cache, "signature", build, None) is compiled
+  assert built == [1]
 
 
 def test_donated_positions_from_numbers_and_names_as_jax_jit():
