@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from wus import pipeline, runtime, saving
 from wus.analysis import compat, network
+from wus.analysis.causes import SPEC_SPLITS
 from wus.analysis.plan import Plan
 from wus.matching import Signature, StateMatch, aval
 from wus.options import Options
@@ -149,7 +150,7 @@ class ShardedStep:
                shard_group_size: int | str | None = None,
                objective: str = "memory", topology: network.Topology | None = None,
                shard_weights: bool = False, donate_argnums: frozenset = frozenset(),
-               split_reason: str = "its in_spec splits it", signature: Signature | None = None,
+               split_reason: object = SPEC_SPLITS, signature: Signature | None = None,
                match_state: Callable[[tuple, Any], StateMatch] | None = None,
                names: tuple[Sequence[str], Sequence[str]] | None = None,
                options: Options | None = None,

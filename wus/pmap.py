@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import network
+from wus.analysis.causes import MAPPED_COPIES_DIFFER
 from wus.api import ShardedStep
 from wus.matching import Signature
 from wus.options import Options
@@ -331,7 +332,7 @@ class _Pmapped:
     step = ShardedStep(
         body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False,
         axis_names=frozenset(), options=self._options, donate_argnums=frozenset(donated),
-        split_reason="mapped, and its per-device copies differ",
+        split_reason=MAPPED_COPIES_DIFFER,
         signature=Signature.of(f, positions=tuple(dyn_pos), keywords=True))
     step.front_end = f"wus.pmap({getattr(f, '__name__', 'step')})"
     return step
