@@ -118,7 +118,7 @@ def test_a_cluster_kept_whole_names_the_equation_that_stopped_it():
     assert isinstance(c.why.verdict, verdicts.MoreAllGather), c.why
     reader = c.why.verdict.reader
     assert reader.reader.primitive == "select_n" and "test_regressions.py" in reader.reader.line
-    assert isinstance(reader.differs, causes.DependsOn), reader
+    assert isinstance(reader.differs, causes.NoRedundancyRule), reader
     assert reader.differs.eqn.primitive == "pure_callback", reader
     assert "(test_a_cluster_kept_whole_names_the_" in reader.differs.eqn.line, reader
 
