@@ -204,6 +204,44 @@ class TinyTensors:
   """Its tensors are scalar or tiny."""
 
 
+# Why `shard_weights=True` keeps a weight whole (`reasons.NotKeptByShardWeights.why`).
+
+@dataclasses.dataclass(frozen=True)
+class ReadInFloats:
+  """The weight is read whole in `dtypes` (several floats, or none: not read whole)."""
+
+  dtypes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Returned:
+  """`aval`, the weight or a layout copy of it, is returned."""
+
+  aval: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadsIn:
+  """`eqn` reads the weight in `dtype`: converted to it (`converted`: not a narrower
+  float), or as it is."""
+
+  eqn: Eqn
+  dtype: str
+  converted: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughLayoutChange:
+  """The update also reads the weight through a layout change it does not hold."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NoShardsRead:
+  """The update cannot read the weight as shards, for `why` (a failed layout)."""
+
+  why: object
+
+
 # How `shard_group_size="auto"` chose G (`plan.Grouping.chosen`).
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +337,13 @@ RENDER: dict[type, Callable] = {
         f"(predicted collectives and update {x.seconds * 1e6:.3g} us per step, "
         f"{x.one_group * 1e6:.3g} us with one group of {x.num_shards}; topology "
         f"{' x '.join(f'{a}={n}' for a, n in x.topology)})"),
+    ReadInFloats: lambda x: (f"read whole in {' and '.join(x.dtypes)}" if x.dtypes
+                             else "not read whole"),
+    Returned: lambda x: f"{x.aval} is returned",
+    ReadsIn: lambda x: f"{_eqn(x.eqn)} reads it {'as' if x.converted else 'in'} {x.dtype}",
+    ThroughLayoutChange: lambda x: ("the update also reads it through a layout change it does "
+                                    "not hold"),
+    NoShardsRead: lambda x: f"the update cannot read it as shards: {words(x.why)}",
     GroupsOfOne: lambda x: (f"shard_group_size=1: groups of one replica of {x.axis!r}, so "
                             "nothing is sharded; the update runs replicated as in the original "
                             "step"),

@@ -75,12 +75,12 @@ def pairs(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph,
       pairs[out_pos] = in_pos
     elif narrow is not None:
       read = precision.narrowed(graph, x, members)
-      if isinstance(read, str) or read.copies:
+      if not isinstance(read, precision.Narrowed) or read.copies:
         # Copies outside the cluster would read the narrow whole value and
         # hand it to the update: the cluster must hold them (through_copies).
         if why_whole is not None:
-          why_whole[in_pos] = read if isinstance(read, str) else (
-              "the update also reads it through a layout change it does not hold")
+          why_whole[in_pos] = (read if not isinstance(read, precision.Narrowed)
+                               else causes.ThroughLayoutChange())
         continue
       pairs[out_pos] = in_pos
       narrow[x] = read.dtype
@@ -116,7 +116,7 @@ def through_copies(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph
         or not ctx.facts.is_redundant(x, ctx.axes)):
       continue
     read = precision.narrowed(graph, x, members)
-    if isinstance(read, str):
+    if not isinstance(read, precision.Narrowed):
       why_whole[in_pos] = read
     elif read.copies and all(shardable.shard_kind(jaxpr.eqns[i], kind_ctx) is Kind.LAYOUT
                              and all(map(ctx.big, jaxpr.eqns[i].outvars)) for i in read.copies):
@@ -127,8 +127,7 @@ def through_copies(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph
   wider = _with_copies(c, jaxpr, sorted(copies), ctx.big)
   wider_layout = layouts.assign(jaxpr, wider, ctx.num_shards, ctx.big)
   if not isinstance(wider_layout, layouts.Layout):
-    why_whole.update(dict.fromkeys(weights, "the update cannot read it as shards: "
-                                   + causes.words(wider_layout)))
+    why_whole.update(dict.fromkeys(weights, causes.NoShardsRead(wider_layout)))
     return c, layout, frozenset()
   return wider, wider_layout, frozenset(jaxpr.invars[k] for k in weights)
 

@@ -228,9 +228,10 @@ class NoShardRule:
 
 @dataclasses.dataclass(frozen=True)
 class NotKeptByShardWeights:
-  """A note: `shard_weights=True` does not keep this weight sharded, for `why`."""
+  """A note: `shard_weights=True` does not keep this weight sharded, for `why` (a `causes`
+  value: `ReadsIn`, `Returned`, `ReadInFloats`...)."""
 
-  why: str
+  why: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,7 +396,8 @@ _RENDER: dict[type, Callable] = {
     NoShardRule: lambda x: (f"{_words(x.reader)} reads it whole and has no shard rule (an update "
                             "computes its next value)"),
     NotKeptByShardWeights: lambda x: ("not kept sharded by shard_weights=True, which keeps "
-                                      f"weights read whole only in a narrower float: {x.why}"),
+                                      "weights read whole only in a narrower float: "
+                                      + _words(x.why)),
     Differs: lambda x: f"not identical across {list(x.axes)} ({_words(x.why)})",
     Tiny: lambda x: (f"scalar or tiny (at most {x.num_shards} elements, or fewer than "
                      f"min_shard_size={x.min_size}): kept replicated"),
