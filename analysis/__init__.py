@@ -19,6 +19,7 @@ Modules, one concern each, in the order the passes run:
   network        the network in that model: mesh axes, ring collectives, batching
   verdicts       the cost model's verdicts on a cluster, as values
   reasons        why the Plan decides as it does, as values, and their words
+  causes         what the reasons are built from: equations, splits, failed layouts
   refusals       why a front end runs a step, or part of its update, as JAX does, as values
   precision      which narrower float a sharded weight is read whole in (Fig. 7)
   loops          loop bodies and conditionals in the planner (§3.2, §4.2, Fig. 4)

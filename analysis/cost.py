@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 
 from wus.analysis import compat
-from wus.analysis import costmodel, network, reasons, verdicts
+from wus.analysis import causes, costmodel, network, reasons, verdicts
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.layouts import Layout
@@ -112,17 +112,16 @@ def _branch_gathers(cluster: Cluster, rare: set[int]) -> list[Var]:
 
 
 def _first_whole_reader(cluster: Cluster, jaxpr: Jaxpr, facts: Redundancy, axes,
-                        names: Sequence[str]) -> str:
-  """", read whole by <eqn> ... (why it differs)" for the first outside reader, or ""."""
+                        names: Sequence[str]) -> causes.ReadWhole | None:
+  """The first outside reader of the cluster's values, and why its result differs across
+  replicas (if it does); None without one."""
   for v, readers in cluster.outside_readers.items():
     eqn = jaxpr.eqns[readers[0]]
-    out = f" ({v.aval.str_short()} is read whole by {eqn.primitive} at {compat.source_line(eqn)}"
     varying = [o for o in eqn.outvars if not facts.is_redundant(o, axes)]
-    if varying:
-      out += ", which differs across replicas: " + why_differs(jaxpr, facts, varying[0], axes,
-                                                               names)
-    return out + ")"
-  return ""
+    return causes.ReadWhole(v.aval.str_short(), causes.Eqn.of(eqn, compat.source_line(eqn)),
+                            why_differs(jaxpr, facts, varying[0], axes, names) if varying
+                            else None)
+  return None
 
 
 def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
@@ -185,8 +184,8 @@ def decide(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, facts: Redundancy,
     for r in readers:
       eqn = eqns[r]
       if facts.repeats(eqn, axes):
-        return verdict(False, verdicts.WholeReader(f"{eqn.primitive} at "
-                                                  f"{compat.source_line(eqn)}"))
+        return verdict(False, verdicts.WholeReader(causes.Eqn.of(eqn,
+                                                                 compat.source_line(eqn))))
   if not saved:
     return verdict(False, verdicts.SavesNothing())
   if cluster.roots and not cluster.seeds:
@@ -241,7 +240,7 @@ def _workload(cluster: Cluster, layout: Layout, jaxpr: Jaxpr, state_outputs: set
                *(tensor(v) for v, p in cluster.returned.items() for _ in p)))
 
 
-def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, str]:
+def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, object]:
   """`shard_group_size="auto"`: the G the cost model predicts fastest (§5.2), and why.
 
   The workload is what the Plan of full sharding shards (`step_workload`):
@@ -254,19 +253,17 @@ def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, str]:
     topology: the N devices.
 
   Returns:
-    (G, or None for N; the choice and its predicted times in words).
+    (G, or None for N; the choice and its predicted times: `causes.AutoGroupSize`, or
+    `causes.AutoOneGroup` when there is nothing to group).
   """
   n = plan.num_shards
   workload = step_workload(plan.clusters)
   if len(plan.axes) != 1 or workload is None:
-    return None, (f"shard_group_size='auto': one group of all {n} replicas (nothing to group: "
-                  f"{'several sharding axes' if workload else 'no sharded update'})")
+    return None, causes.AutoOneGroup(n, several=bool(workload))
   best = costmodel.best_sharded(workload, topology)
   full = costmodel.predict_sharded(workload, topology, n, bucket_bytes=best.bucket_bytes)
-  why = (f"shard_group_size='auto': the cost model chose G={best.group_size} of {n} "
-         f"(predicted collectives and update {best.total * 1e6:.3g} us per step, "
-         f"{full.total * 1e6:.3g} us with one group of {n}; topology "
-         f"{' x '.join(f'{a.name}={a.size}' for a in topology.axes)})")
+  why = causes.AutoGroupSize(best.group_size, n, best.total, full.total,
+                             tuple((a.name, a.size) for a in topology.axes))
   return (None if best.group_size == n else best.group_size), why
 
 

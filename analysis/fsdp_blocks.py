@@ -29,7 +29,7 @@ from wus.analysis.planning import PlanningContext
 
 def plan_blocks(s: Scope, ctx: PlanningContext, acc: Planning, clustered: set) -> None:
   """Plans into `acc` the updates of the step's state that differs across the plan's axes
-  (`ctx.axes`: FSDP blocks) and that every replica of some copy axes (`ctx.copies`)
+  (`ctx.axes`: FSDP blocks) and that every replica of some copy axes (`ctx.copy_sizes`)
   repeats, over the most copy axes first (each set whole, as `layouts.assign_repeated`
   checks a cluster's). A cluster so found that stays replicated is not offered to
   ownership, whose owners are replicas of the plan's axes.
@@ -44,7 +44,7 @@ def plan_blocks(s: Scope, ctx: PlanningContext, acc: Planning, clustered: set) -
   taken = set(clustered) | set(acc.shard_eqns)
   blocks = [v for k in s.state_pairs.values() if k not in acc.sharded_in
             and not facts.is_redundant(v := jaxpr.invars[k], ctx.axes)]
-  names = tuple(ctx.copies)
+  names = tuple(ctx.copy_sizes)
   for axes in copy_axis_sets(names):
     sub = _over(ctx, axes)
     graph = Graph(jaxpr, sub.num_shards, ctx.min_size)
@@ -67,9 +67,9 @@ def plan_blocks(s: Scope, ctx: PlanningContext, acc: Planning, clustered: set) -
 
 def _over(ctx: PlanningContext, axes: tuple) -> PlanningContext:
   """`ctx` for the update of blocks of `ctx.axes` sharded over the copy `axes`."""
-  n = math.prod(ctx.copies[a] for a in axes)
+  n = math.prod(ctx.copy_sizes[a] for a in axes)
   return dataclasses.replace(
-      ctx, axes=frozenset(axes), num_shards=n, copies={a: ctx.copies[a] for a in axes},
+      ctx, axes=frozenset(axes), num_shards=n, copy_sizes={a: ctx.copy_sizes[a] for a in axes},
       roots=frozenset(), topology=_topology(ctx.topology, n),
       block_axes=tuple(sorted(ctx.axes)), memo={})
 

@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from wus.analysis import clusters as clusters_lib
-from wus.analysis import compat, layouts, precision, shardable
+from wus.analysis import causes, compat, layouts, precision, shardable
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
 from wus.analysis.planning import PlanningContext
@@ -75,12 +75,12 @@ def pairs(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph,
       pairs[out_pos] = in_pos
     elif narrow is not None:
       read = precision.narrowed(graph, x, members)
-      if isinstance(read, str) or read.copies:
+      if not isinstance(read, precision.Narrowed) or read.copies:
         # Copies outside the cluster would read the narrow whole value and
         # hand it to the update: the cluster must hold them (through_copies).
         if why_whole is not None:
-          why_whole[in_pos] = read if isinstance(read, str) else (
-              "the update also reads it through a layout change it does not hold")
+          why_whole[in_pos] = (read if not isinstance(read, precision.Narrowed)
+                               else causes.ThroughLayoutChange())
         continue
       pairs[out_pos] = in_pos
       narrow[x] = read.dtype
@@ -116,7 +116,7 @@ def through_copies(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph
         or not ctx.facts.is_redundant(x, ctx.axes)):
       continue
     read = precision.narrowed(graph, x, members)
-    if isinstance(read, str):
+    if not isinstance(read, precision.Narrowed):
       why_whole[in_pos] = read
     elif read.copies and all(shardable.shard_kind(jaxpr.eqns[i], kind_ctx) is Kind.LAYOUT
                              and all(map(ctx.big, jaxpr.eqns[i].outvars)) for i in read.copies):
@@ -126,8 +126,8 @@ def through_copies(c: clusters_lib.Cluster, layout: layouts.Layout, graph: Graph
     return c, layout, frozenset()
   wider = _with_copies(c, jaxpr, sorted(copies), ctx.big)
   wider_layout = layouts.assign(jaxpr, wider, ctx.num_shards, ctx.big)
-  if isinstance(wider_layout, str):
-    why_whole.update(dict.fromkeys(weights, f"the update cannot read it as shards: {wider_layout}"))
+  if not isinstance(wider_layout, layouts.Layout):
+    why_whole.update(dict.fromkeys(weights, causes.NoShardsRead(wider_layout)))
     return c, layout, frozenset()
   return wider, wider_layout, frozenset(jaxpr.invars[k] for k in weights)
 
@@ -150,8 +150,8 @@ def _with_copies(c: clusters_lib.Cluster, jaxpr: Jaxpr, copies: list[int],
 
 
 def continued(graph: Graph, c: clusters_lib.Cluster, clustered: set[int],
-              state_pairs: Mapping[int, int],
-              ctx: PlanningContext) -> tuple[clusters_lib.Cluster, dict]:
+              state_pairs: Mapping[int, int], ctx: PlanningContext,
+              taken: set[int]) -> tuple[clusters_lib.Cluster, dict]:
   """The rest of a replicated cluster's weight update, which no cluster holds.
 
   Growth stops at an equation with no shard rule (a matmul with the weight, a
@@ -162,13 +162,16 @@ def continued(graph: Graph, c: clusters_lib.Cluster, clustered: set[int],
   inputs they read (`reads`) and the outputs they return (`returned`),
   so that the Plan lists them with the cluster that keeps them whole; and the
   pairs of `state_pairs` whose input only this update reads (state, not weight).
+  Equations in `taken` continue an earlier cluster's update, which lists them: they are
+  not followed; the ones found are added to `taken`.
   """
   jaxpr, producer = graph.jaxpr, graph.producer
   seen: set[int] = set()
   todo = [r for v in c.sharded for r in graph.readers(v)] + list(c.kept_whole)
   while todo:
     i = todo.pop()
-    if i in seen or i in clustered or not ctx.facts.repeats(jaxpr.eqns[i], ctx.axes):
+    if (i in seen or i in clustered or i in taken
+        or not ctx.facts.repeats(jaxpr.eqns[i], ctx.axes)):
       continue
     seen.add(i)
     eqn = jaxpr.eqns[i]
@@ -180,6 +183,7 @@ def continued(graph: Graph, c: clusters_lib.Cluster, clustered: set[int],
   made = {v for r in seen for v in jaxpr.eqns[r].outvars}
   outputs = {v: p for v, p in graph.outputs.items()
              if v in made and ctx.big(v) and v not in c.returned}
+  taken |= seen
   update = seen | set(c.eqns)
   pairs = {o: k for o, k in state_pairs.items()
            if jaxpr.invars[k] in reads and graph.only_read_by(jaxpr.invars[k], update)}
@@ -195,5 +199,5 @@ def whole_reader(graph: Graph, x, clustered: set[int], ctx: PlanningContext) -> 
     eqn = graph.jaxpr.eqns[r]
     if (r not in clustered and ctx.facts.repeats(eqn, ctx.axes)
         and shardable.shard_kind(eqn, kind_ctx) is None):
-      return f"{eqn.primitive} at {source_line(eqn)}"
+      return causes.Eqn.of(eqn, source_line(eqn))
   return None

@@ -23,7 +23,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from wus.analysis import compat, reasons, redundancy, rules
+from wus.analysis import causes, compat, reasons, redundancy, rules
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, JaxprEqn, Var
 from wus.analysis.formats import ShardFormat, format_from_bounds, nonunit_dims
@@ -174,8 +174,7 @@ def _reduce(c: _Constraints, eqn, ins, outs, nested) -> str | None:
     if c.big(y):
       c.classes.add(y)
   elif not c.big(y):
-    return (f"a reduction of {x.aval.str_short()} keeps the shard dim but its "
-            f"result {y.aval.str_short()} is too small to shard")
+    return causes.SmallReduction(x.aval.str_short(), y.aval.str_short())
   else:
     c.classes.add(y)
     c.relations.append((x, y, [p for p, r in enumerate(reduced) if not r]))
@@ -236,8 +235,7 @@ def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str
   _solve(classes, c.relations)
   for v in classes.flat_only:
     if classes.bounds[classes.find(v)]:
-      return (f"a reshape of {v.aval.str_short()} regroups dims that a reduction or "
-              "broadcast must keep apart")
+      return causes.Regroups(v.aval.str_short())
   formats = {v: format_from_bounds(tuple(v.aval.shape), frozenset(classes.bounds[classes.find(v)]),
                                    num_shards)
              for v in classes.parent}
@@ -246,9 +244,9 @@ def assign(jaxpr: Jaxpr, cluster: Cluster, num_shards: int, big) -> Layout | str
 
 def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx: PlanningContext, in_loop: bool = False,
                     names: Sequence[str] = ()) -> tuple[Layout | str, reasons.OverCopies | None]:
-  """`assign` over the replica axes, or over the other axes `ctx.copies` too.
+  """`assign` over the replica axes, or over the other axes `ctx.copy_axes` too.
 
-  A cluster that every replica of `ctx.copies` repeats (`redundancy.differs_over`: in
+  A cluster that every replica of `ctx.copy_axes` repeats (`redundancy.differs_over`: in
   a tensor-parallel step, the update of a weight no spec splits over "model") gets
   formats of `ctx.num_shards * copies` shards (`Plan.shard_axes`), if every tensor
   has more elements than that (`formats.is_shardable_shape`'s rule); one that only some
@@ -266,7 +264,7 @@ def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx: PlanningContext, in_loo
   Returns:
     (`assign`'s result, the Plan's note on the copy axes: None without them).
   """
-  n, copies = ctx.num_shards, math.prod(ctx.copies.values())
+  n, copies = ctx.num_shards, math.prod(ctx.copy_sizes.values())
   if ctx.block_axes:
     return _within_blocks(jaxpr, cluster, ctx, names)
   if copies == 1 or in_loop:
@@ -274,33 +272,33 @@ def assign_repeated(jaxpr: Jaxpr, cluster: Cluster, ctx: PlanningContext, in_loo
   note = functools.partial(reasons.OverCopies, tuple(sorted(ctx.axes)))
   axes, why = _repeated_over(jaxpr, cluster, ctx, names)
   if axes:
-    wide_n = n * math.prod(ctx.copies[a] for a in axes)
+    wide_n = n * math.prod(ctx.copy_sizes[a] for a in axes)
     wide = assign(jaxpr, cluster, wide_n, ctx.big)
     if not isinstance(wide, Layout):
       why = why or wide
     elif all(math.prod(f.shape) > wide_n for f in wide.formats.values()):
-      if axes != tuple(ctx.copies):
+      if axes != ctx.copy_axes:
         wide = dataclasses.replace(wide, formats={
             v: dataclasses.replace(f, copy_axes=axes) for v, f in wide.formats.items()})
       return wide, note(axes, summed=redundancy.sums_over(jaxpr, cluster, frozenset(axes)))
     else:
-      why = why or f"a tensor has at most {wide_n} elements"
-  return assign(jaxpr, cluster, n, ctx.big), note(tuple(ctx.copies), why)
+      why = why or causes.AtMost(wide_n)
+  return assign(jaxpr, cluster, n, ctx.big), note(ctx.copy_axes, why)
 
 
 def _within_blocks(jaxpr: Jaxpr, cluster: Cluster, ctx: PlanningContext, names: Sequence[str]
                    ) -> tuple[Layout | str, reasons.OverCopies]:
   """`assign_repeated` of an update of blocks of the plan's axes (`ctx.block_axes`: FSDP)
-  that every replica of `ctx.copies` repeats (`fsdp_blocks`; there `ctx.axes` are the
+  that every replica of `ctx.copy_axes` repeats (`fsdp_blocks`; there `ctx.axes` are the
   copy axes): formats of `ctx.num_shards` shards over the copy axes alone, within each
   block (`ShardFormat.blocks`), or why not."""
-  note = functools.partial(reasons.OverCopies, ctx.block_axes, tuple(ctx.copies), blocks=True)
+  note = functools.partial(reasons.OverCopies, ctx.block_axes, ctx.copy_axes, blocks=True)
   why = redundancy.differs_over(jaxpr, cluster, ctx.facts, ctx.axes, names)
   layout = assign(jaxpr, cluster, ctx.num_shards, ctx.big) if why is None else why
   if isinstance(layout, Layout):
     if all(math.prod(f.shape) > ctx.num_shards for f in layout.formats.values()):
       return dataclasses.replace(layout, formats={
-          v: dataclasses.replace(f, copy_axes=tuple(ctx.copies), blocks=True)
+          v: dataclasses.replace(f, copy_axes=ctx.copy_axes, blocks=True)
           for v, f in layout.formats.items()}), note()
     layout = f"a tensor has at most {ctx.num_shards} elements"
   return layout, note(why=layout)
@@ -314,12 +312,12 @@ def copy_axis_sets(copies: Sequence[str]) -> Iterator[tuple[str, ...]]:
 
 def _repeated_over(jaxpr: Jaxpr, cluster: Cluster, ctx: PlanningContext, names: Sequence[str]
                    ) -> tuple[tuple, str | None]:
-  """The most copy axes (`ctx.copies`, in mesh order) every replica of which repeats the
+  """The most copy axes (`ctx.copy_axes`, in mesh order) every replica of which repeats the
   cluster (`redundancy.differs_over`), and why not all of them (None if all). Each set is
   checked as a whole: a gradient summed over one copy axis and not another is repeated
   over each alone, not over both at once."""
   why = None
-  for axes in copy_axis_sets(tuple(ctx.copies)):
+  for axes in copy_axis_sets(ctx.copy_axes):
     differs = redundancy.differs_over(jaxpr, cluster, ctx.facts, frozenset(axes), names)
     if differs is None:
       return axes, why

@@ -20,7 +20,7 @@ import math
 import numpy as np
 from jax import lax
 
-from wus.analysis import compat, costmodel, network
+from wus.analysis import causes, compat, costmodel, network
 from wus.analysis.compat import Jaxpr
 from wus.analysis.cost import nbytes, tensor
 from wus.analysis.owned import Ownership, OwnedFormat, OwnedUnit, Slot, build_bank
@@ -75,8 +75,7 @@ def worth(jaxpr: Jaxpr, u, topology: network.Topology, num_shards: int) -> str |
   own += network.copy_seconds(moved, topology)  # Into and out of the rows.
   u.predicted = (rep, own)
   if own > rep:
-    return (f"its update is too cheap to own (predicted {own * 1e6:.3g} us owned, with the "
-            f"copies into and out of rows, against {rep * 1e6:.3g} us replicated)")
+    return causes.TooCheap(own, rep)
   return None
 
 

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 
 from jax import lax
 
-from wus.analysis import compat, divides, owners, primitives, reasons, shardable
+from wus.analysis import causes, compat, divides, owners, primitives, reasons, shardable
 from wus.analysis.compat import Jaxpr, source_line
 from wus.analysis.graph import Graph
 from wus.analysis.owned import Ownership, Placement
@@ -143,8 +143,7 @@ def plan_ownership(graph: Graph, ctx: PlanningContext, candidates: list, taken: 
       break
     largest = max(owned, key=lambda u: (owners.unit_bytes(jaxpr, u), -min(u.eqns)))
     owned.remove(largest)
-    why = (f"too large to balance: owning it with the rest predicts {own * 1e6:.3g} us "
-           f"against {rep * 1e6:.3g} us replicated (imbalance {ownership.imbalance:.3f})")
+    why = causes.TooLargeToBalance(own, rep, ownership.imbalance)
     for idx, cp in largest.clusters:
       out.clusters[idx] = dataclasses.replace(cp, why=cp.why.noted(reasons.NotOwned(why)))
     if not owned:
@@ -224,17 +223,13 @@ def _check(graph: Graph, u: _Unit, ctx: PlanningContext,
     eqn = eqns[i]
     if shardable.shard_kind(eqn, kind_ctx) is Kind.REDUCE_SCATTER:
       if frozenset(compat.collective_axes(eqn)) != ctx.axes:
-        return (f"its all-reduce at {source_line(eqn)} spans more axes than the sharding "
-                f"axes {sorted(ctx.axes)}")
+        return causes.SpansMoreAxes(source_line(eqn), tuple(sorted(ctx.axes)))
       seeds.append(i)
       operands.update(v for v in eqn.invars if not compat.is_literal(v))
       if split := _split_over(eqn, ctx):
-        return (f"its gradient at {source_line(eqn)} is one block of a tensor split over "
-                f"{split} (tensor parallelism): the update of the block stays as the step "
-                "wrote it, on every replica (owning blocks that differ across those axes is "
-                "not implemented)")
+        return causes.BlockOfSplit(source_line(eqn), tuple(split))
     elif not _runs_on_owner(eqn, ctx):
-      return f"{eqn.primitive} at {source_line(eqn)} cannot run on one replica alone"
+      return causes.NotOnOneReplica(causes.Eqn.of(eqn, source_line(eqn)))
   # In equation order (not a set's), so that the reason printed is the same every run.
   made = dict.fromkeys(v for i in sorted(u.eqns) for v in eqns[i].outvars)
   outputs = [v for v in jaxpr.outvars if not compat.is_literal(v)]
@@ -242,13 +237,12 @@ def _check(graph: Graph, u: _Unit, ctx: PlanningContext,
     outside = [r for r in graph.readers(v) if r not in u.eqns]
     if outside:
       eqn = eqns[outside[0]]
-      return (f"{eqn.primitive} at {source_line(eqn)} reads {v.aval.str_short()} of the "
-              "update whole")
+      return causes.ReadOutside(causes.Eqn.of(eqn, source_line(eqn)), v.aval.str_short())
   reads = dict.fromkeys(v for i in sorted(u.eqns) for v in eqns[i].invars
                         if not compat.is_literal(v) and v not in made)
   for v in (v for v in reads if v not in operands):
     if not ctx.facts.is_redundant(v, ctx.axes):
-      return f"it reads {v.aval.str_short()}, which differs across replicas"
+      return causes.ReadsVarying(v.aval.str_short())
   pairs = {}
   for out_pos, in_pos in state_pairs.items():
     x, y = jaxpr.invars[in_pos], jaxpr.outvars[out_pos]
@@ -262,9 +256,9 @@ def _check(graph: Graph, u: _Unit, ctx: PlanningContext,
   u.weights = tuple(v for v in jaxpr.invars if v in reads and ctx.big(v)
                     and v not in {jaxpr.invars[k] for k in pairs.values()})
   if not seeds:
-    return "it has no gradient all-reduce of its own"
+    return causes.NoOwnAllReduce()
   if not any(ctx.big(v) for v in [*(eqns[i].outvars[0] for i in seeds), *u.exits]):
-    return "its tensors are scalar or tiny"
+    return causes.TinyTensors()
   return None
 
 

@@ -21,7 +21,6 @@ from wus.analysis.plan_parts import Grouping as Grouping
 from wus.analysis.plan_parts import InputPlan as InputPlan
 from wus.analysis.plan_parts import JaxprPlan as JaxprPlan
 from wus.analysis.plan_parts import TensorPlan as TensorPlan
-from wus.analysis.shardable import Kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +33,13 @@ class Plan:
     inputs: one entry per flat argument leaf of the step.
     clusters: one entry per weight-update cluster.
     min_size: tensors with fewer elements (or fewer than N) stay whole.
-    jaxpr_plan: the rewrite's instructions for the step; its `sharded_in` are
-      the inputs kept sharded between steps (optimizer state), its
-      `sharded_out` the outputs returned sharded.
+    rewrite: the rewrite's instructions for the planned jaxpr (`transforms/rewrite.py`), in
+      that jaxpr's index space: its equations, its inputs kept sharded between steps
+      (`sharded_in`) and its outputs returned sharded (`sharded_out`) by position among
+      its inputs and outputs. Under `wus.jit` these are the update region's operands and
+      results, not the step's arguments; every other field speaks in the step's arguments.
+    state_inputs: index in `inputs` -> format, for the arguments kept sharded between
+      steps (optimizer state): `rewrite.sharded_in` in the step's arguments.
     formats: the format of every tensor a sharded cluster holds or reads as
       shards (keyed by the jaxpr's variables, nested jaxprs included).
     gather_dtypes: sharded tensors whose whole value is only ever read in a
@@ -65,17 +68,15 @@ class Plan:
       nothing sharded (`wus.jit` of a step without data parallelism): a
       `reasons.Reason`, its verdict one of `refusals`'; None when it is planned.
     split_by: what splits inputs over model axes: "its spec" (shard_map) or "its placement".
-    copy_axes, copies: the other manual mesh axes (size > 1) over which an update identical
-      on all their replicas is sharded too (a TP step's LayerNorms, embeddings), and their
-      replicas: its tensors have `num_shards * copies` shards (`shard_axes`).
+    copy_axes, num_copies: the other manual mesh axes (size > 1, mesh order) over which an
+      update identical on all their replicas is sharded too (a TP step's LayerNorms,
+      embeddings), and how many replicas they have together (1: none): its tensors have
+      `num_shards * num_copies` shards (`shard_axes`). (The copy axes' sizes are
+      `planning.PlanRequest.copy_sizes`.)
     outside: why parts of the update run outside the sharded region, as the front
       end's JAX function runs them (`wus.jit`: an equation that needs a dim whole
       that a model axis splits, and what it reads), one `reasons.Reason` each (its
       verdict `refusals.NeedsWhole` or `refusals.Reshards`); () when none does.
-    input_of: per input of the planned jaxpr, the index in `inputs` of the argument it
-      is, or None for a value the rest of the step computes (`wus.jit`'s region reads
-      gradients and activations); () when the planned jaxpr's inputs are the
-      arguments themselves. `jaxpr_plan` and `state_inputs` are keyed by the former.
 
   `str(plan)` (what `print` shows) is the totals, then one line per cluster: its
   verdict, its weight (or state) tensor, the other weights and state it updates named by
@@ -91,7 +92,7 @@ class Plan:
   min_size: int
   inputs: tuple[InputPlan, ...]
   clusters: tuple[ClusterPlan, ...]
-  jaxpr_plan: JaxprPlan
+  rewrite: JaxprPlan
   formats: Mapping = dataclasses.field(default_factory=dict, repr=False)
   gather_dtypes: Mapping = dataclasses.field(default_factory=dict, repr=False)
   group_size: int | None = None
@@ -106,16 +107,16 @@ class Plan:
   unchanged: reasons.Reason | None = None
   split_by: str = "its spec"
   copy_axes: tuple = ()
-  copies: int = 1
+  num_copies: int = 1
   outside: tuple[reasons.Reason, ...] = ()
-  input_of: tuple[int | None, ...] = ()
+  state_inputs: Mapping[int, Format] = dataclasses.field(default_factory=dict)
 
   def shard_axes(self, fmt: Format) -> tuple:
     """The mesh axes a tensor's shards in `fmt` lie over, major first (shard r * copies + c);
     the copy axes alone for a block of the plan's axes (`ShardFormat.blocks`: FSDP)."""
     if getattr(fmt, "copy_axes", ()):
       return (*(() if fmt.blocks else self.axes), *fmt.copy_axes)
-    if self.copies > 1 and fmt.num_shards == self.num_shards * self.copies:
+    if self.num_copies > 1 and fmt.num_shards == self.num_shards * self.num_copies:
       return (*self.axes, *self.copy_axes)
     return tuple(self.axes)
 
@@ -124,20 +125,6 @@ class Plan:
     """With groups, the batched all-reduces of gradient shards across them per step
     (Fig. 10, right), predicted; else 0."""
     return self.groups.across if self.groups is not None else 0
-
-  @property
-  def shard_eqns(self) -> Mapping[int, Kind]:
-    return self.jaxpr_plan.shard_eqns
-
-  @property
-  def state_inputs(self) -> Mapping[int, Format]:
-    """Flat input position -> format, for inputs passed sharded."""
-    return self.jaxpr_plan.sharded_in
-
-  @property
-  def state_outputs(self) -> Mapping[int, Format]:
-    """Flat output position -> format, for outputs returned sharded."""
-    return self.jaxpr_plan.sharded_out
 
   @property
   def sharded_bytes(self) -> int:
@@ -161,23 +148,16 @@ class Plan:
   def state_bytes(self) -> tuple[int, int]:
     """(whole bytes, per-device bytes) of the inputs kept sharded between steps; whole
     over every block of a tensor the user's spec splits over other axes too."""
-    kept = self.kept_sharded
+    kept = self.state_inputs
     whole = sum(self.inputs[k].nbytes * self.inputs[k].blocks for k in kept)
     shard = sum(f.shard_size * self.inputs[k].itemsize for k, f in kept.items())
     return whole, shard
-
-  @property
-  def kept_sharded(self) -> Mapping[int, Format]:
-    """Index in `inputs` -> format, for the arguments kept sharded between steps."""
-    if not self.input_of:
-      return self.state_inputs
-    return {self.input_of[k]: f for k, f in self.state_inputs.items()}
 
   def _split_state(self) -> str:
     """The sharded state per device as a fraction of the layout of the user's specs
     alone (state split over a model axis), or "" when no spec splits any."""
     whole, shard = self.state_bytes
-    alone = sum(self.inputs[k].nbytes for k in self.kept_sharded)
+    alone = sum(self.inputs[k].nbytes for k in self.state_inputs)
     if whole == alone or not shard:
       return ""
     return (f"; {shard / whole:.3g} of a whole copy, {shard / alone:.3g} of what the "
@@ -189,7 +169,7 @@ class Plan:
     i = self.inputs[k]
     split = f"split over {[a for a, _ in i.split]} by {self.split_by}" if i.split else ""
     fsdp = f"FSDP over {[a for a, _ in i.fsdp]}" if i.fsdp else ""
-    fmt = self.kept_sharded.get(k) if i.sharded else None
+    fmt = self.state_inputs.get(k) if i.sharded else None
     if fmt is None and i.fsdp and i.state:
       return (f" [{', '.join(filter(None, [split, fsdp]))}: already "
               f"split by {self.split_by}, nothing repeated there: {_bytes(i.nbytes)} per device]")
@@ -203,6 +183,14 @@ class Plan:
   def whole_state_bytes(self) -> int:
     """Bytes of the step's state (inputs with a next value) each replica keeps whole."""
     return sum(i.nbytes for i in self.inputs if i.state and not i.sharded)
+
+  def _whole_state(self) -> str:
+    """What the state kept whole is, for the totals: weights and tiny tensors, and the
+    optimizer state of replicated clusters when there is some (Muon's momenta)."""
+    replicated = {t.name for c in self.clusters if not c.sharded and c.owner is None
+                  for t in c.tensors if t.role == "state"}
+    kept = any(i.state and not i.sharded and i.name in replicated for i in self.inputs)
+    return "weights, tiny tensors" + (", optimizer state of replicated clusters" if kept else "")
 
   def _wide(self) -> str:
     """How many sharded clusters lie over copy axes too (or, for blocks of the plan's
@@ -234,7 +222,7 @@ class Plan:
                for why in self.outside],
              f"  state kept sharded between steps: {_bytes(whole)} whole -> {_bytes(shard)} per "
              f"device (predicted{self._split_state()}); state kept whole: "
-             f"{_bytes(self.whole_state_bytes)} (weights, tiny tensors)",
+             f"{_bytes(self.whole_state_bytes)} ({self._whole_state()})",
              f"  weight update: {_bytes(self.sharded_bytes)} of tensors updated on shards, "
              + (f"{_bytes(self.owned_bytes)} owned, " if self.owned is not None else "")
              + f"{_bytes(self.replicated_bytes)} in replicated clusters"]
@@ -289,7 +277,7 @@ class Plan:
                  + (f"{self.owned_bytes} B owned, " if self.owned is not None else "")
                  + f"{self.replicated_bytes} B in replicated clusters; state sharded "
                  f"{whole} B -> {shard} B per replica (predicted), state kept whole "
-                 f"{self.whole_state_bytes} B (weights, tiny tensors: see inputs)")
+                 f"{self.whole_state_bytes} B ({self._whole_state()}: see inputs)")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from wus.analysis import clusters as clusters_lib
-from wus.analysis import compat, cost, kept_state, layouts, loops, reasons
+from wus.analysis import causes, compat, cost, kept_state, layouts, loops, reasons
 from wus.analysis.compat import Jaxpr, Var, source_line
 from wus.analysis.formats import Format
 from wus.analysis.graph import Graph
@@ -76,6 +76,10 @@ class Planning:
     read_whole: values a sharded cluster reads whole.
     candidates: (cluster index, Cluster, ClusterPlan) of the clusters kept replicated
       that ownership may take (`ownership.plan_ownership`).
+    continued: equations of the rest of a replicated cluster's update
+      (`kept_state.continued`), each listed with the first cluster whose update it
+      continues: one update several clusters feed (Muon's Newton-Schulz `scan` over
+      stacked momenta) lists its tensors once.
   """
 
   cluster_plans: list[ClusterPlan] = dataclasses.field(default_factory=list)
@@ -89,6 +93,7 @@ class Planning:
   read_whole: set[Var] = dataclasses.field(default_factory=set)
   candidates: list[tuple[int, clusters_lib.Cluster, ClusterPlan]] = dataclasses.field(
       default_factory=list)
+  continued: set[int] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -118,7 +123,8 @@ def plan_cluster(s: Scope, ctx: PlanningContext, acc: Planning, c: clusters_lib.
   if not d.decision.shard:
     # The update goes on past the equation that stopped the cluster: name
     # what it reads and returns there as kept whole with this cluster.
-    rest, rest_pairs = kept_state.continued(s.graph, d.c, clustered, s.state_pairs, ctx)
+    rest, rest_pairs = kept_state.continued(s.graph, d.c, clustered, s.state_pairs, ctx,
+                                            acc.continued)
     tensors += tensor_plans(rest, s, rest_pairs, fmt)
     for v in rest.reads:
       acc.reasons.whole(s.invar_pos[v], reasons.ClusterReplicated(idx))
@@ -149,8 +155,7 @@ def _layout(s: Scope, ctx: PlanningContext, c) -> tuple[layouts.Layout | object,
     layout = kept_whole(s.jaxpr, c)
   if isinstance(layout, layouts.Layout) and (mismatch := [
       v for v in c.reads if v in s.held and layout.formats.get(v) != s.held[v]]):
-    layout = (f"{mismatch[0].aval.str_short()} leaves a loop as shards of another format "
-              "than this update needs")
+    layout = causes.LoopFormat(mismatch[0].aval.str_short())
   return layout, over_copies
 
 
@@ -203,7 +208,7 @@ def _notes(s: Scope, ctx: PlanningContext, d: _Decided, over_copies) -> list:
                        x.aval.size * x.aval.dtype.itemsize, True)
         for x, dtype in d.narrow.items())))
   across = sorted({a for i in c.seeds for a in compat.collective_axes(s.jaxpr.eqns[i])}
-                  - ctx.axes - set(over_copies.copies if over_copies and over_copies.summed
+                  - ctx.axes - set(over_copies.copy_axes if over_copies and over_copies.summed
                                    else ()))
   if across and shard:
     notes.append(reasons.PartialSharding(tuple(sorted(ctx.axes)), tuple(across)))
@@ -239,10 +244,10 @@ def kept_whole(jaxpr: Jaxpr, c: clusters_lib.Cluster) -> reasons.KeptWhole:
     whole = [i for i, reader in c.kept_whole.items() if reader == r]
     collectives = [i for i in whole if jaxpr.eqns[i].primitive in (compat.psum_p,
                                                                     compat.psum_invariant_p)]
-    what = (f"the all-reduce at {source_line(jaxpr.eqns[collectives[0]])}" if collectives
-            else f"{jaxpr.eqns[max(whole)].primitive} at {source_line(jaxpr.eqns[max(whole)])}")
-    parts.append(reasons.RunsWhole(what, len(whole) - 1,
-                                   f"{jaxpr.eqns[r].primitive} at {source_line(jaxpr.eqns[r])}"))
+    first = jaxpr.eqns[collectives[0] if collectives else max(whole)]
+    parts.append(reasons.RunsWhole(causes.Eqn.of(first, source_line(first)), len(whole) - 1,
+                                   causes.Eqn.of(jaxpr.eqns[r], source_line(jaxpr.eqns[r])),
+                                   all_reduce=bool(collectives)))
   return reasons.KeptWhole(tuple(parts))
 
 

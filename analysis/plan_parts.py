@@ -171,7 +171,8 @@ class Grouping:
   """The sharding groups of `shard_group_size` (§5.2, Fig. 10), as the Plan says them.
 
   Attributes:
-    chosen: with `shard_group_size="auto"`, how the cost model chose G; "" otherwise.
+    chosen: with `shard_group_size="auto"`, how the cost model chose G
+      (`causes.AutoGroupSize`, `causes.AutoOneGroup`); None otherwise.
     layout: the groups in words (`transforms.groups.Groups.describe`), or why
       there are none to speak of (G = 1, G = N); "" when "auto" kept G = N.
     num_groups: M = N / G.
@@ -179,7 +180,7 @@ class Grouping:
       per step, predicted (0: none, or one group).
   """
 
-  chosen: str = ""
+  chosen: object | None = None
   layout: str = ""
   num_groups: int = 0
   across: int = 0
@@ -187,7 +188,8 @@ class Grouping:
   def __str__(self) -> str:
     across = (f"the gradient shards are all-reduced across the {self.num_groups} groups in "
               f"{self.across} batched all-reduce(s)") if self.across else ""
-    return "; ".join(filter(None, [self.chosen, self.layout, across]))
+    chosen = reasons.render(reasons.Reason(self.chosen)) if self.chosen is not None else ""
+    return "; ".join(filter(None, [chosen, self.layout, across]))
 
   def __bool__(self) -> bool:
     return bool(str(self))

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from wus.analysis import clusters as clusters_lib
-from wus.analysis import (compat, cost, formats, fsdp_blocks, kept_state, loops, network,
-                          ordering, ownership, reasons)
+from wus.analysis import (causes, compat, cost, formats, fsdp_blocks, kept_state, loops,
+                          network, ordering, ownership, reasons)
 from wus.analysis.compat import Jaxpr, Var, source_line
 from wus.analysis.formats import Format
 from wus.analysis.graph import Graph
@@ -43,7 +43,7 @@ def make_plan(request: PlanRequest) -> Plan:
   graph = Graph(r.jaxpr, r.num_shards, r.min_size)
   ctx = PlanningContext.of(r, graph.big)
   planned = _plan(graph, ctx, r.state_pairs, r.in_names, r.out_names)
-  inputs, input_of = _inputs(r, ctx, planned)
+  inputs, state_inputs = _inputs(r, ctx, planned)
   limit, alone, buckets, collectives = cost.bucket_bytes(planned.clusters, r.num_shards,
                                                          ctx.topology, r.objective)
   # In a step with clusters grown from roots, the copy-free order of donated weights
@@ -59,17 +59,18 @@ def make_plan(request: PlanRequest) -> Plan:
               jaxpr_plan, planned.formats, planned.gather_dtypes, objective=r.objective,
               bucket_bytes=limit, alone_bytes=alone, buckets=buckets, collectives=collectives,
               owned=planned.owned,
-              resolution=network.resolution(ctx.topology), copy_axes=tuple(ctx.copies),
-              copies=math.prod(ctx.copies.values()), group_size=r.group_size,
+              resolution=network.resolution(ctx.topology), copy_axes=tuple(ctx.copy_sizes),
+              num_copies=math.prod(ctx.copy_sizes.values()), group_size=r.group_size,
               groups=_with_across(r.grouping, planned.clusters, limit), split_by=r.split_by,
-              outside=tuple(r.outside), input_of=input_of)
+              outside=tuple(r.outside), state_inputs=state_inputs)
   # G = 1: groups of one replica shard nothing; the rewrite replays the step.
-  return replicated(plan, r.grouping.layout) if r.group_size == 1 else plan
+  return (replicated(plan, reasons.Reason(causes.GroupsOfOne(r.axes[0])))
+          if r.group_size == 1 else plan)
 
 
 def _inputs(r: PlanRequest, ctx: PlanningContext,
-            planned: _Planned) -> tuple[tuple[InputPlan, ...], tuple]:
-  """The Plan's inputs, each kept sharded or whole and why, and `Plan.input_of`."""
+            planned: _Planned) -> tuple[tuple[InputPlan, ...], dict]:
+  """The Plan's inputs, each kept sharded or whole and why, and `Plan.state_inputs`."""
   state = set(r.state_pairs.values()) | set(r.state_whole)
   inputs = []
   for k, v in enumerate(r.jaxpr.invars):
@@ -82,24 +83,23 @@ def _inputs(r: PlanRequest, ctx: PlanningContext,
                             k in state, v.aval.dtype.itemsize, r.matched.get(k, ""),
                             tuple(r.split.get(k, ())), tuple(r.fsdp.get(k, ()))))
   if r.arguments is None:
-    return tuple(inputs), ()
+    return tuple(inputs), dict(planned.jaxpr_plan.sharded_in)
   return _of_arguments(inputs, r.arguments, planned.jaxpr_plan.sharded_in)
 
 
-def replicated(plan: Plan, reason: str) -> Plan:
-  """`plan` with every cluster kept replicated and every input whole, for `reason`.
+def replicated(plan: Plan, why: reasons.Reason) -> Plan:
+  """`plan` with every cluster kept replicated and every input whole, for `why`.
 
   The rewrite then replays the step unchanged.
   """
-  why = reasons.Reason(reason)
   clusters = tuple(dataclasses.replace(
       c, sharded=False, why=why, owner=None,
       tensors=tuple(dataclasses.replace(t, format=None) for t in c.tensors)) for c in plan.clusters)
   inputs = tuple(dataclasses.replace(i, sharded=False, why=why) if i.sharded else i
                  for i in plan.inputs)
   return dataclasses.replace(plan, inputs=inputs, clusters=clusters,
-                             jaxpr_plan=JaxprPlan({}, {}, {}), formats={}, gather_dtypes={},
-                             owned=None)
+                             rewrite=JaxprPlan({}, {}, {}), formats={}, gather_dtypes={},
+                             owned=None, state_inputs={})
 
 
 def unchanged_plan(jaxpr: Jaxpr, in_names: Sequence[str], axes: Sequence, num_shards: int,
@@ -119,10 +119,11 @@ def unchanged_plan(jaxpr: Jaxpr, in_names: Sequence[str], axes: Sequence, num_sh
 
 
 def _of_arguments(operands: list[InputPlan], arguments: Sequence[Argument],
-                  sharded_in: Mapping[int, object]) -> tuple[tuple[InputPlan, ...], tuple]:
+                  sharded_in: Mapping[int, Format]) -> tuple[tuple[InputPlan, ...], dict]:
   """The Plan's inputs when the planned jaxpr is a region of the step: one per argument
   leaf, each the plan of the region input it enters as, named by its path and state if
-  the step returns its next value; and `Plan.input_of`.
+  the step returns its next value; and `Plan.state_inputs`, `sharded_in` (by region
+  operand) keyed by the argument each operand is (the first, if several enter as one).
 
   Raises:
     AssertionError: an input kept sharded that is no argument (the front end's state
@@ -142,7 +143,7 @@ def _of_arguments(operands: list[InputPlan], arguments: Sequence[Argument],
     inputs.append(dataclasses.replace(op, name=a.name, state=op.state or bool(a.matched),
                                       matched=op.matched or a.matched))
   assert all(input_of[k] is not None for k in sharded_in), "sharded state must be an argument"
-  return tuple(inputs), tuple(input_of)
+  return tuple(inputs), {input_of[k]: f for k, f in sharded_in.items()}
 
 
 def _with_across(grouping: Grouping | None, cluster_plans, bucket_bytes: int) -> Grouping | None:
@@ -340,7 +341,7 @@ def _plan_body(body: loops.Body, ctx: PlanningContext) -> _Planned:
   return ctx.memo[body]
 
 
-def _why_whole(v, ctx: PlanningContext, any_cluster: bool, split_reason: str):
+def _why_whole(v, ctx: PlanningContext, any_cluster: bool, split_reason: causes.SplitBy):
   """Why an input no cluster decided on stays whole (a `reasons` verdict)."""
   if not ctx.facts.is_redundant(v, ctx.axes):
     return reasons.Differs(tuple(sorted(ctx.axes)), split_reason)

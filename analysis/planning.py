@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from wus.analysis import network, reasons
+from wus.analysis import causes, network, reasons
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.plan_parts import Grouping
 from wus.analysis.redundancy import Redundancy
@@ -58,8 +58,8 @@ class PlanRequest:
       of an input (the step's state, matched by position, name or structure). Such a
       pair stays sharded between steps when only the update reads the input.
     min_size: tensors with fewer elements stay replicated (never below N).
-    split_reason: why an input that differs across replicas does (shown in the Plan;
-      `wus.pmap` points at replicated_argnums).
+    split_reason: what makes an input differ across replicas, as the front end says it
+      (`causes.SplitBy`; shown in the Plan).
     objective: as for `cost.decide`.
     topology: as for `cost.decide` (N devices), or None for
       `network.default_topology(N)`.
@@ -68,7 +68,7 @@ class PlanRequest:
       optimizer state and is all-gathered in that float at its first read (Fig. 4
       right, Fig. 7, across calls instead of a loop).
     state_whole: input position -> why the caller keeps that state whole between steps
-      (left out of `state_pairs`), for the Plan.
+      (left out of `state_pairs`), for the Plan: a verdict (`causes.SplitDifferently`).
     matched: input position -> which output the state matching took for its next value
       and by which rule, or why it found none, for the Plan.
     roots: positions of inputs that are identical on every replica and that an update
@@ -79,9 +79,11 @@ class PlanRequest:
       besides `axes`, with their sizes (tensor parallelism), for the Plan.
     fsdp: input position -> the axes of `axes` its spec splits it over (FSDP), for the
       Plan.
-    copies: other manual mesh axes -> their sizes (> 1): a cluster that every replica of
-      them repeats (`redundancy.differs_over`) is sharded over them too
-      (`Plan.copy_axes`).
+    copy_sizes: the copy axes (other manual mesh axes, size > 1, in mesh order) -> their
+      sizes: a cluster that every replica of them repeats (`redundancy.differs_over`) is
+      sharded over them too (`Plan.copy_axes`, `Plan.num_copies`). One name per concept:
+      `copy_axes` are these axes' names (a tuple), `copy_sizes` the same axes with their
+      sizes, `num_copies` the replicas they have together (the product).
     group_size: `shard_group_size`'s G, the update sharded within groups of G replicas
       of the one axis in `axes` (§5.2): N / G groups, whose gradient shards are
       all-reduced across them; 1: every update replicated (the reason is
@@ -96,7 +98,7 @@ class PlanRequest:
       `reasons.Reason` each.
     arguments: the step's argument leaves, when `jaxpr` is a region of the step
       (`wus.jit`): the Plan's inputs are then these, each with the plan of the input of
-      `jaxpr` it enters as (`Plan.input_of`); None: the inputs of `jaxpr` are the
+      `jaxpr` it enters as (`Plan.state_inputs`); None: the inputs of `jaxpr` are the
       arguments, named `in_names`.
   """
 
@@ -108,16 +110,16 @@ class PlanRequest:
   out_names: Sequence[str]
   state_pairs: Mapping[int, int]
   min_size: int = 0
-  split_reason: str = "its in_spec splits it"
+  split_reason: causes.SplitBy = causes.SPEC_SPLITS
   objective: str = "memory"
   topology: network.Topology | None = None
   shard_weights: bool = False
-  state_whole: Mapping[int, str] = dataclasses.field(default_factory=dict)
+  state_whole: Mapping[int, object] = dataclasses.field(default_factory=dict)
   matched: Mapping[int, str] = dataclasses.field(default_factory=dict)
   roots: Sequence[int] = ()
   split: Mapping[int, tuple] = dataclasses.field(default_factory=dict)
   fsdp: Mapping[int, tuple] = dataclasses.field(default_factory=dict)
-  copies: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  copy_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   group_size: int | None = None
   grouping: Grouping | None = None
   split_by: str = "its spec"
@@ -140,7 +142,8 @@ class PlanningContext:
     topology: the network the cost model prices collectives on (`num_shards` devices).
     shard_weights: `PlanRequest.shard_weights`.
     roots: the declared roots (`PlanRequest.roots`), as variables of the step's jaxpr.
-    copies: other manual mesh axes -> their sizes (`PlanRequest.copies`).
+    copy_sizes: the copy axes -> their sizes (`PlanRequest.copy_sizes`); `copy_axes`,
+      their names.
     block_axes: in `fsdp_blocks`' pass, the plan's axes, of which each replica updates
       its own block (`axes` and `num_shards` are then the copy axes); else ().
     memo: this planning's memo: a loop's `loops.Body` -> its plan (`planner`), a
@@ -156,7 +159,7 @@ class PlanningContext:
   topology: network.Topology
   shard_weights: bool = False
   roots: frozenset[Var] = frozenset()
-  copies: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  copy_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   block_axes: tuple[str, ...] = ()
   memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -167,4 +170,9 @@ class PlanningContext:
                big, request.objective,
                request.topology or network.default_topology(request.num_shards),
                request.shard_weights, frozenset(request.jaxpr.invars[k] for k in request.roots),
-               dict(request.copies))
+               dict(request.copy_sizes))
+
+  @property
+  def copy_axes(self) -> tuple[str, ...]:
+    """The copy axes' names, in mesh order (`copy_sizes`' keys)."""
+    return tuple(self.copy_sizes)

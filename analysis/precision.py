@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from wus.analysis import compat
+from wus.analysis import causes, compat
 from wus.analysis.compat import JaxprEqn
 from wus.analysis.graph import Graph
 
@@ -95,8 +95,8 @@ def narrowed(graph: Graph, x, members: set[int]) -> Narrowed | str:
     members: indices of the update's equations.
 
   Returns:
-    The `Narrowed` read, or a reason (the first equation that reads `x`
-    otherwise than converted to one narrower float).
+    The `Narrowed` read, or a reason (a `causes` value: the first equation that reads
+    `x` otherwise than converted to one narrower float).
   """
   jaxpr = graph.jaxpr
   reads = {v for i in members for v in jaxpr.eqns[i].invars if not compat.is_literal(v)}
@@ -120,28 +120,27 @@ def narrowed(graph: Graph, x, members: set[int]) -> Narrowed | str:
     if graph.only_read_by(v, skip):
       continue
     dtypes = _whole_reads(graph, v, skip)
-    if isinstance(dtypes, str):
+    if not isinstance(dtypes, set):
       return dtypes
     found |= dtypes
     gathered.append(v)
   if len(found) != 1:
-    return (f"read whole in {' and '.join(sorted(d.name for d in found))}" if found
-            else "not read whole")
+    return causes.ReadInFloats(tuple(sorted(d.name for d in found)))
   return Narrowed(found.pop(), tuple(copies), tuple(gathered))
 
 
-def _whole_reads(graph: Graph, v, skip: set[int]) -> set[np.dtype] | str:
+def _whole_reads(graph: Graph, v, skip: set[int]) -> set[np.dtype] | object:
   """The narrower floats the readers of `v` outside `skip` convert it to.
 
   The value is all-gathered narrow: it may only flow, through layout-only
   equations, into conversions to a narrower float, and may not be returned.
-  A reason instead, if something reads it otherwise.
+  A reason instead (a `causes` value), if something reads it otherwise.
   """
   found, todo = set(), [v]
   while todo:
     u = todo.pop()
     if u in graph.outputs:
-      return f"{u.aval.str_short()} is returned"
+      return causes.Returned(u.aval.str_short())
     for i in graph.readers(u):
       eqn = graph.jaxpr.eqns[i]
       if u is v and i in skip:
@@ -149,11 +148,10 @@ def _whole_reads(graph: Graph, v, skip: set[int]) -> set[np.dtype] | str:
       if eqn.primitive is lax.convert_element_type_p:
         new = np.dtype(eqn.params["new_dtype"])
         if not (jnp.issubdtype(new, jnp.floating) and new.itemsize < v.aval.dtype.itemsize):
-          return (f"{eqn.primitive} at {compat.source_line(eqn)} reads it as {new.name}")
+          return causes.ReadsIn(causes.Eqn.of(eqn, compat.source_line(eqn)), new.name, True)
         found.add(new)
       elif is_copy(eqn):
         todo.extend(eqn.outvars)
       else:
-        return (f"{eqn.primitive} at {compat.source_line(eqn)} reads it in "
-                f"{u.aval.dtype.name}")
+        return causes.ReadsIn(causes.Eqn.of(eqn, compat.source_line(eqn)), u.aval.dtype.name)
   return found

@@ -20,7 +20,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 
-from wus.analysis import refusals, verdicts
+from wus.analysis import causes, refusals, verdicts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,14 +35,17 @@ class RunsWhole:
   """Equations of the update that run whole because a repeated reader has no shard rule.
 
   Attributes:
-    what: the first of them in words ("the all-reduce at f.py:3", "mul at f.py:4").
+    what: the first of them (`causes.Eqn`): its gradient all-reduce when `all_reduce`
+      ("the all-reduce at f.py:3"), else the last ("mul at f.py:4").
     more: how many more run whole with it.
-    reader: the reader's primitive name and source line ("sort at f.py:5").
+    reader: the reader (`causes.Eqn`: "sort at f.py:5").
+    all_reduce: whether `what` is a gradient all-reduce.
   """
 
-  what: str
+  what: causes.Eqn
   more: int
-  reader: str
+  reader: causes.Eqn
+  all_reduce: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,22 +101,23 @@ class PartialSharding:
 
 @dataclasses.dataclass(frozen=True)
 class OverCopies:
-  """The update of values identical across the other mesh axes `copies` (a
+  """The update of values identical across the other mesh axes `copy_axes` (a
   tensor-parallel step's "model") is sharded over them too, or `why` it is not; with
   `blocks`, over them alone, within each block of the replica `axes` (FSDP)."""
 
   axes: tuple[str, ...]
-  copies: tuple[str, ...]
-  why: str | None = None
-  summed: bool = False  # Its gradient all-reduces run over `copies` too.
+  copy_axes: tuple[str, ...]
+  why: object | None = None  # A `causes` value: `DependsOnInput`, `AtMost`, `Regroups`...
+  summed: bool = False  # Its gradient all-reduces run over `copy_axes` too.
   blocks: bool = False  # Each replica of `axes` updates its own block (FSDP).
 
 
 @dataclasses.dataclass(frozen=True)
 class NotOwned:
-  """Why ownership does not run the replicated cluster on whole tensors."""
+  """Why ownership does not run the replicated cluster on whole tensors: `why`, one of
+  `causes`' (`TooLargeToBalance`, `TooCheap`, `BlockOfSplit`...)."""
 
-  why: str
+  why: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +148,8 @@ class OwnedWith:
 
 # Inputs: why each is kept sharded between steps or whole (`plan.InputPlan.why`, a
 # `Reason` with one of these as its verdict; a front end's reason, that the caller
-# keeps the state whole, is a string verdict with the planner's as a note).
+# keeps the state whole, is the verdict (`causes.SplitDifferently`) with the planner's
+# as a note).
 
 @dataclasses.dataclass(frozen=True)
 class LoopCarried:
@@ -215,25 +220,27 @@ class ClusterUpdates:
 
 @dataclasses.dataclass(frozen=True)
 class NoShardRule:
-  """Whole: state whose next value an update computes, read whole by `reader` (its
-  primitive and source line), which every replica repeats and which has no shard rule."""
+  """Whole: state whose next value an update computes, read whole by `reader` (a
+  `causes.Eqn`), which every replica repeats and which has no shard rule."""
 
-  reader: str
+  reader: causes.Eqn
 
 
 @dataclasses.dataclass(frozen=True)
 class NotKeptByShardWeights:
-  """A note: `shard_weights=True` does not keep this weight sharded, for `why`."""
+  """A note: `shard_weights=True` does not keep this weight sharded, for `why` (a `causes`
+  value: `ReadsIn`, `Returned`, `ReadInFloats`...)."""
 
-  why: str
+  why: object
 
 
 @dataclasses.dataclass(frozen=True)
 class Differs:
-  """Whole: not identical across the replica `axes`, for `why` (its in_spec splits it)."""
+  """Whole: not identical across the replica `axes`, for `why`: what splits it, as its
+  front end says (`causes.SplitBy`, `pipeline.Step.split_reason`)."""
 
   axes: tuple[str, ...]
-  why: str
+  why: causes.SplitBy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,9 +284,10 @@ class Reason:
   """Why a cluster is sharded, replicated or owned, or an input kept sharded or whole.
 
   Attributes:
-    verdict: the deciding pass's words, or one of this module's verdicts
-      (`FormatClash`, `KeptWhole`, `Owned`, `OwnedWith`; an input's `OnlyCluster`...),
-      the cost model's (`verdicts`) or a front end's refusal (`refusals`).
+    verdict: a value, never words: one of this module's verdicts (`FormatClash`,
+      `KeptWhole`, `Owned`, `OwnedWith`; an input's `OnlyCluster`...), the cost model's
+      (`verdicts`), what stops a layout or keeps state whole (`causes`) or a front end's
+      refusal (`refusals`).
     notes: what later passes add, in order.
     where: the loop the cluster sits in ("loop at f.py:12: "), "" at the step's level.
   """
@@ -287,6 +295,10 @@ class Reason:
   verdict: object
   notes: tuple = ()
   where: str = ""
+
+  def __post_init__(self):
+    if any(isinstance(x, str) for x in (self.verdict, *self.notes)):
+      raise TypeError(f"a Reason holds values, not words: {self.verdict!r}, {self.notes!r}")
 
   def noted(self, *notes) -> Reason:
     return dataclasses.replace(self, notes=self.notes + notes)
@@ -308,7 +320,7 @@ _CITATION = re.compile(r" \((?:§|Fig\. )[^()]*\)")
 
 
 def _words(x) -> str:
-  return x if isinstance(x, str) else _RENDER[type(x)](x)
+  return _RENDER[type(x)](x)
 
 
 def _gather(g: Gather, loop: bool) -> str:
@@ -337,9 +349,11 @@ def _owned(x: Owned) -> str:
 _RENDER: dict[type, Callable] = {
     **verdicts.RENDER,
     **refusals.RENDER,
+    **causes.RENDER,
     FormatClash: lambda x: (f"{x.name} is read as shards of another format by an earlier "
                             "cluster (one value, one format)"),
-    RunsWhole: lambda x: (f"{x.what} and {x.more} more equation(s) run whole: {x.reader} reads "
+    RunsWhole: lambda x: (("the all-reduce at " + x.what.line if x.all_reduce else _words(x.what))
+                          + f" and {x.more} more equation(s) run whole: {_words(x.reader)} reads "
                           "the result whole and has no shard rule"),
     KeptWhole: lambda x: "; ".join(map(_words, x.parts)),
     RareConditionals: lambda x: ", ".join(
@@ -351,18 +365,18 @@ _RENDER: dict[type, Callable] = {
     PartialSharding: lambda x: (f"partial sharding (§5.2): reduce-scatter over {list(x.axes)}, "
                                 f"the shards all-reduced across {list(x.across)}"),
     OverCopies: lambda x: (
-        f"sharded over {list(x.copies)} within each block: not identical across "
+        f"sharded over {list(x.copy_axes)} within each block: not identical across "
         f"{list(x.axes)} (each replica of them updates its own block, FSDP), identical on "
-        f"every replica of {list(x.copies)} (§3.1), each keeps its part of the block"
+        f"every replica of {list(x.copy_axes)} (§3.1), each keeps its part of the block"
         if x.why is None and x.blocks else
-        f"sharded over {list(x.axes + x.copies)}: its gradient all-reduce runs over "
-        f"{list(x.copies)} too, one reduce-scatter over all of them (§3.1)"
+        f"sharded over {list(x.axes + x.copy_axes)}: its gradient all-reduce runs over "
+        f"{list(x.copy_axes)} too, one reduce-scatter over all of them (§3.1)"
         if x.why is None and x.summed else
-        f"sharded over {list(x.axes + x.copies)}: identical on every replica of "
-        f"{list(x.copies)} too (§3.1), each keeps its part of the shard" if x.why is None else
-        f"sharded over {list(x.axes)} only, not {list(x.copies)}: its update may differ "
-        f"across them ({x.why})"),
-    NotOwned: lambda x: f"not owned: {x.why}",
+        f"sharded over {list(x.axes + x.copy_axes)}: identical on every replica of "
+        f"{list(x.copy_axes)} too (§3.1), each keeps its part of the shard" if x.why is None else
+        f"sharded over {list(x.axes)} only, not {list(x.copy_axes)}: its update may differ "
+        f"across them ({_words(x.why)})"),
+    NotOwned: lambda x: f"not owned: {_words(x.why)}",
     Owned: _owned,
     OwnedWith: lambda x: f"owned with cluster {x.index} (shares equations)",
     LoopCarried: lambda x: f"state of the loop at {x.line}, sharded between steps",
@@ -379,11 +393,12 @@ _RENDER: dict[type, Callable] = {
     ClusterReplicated: lambda x: f"cluster {x.index} stays replicated",
     SlicedLocally: lambda x: f"read whole elsewhere; cluster {x.index} slices it locally",
     ClusterUpdates: lambda x: f"cluster {x.index} updates it",
-    NoShardRule: lambda x: (f"{x.reader} reads it whole and has no shard rule (an update "
+    NoShardRule: lambda x: (f"{_words(x.reader)} reads it whole and has no shard rule (an update "
                             "computes its next value)"),
     NotKeptByShardWeights: lambda x: ("not kept sharded by shard_weights=True, which keeps "
-                                      f"weights read whole only in a narrower float: {x.why}"),
-    Differs: lambda x: f"not identical across {list(x.axes)} ({x.why})",
+                                      "weights read whole only in a narrower float: "
+                                      + _words(x.why)),
+    Differs: lambda x: f"not identical across {list(x.axes)} ({_words(x.why)})",
     Tiny: lambda x: (f"scalar or tiny (at most {x.num_shards} elements, or fewer than "
                      f"min_shard_size={x.min_size}): kept replicated"),
     NoGradientAllReduce: lambda x: (f"the step has no gradient all-reduce over exactly "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from wus.analysis import compat, primitives, rules
+from wus.analysis import causes, compat, primitives, rules
 from wus.analysis.compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 from wus.analysis.graph import Graph
 
@@ -81,21 +81,18 @@ def why_differs(jaxpr: Jaxpr, facts: Redundancy, v, axes: frozenset,
     if eqn is None:
       if u in inputs:
         name = names[inputs[u]] if names else f"input {inputs[u]}"
-        return f"it depends on {name}, which differs across replicas"
+        return causes.DependsOnInput(name)
       continue
     varying = [w for w in eqn.invars if not compat.is_literal(w)
                and not facts.is_redundant(w, axes)]
     if varying:
       todo += varying
       continue
-    where = f"{eqn.primitive} at {compat.source_line(eqn)}"
+    where = causes.Eqn.of(eqn, compat.source_line(eqn))
     if eqn.primitive not in redundancy_rules:
-      return (f"{where} has no redundancy rule, so wus treats its result as differing "
-              "across replicas")
-    if compat.side_effects(eqn):
-      return f"it depends on {where}, which has side effects"
-    return f"it depends on {where}"
-  return "it differs across replicas"
+      return causes.NoRedundancyRule(where)
+    return causes.DependsOn(where, effects=bool(compat.side_effects(eqn)))
+  return causes.VariesAcross()
 
 
 def differs_over(jaxpr: Jaxpr, cluster, facts: Redundancy, axes: frozenset,
@@ -125,12 +122,11 @@ def differs_over(jaxpr: Jaxpr, cluster, facts: Redundancy, axes: frozenset,
   summed = set(cluster.seeds) if sums_over(jaxpr, cluster, axes) else set()
   for i in (i for i in cluster.seeds if i not in summed):
     if set(compat.collective_axes(jaxpr.eqns[i])) & axes:
-      return (f"its gradient all-reduce at {compat.source_line(jaxpr.eqns[i])} runs over "
-              "some of them")
+      return causes.AllReduceOverSome(compat.source_line(jaxpr.eqns[i]))
   for i in cluster.eqns:
     eqn = jaxpr.eqns[i]
     if compat.side_effects(eqn):
-      return f"{eqn.primitive} at {compat.source_line(eqn)} has side effects"
+      return causes.HasEffects(causes.Eqn.of(eqn, compat.source_line(eqn)))
     if (v := next((v for v in (*(() if i in summed else eqn.invars), *eqn.outvars)
                    if not facts.is_redundant(v, axes)), None)) is not None:
       return why_differs(jaxpr, facts, v, axes, names)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from wus.analysis import causes
 from wus.analysis.network import format_seconds
 
 
@@ -57,11 +58,12 @@ class OnlyAddsGathers:
 @dataclasses.dataclass(frozen=True)
 class MoreAllGather:
   """Replicated: `all_gather` bytes of all-gather, more than the `all_reduce` bytes it
-  replaces; `reader` says who reads a shard whole, and why it differs ("" if none)."""
+  replaces; `reader` says who reads a value of it whole, and why that differs
+  (`causes.ReadWhole`; None if nothing outside reads one)."""
 
   all_gather: int
   all_reduce: int
-  reader: str = ""
+  reader: causes.ReadWhole | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +73,10 @@ class SavesNothing:
 
 @dataclasses.dataclass(frozen=True)
 class WholeReader:
-  """Replicated: `reader` (primitive and source line), repeated on every replica and with
-  no shard rule, reads a sharded value whole."""
+  """Replicated: `reader` (a `causes.Eqn`), repeated on every replica and with no shard
+  rule, reads a sharded value whole."""
 
-  reader: str
+  reader: causes.Eqn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +106,12 @@ RENDER: dict[type, Callable] = {
                                 f"steps, so sharding it would only add {x.all_gather} B of "
                                 "all-gather"),
     MoreAllGather: lambda x: (f"needs {x.all_gather} B of all-gather, more than the "
-                              f"{x.all_reduce} B all-reduce it replaces{x.reader}"),
+                              f"{x.all_reduce} B all-reduce it replaces"
+                              + (causes.words(x.reader) if x.reader is not None else "")),
     SavesNothing: lambda x: ("reads no weights or optimizer state and returns nothing: only "
                              "computation that differs across replicas reads its result"),
-    WholeReader: lambda x: f"{x.reader} reads a sharded value whole and has no shard rule",
+    WholeReader: lambda x: (f"{causes.words(x.reader)} reads a sharded value whole and has no "
+                            "shard rule"),
     SlowerSharded: lambda x: (f"predicted slower sharded ({format_seconds(x.sharded)} of "
                               f"collectives and update against {format_seconds(x.replicated)} "
                               "replicated; objective='time'; objective='memory' shards it)"),

@@ -52,16 +52,16 @@ def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequen
 
   Returns:
     A jitted function of one global array per `jaxpr` input; state inputs
-    (`plan.state_inputs`) are the global arrays of their padded shards
+    (`plan.rewrite.sharded_in`) are the global arrays of their padded shards
     (`ShardedLayout.padded_shape`: each block's `format.padded_shape` for a
     tensor its spec splits over other axes too) laid out by `padded_spec`. It
     returns one global array per output, state outputs in the same padded layout.
   """
   def padded(spec: P, fmt) -> P:
     return padded_spec(spec, plan.shard_axes(fmt), mesh, home)
-  ins = tuple(padded(s, plan.state_inputs[k]) if k in plan.state_inputs else s
+  ins = tuple(padded(s, plan.rewrite.sharded_in[k]) if k in plan.rewrite.sharded_in else s
               for k, s in enumerate(in_specs))
-  outs = tuple(padded(s, plan.state_outputs[k]) if k in plan.state_outputs else s
+  outs = tuple(padded(s, plan.rewrite.sharded_out[k]) if k in plan.rewrite.sharded_out else s
                for k, s in enumerate(out_specs))
   body = rewrite(jaxpr, plan)
 
@@ -76,7 +76,7 @@ def step_program(jaxpr: ClosedJaxpr, plan: Plan, *, mesh: Mesh, in_specs: Sequen
   fn = jax.shard_map(timed_body, mesh=mesh, in_specs=ins, out_specs=outs,
                      check_vma=check_vma, axis_names=axis_names)
   if home is not None:
-    fn = _placed(fn, mesh, ins, outs, set(plan.state_outputs), home)
+    fn = _placed(fn, mesh, ins, outs, set(plan.rewrite.sharded_out), home)
   return jax.jit(fn, donate_argnums=tuple(donate_argnums))
 
 

@@ -255,11 +255,11 @@ def rewrite(jaxpr: ClosedJaxpr, plan: Plan) -> Callable[..., list[Any]]:
 
   Returns:
     A function to run inside `shard_map` over the same mesh. It takes one
-    value per `jaxpr` input (inputs in `plan.state_inputs` as this replica's
+    value per `jaxpr` input (inputs in `plan.rewrite.sharded_in` as this replica's
     shard, shape `format.shard_shape`; the rest whole) and returns one value per
-    output (outputs in `plan.state_outputs` as shards, the rest whole).
+    output (outputs in `plan.rewrite.sharded_out` as shards, the rest whole).
   """
-  return lambda *args: _run(jaxpr, plan.jaxpr_plan, plan, args)
+  return lambda *args: _run(jaxpr, plan.rewrite, plan, args)
 
 
 def _run(jaxpr: ClosedJaxpr, jaxpr_plan: JaxprPlan, plan: Plan, args) -> list[Any]:

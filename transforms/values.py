@@ -49,7 +49,7 @@ class Env:
     self.casts: dict = {}    # Whole values cast to varying (compat.match_varying).
     self.current = -1        # Index of the equation being rewritten.
     self.owned = (owned.OwnedUpdates(plan)
-                  if plan.owned is not None and jaxpr_plan is plan.jaxpr_plan else None)
+                  if plan.owned is not None and jaxpr_plan is plan.rewrite else None)
 
   def fmt(self, v) -> ShardFormat:
     return self.plan.formats[v]

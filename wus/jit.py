@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from wus import errors, jit_arguments, jit_region, mesh_axes, pipeline, runtime
 from wus.analysis import compat, global_view, planner, propagation, refusals
+from wus.analysis.causes import BATCH_SPLITS
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import Plan
 from wus.analysis.reasons import Reason
@@ -345,7 +346,7 @@ class JitStep:
     in_specs, out_specs = specs
     step = pipeline.Step(
         global_view_program.region_fn(jaxpr, region, roles.batch, blocks, dict(mesh.shape)),
-        in_specs, out_specs, check_vma=False, split_reason="split over the batch axes",
+        in_specs, out_specs, check_vma=False, split_reason=BATCH_SPLITS,
         match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
         names=(in_names, out_names), split_by="its placement", outside=outside,
         arguments=jit_region.arguments(jaxpr, region, paths, match, out_paths))

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from wus import runtime
 from wus.analysis import clusters, network
+from wus.analysis.causes import GroupsOfOne, SplitDifferently, words
 from wus.transforms import groups
 from wus.transforms.layout import split_axes
 
@@ -102,8 +103,7 @@ def split_differently(pairs: dict, in_specs: Sequence, out_specs: Sequence,
   out = {}
   for o, i in pairs.items():
     if runtime.normal(in_specs[i]) != runtime.normal(out_specs[o]):
-      out[i] = (f"its in_spec {in_specs[i]} and the out_spec {out_specs[o]} of its next value "
-                f"{out_names[o]} split it differently: kept whole between steps")
+      out[i] = SplitDifferently(str(in_specs[i]), str(out_specs[o]), out_names[o])
   return out
 
 
@@ -125,8 +125,7 @@ def sharding_groups(mesh: Mesh, axes: tuple, group_size: int) -> tuple[groups.Gr
   size, g = mesh.shape[axis], group_size
   found = groups.derive(mesh, axis, g)  # Raises for a G that does not divide N.
   if g == 1:
-    why = (f"shard_group_size=1: groups of one replica of {axis!r}, so nothing is sharded; "
-           "the update runs replicated as in the original step")
+    why = words(GroupsOfOne(axis))
     return None, why
   if g == size:
     return None, (f"shard_group_size={g}: one group of all {size} replicas of {axis!r} "

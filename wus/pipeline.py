@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from wus import mesh_axes, runtime
-from wus.analysis import compat, cost, network, reasons, redundancy
+from wus.analysis import causes, compat, cost, network, reasons, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Grouping, Plan
 from wus.analysis.planner import make_plan
@@ -42,8 +42,8 @@ class Step:
   Attributes:
     f: the per-replica step.
     in_specs, out_specs, check_vma, axis_names: as for `jax.shard_map`.
-    split_reason: why an input its in_spec splits differs across replicas
-      (for the Plan; `wus.pmap` names its per-device copies).
+    split_reason: why an input its in_spec splits differs across replicas, for the Plan
+      (`causes.SplitBy`; `wus.pmap` names its per-device copies).
     split_by: what splits inputs over model axes, in the Plan's words
       (`planning.PlanRequest`).
     outside: why parts of the front end's update run outside it (`Plan.outside`'s Reasons).
@@ -61,7 +61,7 @@ class Step:
   out_specs: Any
   check_vma: bool = True
   axis_names: frozenset = frozenset()
-  split_reason: str = "its in_spec splits it"
+  split_reason: causes.SplitBy = causes.SPEC_SPLITS
   signature: Signature = Signature()
   match_state: Callable[[tuple, Any], StateMatch] | None = None
   names: tuple[Sequence[str], Sequence[str]] | None = None
@@ -161,7 +161,7 @@ class GroupRequest:
   """The sharding groups asked for: G (None: one group of all N) and, for "auto", why."""
 
   size: int | None = None
-  chosen: str = ""
+  chosen: object | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +317,7 @@ def group(matched: Matched) -> Grouped:
   """
   t, request = matched.traced, matched.request
   mesh, options = t.call.mesh, t.call.options
-  chosen = Grouping(request.chosen) if request.chosen else None
+  chosen = Grouping(request.chosen) if request.chosen is not None else None
   if request.size is None:
     return Grouped(matched, None, None, chosen, mesh, t.in_specs, t.out_specs, t.manual,
                    t.operand_avals)
@@ -400,9 +400,9 @@ def plan_request(analysed: Analysed) -> PlanRequest:
   f, g, m = analysed.flat, analysed.flat.grouped, analysed.flat.grouped.matched
   call, options, step = m.traced.call, m.traced.call.options, m.traced.call.step
   roles = call.roles
-  copies = ({a: g.mesh.shape[a] for a in roles.copies} if roles and g.home is None else
-            mesh_axes.copy_axes(roles is None and options.axis_name is None, g.mesh, g.manual,
-                                f.axes, g.home))
+  copy_sizes = ({a: g.mesh.shape[a] for a in roles.copies} if roles and g.home is None else
+                mesh_axes.copy_axes(roles is None and options.axis_name is None, g.mesh, g.manual,
+                                    f.axes, g.home))
   return PlanRequest(
       f.jaxpr, analysed.facts, axes=f.axes, num_shards=analysed.num_shards,
       in_names=analysed.in_names, out_names=list(m.out_names), state_pairs=f.pairs,
@@ -411,7 +411,7 @@ def plan_request(analysed: Analysed) -> PlanRequest:
       fsdp=mesh_axes.fsdp_axes(g.in_specs, m.traced.sources, call.replicated, f.axes, g.mesh),
       min_size=options.min_shard_size, split_reason=step.split_reason,
       objective=options.objective, shard_weights=options.shard_weights,
-      topology=analysed.topology, copies=copies,
+      topology=analysed.topology, copy_sizes=copy_sizes,
       group_size=m.request.size, grouping=g.grouping, split_by=step.split_by,
       outside=step.outside, arguments=None if step.arguments is None else tuple(
           # Each argument's operand of the region, as an operand of the traced step.
@@ -434,12 +434,12 @@ def build(planned: Planned, seconds: Mapping[str, float]) -> runtime.Compiled:
                                   out_specs=g.out_specs, axis_names=g.manual,
                                   check_vma=t.check_vma, donate_argnums=donated,
                                   timings=lowering, home=home)
-  # The Plan's state inputs are positions among the step's operands; the runtime's are
-  # positions among the user's flat argument leaves.
+  # The rewrite's sharded inputs are positions among the step's operands; the runtime's
+  # are positions among the user's flat argument leaves.
   sharded_leaves = {t.sources[k][1]: ShardedLayout(fmt, p.shard_axes(fmt), g.in_specs[k], mesh,
-                                                   home) for k, fmt in p.state_inputs.items()}
+                                                   home) for k, fmt in p.rewrite.sharded_in.items()}
   sharded_outputs = {k: ShardedLayout(fmt, p.shard_axes(fmt), g.out_specs[k], mesh, home)
-                     for k, fmt in p.state_outputs.items()}
+                     for k, fmt in p.rewrite.sharded_out.items()}
   # Identical on every replica: of all the data-parallel axes, also across groups.
   same = frozenset(f.axes) | (frozenset((home.outer, home.inner)) if home is not None
                               else set())

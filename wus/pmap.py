@@ -27,6 +27,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from wus import pipeline, runtime
 from wus.analysis import network
+from wus.analysis.causes import MAPPED_COPIES_DIFFER
 from wus.matching import Signature
 from wus.options import Options
 from wus.runtime import donated_positions, needs_arguments
@@ -355,7 +356,7 @@ class _Pmapped:
     if set(kwarg_names) & set(self._donate_argnames):
       donated.add(len(dyn_pos))  # The keyword dict (jax.pmap never donates keywords).
     step = pipeline.Step(body, tuple(in_specs), out_specs, check_vma=False,
-                         split_reason="mapped, and its per-device copies differ",
+                         split_reason=MAPPED_COPIES_DIFFER,
                          signature=Signature.of(f, positions=tuple(dyn_pos), keywords=True))
     return step, frozenset(donated)
 

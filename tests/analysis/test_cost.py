@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from helpers import analysed_body, mesh
-from wus.analysis import clusters, cost, layouts, verdicts
+from wus.analysis import clusters, cost, layouts, reasons, verdicts
 from wus.analysis.cost import Decision
 from wus.analysis.reasons import Reason
 from wus.analysis.graph import Graph
@@ -97,8 +97,11 @@ def test_refusal_names_the_reader_that_needs_a_sharded_value_whole():
   d = decide(step, [R, X], [(64,)] * 2, (R, X))
   assert not d.shard and (d.all_reduce_bytes, d.all_gather_bytes) == (256, 512)
   assert d.why.verdict == verdicts.MoreAllGather(512, 256, d.why.verdict.reader)
-  assert d.why.verdict.reader.startswith(" (float32[64]{V:data} is read whole by mul at ")
-  assert d.why.verdict.reader.endswith(", which differs across replicas)"), d.why
+  reader = d.why.verdict.reader
+  assert (reader.aval, reader.reader.primitive) == ("float32[64]{V:data}", "mul"), d.why
+  assert reader.differs is not None, d.why
+  assert str(d.why).endswith(", which differs across replicas: "
+                             f"{reasons.render(reasons.Reason(reader.differs))})"), d.why
 
 
 def test_norm_counts_as_a_reduction_and_its_scalar_is_not_gathered():

@@ -7,13 +7,13 @@ import itertools
 
 import pytest
 
-from wus.analysis import reasons
+from wus.analysis import causes, reasons
 from wus.analysis.input_reasons import InputReasons
 
 KEPT = ("keep", reasons.OnlySharded(False))
 OWNED = ("own", reasons.OnOwner(1, 2, False))
 SHARDED = ("shard", reasons.OnlyCluster(3))
-NOTE = ("note", reasons.NotKeptByShardWeights("its forward pass reads it in float32"))
+NOTE = ("note", reasons.NotKeptByShardWeights(causes.ReadInFloats(("float32",))))
 FALLBACK = ("whole", reasons.ClusterReplicated(0))
 
 
@@ -55,7 +55,7 @@ def test_the_first_fallback_and_the_last_sharding_win():
 
 
 def test_notes_without_a_fallback_name_the_cluster_that_updates_the_weight():
-  other = reasons.NotKeptByShardWeights("another")
+  other = reasons.NotKeptByShardWeights(causes.Returned("float32[8]"))
   assert _picked(NOTE, ("note", other)) == (
       False, reasons.Reason(reasons.ClusterUpdates(5), (NOTE[1], other)))
 

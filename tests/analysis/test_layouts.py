@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from helpers import analysed_body, mesh
-from wus.analysis import clusters, layouts
+from wus.analysis import causes, clusters, layouts
 from wus.analysis.formats import ShardFormat
 from wus.analysis.graph import Graph
 from wus.analysis.shardable import Kind
@@ -115,7 +115,7 @@ def test_reshape_that_regroups_dims_a_reduction_keeps_apart_has_no_layout():
     return (w - 0.1 * g / jnp.sum(g, axis=1, keepdims=True),)
 
   _, _, why = assign(step, [R, X], [(9, 35), CONV], (R,))
-  assert isinstance(why, str) and "regroups dims" in why and "float32[9,35]" in why
+  assert why == causes.Regroups("float32[9,35]"), why
 
 
 def test_reduction_keeping_the_shard_dim_with_a_result_too_small_to_shard_has_no_layout():
@@ -124,7 +124,7 @@ def test_reduction_keeping_the_shard_dim_with_a_result_too_small_to_shard_has_no
     return (w - 0.1 * g * jnp.sum(g, axis=1, keepdims=True),)
 
   _, _, why = assign(step, [R, X], [(8, 5)] * 2, (R,))
-  assert isinstance(why, str) and "too small to shard" in why and "float32[8]" in why
+  assert isinstance(why, causes.SmallReduction) and "float32[8]" in causes.words(why), why
 
 
 def test_operand_broadcast_along_a_new_leading_dim_is_read_whole():

@@ -20,7 +20,7 @@ from helpers import analysed_body, mesh
 from tensor_parallel import GELU_SPEC, gelu_inputs, gelu_step, two_axis_mesh
 from tensor_parallel import LN_MLP_SPEC, ln_mlp_inputs, ln_mlp_step
 from tensor_parallel import run as tp_run
-from wus.analysis import network, planner, reasons, refusals, verdicts
+from wus.analysis import causes, network, planner, reasons, refusals, verdicts
 from wus.analysis.plan import Grouping
 
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
@@ -225,20 +225,37 @@ def test_a_reason_is_worded_place_verdict_then_notes():
   assert str(reasons.Reason(verdicts.SlowerSharded(2e-6, 1e-6))) == (
       "predicted slower sharded (2 us of collectives and update against 1 us replicated; "
       "objective='time'; objective='memory' shards it)")
-  assert reasons.render(reasons.Reason("the caller keeps it whole", (reasons.NotRead(),))) == (
-      "the caller keeps it whole; no weight-update cluster reads it (read whole only, e.g. by "
-      "the forward pass)")
+  kept = causes.SplitDifferently("P('data',)", "P()", "[1]['m']")
+  assert reasons.render(reasons.Reason(kept, (reasons.NotRead(),))) == (
+      "its in_spec P('data',) and the out_spec P() of its next value [1]['m'] split it "
+      "differently: kept whole between steps; no weight-update cluster reads it (read whole "
+      "only, e.g. by the forward pass)")
 
 
 def test_every_verdict_and_note_has_words():
-  """A verdict or note added without its words would raise at print time."""
-  kinds = [x for m in (reasons, verdicts) for x in vars(m).values() if dataclasses.is_dataclass(x)
-           and x.__module__ == m.__name__ and x not in (reasons.Reason, reasons.Gather)]
-  assert len(kinds) > 30
-  for kind in kinds:  # Empty parts render as nothing; every kind renders (no KeyError).
-    fields = {f.name: (0 if f.type in ("int", "float") else () if f.type.startswith("tuple")
-                       else "x") for f in dataclasses.fields(kind)}
-    assert isinstance(reasons.render(reasons.Reason(kind(**fields))), str), kind
+  """A verdict, note or cause added without its words would raise at print time."""
+  kinds = [x for m in (reasons, verdicts, causes) for x in vars(m).values()
+           if dataclasses.is_dataclass(x) and x.__module__ == m.__name__
+           and x not in (reasons.Reason, reasons.Gather, causes.SplitBy)]
+  assert len(kinds) > 50
+  for kind in [*kinds, causes.SPEC_SPLITS]:  # Empty parts render as nothing (no KeyError).
+    x = kind if not isinstance(kind, type) else kind(**{
+        f.name: _example(f.type) for f in dataclasses.fields(kind)})
+    assert isinstance(reasons.render(reasons.Reason(x)), str), kind
+
+
+def _example(annotation: str):
+  """A value of a field annotated `annotation`, for `test_every_verdict_and_note_has_words`:
+  a cause where the field holds one (an equation, a split, why a value differs)."""
+  eqn = causes.Eqn("mul", "f.py:1")
+  for key, value in (("Eqn", eqn), ("SplitBy", causes.SPEC_SPLITS),
+                     ("ReadWhole", causes.ReadWhole("float32[2]", eqn, causes.VariesAcross()))):
+    if key in annotation:
+      return value
+  if annotation in ("int", "float"):
+    return 0
+  return () if annotation.startswith("tuple") else causes.VariesAcross() if annotation.startswith(
+      "object") else "x"
 
 
 def test_totals_and_bucket_lines(plan):
@@ -256,7 +273,7 @@ def test_totals_and_bucket_lines(plan):
 def test_what_the_planner_is_told_is_said():
   """Planner inputs (test_planner_groups): the groups, what splits an input over a model
   axis, why a step runs unchanged."""
-  grouped = planner_groups._plan(group_size=2, grouping=Grouping("", "groups of 2", 4))
+  grouped = planner_groups._plan(group_size=2, grouping=Grouping(None, "groups of 2", 4))
   assert "  groups of 2; the gradient shards are all-reduced across the 4 groups in 2 batched " \
          "all-reduce(s)" in str(grouped).splitlines()
   for split_by in ("its spec", "its placement"):

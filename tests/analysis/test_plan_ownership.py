@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from helpers import analysed_body, mesh
-from wus.analysis import compat, network, ownership, planner, reasons
+from wus.analysis import causes, compat, network, ownership, planner, reasons
 from wus.analysis.graph import Graph
 from wus.analysis.owned import OwnedFormat
 from wus.analysis.plan_cluster import Planning, Scope, plan_cluster
@@ -115,7 +115,8 @@ def test_too_few_updates_to_balance_stay_replicated_with_the_reason():
     assert c.owner is None and c.why.verdict == cp.why.verdict
     assert c.why.notes[:-1] == cp.why.notes
     (last,) = c.why.notes[-1:]
-    assert isinstance(last, reasons.NotOwned) and last.why.startswith("too large to balance")
+    assert isinstance(last, reasons.NotOwned) and isinstance(last.why, causes.TooLargeToBalance)
+    assert last.why.owned > last.why.replicated, last.why
 
 
 def test_an_update_read_whole_by_computation_that_differs_stays_replicated():
@@ -128,8 +129,10 @@ def test_an_update_read_whole_by_computation_that_differs_stays_replicated():
   (c,) = not_owned.values()
   note = c.why.notes[-1]
   assert isinstance(note, reasons.NotOwned)
-  assert note.why.startswith("dot_general at ") and note.why.endswith(" of the update whole")
-  assert "(_step.<locals>.step) reads float32[16,16]" in note.why
+  assert isinstance(note.why, causes.ReadOutside), note.why
+  assert note.why.reader.primitive == "dot_general", note.why
+  assert note.why.aval.startswith("float32[16,16]"), note.why
+  assert note.why.reader.line.endswith("(_step.<locals>.step)"), note.why
   # The weight it leaves whole is w0 (input 0): no owner reads it.
   assert 0 not in owned.input_reason and N not in owned.input_reason
 

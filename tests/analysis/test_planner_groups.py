@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from helpers import analysed_body, mesh
-from wus.analysis import planner, reasons, refusals
+from wus.analysis import causes, planner, reasons, refusals
 from wus.analysis.plan import Grouping
 from wus.analysis.planning import PlanRequest
 
@@ -46,9 +46,9 @@ def test_without_groups_the_plan_has_none():
 def test_groups_the_programs_run_in_count_the_all_reduces_across_them():
   """G = 2 of 8: four groups; the gradient shards are all-reduced across them once per
   dtype bucket (float32, bfloat16), as the batched collectives group them."""
-  plan = _plan(group_size=2, grouping=Grouping("", "groups of 2", 4))
+  plan = _plan(group_size=2, grouping=Grouping(None, "groups of 2", 4))
   assert plan.group_size == 2 and plan.across_groups == 2
-  assert plan.groups == Grouping("", "groups of 2", 4, 2)
+  assert plan.groups == Grouping(None, "groups of 2", 4, 2)
   assert [c.sharded for c in plan.clusters] == [c.sharded for c in _plan().clusters]
 
 
@@ -56,7 +56,7 @@ def test_groups_the_programs_run_in_count_the_all_reduces_across_them():
 def test_auto_choice_is_an_input_said_in_the_plan(size):
   """"auto" that kept one group of all N (G = None), or G = N named: the choice and its
   why come in with the grouping, and nothing is counted across groups."""
-  grouping = Grouping("shard_group_size='auto': chose", "" if size is None else "one group")
+  grouping = Grouping(causes.AutoOneGroup(N, several=False), "" if size is None else "one group")
   plan = _plan(group_size=size, grouping=grouping)
   assert plan.groups == grouping and plan.across_groups == 0
 
@@ -64,14 +64,16 @@ def test_auto_choice_is_an_input_said_in_the_plan(size):
 def test_groups_of_one_replica_keep_every_update_replicated_for_the_grouping_reason():
   """G = 1: nothing is sharded; every cluster and every input that would have been
   sharded says why in the grouping's words."""
-  why = "shard_group_size=1: groups of one replica of 'data'"
-  plan = _plan(group_size=1, grouping=Grouping("", why))
+  why = reasons.Reason(causes.GroupsOfOne("data"))
+  assert str(why) == ("shard_group_size=1: groups of one replica of 'data', so nothing is "
+                      "sharded; the update runs replicated as in the original step")
+  plan = _plan(group_size=1, grouping=Grouping(None, str(why)))
   sharded = _plan()
   assert plan.group_size == 1 and not plan.state_inputs and not plan.formats
-  assert all(not c.sharded and c.why == reasons.Reason(why) for c in plan.clusters)
+  assert all(not c.sharded and c.why == why for c in plan.clusters)
   for i, j in zip(plan.inputs, sharded.inputs, strict=True):
     assert not i.sharded
-    assert i.why == (reasons.Reason(why) if j.sharded else j.why)
+    assert i.why == (why if j.sharded else j.why)
 
 
 def test_what_splits_inputs_over_model_axes_is_a_planner_input():

@@ -224,7 +224,8 @@ def _run_as_planned(step, state: dict, sharded: set[str], keywords: bool = True)
     out_a, out_b = call(ref, a), call(ws, b)
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
         out_b, is_leaf=wus.sharded.is_sharded)[0]]
-    assert _sharded_outputs(out_b) == {names[k] for k in plan.state_outputs} == sharded, str(plan)
+    returned = {names[k] for k in plan.rewrite.sharded_out}
+    assert _sharded_outputs(out_b) == returned == sharded, str(plan)
     assert_trees_equal(out_a, wus.unshard(out_b))
     plans.append(plan)
     a, b = ({k: o[k] if isinstance(o, dict) else o[j] for j, k in enumerate(state)}

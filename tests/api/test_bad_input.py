@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import SPECS, assert_trees_equal, batches, make_params, make_step
-from wus.analysis import reasons
+from wus.analysis import causes, reasons
 from wus.analysis.reasons import Reason
 
 
@@ -33,7 +33,7 @@ def test_params_split_by_in_spec_are_not_treated_as_replicated():
   ws = wus.shard_map(step, **specs)
   plan = ws.plan(params, state, x)
   w = next(i for i in plan.inputs if i.name == "params['w']")
-  assert not w.sharded and w.why == Reason(reasons.Differs(("data",), "its in_spec splits it"))
+  assert not w.sharded and w.why == Reason(reasons.Differs(("data",), causes.SPEC_SPLITS))
   assert not any(i.sharded for i in plan.inputs) and not any(c.sharded for c in plan.clusters)
   ref = jax.jit(jax.shard_map(step, **specs))
   assert_trees_equal(ref(params, state, x), wus.unshard(ws(params, state, x)))

@@ -225,7 +225,7 @@ def test_plan_lists_the_step_arguments_not_the_region_operands(kind):
   labels = by_name["batch['y']"]
   assert not labels.sharded and not labels.state and "forward and backward" in labels.reason
   # Every sharded input of the region is an argument, and says where it is kept.
-  assert sorted(plan.kept_sharded) == sorted(paths.index(i.name) for i in moments)
+  assert sorted(plan.state_inputs) == sorted(paths.index(i.name) for i in moments)
   assert all("sharded over ['data'] by wus" in line for line in plan.details().splitlines()
              if ".mu[" in line and "float32" in line and "kernel" in line and "[" in line
              and line.startswith("    opt_state"))

@@ -140,7 +140,8 @@ def test_compile_step_is_the_chain(size):
     assert str(compiled.plan) == str(chained.plan)
   else:  # One process: one group of all 8, the choice said in the Plan.
     assert compiled.plan.group_size is None
-    assert compiled.plan.groups.chosen.startswith("shard_group_size='auto'")
+    assert compiled.plan.groups.chosen.group_size == 8, compiled.plan.groups
+    assert str(compiled.plan.groups).startswith("shard_group_size='auto'")
   assert set(compiled.timings) >= {"trace", "analysis"}
 
 

@@ -8,7 +8,7 @@ import pytest
 import wus
 from helpers import (PMAP_TX as TX, assert_trees_equal, pmap_params, pmap_step, pmap_xs,
                      sharded_leaves, stack)
-from wus.analysis import reasons
+from wus.analysis import causes, reasons
 from wus.analysis.reasons import Reason
 
 
@@ -101,7 +101,7 @@ def test_one_state_argument_with_per_device_statistics():
   assert sharded_leaves(b[2]) and not sharded_leaves(b[1])
   plan = ws.plan(b, pmap_xs(1)[0])
   stat = next(i for i in plan.inputs if i.name == "train_state[1]")
-  differs = reasons.Differs(("batch",), "mapped, and its per-device copies differ")
+  differs = reasons.Differs(("batch",), causes.MAPPED_COPIES_DIFFER)
   assert not stat.sharded and stat.why == Reason(differs), stat.why
 
 

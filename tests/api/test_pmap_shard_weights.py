@@ -20,7 +20,6 @@ bfloat16 (analysis/precision.py).
 """
 
 import functools
-import re
 
 import flax.linen as nn
 import jax
@@ -31,7 +30,7 @@ import pytest
 
 import wus
 from helpers import assert_trees_equal, collective_arrays, sharded_leaves
-from wus.analysis import network, precision, reasons, verdicts
+from wus.analysis import causes, network, precision, reasons, verdicts
 from wus.analysis.graph import Graph
 from wus.analysis.reasons import Reason
 
@@ -197,7 +196,8 @@ def test_weight_decay_keeps_the_weights_whole():
     assert plan.clusters[kernel.why.verdict.index].sharded  # For its optimizer state.
     (note,) = kernel.why.notes
     assert isinstance(note, reasons.NotKeptByShardWeights), kernel.why
-    assert note.why.startswith("square at ") and note.why.endswith(" reads it in float32")
+    assert isinstance(note.why, causes.ReadsIn) and not note.why.converted, note.why
+    assert (note.why.eqn.primitive, note.why.dtype) == ("square", "float32"), note.why
 
 
 def test_without_shard_weights_time_keeps_bfloat16_gradient_updates_replicated():
@@ -284,7 +284,8 @@ def test_a_weight_the_step_returns_stays_whole():
   assert isinstance(b[0]["b"], wus.ShardedArray) and not isinstance(b[0]["w"], wus.ShardedArray)
   assert_trees_equal(a, wus.unshard(b))
   w = _input(ws.plan(*b, x), "params['w']")
-  assert w.why.notes == (reasons.NotKeptByShardWeights("float32[1,64,96] is returned"),), w.why
+  assert w.why.notes == (reasons.NotKeptByShardWeights(causes.Returned("float32[1,64,96]")),), (
+      w.why)
 
 
 def test_unmapped_params_as_the_flax_imagenet_example():
@@ -326,5 +327,5 @@ def test_narrowed_follows_the_squeeze_the_update_reads_through():
   assert read == precision.Narrowed(np.dtype(jnp.bfloat16), (0,), (squeeze.outvars[0],))
   assert precision.narrowed(graph, x, update | {0}).copies == ()
   graph, update = _squeezed(lambda w: w.astype(jnp.bfloat16) * jnp.sum(w * w))
-  assert re.match(r"mul at .* reads it in float32", precision.narrowed(
-      graph, graph.jaxpr.invars[0], update))
+  why = precision.narrowed(graph, graph.jaxpr.invars[0], update)
+  assert isinstance(why, causes.ReadsIn) and (why.eqn.primitive, why.dtype) == ("mul", "float32")

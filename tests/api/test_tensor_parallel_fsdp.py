@@ -13,7 +13,7 @@ import wus
 from helpers import assert_trees_equal, sharded_leaves
 from tensor_parallel import (GELU_SPEC, HSDP_SPEC, TX, gelu_inputs, gelu_step, hsdp_step,
                              megatron_inputs, run, two_axis_mesh, use_tx)
-from wus.analysis import reasons
+from wus.analysis import causes, reasons
 
 # --- FSDP + TP (the tutorial's "FSDP + TP" section) and HSDP (issue 29 item 3). -----------
 
@@ -123,5 +123,5 @@ def test_muon_on_model_split_blocks_runs_as_written_with_the_reason(monkeypatch)
   assert kernels and all(not c.sharded and c.owner is None for c in kernels)
   for c in kernels:  # Replicated, and not owned: its gradient is one model rank's block.
     note = c.why.notes[-1]
-    assert isinstance(note, reasons.NotOwned) and note.why.startswith("its gradient at "), c.why
-    assert "is one block of a tensor split over ['model'] (tensor parallelism)" in note.why
+    assert isinstance(note, reasons.NotOwned) and isinstance(note.why, causes.BlockOfSplit), c.why
+    assert note.why.split == ("model",), note.why

@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 import wus
 from helpers import assert_trees_equal, dense_inputs, dense_step, mesh, sharded_leaves
-from wus.analysis import network, reasons
+from wus.analysis import causes, network, reasons
 
 TX = optax.adam(1e-2)
 SPECS = dict(in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
@@ -30,7 +30,10 @@ def test_one_process_keeps_one_group_of_all_replicas():
   assert_trees_equal(a[0], b[0])  # One group: the plain sharded step, bit for bit.
   assert {x.format.num_shards for x in sharded_leaves(b[1])} == {8}
   assert plan.group_size is None and plan.groups.num_groups == 0 and not plan.groups.layout
-  assert plan.groups.chosen.startswith("shard_group_size='auto': the cost model chose G=8 of 8")
+  chosen = plan.groups.chosen
+  assert isinstance(chosen, causes.AutoGroupSize)
+  assert (chosen.group_size, chosen.num_shards) == (8, 8)
+  assert str(plan.groups).startswith("shard_group_size='auto': the cost model chose G=8 of 8")
   assert all(not c.why.notes for c in plan.clusters)  # No partial sharding.
 
 
@@ -46,7 +49,10 @@ def test_padded_small_shards_on_two_hosts_give_groups_of_one_host():
   assert_trees_equal(a[0], b[0], rtol=1e-6, atol=1e-7)  # Summed within groups, then across.
   assert_trees_equal(a[1], wus.unshard(b[1]), rtol=1e-6, atol=1e-7)
   assert plan.group_size == 4 and (plan.groups.num_groups, plan.groups.across) == (2, 1)
-  assert plan.groups.chosen.startswith("shard_group_size='auto': the cost model chose G=4 of 8")
+  chosen = plan.groups.chosen
+  assert isinstance(chosen, causes.AutoGroupSize)
+  assert (chosen.group_size, chosen.num_shards) == (4, 8)
+  assert str(plan.groups).startswith("shard_group_size='auto': the cost model chose G=4 of 8")
   assert {x.format.num_shards for x in sharded_leaves(b[1])} == {4}
   assert plan.clusters and all(
       c.sharded and c.why.notes == (reasons.PartialSharding(("data.in_group",), ("data.groups",)),)
