@@ -58,7 +58,9 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     (`Regime.rest`) also "rest_seconds": each timed call of the forward and
     backward pass alone (`steps.make_gradient_step`); without partial-sharding
     variants (`Regime.parts`) also "collectives_seconds", "update_seconds" and
-    "update_per_tensor_seconds" (`limit.Parts`). "tensor_elements": of every weight.
+    "update_per_tensor_seconds" (`limit.Parts`), with both also "sequence_seconds" (the
+    three parts of the limit run back to back, each after the other, in one timed call).
+    "tensor_elements": of every weight.
   """
   s = _setting(regime, model, rounds, mesh, seed)
   variants = variant_steps(regime, s.task, s.tx, mesh, s.state, topology)
@@ -68,7 +70,7 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
          "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(s.state.opt_state)),
          "tensor_elements": [int(x.size) for x in jax.tree.leaves(s.params)],
          "rest_seconds": [], "collectives_seconds": [], "update_seconds": [],
-         "update_per_tensor_seconds": []}
+         "update_per_tensor_seconds": [], "sequence_seconds": []}
   parts = _parts(regime, s, mesh, out["tensor_elements"])
   states, batchings = {}, {}
   for name, (step, fresh) in variants.items():
@@ -131,7 +133,19 @@ def _parts(regime: Regime, s: _Setting, mesh: Mesh,
     parts.update(collectives_seconds=lambda r: pieces.collectives(),
                  update_seconds=lambda r: pieces.update(),
                  update_per_tensor_seconds=lambda r: pieces.update_per_tensor())
+    if regime.rest:
+      parts["sequence_seconds"] = lambda r: _in_sequence(
+          lambda: rest(s.state.params, s.state.model_state, s.data[2 + r]),
+          pieces.collectives, pieces.update)
   return parts
+
+
+def _in_sequence(*calls: Callable[[], Any]) -> Any:
+  """Runs `calls` one after another, each to completion before the next starts (as the
+  parts of a step follow each other): the last one's result, not yet waited for."""
+  for call in calls[:-1]:
+    jax.block_until_ready(call())
+  return calls[-1]()
 
 
 def _compiled(step, fresh: steps.TrainState, batch, steps_per_call: int) -> dict:

@@ -243,6 +243,10 @@ def _copy_free_targets(r: dict) -> list[tuple[str, bool | None, str]]:
     medians = ws["median"] / bound["total"]
     rows.append((f"{name}: wus / limit (the parts timed alone) <= {LIMIT_RATIO}",
                  ratio <= LIMIT_RATIO, f"ratio {ratio:.3f} (of the medians: {medians:.3f})"))
+    if r.get("sequence_seconds"):
+      ratio = paired_ratio(ws["step_seconds"], r["sequence_seconds"])
+      rows.append((f"{name}: wus / the limit's parts run back to back <= {LIMIT_RATIO}",
+                   ratio <= LIMIT_RATIO, f"ratio {ratio:.3f}"))
   if "wus_undonated" in r:
     ratio = paired_ratio(ws["step_seconds"], r["wus_undonated"]["step_seconds"])
     rows.append((f"{name}: wus with the state donated no slower than without",
@@ -293,6 +297,13 @@ def limit_markdown(r: dict) -> str:
                              "XLA compile CPU s"], rows))
   if "buckets" in r.get("wus", {}):
     lines.append(f"wus plan: {r['wus']['buckets']}.")
+  if r.get("sequence_seconds"):
+    back = statistics.median(r["sequence_seconds"])
+    lines.append(
+        f"The same three parts back to back, each its own program run after the other: "
+        f"{1e3 * back:.2f} ms, {paired_ratio(r['sequence_seconds'], bound['rounds']):.3f} x "
+        "their sum alone (per-round ratio, median): what a part costs more after other work "
+        "than after itself, which a step of the parts pays too.")
   if (parts := breakdown(r)) is not None:
     ms = {k: 1e3 * v for k, v in parts.items() if v is not None}
     donation = ("" if parts["donation"] is None else
