@@ -7,6 +7,8 @@ Modules, one concern each, in the order the passes run:
   graph          one jaxpr's producers, readers, outputs and big values, built once
   redundancy     which values are identical on every replica (§3.1)
   dims           which dims an equation joins, sums or needs whole (GSPMD's rules, one table)
+  dims_indexing  the dims rules of the primitives that index along a dim (slices, gathers)
+  region_dims    the dims of a region's equations, its conditionals' branches included
   propagation    a `jax.jit` step's batch splits, carried from its placements; gradient sums
   global_view    a `jax.jit` step's update region: its sums and the update after them
   model_splits   which dims of the region's values the model (and FSDP) axes split

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
-from wus.analysis import compat, dims as dims_lib, refusals
+from wus.analysis import compat, refusals, region_dims
 from wus.analysis.compat import JaxprEqn, Var
 from wus.analysis.reasons import Reason
 
@@ -50,8 +50,8 @@ class ModelSplits:
   Attributes:
     of: value -> per dim, None or the tuple of model axes splitting it; values
       split over no model axis are absent.
-    reduced: equation position (its `dims.nested` key inside a conditional's branch) ->
-      the model axes its result is a partial
+    reduced: equation position (its `region_dims.nested` key inside a conditional's
+      branch) -> the model axes its result is a partial
       reduction over (a reduce or a dot_general over a split dim), which an
       all-reduce over those axes completes.
     scattered: gradient sum position -> per dim of its result, None or the
@@ -117,13 +117,13 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
     verdict `refusals.NeedsWhole` or `refusals.Reshards`, naming the equation and its
     position, for one that needs a split dim whole or reshards where splits meet).
   """
-  eqns = dims_lib.nested(eqns)  # A conditional's branches run on blocks too.
+  eqns = region_dims.nested(eqns)  # A conditional's branches run on blocks too.
   values = [*values, *(v for _, e in eqns for v in e.outvars),
             *(v for _, e in eqns if e.primitive is compat.cond_p
               for b in compat.cond(e).branches for v in b.jaxpr.invars)]
   classes, whole, by_class, edges = _Classes(), [], {}, []
   for i, eqn in eqns:
-    joins, must, _ = dims_lib.of(eqn)
+    joins, must, _ = region_dims.of(eqn)
     for a, b in joins:
       classes.join(a, b)
     edges += [(i, eqn, a, b) for a, b in joins]
@@ -138,7 +138,7 @@ def solve(eqns: Iterable[tuple[int, JaxprEqn]], values: Iterable[Var],
   for (v, d), i, eqn in whole:
     if (entry := by_class.get(classes.find((v, d)))):
       return Reason(refusals.NeedsWhole(str(eqn.primitive), compat.source_line(eqn), d,
-                                        v.aval.str_short(), tuple(entry), dims_lib.top(i)))
+                                        v.aval.str_short(), tuple(entry), region_dims.top(i)))
   out = {}
   for v in dict.fromkeys(values):
     split = tuple(by_class.get(classes.find((v, d))) for d in range(len(_shape(v))))
@@ -172,16 +172,16 @@ def _resharded(edges: list, classes: _Classes, roots: set, typed: frozenset) -> 
     if known_a and known_b and ta != tb and classes.find(a) in roots:
       return Reason(refusals.Reshards(
           str(eqn.primitive), compat.source_line(eqn), a[1], a[0].aval.str_short(), b[1],
-          b[0].aval.str_short(), tuple(ta or ()), tuple(tb or ()), dims_lib.top(i)))
+          b[0].aval.str_short(), tuple(ta or ()), tuple(tb or ()), region_dims.top(i)))
   return None
 
 
 def _reduced(eqns, splits: Mapping[Var, tuple]) -> dict:
-  """Per equation (its `dims.nested` key) that sums (or maxes) over a split dim
+  """Per equation (its `region_dims.nested` key) that sums (or maxes) over a split dim
   (`Dims.summed`), the axes of those dims."""
   out = {}
   for i, eqn in eqns:
-    summed = dims_lib.of(eqn).summed
+    summed = region_dims.of(eqn).summed
     axes = tuple(dict.fromkeys(a for v, d in summed if (s := splits.get(v)) and s[d]
                                for a in s[d]))
     if axes:

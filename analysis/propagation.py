@@ -7,12 +7,12 @@ P("data"))`, `in_shardings`), sharding constraints inside the step
 a mesh with Explicit axes, the types of its values. `batch_splits` carries them
 forward through the jaxpr with GSPMD's semantics (§3.5 of
 `papers/xu2021-gspmd.md`), one equation at a time, by the dims rule table
-(`analysis.dims`): a joined dim keeps its split (an elementwise op, a transpose,
-a reshape's major factor, a slice that keeps the dim whole, the indices' dims of
-an embedding lookup), a summed one ends it (`sum_rules`: where GSPMD puts its
-all-reduce), and a split that reaches a dim an equation needs whole, or that no
-rule follows, leaves a value that is not whole either (an *unknown* split), as
-does a conflict of two splits. A constraint lays a batch dim out as its spec
+(`analysis.dims`, read through `analysis.region_dims`): a joined dim keeps its split
+(an elementwise op, a transpose, a reshape's major factor, a slice that keeps the dim
+whole, the indices' dims of an embedding lookup), a summed one ends it (`sum_rules`:
+where GSPMD puts its all-reduce), and a split that reaches a dim an equation needs
+whole, or that no rule follows, leaves a value that is not whole either (an *unknown*
+split), as does a conflict of two splits. A constraint lays a batch dim out as its spec
 says, as GSPMD reshards at it. The user's function is traced once: nothing here
 runs it again.
 
@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from jax import lax
 from jax.sharding import AxisType
 
-from wus.analysis import compat, dims as dims_lib, rules
+from wus.analysis import compat, dims as dims_lib, region_dims, rules
 from wus.analysis.compat import Jaxpr, JaxprEqn, Var
 from wus.analysis.graph import Graph
 
@@ -71,6 +71,11 @@ def _none(v, batch: bool = False, state: bool = False) -> Fact:
 def _reads(facts: Sequence[Fact]) -> tuple[bool, bool]:
   """(batch, state): what values computed from `facts` depend on."""
   return any(f.batch for f in facts), any(f.state for f in facts)
+
+
+def _divides(n: int, axes, axis_sizes) -> bool:
+  """Whether `axes` (a tuple of mesh axes, or None) divide a dim of size `n`."""
+  return not axes or n % math.prod(axis_sizes[a] for a in axes) == 0
 
 
 # --- Gradient sums. --------------------------------------------------------------
@@ -152,7 +157,7 @@ def batch_splits(jaxpr: Jaxpr, seeds: Mapping[Var, tuple], state: frozenset,
   """The splits of `jaxpr`'s values over the batch, from its inputs' placements.
 
   Args:
-    jaxpr: the step's global jaxpr, calls inlined (`jit_arguments.flat_jaxpr`).
+    jaxpr: the step's global jaxpr, calls inlined (`jit_region.flat_jaxpr`).
     seeds: input -> per dim None or the mesh axes its placement splits it over (the
       arguments that are not state).
     state: the inputs that are the step's state (weights, optimizer state).
@@ -292,7 +297,7 @@ class _Propagation:
     """The results' facts by the dims rule: each result dim carries what the operand
     dims joined to it carry (a summed dim ends it); None (unknown results) where a split
     reaches a dim the rule needs whole or no result dim, or two splits meet."""
-    joins, whole, summed = dims_lib.of(eqn)
+    joins, whole, summed = region_dims.of(eqn)
     parent: dict = {}
 
     def find(n):
@@ -323,7 +328,7 @@ class _Propagation:
     for o in eqn.outvars:
       shape = getattr(o.aval, "shape", ())
       entries = tuple(carried.get(find((o, d))) for d in range(len(shape)))
-      if not all(dims_lib.divides(n, e, self.sizes) for n, e in zip(shape, entries,
+      if not all(_divides(n, e, self.sizes) for n, e in zip(shape, entries,
                                                                      strict=True)):
         return None
       outs.append(Fact(entries, batch, state))

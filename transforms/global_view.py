@@ -22,7 +22,7 @@ def run(flat, region: global_view.Region, sub, in_specs: tuple, *ops):
   Args:
     flat: the step's global jaxpr (calls inlined), closed.
     region: its update region.
-    sub: the region's compiled sharded step (`pipeline.Compiled`).
+    sub: the region's compiled sharded step (`runtime.Compiled`).
     in_specs: per region input, the PartitionSpec the region reads it by; on a mesh with
       Explicit axes a value typed otherwise (a size-1 axis its type names, a weight
       placed over "fsdp") is resharded to it, as GSPMD would lay it out there.

@@ -87,7 +87,7 @@ def eval_local(eqn, position, ins: Sequence[Any], splits: ModelSplits,
   Args:
     eqn: an equation of the region (`is_local`).
     position: its position in the step's jaxpr (`ModelSplits.reduced` key; inside a
-      conditional's branch, its `dims.nested` key).
+      conditional's branch, its `region_dims.nested` key).
     ins: its operands, the split ones as this rank's blocks.
     splits: the region's model splits.
     axis_sizes: mesh axis -> size.

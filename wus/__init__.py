@@ -35,15 +35,18 @@ Modules, one concern each:
   api            `wus.shard_map` (`ShardedStep`): the front end of `jax.shard_map` steps
   pmap           `wus.pmap`: a drop-in for `jax.pmap`
   jit            `wus.jit` (`JitStep`): a global-view `jax.jit` step
-  jit_arguments  `jax.jit`'s calling convention as `wus.jit` reads it
-  jit_region     a global-view step's update region: what runs as a shard_map, what outside it
+  jit_arguments  `jax.jit`'s calling convention as `wus.jit` reads it: keywords and leaves
+  jit_placement  what `wus.jit` derives from the placements: the mesh, the batch axes, splits
+  jit_region     how `wus.jit` finds a step's update region: what runs as a shard_map, what not
+  jit_operands   the step's arguments as the update region's operands: state pairs, names
   pjit           `wus.pjit`: `pjit`'s signature and rules, on `wus.jit`
   filter_jit     `wus.filter_jit`: `wus.jit` for steps with non-array leaves (Equinox)
   named_jit      `wus.named_jit`: `wus.jit` for haliax's `named_jit` (Levanter)
   nnx            `wus.nnx_jit`: `flax.nnx.jit` for steps that update NNX objects in place
   options        `Options`: what a user tells wus besides the step, validated once
   matching       state matching: which output of a step is the next value of which input
-  mesh_axes      what the pipeline reads off the mesh and the specs
+  mesh_axes      what each mesh axis is to a step: its role, the replica axes, groups, devices
+  spec_splits    what a step's specs split of each operand besides the replica axes (the Plan)
   pipeline       the seven stages every front end shares, each one value to the next
   runtime        the runtime every front end shares: operands in, sharded state out
   sharded        `ShardedArray`: the tensors wus keeps sharded between steps

@@ -32,7 +32,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from wus import errors, jit_arguments, jit_region, mesh_axes, pipeline, runtime
+from wus import (errors, jit_arguments, jit_operands, jit_placement, jit_region, mesh_axes,
+                 pipeline, runtime)
 from wus.analysis import compat, global_view, planner, propagation, refusals
 from wus.analysis.causes import BATCH_SPLITS
 from wus.analysis.model_splits import ModelSplits
@@ -243,7 +244,7 @@ class JitStep:
     if self.rename_paths is not None:
       paths = self.rename_paths(args, paths)
     declared = jit_arguments.declared(self._jit_kwargs.get("in_shardings"), dyn[0], leaves)
-    mesh = jit_arguments.mesh_of(leaves, declared)
+    mesh = jit_placement.mesh_of(leaves, declared)
     declared = [jit_arguments.named(s, mesh) for s in declared]
     start = time.perf_counter()
     traced = self._trace(args, kwargs, [jit_arguments.abstract(x, mesh) for x in leaves])
@@ -277,9 +278,9 @@ class JitStep:
     match = self._state(args, dyn, traced.out_info)
     pairs = match.pairs  # Output -> the input it follows.
     state = frozenset(pairs.values())
-    flat = jit_arguments.flat_jaxpr(traced.jaxpr, mesh)
-    splits = jit_arguments.batch_splits(flat.jaxpr, leaves, declared, mesh, state)
-    placed = jit_arguments.batch_axes([leaves[k] for k in state], [declared[k] for k in state],
+    flat = jit_region.flat_jaxpr(traced.jaxpr, mesh)
+    splits = jit_placement.batch_splits(flat.jaxpr, leaves, declared, mesh, state)
+    placed = jit_placement.batch_axes([leaves[k] for k in state], [declared[k] for k in state],
                                       mesh)
     roles = mesh_axes.Roles.of(mesh, propagation.batch_axes(splits, dict(mesh.shape)), placed)
     if not roles.batch:
@@ -289,7 +290,7 @@ class JitStep:
       # A conditional around every update (MultiSteps, apply_if_finite) would join the
       # FSDP blocks, computed apart on each replica, and the rest: one per part instead.
       flat = parted
-      splits = jit_arguments.batch_splits(flat.jaxpr, leaves, declared, mesh, state)
+      splits = jit_placement.batch_splits(flat.jaxpr, leaves, declared, mesh, state)
     found = jit_region.update_region(flat, splits, mesh, roles.model, roles.fsdp, leaves,
                                      declared, state, frozenset(pairs))
     if isinstance(found, Reason):
@@ -337,8 +338,8 @@ class JitStep:
     in_pos = {v: k for k, v in enumerate(jaxpr.invars)}
     out_shape = traced.out_info
     region_out = {v: k for k, v in enumerate(region.outvars)}
-    pairs, how = jit_region.region_state(jaxpr, region, match)
-    in_names = [jit_region.name_of(jaxpr, v, in_pos, paths) for v in region.invars]
+    pairs, how = jit_operands.region_state(jaxpr, region, match)
+    in_names = [jit_operands.name_of(jaxpr, v, in_pos, paths) for v in region.invars]
     out_paths = ["output" + jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     out_names = [next(out_paths[k] for k, w in enumerate(jaxpr.outvars) if w is v)
@@ -349,7 +350,7 @@ class JitStep:
         in_specs, out_specs, check_vma=False, split_reason=BATCH_SPLITS,
         match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
         names=(in_names, out_names), split_by="its placement", outside=outside,
-        arguments=jit_region.arguments(jaxpr, region, paths, match, out_paths))
+        arguments=jit_operands.arguments(jaxpr, region, paths, match, out_paths))
     region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                              sharding=NamedSharding(mesh, s))
                         for v, s in zip(region.invars, in_specs, strict=True))
@@ -368,7 +369,7 @@ class JitStep:
                     if getattr(info, "donated", False))
     in_shardings = tuple(
         sharded_leaves[k].data_sharding if k in sharded_leaves
-        else d or jit_arguments.placement(x, mesh)
+        else d or jit_placement.placement(x, mesh)
         for k, (x, d) in enumerate(zip(jax.tree.leaves(dyn, is_leaf=is_sharded), declared,
                                        strict=True)))
     wanted = jit_arguments.declared(self._jit_kwargs.get("out_shardings"), out_shape,

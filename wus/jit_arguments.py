@@ -1,5 +1,11 @@
-"""`jax.jit`'s calling convention as `wus.jit` reads it: static and dynamic arguments,
-declared shardings, the mesh and the batch axes, and the global jaxpr it analyses."""
+"""`jax.jit`'s calling convention as `wus.jit` reads it: the keywords (`jax.jit` resolved
+per call, static arguments, the shardings `in_shardings` / `out_shardings` declare per
+leaf, what pins a step to one device, the options wus's own program takes) and each
+call's dynamic leaves (their structure, cache key, value as traced, refs).
+
+What the placements of those leaves say (the mesh, the batch axes and splits) is
+`wus.jit_placement`.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +15,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from wus.analysis import compat, global_view, propagation, refusals
+from wus.analysis import compat, refusals
 from wus.analysis.reasons import Reason
 from wus import runtime
 from wus.sharded import is_sharded
-from wus.transforms import global_view as global_view_program
-from wus.transforms import inline
 
 
 class Jitted:
@@ -149,99 +153,11 @@ def named(sharding, mesh: Mesh | None):
   return sharding
 
 
-def placement(x, mesh: Mesh) -> NamedSharding:
-  """Where the program takes a whole leaf: as placed on the mesh, else replicated."""
-  sharding = getattr(x, "sharding", None)
-  if isinstance(sharding, NamedSharding) and sharding.mesh == mesh and not is_sharded(x):
-    return sharding
-  return NamedSharding(mesh, P())
-
-
-def mesh_of(leaves: list, declared: list) -> Mesh | None:
-  """The mesh of the arguments (of the largest NamedSharding, `in_shardings` included), or
-  the one set with `jax.set_mesh` (or the legacy `with mesh:`); None for a single device.
-
-  Of meshes of one size, the first some leaf is split over: Keras's guide to data
-  parallelism replicates the variables on a mesh with an axis "_" and splits the batch
-  on one with an axis "batch", both over the same devices, and jax.jit takes both."""
-  shardings = [getattr(x, "sharding", None) for x in leaves if not is_sharded(x)] + declared
-  named = [s for s in shardings if isinstance(s, NamedSharding)]
-  meshes = [x.mesh for x in leaves if is_sharded(x)] + [s.mesh for s in named]
-  meshes = [m for m in meshes if isinstance(m, Mesh) and m.size > 1]
-  if meshes:
-    split = {s.mesh for s in named if any(e is not None for e in s.spec)}
-    return max(meshes, key=lambda m: (m.size, m in split))
-  current = jax.sharding.get_mesh()
-  if current.empty:
-    current = compat.legacy_mesh() or current
-  return None if current.empty or current.size == 1 else current
-
-
-def batch_axes(leaves: list, declared: list, mesh: Mesh | None, among=None) -> tuple:
-  """The mesh axes some argument is split over (among `among`, if given), in mesh order.
-
-  An axis of size 1 splits nothing (DESIGN.md §1): Flax's `("data", "model")` meshes
-  of shape (N, 1), with weights annotated for the unused axis, are the N-device
-  data-parallel mesh.
-  """
-  if mesh is None:
-    return ()
-  used = set()
-  for x, d in zip(leaves, declared, strict=True):
-    sharding = d or getattr(x, "sharding", None)
-    if not is_sharded(x) and isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
-      for e in sharding.spec:
-        used.update(() if e is None else e if isinstance(e, tuple) else (e,))
-  return tuple(a for a in mesh.axis_names if a in used and mesh.shape[a] > 1
-               and (among is None or a in among))
-
-
-def in_mesh_order(axes, mesh: Mesh) -> tuple:
-  """`axes` as a tuple in the mesh's order."""
-  return tuple(a for a in mesh.axis_names if a in axes)
-
-
-def batch_splits(jaxpr, leaves: list, declared: list, mesh: Mesh,
-                 state: frozenset) -> dict:
-  """The batch's splits of the flat jaxpr's values (`analysis.propagation`): seeded by the
-  placements of the arguments that are not state (`state`: flat positions of the leaves
-  with a next value), carried through the step with its sharding constraints and, on a
-  mesh with Explicit axes, its types."""
-  seeds = {}
-  for k, (x, d, v) in enumerate(zip(leaves, declared, jaxpr.invars, strict=True)):
-    sharding = d or getattr(x, "sharding", None)
-    if (k in state or is_sharded(x) or not isinstance(sharding, NamedSharding)
-        or sharding.mesh != mesh):  # On another mesh: read as unplaced (batch_axes too).
-      continue
-    entries = (*sharding.spec, *(None,) * (v.aval.ndim - len(sharding.spec)))[:v.aval.ndim]
-    seeds[v] = tuple(tuple(a for a in (e if isinstance(e, tuple) else (e,))
-                           if e is not None and mesh.shape[a] > 1) or None for e in entries)
-  return propagation.batch_splits(jaxpr, seeds, frozenset(jaxpr.invars[k] for k in state),
-                                  dict(mesh.shape), types=bool(compat.explicit_axes(mesh)))
-
-
 def abstract(x, mesh: Mesh | None):
   """A leaf as traced: sharded state as the whole value it stands for."""
   if is_sharded(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(x.mesh, x.spec))
   return x
-
-
-def flat_jaxpr(closed, mesh: Mesh):
-  """The traced jaxpr with its calls inlined (spliced in where `inline.spliced` applies,
-  else traced), the refs it creates discharged into values (`compat.without_refs`), the
-  placements of its inputs dropped (`global_view.without_input_placements`) and dead code
-  dropped."""
-  flat = inline.spliced(closed)
-  if flat is None:
-    # The types `jax.jit` traced the step with (on the mesh's abstract mesh): each equation
-    # is then replayed with its own types (`compat.bind`'s fast path), not bound anew.
-    flat = jax.make_jaxpr(inline.inlined(closed))(*closed.in_avals)
-  flat = compat.without_refs(flat)
-  sizes = dict(mesh.shape)
-  if any(global_view.is_placement(e, sizes) for e in flat.jaxpr.eqns):
-    flat = global_view_program.without_input_placements(flat, sizes)
-  return compat.ClosedJaxpr(compat.dce(flat.jaxpr), flat.consts)
 
 
 def refs(closed, paths: list[str]) -> list[str]:

@@ -1,28 +1,45 @@
-"""The update region of a global-view step on a mesh (`wus.jit`): which equations run as a
-shard_map, on which model blocks, and what runs outside it as `jax.jit` runs it.
+"""How `wus.jit` finds the update region of a global-view step on a mesh: which equations
+run as a shard_map, on which model blocks, and what runs outside it as `jax.jit` runs it.
 
-`analysis.global_view` finds the region where the batch ends; `analysis.model_splits`
-solves which dims of its values the model axes split, and those the state is placed
-over among the batch axes (FSDP). An equation that needs a split dim whole (a `scan`
-over Muon's matrices, the `cond` of apply_if_finite) runs outside the region with what
-it reads, and so does an FSDP gradient summed by another primitive than a
-`dot_general` (summed as GSPMD sums it); the rest of the step is served. How the region
-meets the step's arguments: their state pairs (`region_state`), the planner's view of
-them (`arguments`) and the names of the values it reads (`name_of`).
+The region is found in the step's flat global jaxpr (`flat_jaxpr`: calls inlined, refs
+discharged, input placements dropped). `analysis.global_view` finds the region where the
+batch ends; `analysis.model_splits` solves which dims of its values the model axes
+split, and those the state is placed over among the batch axes (FSDP). An equation that
+needs a split dim whole (a `scan` over Muon's matrices, the `cond` of apply_if_finite)
+runs outside the region with what it reads, and so does an FSDP gradient summed by
+another primitive than a `dot_general` (summed as GSPMD sums it); the rest of the step
+is served. How the region's operands are the step's arguments is `wus.jit_operands`.
 """
 
 from __future__ import annotations
 
+import jax
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from wus.analysis import compat, global_view, refusals
 from wus.analysis import model_splits as splits_lib
-from wus.analysis.graph import Graph
-from wus.analysis.planning import Argument
 from wus.analysis.reasons import Reason
-from wus.matching import StateMatch
 from wus.sharded import is_sharded
+from wus.transforms import global_view as global_view_program
+from wus.transforms import inline
+
+
+def flat_jaxpr(closed, mesh: Mesh):
+  """The traced jaxpr with its calls inlined (spliced in where `inline.spliced` applies,
+  else traced), the refs it creates discharged into values (`compat.without_refs`), the
+  placements of its inputs dropped (`global_view.without_input_placements`) and dead code
+  dropped."""
+  flat = inline.spliced(closed)
+  if flat is None:
+    # The types `jax.jit` traced the step with (on the mesh's abstract mesh): each equation
+    # is then replayed with its own types (`compat.bind`'s fast path), not bound anew.
+    flat = jax.make_jaxpr(inline.inlined(closed))(*closed.in_avals)
+  flat = compat.without_refs(flat)
+  sizes = dict(mesh.shape)
+  if any(global_view.is_placement(e, sizes) for e in flat.jaxpr.eqns):
+    flat = global_view_program.without_input_placements(flat, sizes)
+  return compat.ClosedJaxpr(compat.dce(flat.jaxpr), flat.consts)
 
 
 def update_region(flat, splits, mesh: Mesh, model: tuple, fsdp: tuple, leaves: list,
@@ -33,8 +50,8 @@ def update_region(flat, splits, mesh: Mesh, model: tuple, fsdp: tuple, leaves: l
   can run (a `Reason`, its verdict one of `refusals`').
 
   Args:
-    flat: the step's flat global jaxpr (`jit_arguments.flat_jaxpr`), closed.
-    splits: its values' splits over the batch axes (`global_view.splits_from_*`).
+    flat: the step's flat global jaxpr (`flat_jaxpr`), closed.
+    splits: its values' splits over the batch axes (`jit_placement.batch_splits`).
     mesh: the step's mesh.
     model: the model axes (the state is placed over them besides the batch axes).
     fsdp: the batch axes some state leaf is placed over itself.
@@ -172,58 +189,3 @@ def blocked(blocks: splits_lib.ModelSplits | None) -> frozenset:
   in the region or arrives as one (summed inside a loop, or as GSPMD sums it), so nothing
   is repeated over it in that update (`mesh_axes.Roles.update`)."""
   return frozenset(blocks.axes()) if blocks else frozenset()
-
-
-def region_state(jaxpr, region: global_view.Region, match: StateMatch) -> tuple[dict, dict]:
-  """The step's state pairs (`match`) as the region's: (region output -> region input,
-  region input -> how it was matched), for state only the region reads and writes (or
-  reads and passes on unchanged)."""
-  inside = set(region.eqns)
-  outside_reads = {v for i, e in enumerate(jaxpr.eqns) if i not in inside for v in e.invars
-                   if not compat.is_literal(v)}
-  region_in = {v: k for k, v in enumerate(region.invars)}
-  region_out = {v: k for k, v in enumerate(region.outvars)}
-  returned = {w for w in jaxpr.outvars if not compat.is_literal(w)}
-  pairs, how = {}, {}
-  for o, i in match.pairs.items():
-    ov, iv = jaxpr.outvars[o], jaxpr.invars[i]
-    unchanged = ov is iv and jaxpr.outvars.count(iv) == 1
-    if (not compat.is_literal(ov) and ov in region_out and iv in region_in
-        and iv not in outside_reads and (iv not in returned or unchanged)):
-      pairs[region_out[ov]] = region_in[iv]
-      how[region_in[iv]] = match.how[i]
-  return pairs, how
-
-
-def arguments(jaxpr, region: global_view.Region, paths: list[str], match: StateMatch,
-               out_paths: list[str]) -> tuple[Argument, ...]:
-  """The step's argument leaves for the planner (`planner.Argument`): each with the region
-  input it enters as (itself, or a sharding constraint of it) and its next value."""
-  operand = {v: k for k, v in enumerate(region.invars)}
-  for e in jaxpr.eqns:  # `x` of `eqx.filter_shard((x, y), sharding)` enters as its result.
-    if (compat.is_sharding_constraint(e) and not compat.is_literal(e.invars[0])
-        and e.outvars[0] in operand):
-      operand.setdefault(e.invars[0], operand[e.outvars[0]])
-  nexts = {i: o for o, i in match.pairs.items()}
-  return tuple(Argument(path, tuple(v.aval.shape), v.aval.dtype, operand.get(v),
-                        f"next value {out_paths[nexts[k]]} (by {match.how[k]})"
-                        if k in nexts else "")
-               for k, (path, v) in enumerate(zip(paths, jaxpr.invars, strict=True)))
-
-
-def name_of(jaxpr, v, in_pos: dict, paths: list[str]) -> str:
-  """A name for a value the region reads: the step's argument path for an argument, also
-  through sharding constraints (`x` of `eqx.filter_shard((x, y), sharding)`); else where
-  the forward or backward pass computes it, or a constant the step closes over
-  (optax.contrib.mechanize's, say)."""
-  eqn, producing = None, Graph(jaxpr).producing
-  while v not in in_pos:
-    eqn = producing(v)
-    if eqn is None or not compat.is_sharding_constraint(eqn) or compat.is_literal(eqn.invars[0]):
-      break
-    v = eqn.invars[0]
-  if v in in_pos:
-    return paths[in_pos[v]]
-  if eqn is None:
-    return f"<constant {v.aval.str_short()}>"
-  return f"<{eqn.primitive} at {compat.source_line(eqn)}>"

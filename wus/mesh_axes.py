@@ -1,24 +1,22 @@
-"""What the pipeline reads off the mesh and the specs (§3.2, §5.2).
+"""What each mesh axis is to a step (§3.2, §5.2): the roles a front end derives
+(`Roles`: batch, model, FSDP, update and copy axes), the replica (data-parallel) axes
+of a shard_map step, the other axes an update repeated on every replica of them is
+sharded over too, the sharding groups of `shard_group_size`, and the cost model's
+devices over the update's axes.
 
-The replica (data-parallel) axes, the sharding groups of `shard_group_size`,
-the other axes a spec splits a tensor over (tensor parallelism, FSDP), the
-axes an update repeated on every replica of them is sharded over too, and
-the cost model's devices.
+What a step's specs split of each operand, for the Plan, is `wus.spec_splits`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
 from jax.sharding import Mesh
 
-from wus import runtime
 from wus.analysis import clusters, network
-from wus.analysis.causes import GroupsOfOne, SplitDifferently, words
+from wus.analysis.causes import GroupsOfOne, words
 from wus.transforms import groups
-from wus.transforms.layout import split_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,43 +66,6 @@ def copy_axes(allowed: bool, mesh: Mesh, manual: frozenset, axes: tuple, home) -
     return {}
   return {a: mesh.shape[a] for a in mesh.axis_names
           if a in manual and a not in axes and mesh.shape[a] > 1}
-
-
-def split_over(in_specs: Sequence, axes: tuple, mesh: Mesh, home) -> dict:
-  """Operand position -> the axes of size > 1 (and their sizes) its in_spec splits it
-  over besides the replica axes (tensor parallelism), for the Plan."""
-  out = {}
-  for k, spec in enumerate(in_specs):
-    names = [a for a in split_axes(spec, axes, mesh, home) if mesh.shape[a] > 1]
-    if names:
-      out[k] = tuple((a, mesh.shape[a]) for a in names)
-  return out
-
-
-def fsdp_axes(in_specs: Sequence, sources: tuple, replicated: frozenset, axes: tuple,
-          mesh: Mesh) -> dict:
-  """Operand position -> the replica axes of size > 1 its in_spec splits it over itself
-  (FSDP), with their sizes, for the Plan; not `wus.pmap`'s equal per-device copies
-  (`replicated`)."""
-  out = {}
-  for k, (spec, src) in enumerate(zip(in_specs, sources, strict=True)):
-    fsdp = tuple((a, mesh.shape[a]) for a in axes
-                 if a in runtime.spec_axes(spec) and mesh.shape[a] > 1)
-    if fsdp and not (src[0] == "arg" and src[1] in replicated):
-      out[k] = fsdp
-  return out
-
-
-def split_differently(pairs: dict, in_specs: Sequence, out_specs: Sequence,
-                       out_names: Sequence[str]) -> dict:
-  """State whose in_spec and out_spec split it differently (by input position, with the
-  reason for the Plan): kept whole between steps, since its shards would lie one way
-  when read and another when returned."""
-  out = {}
-  for o, i in pairs.items():
-    if runtime.normal(in_specs[i]) != runtime.normal(out_specs[o]):
-      out[i] = SplitDifferently(str(in_specs[i]), str(out_specs[o]), out_names[o])
-  return out
 
 
 def sharding_groups(mesh: Mesh, axes: tuple, group_size: int) -> tuple[groups.Groups | None, str]:

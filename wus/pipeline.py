@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import mesh_axes, runtime
+from wus import mesh_axes, runtime, spec_splits
 from wus.analysis import causes, compat, cost, network, reasons, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Grouping, Plan
@@ -363,7 +363,7 @@ def flatten(grouped: Grouped) -> Flat:
                                       [flat.invars[i] for i in pairs.values()]))
   # State split over other mesh axes too (tensor parallelism): each block is sharded
   # over the replica axes (ShardedLayout.split_axes), if it comes back as it came in.
-  split_state = mesh_axes.split_differently(pairs, g.in_specs, g.out_specs, g.matched.out_names)
+  split_state = spec_splits.split_differently(pairs, g.in_specs, g.out_specs, g.matched.out_names)
   for i in split_state:
     del pairs[next(o for o, k in pairs.items() if k == i)]
   return Flat(grouped, flat, axes, pairs, split_state)
@@ -407,8 +407,8 @@ def plan_request(analysed: Analysed) -> PlanRequest:
       f.jaxpr, analysed.facts, axes=f.axes, num_shards=analysed.num_shards,
       in_names=analysed.in_names, out_names=list(m.out_names), state_pairs=f.pairs,
       state_whole=f.split_state, matched=m.matched,
-      split=mesh_axes.split_over(g.in_specs, f.axes, g.mesh, g.home),
-      fsdp=mesh_axes.fsdp_axes(g.in_specs, m.traced.sources, call.replicated, f.axes, g.mesh),
+      split=spec_splits.split_over(g.in_specs, f.axes, g.mesh, g.home),
+      fsdp=spec_splits.fsdp_axes(g.in_specs, m.traced.sources, call.replicated, f.axes, g.mesh),
       min_size=options.min_shard_size, split_reason=step.split_reason,
       objective=options.objective, shard_weights=options.shard_weights,
       topology=analysed.topology, copy_sizes=copy_sizes,

@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 from wus.analysis import (compat, dims, layouts, primitives, propagation, redundancy,
-                          rules, shardable)
+                          region_dims, rules, shardable)
 from wus.analysis.shardable import Kind
 from wus.transforms import model_local
 
@@ -183,7 +183,7 @@ def test_each_table_names_its_default_the_conservative_answer():
   assert shardable.shard_kind(eqn, None) is None and shardable.whole(eqn, None) is None
   assert propagation.is_sum(eqn, [None], lambda v: False) is False
   assert redundancy.varying(eqn, [frozenset({"data"})], None) == [frozenset()]
-  assert dims.of(eqn) == dims.whole(eqn)
+  assert region_dims.of(eqn) == dims.whole(eqn)
   assert model_local.local_params.get(eqn.primitive, model_local.same_params) is (
       model_local.same_params)
   assert model_local.same_params(eqn, (4,)) == {}

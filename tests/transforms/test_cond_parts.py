@@ -122,7 +122,7 @@ def test_only_the_update_conditionals_of_a_global_step_are_split():
   its outputs are independent too (a weight and a bias picked by a flag)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from wus import jit_arguments
+  from wus import jit_placement, jit_region
   from wus.analysis import global_view
 
   tx = optax.MultiSteps(optax.adam(1e-2), 2)
@@ -143,9 +143,9 @@ def test_only_the_update_conditionals_of_a_global_step_are_split():
   x, y = jax.device_put(jnp.ones((32, 16)), data), jax.device_put(jnp.ones((32, 8)), data)
   args = (params, tx.init(params), x, y)
   leaves = jax.tree.leaves(args)
-  flat = jit_arguments.flat_jaxpr(jax.jit(step).trace(*args).jaxpr, mesh)
+  flat = jit_region.flat_jaxpr(jax.jit(step).trace(*args).jaxpr, mesh)
   state = frozenset(range(len(leaves) - 2))
-  splits = jit_arguments.batch_splits(flat.jaxpr, leaves, [None] * len(leaves), mesh, state)
+  splits = jit_placement.batch_splits(flat.jaxpr, leaves, [None] * len(leaves), mesh, state)
   reads_sum = global_view.reads_sum(flat.jaxpr, splits)
   conds = [e for e in flat.jaxpr.eqns if e.primitive is compat.cond_p]
   forward = [e for e in conds if not reads_sum(e)]
