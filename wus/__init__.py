@@ -48,6 +48,7 @@ Modules, one concern each:
   mesh_axes      what each mesh axis is to a step: its role, the replica axes, groups, devices
   spec_splits    what a step's specs split of each operand besides the replica axes (the Plan)
   pipeline       the seven stages every front end shares, each one value to the next
+  stages         the values the pipeline's stages hand each other: what the next one reads
   runtime        the runtime every front end shares: operands in, sharded state out
   sharded        `ShardedArray`: the tensors wus keeps sharded between steps
   saving         what a step saves: the warning when it saves little, bytes per device

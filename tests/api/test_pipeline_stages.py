@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import mesh
-from wus import pipeline
+from wus import pipeline, stages
 from wus.analysis import network, reasons
 from wus.analysis.formats import ShardFormat
 from wus.analysis.planning import PlanningContext
@@ -45,11 +45,11 @@ def _call(**options) -> pipeline.Call:
 
 def test_trace_takes_the_shard_map_apart():
   traced = pipeline.trace(_call())
-  assert traced.sources == (("arg", 0), ("arg", 1), ("arg", 2))
+  assert traced.origin.sources == (("arg", 0), ("arg", 1), ("arg", 2))
   assert traced.in_specs == (P(), P(), P("data")) and traced.manual == {"data"}
   assert [x.shape for x in traced.operand_avals] == [(64,), (64,), (16, 4)]
-  assert [x.shape for x in traced.out_shape] == [(64,), (64,)]
-  assert traced.body_pos == {0: 0, 1: 1, 2: 2}
+  assert [x.shape for x in traced.origin.out_shape] == [(64,), (64,)]
+  assert traced.origin.body_pos == {0: 0, 1: 1, 2: 2}
 
 
 @pytest.mark.parametrize("size, request_size", [(None, None), (2, 2), ("auto", None)])
@@ -58,27 +58,29 @@ def test_match_pairs_state_and_reads_the_group_size_asked(size, request_size):
   assert matched.pairs == {0: 0, 1: 1}
   assert matched.matched == {0: "next value [0] (by position)", 1: "next value [1] (by position)"}
   assert matched.out_names == ("[0]", "[1]")
-  assert matched.request == pipeline.GroupRequest(request_size)
+  assert matched.request == stages.GroupRequest(request_size)
 
 
 def test_group_without_groups_keeps_the_users_mesh_and_leaves_the_axes_to_find():
   grouped = pipeline.group(pipeline.match(pipeline.trace(_call())))
-  assert grouped.home is None and grouped.axes is None and grouped.grouping is None
-  assert grouped.mesh is mesh(8) and grouped.manual == {"data"}
+  on = grouped.placement
+  assert on.home is None and grouped.axes is None and on.grouping is None
+  assert on.mesh is mesh(8) and on.manual == {"data"} and on.group_size is None
 
 
 def test_group_of_two_derives_the_mesh_and_says_the_groups():
   grouped = pipeline.group(pipeline.match(pipeline.trace(_call(shard_group_size=2))))
-  assert dict(grouped.mesh.shape) == {"data.groups": 4, "data.in_group": 2}
-  assert grouped.axes == ("data.in_group",) and grouped.grouping.num_groups == 4
-  assert grouped.in_specs[2] == P(("data.groups", "data.in_group"))
-  assert grouped.manual == {"data.groups", "data.in_group"}
+  on = grouped.placement
+  assert dict(on.mesh.shape) == {"data.groups": 4, "data.in_group": 2}
+  assert grouped.axes == ("data.in_group",) and on.grouping.num_groups == 4
+  assert on.in_specs[2] == P(("data.groups", "data.in_group")) and on.group_size == 2
+  assert on.manual == {"data.groups", "data.in_group"}
 
 
 def test_group_of_one_runs_on_the_users_mesh_with_the_reason_in_the_grouping():
   grouped = pipeline.group(pipeline.match(pipeline.trace(_call(shard_group_size=1))))
-  assert grouped.home is None and grouped.axes == ("data",)
-  assert grouped.grouping.layout.startswith("shard_group_size=1: groups of one replica")
+  assert grouped.placement.home is None and grouped.axes == ("data",)
+  assert grouped.placement.grouping.layout.startswith("shard_group_size=1: groups of one replica")
 
 
 def test_flatten_inlines_and_finds_the_replica_axes():
@@ -198,3 +200,18 @@ def test_adam_over_a_flax_dense_plan_then_build():
   assert set(compiled.sharded_leaves) == moments
   assert {compiled.sharded_leaves[k].format for k in moments} == {
       plan.state_inputs[k] for k in moments}
+
+
+def test_each_stage_holds_what_the_next_reads_not_the_chain():
+  """Issue 38 item 2: a stage holds the one before it whole only where its reader reads all
+  of it (`group` reads stage 1, `plan_request` stage 4); what later stages read travels as
+  `Origin` and `Placement`, so that no reader reaches more than one stage back."""
+  chain = ("Traced", "Matched", "Grouped", "Flat", "Analysed", "Planned")
+  held = {name: {f.type for f in dataclasses.fields(getattr(stages, name)) if f.type in chain}
+          for name in chain}
+  assert held == {"Traced": set(), "Matched": {"Traced"}, "Grouped": set(), "Flat": set(),
+                  "Analysed": {"Flat"}, "Planned": set()}
+  planned = pipeline.plan(pipeline.analyse(pipeline.flatten(pipeline.group(pipeline.match(
+      pipeline.trace(_call(shard_group_size=2)))))))
+  assert planned.placement.group_size == 2 and planned.origin.call.mesh is mesh(8)
+  assert planned.axes == ("data.in_group",) and planned.names == ("w", "m", "x")
