@@ -179,7 +179,7 @@ def group(matched: Matched) -> Grouped:
   operands moved onto it.
 
   Raises:
-    ValueError: as `_groups` (several sharding axes, a G that does not divide N).
+    ValueError: as `mesh_axes.sharding_groups` (several sharding axes, a G that does not divide N).
   """
   t, request = matched.traced, matched.request
   o = t.origin
