@@ -86,13 +86,18 @@ def median_step(times: Sequence[float], skip: int = 2) -> float:
   return statistics.median(rest) if rest else math.nan
 
 
-def compiled_summary(lowered) -> str | None:
+def compiled_summary(lowered, hlo_path: str | None = None) -> str | None:
   """The compiled step's collectives and data movement, from its optimized HLO (per
-  device: count / MiB), or None if the step was not lowered by the trainer."""
+  device: count / MiB), or None if the step was not lowered by the trainer. With
+  `hlo_path`, the optimized HLO is also written there."""
   if lowered is None:
     return None
   from wus.harness.tools import report as hlo  # noqa: PLC0415 -- after the device flags
   text = lowered.compile().as_text()
+  if hlo_path:
+    os.makedirs(os.path.dirname(hlo_path), exist_ok=True)
+    with open(hlo_path, "w", encoding="utf8") as f:
+      f.write(text)
   parts = [f"{k} {c.count} / {c.bytes / 2**20:.3g}"
            for k, c in sorted(hlo.collectives(text).items()) if c.count]
   parts += [f"{k} {m.count} / {m.bytes / 2**20:.3g}"
@@ -173,6 +178,7 @@ def main(script: str, variants_of: Callable[[argparse.Namespace], Sequence[str]]
   argv = sys.argv[1:]  # The children read what they need (not --json).
   with tempfile.TemporaryDirectory(prefix="wus-params-") as keep:
     os.environ["WUS_TRAINER_PARAMS_DIR"] = keep
+    os.environ["WUS_TRAINER_CWD"] = os.getcwd()  # Children run elsewhere: for their paths.
     records = run_children(script, variants_of(args), argv)
     param_differences(records)
   print(report(f"{os.path.basename(script)} {' '.join(argv)}", records), flush=True)
