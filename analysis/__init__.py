@@ -14,6 +14,7 @@ Modules, one concern each, in the order the passes run:
   model_splits   which dims of the region's values the model (and FSDP) axes split
   shardable      which equations can run on shards, and how (`Kind` and its `Traits`, §4.1)
   clusters       weight-update clusters around the gradient all-reduces (§3.2)
+  reduction_joins  which cluster a reduction of big tensors to small values joins
   formats        `ShardFormat`: reshape, pad, split (§4.1, Fig. 6)
   layouts        a format for every tensor of a cluster
   cost           shard a cluster or not, with the reason and predicted times (§3.2)

@@ -29,6 +29,7 @@ from wus.analysis import compat
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.graph import Graph
 from wus.analysis.redundancy import Redundancy
+from wus.analysis.reduction_joins import read_member, reached_member
 from wus.analysis.shardable import REDUCING, Context, Kind, shard_kind
 
 
@@ -115,6 +116,8 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   found_roots: frozenset = frozenset()
   if (roots or state) and not inputs_sharded:
     found_roots = growth.grow_from_roots(roots, state)
+  if not inputs_sharded:
+    growth.join_read_reductions(frozenset(state))
   # Outside a conditional's branch (whose whole reads are gathered inside it),
   # equations whose big results a repeated equation without a shard rule
   # reads whole (a matmul with the gradient, the pad of a BatchNorm
@@ -237,10 +240,23 @@ class _Growth:
     if self.parent:
       for i in range(len(self.graph.jaxpr.eqns)):
         if i not in self.parent and self.kind(i) in REDUCING:
-          member = _reached_member(i, self.graph, self.parent, self.facts, self.axes)
+          member = reached_member(i, self.graph, self.parent, self.facts, self.axes)
           if member is not None:
             self.add(i, member)
             self.grow([i])
+
+  def join_read_reductions(self, state) -> None:
+    """Reductions to small values of what a cluster computes or reads, that only equations
+    outside the clusters read (a gradient norm returned as a metric), not of `state`:
+    each joins the cluster it reads from and grows backward from there (`square(g)` on
+    the shard), so the cluster's tensors stay sharded (`reduction_joins.read_member`)."""
+    eqns = self.graph.jaxpr.eqns
+    for i in range(len(eqns)):
+      if (i not in self.parent and self.kind(i) in REDUCING
+          and not any(map(self.graph.big, eqns[i].outvars))
+          and (member := read_member(i, self.graph, self.parent, self.kind, state)) is not None):
+        self.add(i, member)
+        self.grow([i], reductions=False)
 
   def grow_from_roots(self, roots, state) -> frozenset:
     """Grows the updates no all-reduce reaches from their roots (`find_roots`, and the
@@ -309,23 +325,6 @@ def _kept_whole(members, graph: Graph, facts: Redundancy, axes: frozenset) -> di
       if p in members and p not in out:
         todo.append((p, r))
   return out
-
-
-def _reached_member(start: int, graph: Graph, members, facts: Redundancy, axes: frozenset,
-                    limit: int = 64) -> int | None:
-  """The first cluster equation that `start`'s outputs reach through equations
-  every replica repeats (a norm's sqrt, a trust ratio), or None; looks at
-  `limit` equations at most."""
-  seen, todo = {start}, [start]
-  while todo and len(seen) <= limit:
-    for v in graph.jaxpr.eqns[todo.pop(0)].outvars:
-      for r in graph.readers(v):
-        if r in members:
-          return r
-        if r not in seen and facts.repeats(graph.jaxpr.eqns[r], axes):
-          seen.add(r)
-          todo.append(r)
-  return None
 
 
 def _make_cluster(idx: list[int], graph: Graph, kind, seeds: set[int], branches,

@@ -52,25 +52,40 @@ def whole_bytes(leaves: Sequence) -> int:
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
 
 
-def run_children(script: str, variants: Sequence[str], argv: Sequence[str]) -> dict:
+def run_children(script: str, variants: Sequence[str], argv: Sequence[str],
+                 rounds: int = 1) -> dict:
   """Runs `script --variant V --out FILE *argv` for each variant, one at a time, each in a
   new process of this Python; {variant: its record}. A child that fails is recorded with
-  its return code and the end of what it printed."""
-  records = {}
+  its return code and the end of what it printed. With `rounds` > 1 the variants run that
+  many times, each round starting one variant later (jax, wus, zero1; wus, zero1, jax;
+  ...), so that a slower spell of a shared machine falls on each in turn: the first
+  round's records are kept, and each record's `round_medians` holds its median step time
+  of every round."""
+  records: dict = {}
   with tempfile.TemporaryDirectory(prefix="wus-trainer-") as tmp:
-    for v in variants:
-      out = os.path.join(tmp, f"{v}.json")
-      start = time.perf_counter()
-      proc = subprocess.run([sys.executable, script, "--variant", v, "--out", out, *argv],
-                            capture_output=True, text=True, cwd=tmp, check=False)
-      if proc.returncode == 0 and os.path.exists(out):
-        with open(out, encoding="utf8") as f:
-          records[v] = json.load(f)
-      else:
-        records[v] = {"error": proc.returncode,
-                      "output": (proc.stdout + proc.stderr)[-6000:]}
-      records[v]["wall_seconds"] = round(time.perf_counter() - start, 1)
+    for r in range(rounds):
+      for v in [*variants[r % len(variants):], *variants[:r % len(variants)]]:
+        record = _run_child(script, v, argv, tmp)
+        records.setdefault(v, record).setdefault("round_medians", [])
+        if "error" not in record:
+          records[v]["round_medians"].append(round(median_step(record["step_times"]), 4))
   return records
+
+
+def _run_child(script: str, variant: str, argv: Sequence[str], tmp: str) -> dict:
+  """One child's record (or its failure), with its wall time."""
+  out = os.path.join(tmp, f"{variant}.json")
+  start = time.perf_counter()
+  proc = subprocess.run([sys.executable, script, "--variant", variant, "--out", out, *argv],
+                        capture_output=True, text=True, cwd=tmp, check=False)
+  if proc.returncode == 0 and os.path.exists(out):
+    with open(out, encoding="utf8") as f:
+      record = json.load(f)
+    os.remove(out)
+  else:
+    record = {"error": proc.returncode, "output": (proc.stdout + proc.stderr)[-6000:]}
+  record["wall_seconds"] = round(time.perf_counter() - start, 1)
+  return record
 
 
 def relative_difference(a: Sequence[float], b: Sequence[float]) -> float:
@@ -86,13 +101,18 @@ def median_step(times: Sequence[float], skip: int = 2) -> float:
   return statistics.median(rest) if rest else math.nan
 
 
-def compiled_summary(lowered) -> str | None:
+def compiled_summary(lowered, hlo_path: str | None = None) -> str | None:
   """The compiled step's collectives and data movement, from its optimized HLO (per
-  device: count / MiB), or None if the step was not lowered by the trainer."""
+  device: count / MiB), or None if the step was not lowered by the trainer. With
+  `hlo_path`, the optimized HLO is also written there."""
   if lowered is None:
     return None
   from wus.harness.tools import report as hlo  # noqa: PLC0415 -- after the device flags
   text = lowered.compile().as_text()
+  if hlo_path:
+    os.makedirs(os.path.dirname(hlo_path), exist_ok=True)
+    with open(hlo_path, "w", encoding="utf8") as f:
+      f.write(text)
   parts = [f"{k} {c.count} / {c.bytes / 2**20:.3g}"
            for k, c in sorted(hlo.collectives(text).items()) if c.count]
   parts += [f"{k} {m.count} / {m.bytes / 2**20:.3g}"
@@ -129,6 +149,10 @@ def report(title: str, records: dict, base: str = "jax") -> str:
     frac = r["opt_bytes_per_device"] / r["opt_bytes_whole"] if r["opt_bytes_whole"] else 0
     lines.append(f"    {n:>8}: {r['opt_bytes_per_device']:>12,} {r['opt_bytes_whole']:>12,} "
                  f"{frac:>8.4f} {median_step(r['step_times']):>10.4f} {r['wall_seconds']:>8}")
+  if any(len(r.get("round_medians", ())) > 1 for r in ok.values()):
+    lines.append("  median step time (s) of each round, in the order the rounds ran:")
+    lines += [f"    {n:>8}: {' '.join(f'{t:.4f}' for t in r['round_medians'])}"
+              for n, r in ok.items()]
   for n, r in ok.items():
     if r.get("plan"):
       lines.append(f"  {n}'s Plan: {r['plan']}")
@@ -162,6 +186,8 @@ def main(script: str, variants_of: Callable[[argparse.Namespace], Sequence[str]]
   add_arguments(parser)
   parser.add_argument("--steps", type=int, default=6)
   parser.add_argument("--json", help="write every run's record here")
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="run the variants this many times, interleaved, for step times")
   parser.add_argument("--variant", help=argparse.SUPPRESS)
   parser.add_argument("--out", help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -173,7 +199,8 @@ def main(script: str, variants_of: Callable[[argparse.Namespace], Sequence[str]]
   argv = sys.argv[1:]  # The children read what they need (not --json).
   with tempfile.TemporaryDirectory(prefix="wus-params-") as keep:
     os.environ["WUS_TRAINER_PARAMS_DIR"] = keep
-    records = run_children(script, variants_of(args), argv)
+    os.environ["WUS_TRAINER_CWD"] = os.getcwd()  # Children run elsewhere: for their paths.
+    records = run_children(script, variants_of(args), argv, args.rounds)
     param_differences(records)
   print(report(f"{os.path.basename(script)} {' '.join(argv)}", records), flush=True)
   if args.json:

@@ -27,6 +27,7 @@ Usage (Python >= 3.12, MaxText 0.2.5 and wus installed; docs/trainers/maxtext.md
 
     python tests/trainers/run_maxtext.py --mesh data8 [--shard-mode explicit] [--steps 6]
         [--size small]  # a model whose update matters on these CPUs, for step times
+        [--hlo-dir DIR]  # each run's optimized HLO, as DIR/VARIANT.hlo
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def add_arguments(parser) -> None:
   parser.add_argument("--mesh", choices=sorted(MESHES), default="data8")
   parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
   parser.add_argument("--shard-mode", choices=["auto", "explicit"], default="auto")
+  parser.add_argument("--hlo-dir", help="write each run's optimized HLO here, as VARIANT.hlo")
 
 
 def variants(args) -> list[str]:
@@ -124,7 +126,8 @@ def child(args) -> dict:
           "opt_bytes_whole": common.whole_bytes(opt),
           "params": common.save_params(args.variant, params),
           "plan": common.plan_summary(step.plan),
-          "compiled": common.compiled_summary(step.lowered)}
+          "compiled": common.compiled_summary(step.lowered, args.hlo_dir and os.path.join(
+              os.environ.get("WUS_TRAINER_CWD", ""), args.hlo_dir, f"{args.variant}.hlo"))}
 
 
 if __name__ == "__main__":
