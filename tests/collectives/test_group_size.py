@@ -26,6 +26,7 @@ from helpers import (PMAP_TX, SPECS, assert_trees_equal, collective_lines, dense
                      pmap_xs, replica_groups, run, sharded_leaves, stack)
 from wus.analysis import reasons
 from wus.analysis.reasons import Reason
+from wus.analysis.causes import GroupsOfOne
 
 CASES = [(8, 2), (8, 4), (6, 3)]  # (N, G)
 CASE_IDS = [f"N{n}G{g}" for n, g in CASES]
@@ -283,7 +284,8 @@ def test_g_equal_to_n_is_plain_sharding_and_g_one_shards_nothing():
   assert plan1.clusters and not any(c.sharded for c in plan1.clusters)
   # Each cluster's verdict is the groups' own words: one replica per group.
   assert plan1.groups.layout.startswith("shard_group_size=1: groups of one replica")
-  assert all(c.why == Reason(plan1.groups.layout) for c in plan1.clusters), plan1
+  assert all(c.why == Reason(GroupsOfOne("data")) for c in plan1.clusters), plan1
+  assert all(str(c.why) == plan1.groups.layout for c in plan1.clusters), plan1
   assert not any(i.sharded for i in plan1.inputs)
 
 
