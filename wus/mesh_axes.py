@@ -33,7 +33,7 @@ class Roles:
     update: the axes each update is sharded over (§3.2): the batch axes no weight's
       gradient is reduce-scattered over to its block (HSDP's "replica" beside "fsdp"),
       or every batch axis.
-    copies: the other axes an update identical on all their replicas is sharded over
+    copy_axes: the other axes an update identical on all their replicas is sharded over
       too (`Plan.copy_axes`).
   """
 
@@ -41,7 +41,7 @@ class Roles:
   model: tuple[str, ...] = ()
   fsdp: tuple[str, ...] = ()
   update: tuple[str, ...] = ()
-  copies: tuple[str, ...] = ()
+  copy_axes: tuple[str, ...] = ()
 
   @staticmethod
   def of(mesh: Mesh, batch, placed=(), blocked=()) -> Roles:
@@ -58,10 +58,11 @@ class Roles:
                  ordered(a for a in mesh.axis_names if a not in update))
 
 
-def copy_axes(allowed: bool, mesh: Mesh, manual: frozenset, axes: tuple, home) -> dict:
+def copy_sizes(allowed: bool, mesh: Mesh, manual: frozenset, axes: tuple, home) -> dict:
   """The other manual axes (size > 1, mesh order) an update repeated on all their replicas
-  is sharded over too (`Plan.copy_axes`): none unless `allowed` (`Step.copies`), nor
-  with sharding groups."""
+  is sharded over too, with their sizes (`PlanRequest.copy_sizes`, `Plan.copy_axes`): none
+  unless `allowed` (a `wus.shard_map` step without `axis_name`), nor with sharding
+  groups."""
   if not allowed or home is not None:
     return {}
   return {a: mesh.shape[a] for a in mesh.axis_names

@@ -276,9 +276,9 @@ def plan_request(analysed: Analysed) -> PlanRequest:
   o, g = f.origin, f.placement
   call, options, step = o.call, o.call.options, o.call.step
   roles = call.roles
-  copy_sizes = ({a: g.mesh.shape[a] for a in roles.copies} if roles and g.home is None else
-                mesh_axes.copy_axes(roles is None and options.axis_name is None, g.mesh, g.manual,
-                                    f.axes, g.home))
+  copy_sizes = ({a: g.mesh.shape[a] for a in roles.copy_axes} if roles and g.home is None else
+                mesh_axes.copy_sizes(roles is None and options.axis_name is None, g.mesh,
+                                     g.manual, f.axes, g.home))
   return PlanRequest(
       f.jaxpr, analysed.facts, axes=f.axes, num_shards=analysed.num_shards,
       in_names=analysed.in_names, out_names=list(f.out_names), state_pairs=f.pairs,

@@ -177,6 +177,6 @@ def test_mesh_roles_drop_size_1_axes_and_shard_the_update_where_nothing_is_block
   roles = Roles.of(mesh, batch={"replica", "data", "one"}, placed={"data", "model", "one"},
                    blocked={"data"})
   assert roles == Roles(batch=("replica", "data"), model=("model",), fsdp=("data",),
-                        update=("replica",), copies=("data", "model"))
+                        update=("replica",), copy_axes=("data", "model"))
   # Every batch axis blocked (FSDP alone): the update is sharded over them all.
   assert Roles.of(mesh, {"data"}, {"data"}, {"data"}).update == ("data",)
