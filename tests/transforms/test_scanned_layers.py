@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+import pytest
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import wus
@@ -68,9 +69,17 @@ def _layers(params):
   return params["params"][name]
 
 
-def _setup():
-  m = mesh(8, "auto")
-  whole, data = NamedSharding(m, P()), NamedSharding(m, P("data"))
+def _maxtext_mesh():
+  """As MaxText builds it for `ici_data_parallelism=8`: every logical axis in the mesh,
+  the unused ones of size 1, Auto axes (`shard_mode=auto`); the batch over data and fsdp."""
+  names = ("data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert")
+  m = jax.make_mesh((8, 1, 1, 1, 1, 1, 1), names, axis_types=(AxisType.Auto,) * len(names))
+  return m, P(("data", "fsdp"))
+
+
+def _setup(maxtext_mesh):
+  m, batch = _maxtext_mesh() if maxtext_mesh else (mesh(8, "auto"), P("data"))
+  whole, data = NamedSharding(m, P()), NamedSharding(m, batch)
   params = MODEL.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32))
   state = jax.device_put((params, TX.init(params)), whole)
   shardings = (jax.tree.map(lambda _: whole, state), data)
@@ -82,13 +91,14 @@ def _setup():
   return state, batches, stacked, kw
 
 
-def test_stacked_gradients_clip_on_shards_and_the_step_is_jax_jits():
+@pytest.mark.parametrize("maxtext_mesh", [False, True], ids=["data", "maxtext_axes"])
+def test_stacked_gradients_clip_on_shards_and_the_step_is_jax_jits(maxtext_mesh):
   """Each stacked weight's cluster grows from the stacked gradient's transpose, sliced
   locally: the clip and the logged norms run on its shards (their sums all-reduced), not
   whole on every replica, so nothing reads the transpose whole and XLA transposes only
   each replica's slice. Losses equal, the rest within the rounding of the norms' sums on
   shards; the stacked weights' optimizer state sharded."""
-  state, batches, stacked, kw = _setup()
+  state, batches, stacked, kw = _setup(maxtext_mesh)
   ref_step = jax.jit(_train_step, donate_argnums=0, **kw)
   ws = wus.jit(_train_step, donate_argnums=0, **kw)
   plan = ws.plan(state, batches[0])
