@@ -34,7 +34,7 @@ from wus.sharded import is_sharded
 from wus.stages import (Analysed, Flat, Grouped, GroupRequest, Matched, Origin, Placement,
                         Planned, Traced)
 from wus.transforms import gc_pause, groups, inline, programs
-from wus.transforms.layout import ShardedLayout
+from wus.transforms.layout import ShardedLayout, spec_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +250,7 @@ def analyse(flat: Flat) -> Analysed:
   # its one replica (a (8, 1) mesh plans as the 1-D mesh).
   single = frozenset(a for a in p.manual if mesh.shape[a] == 1)
   in_rep = [frozenset(p.manual) if s[0] == "arg" and s[1] in call.replicated
-            else p.manual - (runtime.spec_axes(spec) - single)
+            else p.manual - (spec_axes(spec) - single)
             for spec, s in zip(p.in_specs, o.sources, strict=True)]
   facts = redundancy.analyze(flat.jaxpr, in_rep, p.manual)
   step = call.step

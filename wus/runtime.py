@@ -32,7 +32,7 @@ from wus.errors import StateMismatchError
 from wus.matching import aval
 from wus.sharded import ShardedArray, check_alive, is_sharded, unshard
 from wus.transforms import programs
-from wus.transforms.layout import ShardedLayout, spec_axes  # noqa: F401 -- re-exported
+from wus.transforms.layout import ShardedLayout
 
 
 def trace(leaves: list, compiled: Compiled) -> None:

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from wus import runtime
 from wus.analysis.causes import SplitDifferently
-from wus.transforms.layout import split_axes
+from wus.transforms.layout import spec_axes, split_axes
 
 
 def split_over(in_specs: Sequence, axes: tuple, mesh: Mesh, home) -> dict:
@@ -34,7 +34,7 @@ def fsdp_axes(in_specs: Sequence, sources: tuple, replicated: frozenset, axes: t
   out = {}
   for k, (spec, src) in enumerate(zip(in_specs, sources, strict=True)):
     fsdp = tuple((a, mesh.shape[a]) for a in axes
-                 if a in runtime.spec_axes(spec) and mesh.shape[a] > 1)
+                 if a in spec_axes(spec) and mesh.shape[a] > 1)
     if fsdp and not (src[0] == "arg" and src[1] in replicated):
       out[k] = fsdp
   return out
