@@ -161,6 +161,7 @@ def find_region(jaxpr: Jaxpr, splits: Splits, axis_sizes: Mapping[str, int],
   kind = _kinds(jaxpr, splits, axis_sizes, model_axes, outside)
   moved = _move_sums(jaxpr, kind)
   _pull_needed(jaxpr, kind)
+  _moves_outside(jaxpr, kind)
   inside = [i for i, k in enumerate(kind) if k is not None]
   sums = frozenset(i for i in inside if kind[i] == "sum")
   state_vars = {v for v in (jaxpr.outvars[k] for k in state_out) if not compat.is_literal(v)}
@@ -233,7 +234,7 @@ def _move_sums(jaxpr: Jaxpr, kind: list) -> set[int]:
     start, v = i, jaxpr.eqns[i].outvars[0]
     while (len(jaxpr.eqns[i].outvars) == 1 and v not in graph.outputs
            and len(readers := graph.readers(v)) == 1
-           and kind[j := readers[0]] == "update" and _moves_elements(jaxpr.eqns[j])):
+           and kind[j := readers[0]] == "update" and moves_elements(jaxpr.eqns[j])):
       kind[i], kind[j], i = "partial", "sum", j
       v = jaxpr.eqns[j].outvars[0]
       moved.add(start)
@@ -265,6 +266,20 @@ def _joined(jaxpr: Jaxpr, inside: list[int], seeds: set) -> list[int]:
 
   joined = after(feeding(after(set(seeds) & set(inside))))
   return [i for i in inside if i in joined]
+
+
+def _moves_outside(jaxpr: Jaxpr, kind: list) -> None:
+  """Marks outside each update equation that only moves the elements (`moves_elements`)
+  of a value the forward and backward pass compute (a stacked gradient transposed to its
+  weight's layout): the region then reads the moved value, which GSPMD can hand it split
+  (`wus.presliced`), split inside the loop that computes it, rather than build it whole
+  on every device."""
+  producer = Graph(jaxpr).producer
+  for i, eqn in enumerate(jaxpr.eqns):
+    if kind[i] == "update" and moves_elements(eqn):
+      j = producer.get(eqn.invars[0])
+      if j is not None and kind[j] is None:
+        kind[i] = None
 
 
 def _pull_needed(jaxpr: Jaxpr, kind: list) -> None:
@@ -299,7 +314,7 @@ def summing_eqn(jaxpr: Jaxpr, i: int) -> JaxprEqn:
   """The equation that sums at gradient sum `i`: itself, or, for a sum moved past
   equations that only move elements (`Region.moved`), the one before them."""
   graph, eqn = Graph(jaxpr), jaxpr.eqns[i]
-  while _moves_elements(eqn) and (p := graph.producing(eqn.invars[0])) is not None:
+  while moves_elements(eqn) and (p := graph.producing(eqn.invars[0])) is not None:
     eqn = p
   return eqn
 
@@ -327,8 +342,9 @@ def _splits_over_mesh(eqn: JaxprEqn, axis_sizes: Mapping[str, int],
   return axes is None or not {a for a in axes if axis_sizes.get(a, 1) > 1} <= model_axes
 
 
-def _moves_elements(eqn: JaxprEqn) -> bool:
-  """Whether each result element is one operand element: an all-reduce commutes with it."""
+def moves_elements(eqn: JaxprEqn) -> bool:
+  """Whether each result element is one operand element: an all-reduce commutes with it
+  (a transpose, a reshape, a squeeze)."""
   if len(eqn.invars) != 1 or compat.is_literal(eqn.invars[0]):
     return False
   if eqn.primitive in (lax.transpose_p, lax.reshape_p, lax.squeeze_p, lax.rev_p):

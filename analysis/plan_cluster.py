@@ -38,6 +38,8 @@ class Scope:
     in_loop: a loop body's.
     rare: its conditionals taken every k iterations (`loops.rare_conds`).
     held: values a loop leaves as shards -> their format.
+    computed: positions of inputs the step computes rather than takes (`wus.jit`'s region
+      reads its gradients summed in a loop so): a cluster reads them as roots.
   """
 
   graph: Graph
@@ -48,6 +50,7 @@ class Scope:
   in_loop: bool = False
   rare: frozenset = frozenset()
   held: Mapping = dataclasses.field(default_factory=dict)
+  computed: frozenset = frozenset()
 
   @property
   def jaxpr(self) -> Jaxpr:
@@ -303,7 +306,8 @@ def tensor_plans(c, s: Scope, pairs, fmt) -> tuple[TensorPlan, ...]:
   for v in c.reads:
     if v in invar_pos and v not in roots:
       k = invar_pos[v]
-      out.append(entry(s.in_names[k], v, "state" if k in state_positions else "weight"))
+      out.append(entry(s.in_names[k], v, "state" if k in state_positions
+                       else "root" if k in s.computed else "weight"))
   for v, positions in c.returned.items():
     for p in positions:
       if p not in pairs:

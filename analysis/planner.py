@@ -42,7 +42,10 @@ def make_plan(request: PlanRequest) -> Plan:
   r = request
   graph = Graph(r.jaxpr, r.num_shards, r.min_size)
   ctx = PlanningContext.of(r, graph.big)
-  planned = _plan(graph, ctx, r.state_pairs, r.in_names, r.out_names)
+  # A region's operands no argument enters are values the step computes (gradients).
+  computed = (frozenset() if r.arguments is None else frozenset(
+      range(len(r.jaxpr.invars))) - {a.operand for a in r.arguments})
+  planned = _plan(graph, ctx, r.state_pairs, r.in_names, r.out_names, computed=computed)
   inputs, state_inputs = _inputs(r, ctx, planned)
   limit, alone, buckets, collectives = cost.bucket_bytes(planned.clusters, r.num_shards,
                                                          ctx.topology, r.objective)
@@ -189,7 +192,8 @@ class _Planned:
 
 
 def _plan(graph: Graph, ctx: PlanningContext, state_pairs: Mapping[int, int], in_names, out_names,
-          label: str = "", in_loop: bool = False, counters: frozenset = frozenset()) -> _Planned:
+          label: str = "", in_loop: bool = False, counters: frozenset = frozenset(),
+          computed: frozenset = frozenset()) -> _Planned:
   """Clusters, formats and decisions of one jaxpr (`graph.jaxpr`), in stages: its loops
   first (`_plan_loops`), then its clusters (`plan_cluster.plan_cluster`), the FSDP blocks
   repeated over copy axes (`fsdp_blocks`), the state no
@@ -198,10 +202,10 @@ def _plan(graph: Graph, ctx: PlanningContext, state_pairs: Mapping[int, int], in
   propose (`input_reasons`).
 
   `counters` are a loop body's inputs that count iterations: a conditional
-  whose predicate depends on one is taken every k steps (§3.2).
+  whose predicate depends on one is taken every k steps (§3.2). `computed`: `Scope`'s.
   """
   scope = Scope(graph, state_pairs, in_names, out_names, label, in_loop,
-                loops.rare_conds(graph.jaxpr, counters))
+                loops.rare_conds(graph.jaxpr, counters), computed=computed)
   acc = Planning()
   planned_loops = _plan_loops(scope, ctx, acc)
   # A loop's carries held as shards after it (a gradient accumulated on shards)

@@ -8,12 +8,15 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 
+import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from wus.analysis import compat, global_view
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.primitives import ELEMENTWISE
 from wus.transforms import inline, interpret, model_local
+from wus.transforms.layout import ShardedLayout
 
 
 def run(flat, region: global_view.Region, sub, in_specs: tuple, *ops):
@@ -38,10 +41,24 @@ def run(flat, region: global_view.Region, sub, in_specs: tuple, *ops):
   interpret.eval_eqns(jaxpr, env, order=[i for i in range(len(jaxpr.eqns)) if i not in inside])
   region_ops = [s[1] if s[0] != "arg" else
                 interpret.read(env, region.invars[s[1]]) if s[1] in sub.sharded_leaves else
+                padded_shards(interpret.read(env, region.invars[s[1]]), sub.presliced[s[1]])
+                if s[1] in sub.presliced else
                 compat.laid_out(interpret.read(env, region.invars[s[1]]), in_specs[s[1]])
                 for s in sub.sources]
   env.update(zip(region.outvars, sub.step(*region_ops), strict=True))
   return tuple(interpret.read(env, v) for v in jaxpr.outvars)
+
+
+def padded_shards(x, layout: ShardedLayout):
+  """The global array of `x`'s shards in `layout`, whose format cuts `x`'s leading dim
+  into them with no padding (`wus.presliced`), laid out by `layout.data_sharding`: `x`
+  split over the format's axes on its leading dim, then its dims merged as the format
+  merges them, so that where `x` is computed (in a loop), each device computes its rows
+  alone."""
+  spec = layout.data_sharding.spec
+  split = lax.with_sharding_constraint(x, NamedSharding(layout.mesh, P(*spec[:1])))
+  return lax.with_sharding_constraint(jnp.reshape(split, layout.format.merged_shape),
+                                      layout.data_sharding)
 
 
 def region_fn(jaxpr, region: global_view.Region, axes: tuple,

@@ -33,7 +33,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from wus import (errors, jit_arguments, jit_operands, jit_placement, jit_region, mesh_axes,
-                 pipeline, runtime)
+                 pipeline, presliced, runtime)
 from wus.analysis import compat, global_view, planner, propagation, refusals
 from wus.analysis.causes import BATCH_SPLITS
 from wus.analysis.model_splits import ModelSplits
@@ -350,7 +350,8 @@ class JitStep:
         in_specs, out_specs, check_vma=False, split_reason=BATCH_SPLITS,
         match_state=lambda a, o: StateMatch(dict(pairs), dict(how)),
         names=(in_names, out_names), split_by="its placement", outside=outside,
-        arguments=jit_operands.arguments(jaxpr, region, paths, match, out_paths))
+        arguments=jit_operands.arguments(jaxpr, region, paths, match, out_paths),
+        presliced=presliced.stacked(jaxpr, region.invars))
     region_args = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                              sharding=NamedSharding(mesh, s))
                         for v, s in zip(region.invars, in_specs, strict=True))

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import mesh_axes, runtime, spec_splits
+from wus import mesh_axes, presliced, runtime, spec_splits
 from wus.analysis import causes, compat, cost, reasons, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Grouping
@@ -56,6 +56,9 @@ class Step:
       the argument paths.
     arguments: the step's argument leaves when `f` is a region of it (`wus.jit`):
       the Plan lists these (`planning.Argument`); None: `f`'s own.
+    presliced: the positions of the operand leaves the front end can hand the step as
+      shards where the step reads them only as shards (`wus.presliced`: `wus.jit`'s
+      region, whose GSPMD program splits a loop's stacked gradients where it writes them).
   """
 
   f: Callable
@@ -70,6 +73,7 @@ class Step:
   split_by: str = "its spec"
   outside: tuple[reasons.Reason, ...] = ()
   arguments: tuple[Argument, ...] | None = None
+  presliced: frozenset = frozenset()
 
 
 def compile_step(call: Call) -> runtime.Compiled:
@@ -305,7 +309,11 @@ def build(planned: Planned, seconds: Mapping[str, float]) -> runtime.Compiled:
   donated = [k for k, s in enumerate(o.sources)
              if s[0] == "arg" and arg_of_leaf[s[1]] in call.donate_argnums]
   lowering: dict = {}  # The program records its rewrite's seconds here when lowered.
-  program = programs.step_program(ClosedJaxpr(planned.jaxpr, ()), p, mesh=mesh,
+  split = presliced.inputs(planned, call.step.presliced) if call.step.presliced else {}
+  # The program takes those inputs as shards too; the Plan is the planner's.
+  run = dataclasses.replace(p, rewrite=dataclasses.replace(
+      p.rewrite, sharded_in={**p.rewrite.sharded_in, **split})) if split else p
+  program = programs.step_program(ClosedJaxpr(planned.jaxpr, ()), run, mesh=mesh,
                                   in_specs=g.in_specs, out_specs=g.out_specs,
                                   axis_names=g.manual, check_vma=o.check_vma,
                                   donate_argnums=donated, timings=lowering, home=home)
@@ -322,4 +330,7 @@ def build(planned: Planned, seconds: Mapping[str, float]) -> runtime.Compiled:
   return runtime.Compiled(p, program, o.sources, sharded_leaves, sharded_outputs,
                           planned.names, g.out_specs, out_replicated,
                           jax.tree.structure(o.out_shape), mesh, call.mesh,
-                          types.MappingProxyType(dict(seconds)), lowering)
+                          types.MappingProxyType(dict(seconds)), lowering,
+                          presliced={o.sources[k][1]: ShardedLayout(
+                              fmt, p.shard_axes(fmt), g.in_specs[k], mesh, home)
+                                     for k, fmt in split.items()})

@@ -315,6 +315,9 @@ class Compiled:
   seconds: Mapping[str, float]  # Seconds of "trace" and "analysis" (inline, plan).
   lowering: Mapping[str, float]  # The program's record, "rewrite" seconds once lowered.
   in_shardings: tuple = ()  # `wus.jit`: per flat leaf, where its program takes it.
+  # `wus.jit`'s region: operand leaf -> its ShardedLayout, for the values that are no
+  # state its program takes as the global arrays of their padded shards (`wus.presliced`).
+  presliced: Mapping = dataclasses.field(default_factory=dict)
 
   @property
   def timings(self) -> dict[str, float]:

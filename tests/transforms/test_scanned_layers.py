@@ -3,13 +3,16 @@
 with in and out shardings and the state donated, the gradients clipped by their global
 norm before AdamW, and the gradient norms returned as metrics.
 
-GSPMD all-reduces each layer's gradient inside the backward loop; the update region
-reads the stacked gradient whole and transposes it to the weight's layout. Its update
-slices the transpose locally, so XLA can transpose only the slice, unless an equation the
-update does not hold reads the gradient whole: the logged norms did, and every replica
-transposed (and clipped) every stacked gradient whole (MaxText, data 8: 16 MiB of copies
-per device). They run on shards now, their partial sums all-reduced
-(`analysis.reduction_joins`).
+GSPMD all-reduces each layer's gradient inside the backward loop. The stacked gradient
+is transposed to the weight's layout where GSPMD partitions the step, and the update
+region reads the transpose as its shards (`wus.presliced`): GSPMD then splits the stacked
+gradient inside the loop, each device keeping its slice of every layer's all-reduced
+gradient, as it does for an update sharded by hand (MaxText's
+`shard_optimizer_over_data`). Read whole by the region (until 2026-11-30), it was built
+whole on every device in the loop (MaxText, data 8: 6 MiB per device). The logged norms,
+which read the gradients whole, run on shards too, their partial sums all-reduced
+(`analysis.reduction_joins`); before, every replica transposed (and clipped) every
+stacked gradient whole (16 MiB of copies per device).
 """
 
 import flax.linen as nn
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import re
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -102,11 +106,13 @@ def test_stacked_gradients_clip_on_shards_and_the_step_is_jax_jits(maxtext_mesh)
   ref_step = jax.jit(_train_step, donate_argnums=0, **kw)
   ws = wus.jit(_train_step, donate_argnums=0, **kw)
   plan = ws.plan(state, batches[0])
-  layers = [c for c in plan.clusters if any(t.shape in stacked for t in c.tensors)]
+  layers = [c for c in plan.clusters if any(t.shape in stacked and t.name.startswith("state")
+                                            for t in c.tensors)]
   assert len(layers) == len(stacked)
   for c in layers:
     assert c.sharded and isinstance(c.why.verdict, verdicts.RootsSliced), c.why
-    assert c.why.verdict.what.startswith("transpose at "), c.why  # Not the clip's select_n.
+    # The transpose, an input of the region, not the clip's select_n.
+    assert c.why.verdict.what.startswith("<transpose at "), c.why
   ref, out = jax.tree.map(jnp.copy, state), jax.tree.map(jnp.copy, state)
   for b in batches:
     (ref, ref_metrics), (out, metrics) = ref_step(ref, b), ws(out, b)
@@ -115,3 +121,29 @@ def test_stacked_gradients_clip_on_shards_and_the_step_is_jax_jits(maxtext_mesh)
   assert_trees_equal(ref, wus.unshard(out), rtol=1e-6, atol=1e-7)
   layers = _layers(out[1][0].mu)
   assert all(isinstance(layers[k]["kernel"], wus.ShardedArray) for k in ("Dense_0", "Dense_1"))
+
+
+def _loop_carries(hlo: str) -> list[list[tuple[int, ...]]]:
+  """The f32 shapes each while loop of an optimized HLO program carries."""
+  return [[tuple(int(n) for n in d.split(",")) for d in re.findall(r"f32\[([\d,]+)\]", m)]
+          for m in re.findall(r"= (\([^)]*\)) while\(", hlo)]
+
+
+@pytest.mark.parametrize("maxtext_mesh", [False, True], ids=["data", "maxtext_axes"])
+def test_the_backward_loop_keeps_each_devices_slice_of_the_stacked_gradients(maxtext_mesh):
+  """The stacked gradients the update reads as shards are split inside the backward loop:
+  each loop carries a stacked layer weight's shape once at most (the weight the loop
+  reads), its gradient as each device's eighth; `jax.jit`'s backward loop carries both
+  whole. Until 2026-11-30 `wus.jit`'s did too: the region read the gradients whole."""
+  state, batches, stacked, kw = _setup(maxtext_mesh)
+  # The loop's layout: the layer axis (1 in the weights, MaxText's param_scan_axis) first.
+  looped = {(s[1], s[0], *s[2:]) for s in stacked}
+  sliced = {(s[0], s[1] // 8, *s[2:]) for s in looped}
+
+  def carries(step) -> list[list[tuple[int, ...]]]:
+    return _loop_carries(step.lower(state, batches[0]).compile().as_text())
+  ref = carries(jax.jit(_train_step, donate_argnums=0, **kw))
+  assert max(c.count(s) for c in ref for s in looped) == 2  # The weight and its gradient.
+  out = carries(wus.jit(_train_step, donate_argnums=0, **kw))
+  assert max(c.count(s) for c in out for s in looped) == 1, out
+  assert sliced <= {s for c in out for s in c}, out
