@@ -8,7 +8,9 @@ its shard of a root by a local slice, no communication.
 State a cluster reads may also be updated by equations the cluster does not reach (SAM's
 `cache`, the old weights kept for the next outer step; an average of the weights before
 the step): run whole, they would keep that state whole on every replica. Those that only
-outputs and each other read join the cluster (`beside`), so the state stays sharded.
+outputs and each other read join the cluster (`beside`), so the state stays sharded,
+where nothing else reads the state whole (a weight the forward pass reads stays whole,
+and so do the equations beside its update).
 """
 
 from __future__ import annotations

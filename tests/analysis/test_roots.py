@@ -8,6 +8,7 @@ shard of a root by a local slice (no communication), updates its shard of
 the state and all-gathers the weight (`analysis.roots.find_roots`).
 """
 
+import functools
 import math
 
 import flax.linen as nn
@@ -334,3 +335,30 @@ def test_elastic_average_of_the_weights_is_sharded_under_jit():
   assert_trees_equal(a, wus.unshard(b), rtol=1e-6, atol=1e-7)
   assert all(_float_state_sharded(b[1], 8).values())
   assert all(_float_state_sharded(b[2], 8).values()), str(ws.plan(*b, xs[-1]))
+
+
+def test_a_weight_the_forward_pass_reads_keeps_what_is_computed_beside_it_whole():
+  """`2 * params` returned beside the new weights: the weights are whole anyway (the
+  forward pass reads them), so computing it on shards would only add an all-gather: it
+  stays as the step computes it, and the step all-gathers what it did without it."""
+  tx = optax.adam(1e-2)
+
+  def step(params, opt_state, x, doubled):
+    grads = lax.pmean(jax.grad(_mlp_loss)(params, x), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new = optax.apply_updates(params, updates)
+    return (new, opt_state, jax.tree.map(lambda p: 2 * p, params)) if doubled else (new,
+                                                                                   opt_state)
+
+  params, m = _mlp_params(), mesh(8)
+  x = jax.device_put(jnp.ones((16, 16)), NamedSharding(m, P("data")))
+  gathered = {}
+  for doubled in (False, True):
+    f = functools.partial(step, doubled=doubled)
+    outs = (P(), P(), P()) if doubled else (P(), P())
+    kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=outs)
+    a, b, ws = run_both(f, (params, tx.init(params)), [x], **kw)
+    assert_trees_equal(a, wus.unshard(b))
+    hlo = ws.lower(params, tx.init(params), x).compile().as_text().splitlines()
+    gathered[doubled] = sorted(collective_arrays(hlo, "all-gather"))
+  assert gathered[True] == gathered[False]
