@@ -15,6 +15,7 @@ Modules, one concern each, in the order the passes run:
   shardable      which equations can run on shards, and how (`Kind` and its `Traits`, §4.1)
   clusters       weight-update clusters around the gradient all-reduces (§3.2)
   reduction_joins  which cluster a reduction of big tensors to small values joins
+  roots          the updates no all-reduce reaches, and state updates beside a cluster
   formats        `ShardFormat`: reshape, pad, split (§4.1, Fig. 6)
   layouts        a format for every tensor of a cluster
   cost           shard a cluster or not, with the reason and predicted times (§3.2)

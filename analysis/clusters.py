@@ -15,7 +15,7 @@ An update that no all-reduce reaches grows from its roots instead: values
 identical on every replica that it reads together with state of their shape
 (a gradient AD formed from invariant values, or that the caller all-reduced
 before the region: `jax.jit`'s gradients entering a shard_map with in_spec
-P()). Its shard of a root is a local slice, no communication (`find_roots`).
+P()). Its shard of a root is a local slice, no communication (`roots.find_roots`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-import jax.numpy as jnp
 
 from wus.analysis import compat
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.graph import Graph
 from wus.analysis.redundancy import Redundancy
 from wus.analysis.reduction_joins import read_member, reached_member
+from wus.analysis.roots import beside, find_roots
 from wus.analysis.shardable import REDUCING, Context, Kind, shard_kind
 
 
@@ -54,7 +54,7 @@ class Cluster:
       step, because a repeated equation without a shard rule reads their
       results whole: index -> that reader's index. `eqns` read their results
       by a local slice.
-    roots: the roots it grew from (`find_roots`): values identical on every
+    roots: the roots it grew from (`roots.find_roots`): values identical on every
       replica that it reads by a local slice (or computes on shards, where
       only it reads what they are computed from).
   """
@@ -94,7 +94,7 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
       their readers seed growth after the all-reduces' clusters are grown.
     state: the step's state inputs (those with a next value): the updates of
       the ones no all-reduce's cluster reads grow from their roots as well
-      (`find_roots`).
+      (`roots.find_roots`).
     graph: `jaxpr`'s graph for `num_shards` and `min_size`, if the caller has it.
     memo: a conditional's branch jaxpr -> its cluster, for these `facts`, `axes`,
       `num_shards` and `min_size` (the planner's memo): each branch is
@@ -117,6 +117,7 @@ def find_clusters(jaxpr: Jaxpr, facts: Redundancy, axes: frozenset,
   if (roots or state) and not inputs_sharded:
     found_roots = growth.grow_from_roots(roots, state)
   if not inputs_sharded:
+    growth.join_state_updates(state)
     growth.join_read_reductions(frozenset(state))
   # Outside a conditional's branch (whose whole reads are gathered inside it),
   # equations whose big results a repeated equation without a shard rule
@@ -258,8 +259,23 @@ class _Growth:
         self.add(i, member)
         self.grow([i], reductions=False)
 
+  def join_state_updates(self, state) -> None:
+    """State a cluster reads whose next value other repeated equations compute without
+    the cluster (SAM's cache, from the old weights): those equations join that cluster,
+    so the state stays sharded rather than read whole by them."""
+    for s in state:
+      member = next((r for r in self.graph.readers(s) if r in self.parent), None)
+      if member is None or not self.graph.big(s):
+        continue
+      new = beside(s, self.graph, self.kind, self.parent)
+      if any(r not in self.parent and r not in new for r in self.graph.readers(s)):
+        continue  # Read whole elsewhere anyway (a weight the forward pass reads).
+      for i in new:
+        self.add(i, member)
+      self.grow(list(new), reductions=False)
+
   def grow_from_roots(self, roots, state) -> frozenset:
-    """Grows the updates no all-reduce reaches from their roots (`find_roots`, and the
+    """Grows the updates no all-reduce reaches from their roots (`roots.find_roots`, and the
     given `roots`); returns the roots."""
     graph, kind, eqns = self.graph, self.kind, self.graph.jaxpr.eqns
     before = set(self.parent)
@@ -354,79 +370,11 @@ def _make_cluster(idx: list[int], graph: Graph, kind, seeds: set[int], branches,
   )
 
 
-def find_roots(graph: Graph, facts: Redundancy, axes: frozenset, state, taken: set[int],
-               kind=None) -> frozenset:
-  """The roots of the updates of `state` that no cluster reaches.
-
-  The update of a state input s is what every replica repeats on its way from
-  s to the outputs: the equations with a shard kind reachable from s's readers
-  through such equations, that reach an output. No all-reduce need feed it
-  (a weight decay AD forms from invariant values after a scalar psum; a
-  gradient already all-reduced outside the region). Its roots are the values
-  it reads but does not compute that have s's elements (non-unit dims), are
-  floats, are identical on every replica and are not state themselves: the
-  gradient entering the momentum. A cluster grown from a root reads it by a
-  local slice (`collectives.shard`, no communication).
-
-  Args:
-    graph: the flat jaxpr's graph (its `big` values are the tensors worth sharding).
-    facts: its redundancy analysis.
-    axes: the replica axes.
-    state: the jaxpr's state inputs.
-    taken: equations already in clusters: state one of them reads is skipped.
-    kind: `find_clusters`' shard kind of an equation index (None: computed).
-
-  Returns:
-    The roots (variables of `jaxpr`).
-  """
-  jaxpr, big = graph.jaxpr, graph.big
-  if kind is None:
-    ctx = Context(facts, frozenset(axes))
-
-    def kind(i: int) -> Kind | None:
-      eqn = jaxpr.eqns[i]
-      if not facts.repeats(eqn, frozenset(axes)):
-        return None
-      k = shard_kind(eqn, ctx)
-      return k if k is not None and any(map(big, k.big_values(eqn))) else None
-
-  state = frozenset(state)
-  outputs = set(graph.outputs)
-  found: set = set()
-  for s in state:
-    if (not big(s) or not facts.is_redundant(s, frozenset(axes))
-        or any(r in taken for r in graph.readers(s))):
-      continue
-    reached, todo = set(), [r for r in graph.readers(s) if kind(r) is not None]
-    while todo:  # Forward from s through equations with a shard kind.
-      i = todo.pop()
-      if i not in reached:
-        reached.add(i)
-        todo += [r for v in jaxpr.eqns[i].outvars for r in graph.readers(v)
-                 if kind(r) is not None]
-    update: set[int] = set()
-    for i in sorted(reached, reverse=True):  # Those that reach an output (readers come later).
-      if any(v in outputs or any(r in update for r in graph.readers(v))
-             for v in jaxpr.eqns[i].outvars):
-        update.add(i)
-    made = {v for i in update for v in jaxpr.eqns[i].outvars}
-    shape = _nonunit(s)
-    found.update(v for i in update for v in jaxpr.eqns[i].invars
-                 if big(v) and v not in made and v not in state and _nonunit(v) == shape
-                 and jnp.issubdtype(v.aval.dtype, jnp.floating)
-                 and facts.is_redundant(v, frozenset(axes)))
-  return frozenset(found)
-
-
 def _in_order(jaxpr: Jaxpr, vs) -> list[Var]:
   """`vs` (variables of `jaxpr`) in the order `jaxpr` defines them."""
   if not vs:
     return []
   return [v for v in [*jaxpr.invars, *(o for e in jaxpr.eqns for o in e.outvars)] if v in vs]
-
-
-def _nonunit(v) -> tuple[int, ...]:
-  return tuple(d for d in v.aval.shape if d != 1)
 
 
 def gradient_axes(jaxpr: Jaxpr, state_shapes: set) -> frozenset | None:

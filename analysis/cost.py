@@ -17,7 +17,7 @@ not state). It is taken when
     such as Adafactor's factored second moments), so communication barely
     grows; or, with more all-gather than that, it keeps optimizer state
     sharded between steps (the memory objective, the default). An update
-    grown from roots (`clusters.find_roots`: no all-reduce to make a
+    grown from roots (`roots.find_roots`: no all-reduce to make a
     reduce-scatter, its gradient a local slice) only adds all-gathers: it is
     taken only when it keeps optimizer state sharded.
 

@@ -27,7 +27,7 @@ class TensorPlan:
     dtype: numpy dtype name.
     role: "gradient" (an all-reduce it replaces), "root" (a value identical
       on every replica that an update no all-reduce reaches grows from, read
-      by a local slice: `clusters.find_roots`), "state" (an input kept
+      by a local slice: `roots.find_roots`), "state" (an input kept
       sharded between steps), "weight" (an input the step also reads whole,
       sliced locally), or "output" (a result returned whole).
     format: its sharding format (None when the cluster stays replicated).

@@ -72,7 +72,7 @@ class PlanRequest:
     matched: input position -> which output the state matching took for its next value
       and by which rule, or why it found none, for the Plan.
     roots: positions of inputs that are identical on every replica and that an update
-      reads whole, to be sliced locally (`clusters.find_roots`): a front end's gradients
+      reads whole, to be sliced locally (`roots.find_roots`): a front end's gradients
       that arrive all-reduced. The planner finds the roots of the updates of state that
       no all-reduce reaches itself.
     split: input position -> the mesh axes of size > 1 the user's spec splits it over

@@ -16,7 +16,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from wus.analysis import network, redundancy
+from wus.analysis import compat, network, redundancy
 from wus.analysis.plan import Grouping, Plan
 from wus.transforms import groups
 
@@ -35,7 +35,7 @@ class Origin:
   """
 
   call: Any
-  body: Any
+  body: compat.Jaxpr
   check_vma: bool
   sources: tuple
   out_shape: Any
@@ -153,7 +153,7 @@ class Flat:
 
   origin: Origin
   placement: Placement
-  jaxpr: Any
+  jaxpr: compat.Jaxpr
   axes: tuple
   pairs: dict
   split_state: dict
@@ -201,7 +201,7 @@ class Planned:
   plan: Plan
   origin: Origin
   placement: Placement
-  jaxpr: Any
+  jaxpr: compat.Jaxpr
   axes: tuple
   facts: redundancy.Redundancy
   names: tuple

@@ -127,7 +127,7 @@ def test_default_axis_name_is_the_gradient_all_reduce_axis_on_a_2d_mesh():
                                                           "opt_state[0].nu['w']"}
   # Forced over both axes, no all-reduce spans them: the one over "data" runs
   # whole, and its result, identical on all 8 devices, is the update's root,
-  # sliced locally (clusters.find_roots). The Plan says so; the step is exact.
+  # sliced locally (roots.find_roots). The Plan says so; the step is exact.
   forced = wus.shard_map(_dp_step(tx), **kw, axis_name=("data", "model"))
   c = b = (params, tx.init(params))
   for i in range(3):

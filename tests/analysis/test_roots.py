@@ -5,9 +5,10 @@ with state of its shape: a gradient AD formed from invariant values, the
 scatter-add that builds an embedding table's gradient from all-reduced rows,
 or a gradient computed from replicated inputs only. Each replica takes its
 shard of a root by a local slice (no communication), updates its shard of
-the state and all-gathers the weight (`analysis.clusters.find_roots`).
+the state and all-gathers the weight (`analysis.roots.find_roots`).
 """
 
+import functools
 import math
 
 import flax.linen as nn
@@ -22,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 from helpers import (analysed_body, assert_trees_equal, collective_arrays, mesh,
                      parameter_copies, run_both)
-from wus.analysis import clusters, planner, reasons, verdicts
+from wus.analysis import clusters, planner, reasons, roots, verdicts
 from wus.analysis.graph import Graph
 from wus.analysis.planning import PlanRequest
 from wus.analysis.reasons import Reason
@@ -245,10 +246,10 @@ def test_roots_of_state_no_all_reduce_reaches_are_found():
   # The momentum's update reads g (its shape, a float, identical everywhere);
   # w's reads the scaled momentum, a root too. State is no root.
   graph = Graph(jaxpr, N)
-  roots = clusters.find_roots(graph, facts, AXES, {w, m}, set())
-  assert g in roots and not {w, m} & roots
+  found = roots.find_roots(graph, facts, AXES, {w, m}, set())
+  assert g in found and not {w, m} & found
   # State a cluster already reads has its update found: no roots.
-  assert clusters.find_roots(graph, facts, AXES, {w, m}, set(range(len(jaxpr.eqns)))) \
+  assert roots.find_roots(graph, facts, AXES, {w, m}, set(range(len(jaxpr.eqns)))) \
       == frozenset()
   (c,) = clusters.find_clusters(jaxpr, facts, AXES, N, state=frozenset({w, m}))
   assert c.roots[0] is g and g in c.reads  # Defined first; read by a local slice.
@@ -267,3 +268,97 @@ def test_planner_shards_a_rooted_update_and_names_the_root(declared):
   assert c.why.verdict.what.startswith("g, "), c.why
   assert {t.name: t.role for t in c.tensors} == {"g": "root", "m": "state", "w": "state"}
   assert set(plan.state_inputs) == {0, 1}  # Only the update reads w here.
+
+
+# --- State updated beside a cluster (analysis/roots.py `beside`). ------------------------------
+
+def _mlp_loss(p, x):
+  return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) @ p["head"]) ** 2)
+
+
+def _mlp_params():
+  r = np.random.RandomState(0)
+  return {"w": jnp.asarray(0.1 * r.randn(16, 36), jnp.float32), "b": jnp.zeros((36,)),
+          "head": jnp.asarray(0.1 * r.randn(36, 4), jnp.float32)}
+
+
+def test_sam_cache_stays_sharded_beside_the_adam_update():
+  """optax's SAM (`opaque_mode=False`, as its docstring builds it): the state's `cache`, the
+  weights of the last outer step, is read by the outer update and rewritten from the
+  weights before the step (`first * params + (1 - first) * cache`), which no gradient
+  reaches. That rewrite joins the cluster that reads `cache`, so `cache` is sharded
+  too; run whole it kept `cache` whole on every replica."""
+  tx = optax.contrib.sam(optax.adam(1e-2), optax.chain(optax.contrib.normalize(),
+                                                         optax.sgd(0.05)), sync_period=2)
+
+  def step(params, opt_state, x):
+    grads = lax.pmean(jax.grad(_mlp_loss)(params, x), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, m = _mlp_params(), mesh(8)
+  state = tx.init(params)._replace(cache=jax.tree.map(jnp.copy, params))
+  xs = [jax.device_put(jax.random.normal(jax.random.key(i), (16, 16)),
+                       NamedSharding(m, P("data"))) for i in range(4)]
+  kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+  a, b, ws = run_both(step, (params, state), xs, **kw)
+  assert_trees_equal(a, wus.unshard(b), rtol=1e-6, atol=1e-7)
+  assert all(isinstance(x, wus.ShardedArray) for x in jax.tree.leaves(
+      b[1].cache, is_leaf=wus.sharded.is_sharded)), b[1].cache
+  assert all(_float_state_sharded(b[1], 8).values())
+
+
+def test_elastic_average_of_the_weights_is_sharded_under_jit():
+  """Elastic averaging: the update pulls the weights toward an average of the weights,
+  which the step then moves toward the weights it was given (not the new ones), with no
+  gradient. `wus.jit` against `jax.jit`: the average sharded between steps like Adam's
+  moments (run whole, its rewrite kept it whole), the forward pass untouched."""
+  tx = optax.adamw(1e-2, weight_decay=1e-3)
+
+  def step(params, opt_state, average, x):
+    grads = jax.grad(_mlp_loss)(params, x)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    updates = jax.tree.map(lambda u, e, p: u + 0.01 * (e - p), updates, average, params)
+    average = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, average, params)
+    return optax.apply_updates(params, updates), opt_state, average
+
+  m = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(m):
+    params = jax.device_put(_mlp_params(), NamedSharding(m, P()))
+    args = (params, tx.init(params), jax.tree.map(jnp.copy, params))
+    xs = [jax.device_put(jax.random.normal(jax.random.key(i), (16, 16)),
+                         NamedSharding(m, P("data"))) for i in range(3)]
+    ref, ws = jax.jit(step), wus.jit(step)
+    a = b = args
+    for x in xs:
+      a, b = ref(*a, x), ws(*b, x)
+  assert_trees_equal(a, wus.unshard(b), rtol=1e-6, atol=1e-7)
+  assert all(_float_state_sharded(b[1], 8).values())
+  assert all(_float_state_sharded(b[2], 8).values()), str(ws.plan(*b, xs[-1]))
+
+
+def test_a_weight_the_forward_pass_reads_keeps_what_is_computed_beside_it_whole():
+  """`2 * params` returned beside the new weights: the weights are whole anyway (the
+  forward pass reads them), so computing it on shards would only add an all-gather: it
+  stays as the step computes it, and the step all-gathers what it did without it."""
+  tx = optax.adam(1e-2)
+
+  def step(params, opt_state, x, doubled):
+    grads = lax.pmean(jax.grad(_mlp_loss)(params, x), "data")
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new = optax.apply_updates(params, updates)
+    return (new, opt_state, jax.tree.map(lambda p: 2 * p, params)) if doubled else (new,
+                                                                                   opt_state)
+
+  params, m = _mlp_params(), mesh(8)
+  x = jax.device_put(jnp.ones((16, 16)), NamedSharding(m, P("data")))
+  gathered = {}
+  for doubled in (False, True):
+    f = functools.partial(step, doubled=doubled)
+    outs = (P(), P(), P()) if doubled else (P(), P())
+    kw = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=outs)
+    a, b, ws = run_both(f, (params, tx.init(params)), [x], **kw)
+    assert_trees_equal(a, wus.unshard(b))
+    hlo = ws.lower(params, tx.init(params), x).compile().as_text().splitlines()
+    gathered[doubled] = sorted(collective_arrays(hlo, "all-gather"))
+  assert gathered[True] == gathered[False]

@@ -32,7 +32,7 @@ CASES = [
     # A Shampoo-like preconditioner, a matmul with the weight, before momentum:
     # the momentum reads only the matmul's result, which no all-reduce's growth
     # reaches. That result, identical on every replica, is the momentum's root:
-    # sliced locally (`clusters.find_roots`), so the momentum still shards.
+    # sliced locally (`roots.find_roots`), so the momentum still shards.
     pytest.param(lambda: _on_big(lambda g, w: g @ (w.T @ w)), "dot_general", {}, True,
                  id="matmul"),
 ]
