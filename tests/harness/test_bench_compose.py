@@ -65,14 +65,18 @@ def test_composition_figures_are_per_round_ratios():
             compose.KEYS["step"]: [2.0, 4.0, 2.0],
             compose.KEYS["reduce_scatter"]: [0.25, 0.25, 0.25],
             compose.KEYS["all_gather"]: [0.25, 0.25, 0.25],
-            compose.KEYS["rest_reduce_scatter"]: [2.5, 4.5, 1.25],
+            compose.KEYS["rest_flat"]: [1.0, 2.5, 1.5],
+            compose.KEYS["rest_reduce_scatter"]: [2.5, 5.5, 1.75],
             compose.KEYS["reduce_scatter_update"]: [0.75, 1.25, 0.75],
             compose.KEYS["update_all_gather"]: [1.5, 1.25, 0.75]}
   c = compose.composition(rounds)
   assert c["step"] == 2.0 and c["over_parts"] == 1.0 and c["wus_over_step"] == 2.0
-  assert c["pairs"]["rest_reduce_scatter"] == (2.0, 1.25)
+  assert c["flat"] == 0.5 and c["pairs"]["rest_reduce_scatter"] == (2.0, 1.25)
   assert c["pairs"]["reduce_scatter_update"] == (1.0, 0.0)
   assert c["pairs"]["update_all_gather"] == (1.0, 0.0)
   assert "The limit in one program" in compose.markdown(rounds)
+  rounds["part_page_faults"] = {"rest_seconds": 3, compose.KEYS["step"]: 5,
+                                compose.KEYS["rest_flat"]: 4}
+  assert "it 5, forward and backward alone 3, laid end to end 4" in compose.markdown(rounds)
   assert compose.composition({"rest_seconds": [1.0]}) is None
   assert compose.markdown({}) == "" and summary.limit_markdown({}) == ""

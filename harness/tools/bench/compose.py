@@ -11,13 +11,17 @@ the limit's parts with nothing of wus (issue 42):
                        gradients laid end to end (`limit.flat_elements`), one
                        flat reduce-scatter, Adam on the flat shard, one flat
                        all-gather into a donated buffer.
-  rest_reduce_scatter  forward and backward, then the flat reduce-scatter.
+  rest_flat            forward and backward, the gradients laid end to end into a
+                       donated buffer: what laying them out flat costs beside
+                       `limit`'s forward and backward pass alone.
+  rest_reduce_scatter  forward and backward, the flat gradients reduce-scattered.
   reduce_scatter_update  the flat reduce-scatter, then Adam on its shard.
   update_all_gather    Adam on the flat shard, then the flat all-gather.
   reduce_scatter, all_gather  each collective alone (the pairs' other halves).
 
-Each pair is compared with its two parts alone in the same rounds: what the
-pair costs beyond them is what running those two parts in one program costs.
+Each pair is compared with its two parts alone in the same rounds (the first
+pair with `rest_flat`): what the pair costs beyond them is what running those
+two parts in one program costs.
 The weights read by the forward pass are the model's (not the gathered ones:
 the next step's); the gradients' concatenation is part of the step and of
 `rest_reduce_scatter` (the parts alone reduce-scatter a buffer made once).
@@ -40,10 +44,10 @@ from wus.harness.training import steps
 
 # The result's keys (seconds of each timed call) of the programs, by program name.
 KEYS = {name: f"composed_{name}_seconds" for name in (
-    "step", "rest_reduce_scatter", "reduce_scatter_update", "update_all_gather",
+    "step", "rest_flat", "rest_reduce_scatter", "reduce_scatter_update", "update_all_gather",
     "reduce_scatter", "all_gather")}
 # Each pair and the parts alone it composes (keys of the result).
-PAIRS = {"rest_reduce_scatter": ("rest_seconds", KEYS["reduce_scatter"]),
+PAIRS = {"rest_reduce_scatter": (KEYS["rest_flat"], KEYS["reduce_scatter"]),
          "reduce_scatter_update": (KEYS["reduce_scatter"], "update_seconds"),
          "update_all_gather": ("update_seconds", KEYS["all_gather"])}
 
@@ -90,6 +94,7 @@ class Composed:
 # (donated: what is both an argument and a result, and the output buffers).
 _IO = {"step": (("params", "model_state", "batch", "shard", "state", "gathered"),
                 ("shard", "state", "gathered")),
+       "rest_flat": (("params", "model_state", "batch", "grads"), ("grads",)),
        "rest_reduce_scatter": (("params", "model_state", "batch", "reduced"), ("reduced",)),
        "reduce_scatter_update": (("grads", "shard", "state"), ("shard", "state")),
        "update_all_gather": (("shard", "grad_shard", "state", "gathered"),
@@ -149,6 +154,8 @@ def _programs(task: tasks.Task, tx: optax.GradientTransformation, mesh: Mesh, ax
   a, whole = P(axis), P()
   return {
       "step": compiled(step, (whole, whole, a, a, specs, a), (a, specs, a), (3, 4, 5)),
+      "rest_flat": compiled(lambda params, model_state, batch, grads: flat_gradients(
+          params, model_state, batch), (whole, whole, a, a), a, (3,)),
       "rest_reduce_scatter": compiled(
           lambda params, model_state, batch, reduced: reduce(
               flat_gradients(params, model_state, batch)),
@@ -169,8 +176,9 @@ def composition(result: dict) -> dict | None:
   Returns:
     {"step": the limit in one program (seconds), "over_parts": it / the parts alone
     (forward and backward + the flat collectives + the flat update), "wus_over_step": wus /
-    it (None without wus), "pairs": pair -> (its seconds over its two parts' alone, its
-    seconds less theirs)}.
+    it (None without wus), "flat": the gradients laid end to end (`rest_flat` less the
+    forward and backward pass alone), "pairs": pair -> (its seconds over its two parts'
+    alone, its seconds less theirs)}.
   """
   if not result.get(KEYS["step"]):
     return None
@@ -187,6 +195,8 @@ def composition(result: dict) -> dict | None:
           "over_parts": statistics.median(s / t for s, t in zip(step, alone, strict=True)),
           "wus_over_step": None if wus is None else statistics.median(
               w / s for w, s in zip(wus, step, strict=True)),
+          "flat": statistics.median(f - r for f, r in zip(
+              result[KEYS["rest_flat"]], result["rest_seconds"], strict=True)),
           "pairs": pairs}
 
 
@@ -198,8 +208,15 @@ def markdown(result: dict) -> str:
   pairs = "; ".join(f"{name.replace('_', ' ')} {ratio:.3f} ({1e3 * extra:+.2f} ms)"
                     for name, (ratio, extra) in c["pairs"].items())
   wus = "" if c["wus_over_step"] is None else f"wus / it {c['wus_over_step']:.3f}; "
+  faults = result.get("part_page_faults", {})
+  if KEYS["step"] in faults and "rest_seconds" in faults:
+    wus += (f"minor page faults per call: it {faults[KEYS['step']]:.0f}, forward and backward "
+            f"alone {faults['rest_seconds']:.0f}, laid end to end "
+            f"{faults[KEYS['rest_flat']]:.0f}; ")
   return (f"The limit in one program, by hand (`compose`: forward and backward, one flat "
           f"reduce-scatter, Adam on the flat shard, one flat all-gather): "
           f"{1e3 * c['step']:.2f} ms, {c['over_parts']:.3f} x the parts alone; {wus}"
+          f"laying the gradients end to end costs {1e3 * c['flat']:+.2f} ms beside the "
+          f"forward and backward pass alone; "
           f"each pair in one program / its two parts alone (per-round ratios, medians): "
           f"{pairs}.")

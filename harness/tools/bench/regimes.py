@@ -60,7 +60,8 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     variants (`Regime.parts`) also "collectives_seconds", "update_seconds" and
     "update_per_tensor_seconds" (`limit.Parts`), with both also "sequence_seconds" (the
     three parts of the limit run back to back, each after the other, in one timed call)
-    and the limit composed in one program, whole and by pairs (`compose.KEYS`).
+    and the limit composed in one program, whole and by pairs (`compose.KEYS`);
+    "part_page_faults": each part's minor page faults per call (median).
     "tensor_elements": of every weight.
   """
   s = _setting(regime, model, rounds, mesh, seed)
@@ -221,6 +222,7 @@ def _record(out: dict, seconds: dict, faults: dict, parts: dict, batchings: dict
   predictions, and each variant's per update with their median, min, max and page faults."""
   for key in parts:
     out[key] = seconds[key]
+  out["part_page_faults"] = {key: statistics.median(faults[key]) for key in parts}
   if batchings:
     out["choices"] = {name: {"collectives": b["collectives"], "predicted": b["predicted"],
                              "seconds": seconds[f"batching:{name}"]}
