@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from wus.analysis import network
-from wus.harness.tools.bench import calibrate, regimes, summary, variants
+from wus.harness.tools.bench import calibrate, compose, regimes, summary, variants
 from wus.harness.training import config, steps
 
 pytestmark = pytest.mark.slow  # Times every variant of wus-bench (minutes; docs/tests.md).
@@ -130,9 +130,15 @@ def test_parts_alone_give_the_limit_of_each_one_update_regime(results):
     assert len(r["sequence_seconds"]) == ROUNDS
     assert statistics.median(r["sequence_seconds"]) > bound["total"] / 2
     assert "The same three parts back to back" in summary.limit_markdown(r)
+    # The same parts composed in one program, whole and by pairs (`compose`).
+    composed = compose.composition(r)
+    assert all(len(r[key]) == ROUNDS for key in compose.KEYS.values())
+    assert set(composed["pairs"]) == set(compose.PAIRS) and composed["step"] > 0
+    assert "The limit in one program" in summary.limit_markdown(r)
   rows = [t for t, _, _ in summary.targets(results)]
   assert "weight-update-bound: wus / limit (the parts timed alone) <= 1.05" in rows
   assert "weight-update-bound: wus / the limit's parts run back to back <= 1.05" in rows
+  assert "weight-update-bound: wus / the limit in one program <= 1.05" in rows
   assert "weight-update-bound: wus with the state donated no slower than without" in rows
   assert "weight-update-bound: XLA compile time (CPU seconds), wus / replicated <= 1.2" in rows
   assert summary.paired_ratio([2.0, 3.0, 10.0], [1.0, 3.0, 5.0]) == 2.0

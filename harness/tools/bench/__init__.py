@@ -7,6 +7,7 @@ Modules, one concern each:
   timing           calls timed interleaved, in a new order each round, with their page faults
   summary          what is printed: tables, the limit, predictions beside measurements, targets
   limit            the parts of a sharded step timed alone (the limit wus is compared with)
+  compose          the limit's parts composed in one program, whole and by pairs
   calibrate        this machine's collective and memory costs, for the cost model
   choices          the cost model's batching choice, predicted beside measured
   zero             the hand-written and GSPMD ZeRO alternatives

@@ -62,7 +62,8 @@ alone in the same rounds (`limit`: the forward and backward pass, one
 reduce-scatter and one all-gather of every byte into reused buffers, the
 update of a 1/N shard); the sum of their medians is the limit wus is
 compared with, beside the data movement (copies, concatenates, slices) of
-its compiled step. On simulated
+its compiled step; the same parts composed by hand in one program, whole
+and by pairs (`compose`), say what running them together costs. On simulated
 CPU devices a collective is a memory copy on the same two cores, not a
 network transfer; the "wire" bytes are what each device would send by ring
 algorithms, read from the compiled HLO, and nothing here derives an ideal time

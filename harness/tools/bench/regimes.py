@@ -17,7 +17,7 @@ from wus.analysis import cost, network
 from wus.harness.data import batches, datasets
 from wus.harness.models import tasks
 from wus.harness.tools import report
-from wus.harness.tools.bench import choices, limit, timing
+from wus.harness.tools.bench import choices, compose, limit, timing
 from wus.harness.tools.bench.variants import Regime, variant_steps
 from wus.harness.training import config as config_lib, optim, steps
 
@@ -59,7 +59,9 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
     backward pass alone (`steps.make_gradient_step`); without partial-sharding
     variants (`Regime.parts`) also "collectives_seconds", "update_seconds" and
     "update_per_tensor_seconds" (`limit.Parts`), with both also "sequence_seconds" (the
-    three parts of the limit run back to back, each after the other, in one timed call).
+    three parts of the limit run back to back, each after the other, in one timed call)
+    and the limit composed in one program, whole and by pairs (`compose.KEYS`);
+    "part_page_faults": each part's minor page faults per call (median).
     "tensor_elements": of every weight.
   """
   s = _setting(regime, model, rounds, mesh, seed)
@@ -70,7 +72,8 @@ def run_regime(regime: Regime, *, model: str, rounds: int, mesh: Mesh, seed: int
          "opt_state_bytes": sum(x.nbytes for x in jax.tree.leaves(s.state.opt_state)),
          "tensor_elements": [int(x.size) for x in jax.tree.leaves(s.params)],
          "rest_seconds": [], "collectives_seconds": [], "update_seconds": [],
-         "update_per_tensor_seconds": [], "sequence_seconds": []}
+         "update_per_tensor_seconds": [], "sequence_seconds": [],
+         **{key: [] for key in compose.KEYS.values()}}
   parts = _parts(regime, s, mesh, out["tensor_elements"])
   states, batchings = {}, {}
   for name, (step, fresh) in variants.items():
@@ -123,7 +126,8 @@ def _parts(regime: Regime, s: _Setting, mesh: Mesh,
            tensor_elements: list[int]) -> dict[str, Callable[[int], Any]]:
   """The parts alone, by their key in the result: the forward and backward pass (no
   all-reduce, no update; the cost model's "rest" of a one-update step), the collectives and
-  the update; each a call of the round."""
+  the update, and (both) the limit's parts in sequence and composed (`compose`); each a
+  call of the round."""
   parts = {}
   if regime.rest:
     rest = steps.make_gradient_step(s.task, mesh)
@@ -137,6 +141,9 @@ def _parts(regime: Regime, s: _Setting, mesh: Mesh,
       parts["sequence_seconds"] = lambda r: _in_sequence(
           lambda: rest(s.state.params, s.state.model_state, s.data[2 + r]),
           pieces.collectives, pieces.update)
+      composed = compose.Composed(s.task, s.state.params, s.state.model_state, s.tx, mesh)
+      parts.update({compose.KEYS[name]: lambda r, call=call: call(s.data[2 + r])
+                    for name, call in composed.calls.items()})
   return parts
 
 
@@ -215,6 +222,7 @@ def _record(out: dict, seconds: dict, faults: dict, parts: dict, batchings: dict
   predictions, and each variant's per update with their median, min, max and page faults."""
   for key in parts:
     out[key] = seconds[key]
+  out["part_page_faults"] = {key: statistics.median(faults[key]) for key in parts}
   if batchings:
     out["choices"] = {name: {"collectives": b["collectives"], "predicted": b["predicted"],
                              "seconds": seconds[f"batching:{name}"]}
