@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-
 from wus.analysis import compat
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.graph import Graph
@@ -268,8 +267,6 @@ class _Growth:
       if member is None or not self.graph.big(s):
         continue
       new = beside(s, self.graph, self.kind, self.parent)
-      if any(r not in self.parent and r not in new for r in self.graph.readers(s)):
-        continue  # Read whole elsewhere anyway (a weight the forward pass reads).
       for i in new:
         self.add(i, member)
       self.grow(list(new), reductions=False)

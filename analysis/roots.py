@@ -97,13 +97,15 @@ def beside(s: Var, graph: Graph, kind, members) -> set[int]:
   """The equations of state `s`'s update (`update_of`) outside `members` (the clusters'
   equations) whose results only outputs and each other read, reductions excepted (a
   weight's norm stays as the step computes it): SAM's `cache * (1 - first) + params *
-  first`, beside the cluster that reads `cache`."""
+  first`, beside the cluster that reads `cache`. Empty if anything else reads `s` (a
+  weight the forward pass reads is whole anyway: run on shards, they would only add an
+  all-gather)."""
   eqns, new = graph.jaxpr.eqns, set()
   for i in sorted(update_of(s, graph, kind) - set(members), reverse=True):
     if kind(i) not in REDUCING and all(
         r in new for v in eqns[i].outvars for r in graph.readers(v)):
       new.add(i)
-  return new
+  return new if all(r in members or r in new for r in graph.readers(s)) else set()
 
 
 def _nonunit(v) -> tuple[int, ...]:

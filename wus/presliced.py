@@ -55,21 +55,17 @@ def inputs(planned, allowed: frozenset) -> Mapping[int, Format]:
   p, jaxpr, specs = planned.plan, planned.jaxpr, planned.placement.in_specs
   if planned.placement.home is not None or compat.explicit_axes(planned.placement.mesh):
     return {}
-  readers: dict = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if not compat.is_literal(v):
-        readers.setdefault(v, []).append((i, eqn))
-  outs = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  graph = Graph(jaxpr)
   out = {}
   for k, v in enumerate(jaxpr.invars):
     fmt = p.formats.get(v)
     if (planned.origin.sources[k][1] not in allowed
         or k in p.rewrite.sharded_in or not isinstance(fmt, ShardFormat) or fmt.copy_axes
-        or fmt.blocks or v in outs or any(e is not None for e in specs[k])
-        or not readers.get(v) or not _splits_leading_dim(fmt)):
+        or fmt.blocks or v in graph.outputs or any(e is not None for e in specs[k])
+        or not graph.readers(v) or not _splits_leading_dim(fmt)):
       continue
-    if all(_reads_shard(p.rewrite.shard_eqns.get(i), eqn, v) for i, eqn in readers[v]):
+    if all(_reads_shard(p.rewrite.shard_eqns.get(i), jaxpr.eqns[i], v)
+           for i in graph.readers(v)):
       out[k] = fmt
   return out
 

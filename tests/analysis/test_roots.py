@@ -308,7 +308,8 @@ def test_sam_cache_stays_sharded_beside_the_adam_update():
   assert all(_float_state_sharded(b[1], 8).values())
 
 
-def test_elastic_average_of_the_weights_is_sharded_under_jit():
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_elastic_average_of_the_weights_is_sharded_under_jit(axis_type):
   """Elastic averaging: the update pulls the weights toward an average of the weights,
   which the step then moves toward the weights it was given (not the new ones), with no
   gradient. `wus.jit` against `jax.jit`: the average sharded between steps like Adam's
@@ -322,7 +323,7 @@ def test_elastic_average_of_the_weights_is_sharded_under_jit():
     average = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, average, params)
     return optax.apply_updates(params, updates), opt_state, average
 
-  m = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  m = jax.make_mesh((8,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
   with jax.set_mesh(m):
     params = jax.device_put(_mlp_params(), NamedSharding(m, P()))
     args = (params, tx.init(params), jax.tree.map(jnp.copy, params))

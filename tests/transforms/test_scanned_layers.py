@@ -15,13 +15,14 @@ which read the gradients whole, run on shards too, their partial sums all-reduce
 stacked gradient whole (16 MiB of copies per device).
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import re
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
