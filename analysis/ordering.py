@@ -10,31 +10,38 @@ copies the whole weight first, every step. (The replicated step has no such
 copy only because XLA combines its gradient all-reduces into one
 instruction, which follows every read of the weights.)
 
-`gather_after` names values whose producers follow every read: the
-gradient all-reduces (their reduce-scatter results; all of them, so that
-every all-gather runs after the last reduce-scatter, as the update does),
-and the results of reads no gradient follows. Which HLO instruction reads the
-weight depends on XLA's fusion: elementwise, layout and reduction ops
+`gather_after` names, per output, values whose producers follow every read
+of the inputs whose buffer that output may take (JAX pairs them in order:
+`_may_take`) that does not already precede the output: per read, the first
+gradient all-reduce its result flows into (its reduce-scatter result; in a
+backward pass the earliest, so that each layer's all-gather may run beside
+the backward pass of the layers below, as a hand-written per-tensor ZeRO
+runs it, issue 42), and the results of reads no gradient follows. Which HLO
+instruction reads the weight depends on XLA's fusion: elementwise, layout and reduction ops
 (`_DUPLICABLE`) may be duplicated into every consumer's fusion, even into a
 layout copy XLA inserts before a matmul's operand (it recomputes a ReLU
 there), or into the slice that takes a token. So the reads are the
 equations XLA keeps as one instruction reached from the weight through such
-ops: a matmul, a collective, a loop (or the equation computing an output).
+ops: a matmul, a collective, a loop, or the equation computing an output
+(which XLA may also recompute in its consumers' fusions: an Adam moment kept
+whole, recomputed in the fusion of the new bias, reads the old moment there).
 A read precedes the gradient all-reduces its result flows into, and its
 own result, which no fusion recomputes, is a token that follows it.
-The rewrite makes the final all-gathers read one element of each value
-(`wus.collectives.after`): an ordering, no value changes.
+The rewrite makes each all-gather read one element of its outputs' values
+(`wus.collectives.after`): an ordering, no value changes. An output computed
+whole follows one all-gathered output, whose values include its own.
 
 A weight that nothing but the update reads here is read before this
 program: `wus.jit` runs only a global step's gradient sums and update as
-the sharded program, the forward and backward pass before it, so every
-read of a weight there precedes one of the gradient sums, and the
-all-gathers follow all of them.
+the sharded program (a region whose inputs and outputs are not the
+step's, so the pairing is unknown), the forward and backward pass before
+it, so every read of a weight there precedes one of the gradient sums,
+and the all-gathers follow all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from jax import lax
 
@@ -57,12 +64,14 @@ _DUPLICABLE: frozenset = ELEMENTWISE | frozenset({
 
 
 def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
-                 sharded_out: Mapping, *, read_tokens: bool = True) -> tuple[tuple, frozenset]:
-  """Values the outputs written into donated buffers must follow (module docstring).
+                 sharded_out: Mapping, *, read_tokens: bool = True,
+                 sharded_in: Collection[int] = (), in_order: bool = True
+                 ) -> tuple[tuple, frozenset]:
+  """Values each output written into a donated buffer must follow (module docstring).
 
   Those outputs are the ones all-gathered, and the ones computed whole by an
   elementwise equation (an update kept replicated, a metric), whose buffer
-  a donated input of the same shape and dtype may be.
+  a donated input of the same shape and dtype may be (`_may_take`).
 
   Args:
     graph: the graph of the step's flat jaxpr.
@@ -72,13 +81,19 @@ def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
     read_tokens: whether the results of reads may be tokens; if not, only
       the gradient all-reduces order the all-gathers (a read no gradient sum
       follows then leaves its weight copied).
+    sharded_in: inputs (positions) that arrive as shards (`JaxprPlan.sharded_in`):
+      their buffers hold shards, never a whole output.
+    in_order: whether the jaxpr's inputs and outputs are the compiled step's, so that
+      JAX's pairing of donated inputs with outputs is known (`_may_take`); if not (a
+      region of the step, `wus.jit`), any output may take any input's buffer of its
+      shape and dtype.
 
   Returns:
-    (values, tied): variables of `jaxpr`, outputs of gradient all-reduces
-    (the rewrite reads their reduce-scatter results) and of reading
-    instructions, both empty when nothing needs ordering; and the positions
-    of the outputs computed whole that the rewrite ties to them too (the
-    all-gathered ones are tied before their all-gathers).
+    (after, tied): per output of `jaxpr`, the variables its write must follow,
+    outputs of gradient all-reduces (the rewrite reads their reduce-scatter
+    results) and of reading instructions (empty when nothing needs ordering,
+    `()` for all); and the positions of the outputs computed whole that the
+    rewrite ties to one all-gathered output, whose values include theirs.
   """
   jaxpr, producer = graph.jaxpr, graph.producer
   eqns = jaxpr.eqns
@@ -86,31 +101,84 @@ def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
   outs = [(k, v) for k, v in enumerate(jaxpr.outvars) if k not in sharded_out
           and not compat.is_literal(v) and (v in formats or (
               v not in given and v in producer and eqns[producer[v]].primitive in ELEMENTWISE))]
-  inputs = [v for v in jaxpr.invars if any(_aval(v) == _aval(u) for _, u in outs)]
+  inputs = [v for p, v in enumerate(jaxpr.invars) if p not in sharded_in
+            and any(_aval(v) == _aval(u) for _, u in outs)]
   outs = [(k, v) for k, v in outs if any(_aval(v) == _aval(u) for u in inputs)]
   if not inputs:
     return (), frozenset()
   seeds = [i for i in sorted(shard_eqns) if shard_eqns[i] is Kind.REDUCE_SCATTER]
-  summed = _reach(graph, dict.fromkeys(seeds, 1))  # 1: a gradient sum follows the equation.
-  # Per equation, the outputs (bit k: outs[k]) it precedes.
+  sums, tokens = _needs(graph, shard_eqns, seeds, inputs, outs, in_order, read_tokens)
+  gathered = [k for k, (_, v) in enumerate(outs) if v in formats]
+  tied = [k for k, (_, v) in enumerate(outs) if v not in formats and (sums[k] or tokens[k])]
+  if gathered:  # A tied output follows one all-gathered output: the one already after most.
+    carrier = max(gathered, key=lambda k: (sums[k].bit_count() + len(tokens[k]), -k))
+    for k in tied:
+      sums[carrier] |= sums[k]
+      tokens[carrier].update(tokens[k])
+  if not any(sums) and not any(tokens):
+    return (), frozenset()
+  per_output = [()] * len(jaxpr.outvars)
+  for k, (p, _) in enumerate(outs):
+    per_output[p] = tuple(eqns[seeds[s]].outvars[0] for s in _bits(sums[k])) + tuple(tokens[k])
+  return tuple(per_output), frozenset(outs[k][0] for k in tied)
+
+
+def _needs(graph: Graph, shard_eqns: Mapping, seeds: list[int], inputs: list, outs: list,
+           in_order: bool, read_tokens: bool) -> tuple[list[int], list[dict]]:
+  """Per output in `outs`, the gradient sums (bit s: `seeds[s]`) and the results of reads
+  (keys) its write must follow: per read of an input whose buffer it may take that does
+  not precede it, the first gradient sum the read flows into (in a backward pass the
+  earliest), or its own result; every sum after an input read before the program."""
+  eqns, producer = graph.jaxpr.eqns, graph.producer
+  # Per equation, the gradient sums (bit s) and the outputs (bit k: outs[k]) it precedes.
+  summed = _reach(graph, {i: 1 << s for s, i in enumerate(seeds)})
   before = _reach(graph, {producer[v]: 1 << k for k, (_, v) in enumerate(outs)
                           if v in producer})
-  written = {}  # aval -> the outputs an input of that aval may give its buffer to
-  for k, (_, v) in enumerate(outs):
-    written[_aval(v)] = written.get(_aval(v), 0) | 1 << k
-  need = []
-  for v in inputs:
+  every = (1 << len(seeds)) - 1
+  sums, tokens = [0] * len(outs), [{} for _ in outs]
+  for v, mine in _may_take(graph.jaxpr.invars, inputs, outs, in_order):
     reads = _reads(graph, v, shard_eqns, set(seeds))
-    need += [(summed[i], i) for i in reads if before[i] & written[_aval(v)] != written[_aval(v)]]
-    if not reads and seeds:  # Read before the step (module docstring): after every gradient sum.
-      need.append((1, None))
-  # Every reduce-scatter, as the update itself follows them all (`transforms.schedule`),
-  # not a few that cover the reads: one order for every step, owned updates included.
-  chosen = [eqns[i].outvars[0] for i in seeds] if any(m for m, _ in need) else []
-  rest = dict.fromkeys(next(iter(eqns[i].outvars), None) for m, i in need
-                       if not m and read_tokens)
-  values = tuple(chosen) + tuple(v for v in rest if v is not None)
-  return values, frozenset(k for k, v in outs if v not in formats) if values else frozenset()
+    for i in reads:
+      first = summed[i] & -summed[i]
+      token = None if first or not read_tokens else next(iter(eqns[i].outvars), None)
+      for k in _bits(mine & ~before[i]):
+        sums[k] |= first
+        if token is not None:
+          tokens[k][token] = None
+    if not reads or not in_order:  # Read before (module docstring): after every sum.
+      for k in _bits(mine):
+        sums[k] = every
+  return sums, tokens
+
+
+def _may_take(invars, inputs: list, outs: list, in_order: bool) -> list[tuple]:
+  """(input, bits of `outs` that may take its buffer) per input in `inputs`.
+
+  JAX pairs donated inputs with outputs of the same shape and dtype in order: the j-th
+  such output takes the j-th donated input, which is at least the j-th input of its
+  shape and dtype, whichever are donated. So output j may take input i only if i >= j
+  (with `in_order`; otherwise any output of its shape and dtype).
+  """
+  of_aval: dict = {}  # aval -> bits of outs of it, in order
+  for k, (_, u) in enumerate(outs):
+    of_aval.setdefault(_aval(u), []).append(1 << k)
+  wanted, rank, pairs = set(inputs), {}, []
+  for v in invars:
+    a = _aval(v)
+    rank[a] = rank.get(a, 0) + 1
+    if v in wanted:
+      pairs.append((v, sum(of_aval[a][:rank[a]] if in_order else of_aval[a])))
+  return pairs
+
+
+def _bits(mask: int) -> list[int]:
+  """The positions of the set bits of `mask`, lowest first."""
+  out = []
+  while mask:
+    low = mask & -mask
+    out.append(low.bit_length() - 1)
+    mask ^= low
+  return out
 
 
 def _aval(v) -> tuple:
@@ -127,9 +195,8 @@ def _reads(graph: Graph, x, shard_eqns: Mapping, seeds: set) -> set[int]:
     return i in shard_eqns and i not in seeds
 
   def fused_away(i: int) -> bool:
-    """Whether XLA may fuse equation i into each of its consumers (no output is the step's)."""
-    return (jaxpr.eqns[i].primitive in _DUPLICABLE and i not in seeds
-            and not any(v in outputs for v in jaxpr.eqns[i].outvars))
+    """Whether XLA may fuse equation i into each of its consumers."""
+    return jaxpr.eqns[i].primitive in _DUPLICABLE and i not in seeds
 
   jaxpr, outputs = graph.jaxpr, graph.outputs
   reads, seen, todo = set(), set(), [x]
@@ -140,7 +207,8 @@ def _reads(graph: Graph, x, shard_eqns: Mapping, seeds: set) -> set[int]:
       seen.add(i)
       if fused_away(i):
         todo += jaxpr.eqns[i].outvars
-      else:
+      # An output is one instruction, and may be recomputed in its consumers' fusions too.
+      if not fused_away(i) or any(v in outputs for v in jaxpr.eqns[i].outvars):
         reads.add(i)
   return reads
 

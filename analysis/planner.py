@@ -56,7 +56,9 @@ def make_plan(request: PlanRequest) -> Plan:
   # XLA:CPU fuses and rounds it (one ulp, tests/analysis/test_roots.py).
   rooted = any(t.role == "root" for c in planned.clusters for t in c.tensors)
   after, tied = ordering.gather_after(graph, planned.jaxpr_plan.shard_eqns, planned.formats,
-                                      planned.jaxpr_plan.sharded_out, read_tokens=not rooted)
+                                      planned.jaxpr_plan.sharded_out, read_tokens=not rooted,
+                                      sharded_in=planned.jaxpr_plan.sharded_in,
+                                      in_order=r.arguments is None)
   jaxpr_plan = dataclasses.replace(planned.jaxpr_plan, gather_after=after, tied_outputs=tied)
   plan = Plan(tuple(r.axes), r.num_shards, r.min_size, inputs, tuple(planned.clusters),
               jaxpr_plan, planned.formats, planned.gather_dtypes, objective=r.objective,

@@ -165,7 +165,7 @@ def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
 
 def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
                bucket_bytes: int, alone_bytes: int | None = None,
-               keys: Sequence | None = None, zero: jnp.ndarray | None = None
+               keys: Sequence | None = None, after: Sequence[Sequence] | None = None
                ) -> list[jnp.ndarray]:
   """Per replica: `formatted.all_gather` of many shards in few collectives.
 
@@ -180,22 +180,33 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
     bucket_bytes: bytes of whole tensors per bucket (`buckets`).
     alone_bytes: see `buckets`.
     keys: see `reduce_scatter`.
-    zero: a uint32 [] zero from `order.zero_after`, or None: each collective's
-      operand is ORed with it (`order.tied`), so that the all-gathers follow its
-      tokens; one tie per collective, not per shard.
+    after: per shard, arrays its all-gather follows, or None: each collective's
+      operand is ORed with a zero computed from those of its shards
+      (`order.zero_after`, `order.tied`); one tie per collective, not per shard,
+      and one zero per distinct set of arrays.
 
   Returns:
     The whole tensors: shapes `fmt.shape`, dtypes of the shards, identical on
     every replica.
   """
-  def one(shards, fmts):
-    if len(shards) == 1:
-      return [formatted.all_gather(order.tied(shards[0], zero), fmts[0], axis_name)]
-    flat = order.tied(_concatenate([formatted.reshape(s, (-1,)) for s in shards]), zero)
+  zeros: dict = {}
+
+  def zero(ks):
+    tokens = {id(t): t for k in ks for t in (after[k] if after else ())}
+    if (key := frozenset(tokens)) not in zeros:
+      zeros[key] = order.zero_after(list(tokens.values())) if tokens else None
+    return zeros[key]
+
+  def one(ks):
+    parts, fs = [shards[k] for k in ks], [fmts[k] for k in ks]
+    if len(ks) == 1:
+      return [formatted.all_gather(order.tied(parts[0], zero(ks)), fs[0], axis_name)]
+    flat = order.tied(_concatenate([formatted.reshape(s, (-1,)) for s in parts]), zero(ks))
     every = formatted.gather(flat, axis_name, tiled=False)  # [N, total]: replica r's in row r.
     return [formatted.unpad(formatted.reshape(part, f.padded_shape), f) for part, f in
-            zip(_cut(every, [math.prod(f.shard_shape) for f in fmts], axis=1), fmts)]
-  return _bucketed(one, shards, fmts, bucket_bytes, alone_bytes, keys=keys)
+            zip(_cut(every, [math.prod(f.shard_shape) for f in fs], axis=1), fs)]
+  return _bucketed(lambda _, ks: one(ks), shards, fmts, bucket_bytes, alone_bytes, keys=keys,
+                   positions=True)
 
 
 def grouped(keys: Sequence, collective, *columns: Sequence) -> list:
@@ -247,16 +258,18 @@ def pads(fmts: Sequence) -> list[bool]:
 
 def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence, limit: int,
               alone_bytes: int | None = None, elements: Sequence[int] | None = None,
-              keys: Sequence | None = None) -> list[jnp.ndarray]:
+              keys: Sequence | None = None, positions: bool = False) -> list[jnp.ndarray]:
   """`collective(values, fmts)` per bucket of one dtype and key; results in the order given.
 
-  Buckets are sized by the whole tensors (`fmt.shape`), or by `elements`."""
+  Buckets are sized by the whole tensors (`fmt.shape`), or by `elements`. With
+  `positions`, the collective is given the bucket's positions in `values` as `fmts`."""
   sizes = [(math.prod(fmts[k].shape) if elements is None else elements[k]) * x.dtype.itemsize
            for k, x in enumerate(values)]
   out: list = [None] * len(values)
   kinds = [x.dtype if keys is None else (x.dtype, keys[k]) for k, x in enumerate(values)]
   for group in dtype_buckets(kinds, sizes, limit, alone_bytes, pads(fmts)):
-    for k, y in zip(group, collective([values[k] for k in group], [fmts[k] for k in group]),
+    for k, y in zip(group, collective([values[k] for k in group],
+                                      group if positions else [fmts[k] for k in group]),
                     strict=True):
       out[k] = y
   return out

@@ -295,29 +295,31 @@ def _held(env: Env, i: int, eqn: JaxprEqn, ins: list[Held]) -> list[Held]:
 
 def _outputs(env: Env, inner, jaxpr_plan: JaxprPlan) -> list[Any]:
   """The jaxpr's outputs, each whole or as shards as `jaxpr_plan` returns it."""
-  # The weights the step returns whole are all-gathered together, after
-  # `jaxpr_plan.gather_after`; the outputs computed whole that are tied to them
-  # read one of the gathered values, which follows those values too and is
-  # the same on every replica, as they are (one that varies over no axis the
-  # output does not: a weight split over a model axis cannot tie a count).
+  # The weights the step returns whole are all-gathered together, each bucket after
+  # its outputs' `jaxpr_plan.gather_after`; an output computed whole that is tied
+  # reads one of the gathered values that follows its own values too and is the
+  # same on every replica, as it is (one that varies over no axis the output does
+  # not: a weight split over a model axis cannot tie a count).
   gathered = list(dict.fromkeys(
       v for k, v in enumerate(inner.outvars) if k not in jaxpr_plan.sharded_out
       and not compat.is_literal(v) and env.held[v].whole is None
       and (env.held[v].shard is not None or env.held[v].summand is not None
            or (env.owned is not None and v in env.owned.own.outputs))))
-  after = jaxpr_plan.gather_after
-  env.gather(gathered, after)
+  after: dict = {}  # Per output variable, the values its all-gather follows.
+  for v, a in zip(inner.outvars, jaxpr_plan.gather_after):
+    after.setdefault(v, {}).update(dict.fromkeys(a))
+  env.gather(gathered, {v: tuple(after.get(v, ())) for v in gathered})
   outs = [env.shard(v) if k in jaxpr_plan.sharded_out else env.whole(v)
           for k, v in enumerate(inner.outvars)]
-  tied = sorted(jaxpr_plan.tied_outputs) if gathered and after else []
-  wholes = [env.whole(v) for v in gathered]
-  by_token: dict[int, list[int]] = {}
+  tied = sorted(jaxpr_plan.tied_outputs) if gathered else []
+  by_token: dict[Any, list[int]] = {}
   for k in tied:
     vma = compat.varying_axes(jax.typeof(outs[k]))
-    t = next((t for t, x in enumerate(wholes) if compat.varying_axes(jax.typeof(x)) <= vma), None)
+    t = next((u for u in gathered if set(jaxpr_plan.gather_after[k]) <= set(after.get(u, ()))
+              and compat.varying_axes(jax.typeof(env.whole(u))) <= vma), None)
     if t is not None:
       by_token.setdefault(t, []).append(k)
   for t, ks in by_token.items():
-    for k, x in zip(ks, collectives.after([outs[k] for k in ks], [wholes[t]]), strict=True):
+    for k, x in zip(ks, collectives.after([outs[k] for k in ks], [env.whole(t)]), strict=True):
       outs[k] = x
   return outs

@@ -9,6 +9,7 @@ result of a sharded reduction all-reduced with the others of its phase (Fig. 6).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -135,23 +136,26 @@ class Env:
       for u, x in zip(us, summed, strict=True):
         self.held[u].shard = x
 
-  def gather(self, vs: list, after: tuple = ()) -> None:
+  def gather(self, vs: list, after: Mapping | None = None) -> None:
     """Gives each of `vs` (held as shards) its whole value, batched (§5.2); in
     the narrower float of `plan.gather_dtypes` where it has one (Fig. 7). The
-    all-gathers follow the values `after` (`JaxprPlan.gather_after`)."""
+    all-gather of each follows its values in `after` (`JaxprPlan.gather_after`),
+    those of owned rows all of them."""
     narrow = self.plan.gather_dtypes
+    after = after or {}
     mine = [v for v in vs if self.owned is None or v not in self.owned.own.outputs]
     shards = [self.shard(v) if v not in narrow else self.shard(v).astype(narrow[v]) for v in mine]
     # Rows of owned new weights join the same batched all-gathers (§5.2).
     dtypes, rows, row_fmts = self.owned.to_gather() if len(mine) < len(vs) else ([], [], [])
     shards += rows
-    zero = collectives.order.zero_after(self.tokens(after)) if after and shards else None
+    every = tuple(dict.fromkeys(u for v in vs for u in after.get(v, ())))
+    tokens = [self.tokens(after.get(v, ())) for v in mine] + [self.tokens(every)] * len(rows)
     outs = collectives.batched.grouped(  # Shards over `copy_axes` too: collectives of their own.
         [self.axes(v) for v in mine] + [tuple(self.plan.axes)] * len(rows),
-        lambda over, xs, fmts: collectives.batched.all_gather(
+        lambda over, xs, fmts, ts: collectives.batched.all_gather(
             xs, fmts, over, self.plan.bucket_bytes, self.plan.alone_bytes, keys=vma(xs),
-            zero=zero),
-        shards, [self.fmt(v) for v in mine] + row_fmts)
+            after=ts),
+        shards, [self.fmt(v) for v in mine] + row_fmts, tokens)
     wholes = dict(zip(mine, outs, strict=False))
     if dtypes:
       wholes.update(self.owned.gathered(dtypes, outs[len(mine):]))

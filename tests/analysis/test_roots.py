@@ -107,7 +107,7 @@ def test_donated_step_with_a_root_gathers_weights_without_a_copy():
   donating = wus.shard_map(_bert_step(model), donate_argnums=(0, 1), **kw)
   plan = donating.plan(params, TX.init(params), tokens[0])
   assert any(t.role == "root" for c in plan.clusters for t in c.tensors), str(plan)
-  assert plan.rewrite.gather_after
+  assert any(plan.rewrite.gather_after)
   hlo = donating.lower(params, TX.init(params), tokens[0]).compile().as_text()
   assert parameter_copies(hlo) == 0
   ref = jax.jit(jax.shard_map(_bert_step(model), **kw))

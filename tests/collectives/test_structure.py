@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
 from helpers import (SPECS, assert_trees_equal, batches, collective_arrays, collective_shapes,
-                     collectives, first_args, make_params, make_step, mesh, parameter_copies,
-                     run, shape_bytes)
+                     collectives, first_args, hlo_computations, make_params, make_step, mesh,
+                     parameter_copies, run, shape_bytes)
 from wus.analysis import network, reasons
 
 N = 8
@@ -238,15 +238,54 @@ def test_donated_weights_are_gathered_into_their_buffers_without_a_copy(topology
   donating = wus.shard_map(_net_step, donate_argnums=(0, 1), topology=topology, **specs)
   plan = donating.plan(params, ADAM.init(params), xs[0])
   assert (plan.alone_bytes is not None) == (topology is _CPU)
-  assert plan.rewrite.gather_after  # What the all-gathers follow.
+  assert any(plan.rewrite.gather_after)  # What the all-gathers follow.
   hlo = donating.lower(params, ADAM.init(params), xs[0]).compile().as_text()
   assert parameter_copies(hlo) == 0
-  ref = jax.jit(jax.shard_map(_net_step, **specs))
+  _same_steps(donating, jax.jit(jax.shard_map(_net_step, **specs)), params, xs)
+
+
+def _same_steps(donating, ref, params, xs):
+  """The donating step computes what `ref` computes, bit for bit, over the batches `xs`."""
   want, got = (params, ADAM.init(params)), (jax.tree.map(jnp.copy, params), ADAM.init(params))
   for x in xs:
     want = ref(*want[:2], x)
     got = donating(*got[:2], x)
   assert_trees_equal(wus.unshard(got), want)
+
+
+def _mlp_step(params, opt_state, x):
+  """Adam on a deep MLP of equal layers, as a shard_map user writes it."""
+  def loss(p):
+    h = x
+    for w in p:
+      h = jnp.tanh(h @ w)
+    return jax.lax.pmean(jnp.mean(h ** 2), "data")
+  value, grads = jax.value_and_grad(loss)(params)
+  updates, opt_state = ADAM.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, value
+
+
+def test_donated_weights_are_gathered_during_the_backward_pass_without_a_copy():
+  """Each new weight's all-gather follows only the reads of the donated buffers it may
+  overwrite (JAX pairs them in order), not every reduce-scatter: on 5 layers of one
+  shape, XLA schedules an all-gather before the last reduce-scatter, beside the backward
+  pass of the layers below, as a hand-written per-tensor ZeRO does (issue 42). The step
+  still copies no parameter, and computes what the unmodified step computes."""
+  m = mesh(N)
+  params = [jax.random.normal(k, (256, 256)) / 16 for k in jax.random.split(
+      jax.random.key(0), 5)]
+  xs = [jax.device_put(jax.random.normal(jax.random.key(i), (2 * N, 256)),
+                       NamedSharding(m, P("data"))) for i in range(2)]
+  specs = dict(mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
+  donating = wus.shard_map(_mlp_step, donate_argnums=(0, 1), topology=_CPU, **specs)
+  hlo = donating.lower(params, ADAM.init(params), xs[0]).compile().as_text()
+  assert parameter_copies(hlo) == 0
+  entry = list(hlo_computations(hlo).values())[-1]
+  gathers, scatters = ([k for k, line in enumerate(entry) if f" {op}(" in line]
+                       for op in ("all-gather", "reduce-scatter"))
+  assert len(gathers) == len(scatters) == 5
+  assert min(gathers) < max(scatters)
+  _same_steps(donating, jax.jit(jax.shard_map(_mlp_step, **specs)), params, xs)
 
 
 def _global_net_step(params, opt_state, x):
@@ -272,15 +311,10 @@ def test_donated_jit_step_gathers_weights_without_a_copy(topology):
   xs = [jax.device_put(jax.random.normal(jax.random.key(i), (2 * N, 16)),
                        NamedSharding(m, P("data"))) for i in range(3)]
   donating = wus.jit(_global_net_step, donate_argnums=(0, 1), topology=topology)
-  assert donating.plan(params, ADAM.init(params), xs[0]).rewrite.gather_after
+  assert any(donating.plan(params, ADAM.init(params), xs[0]).rewrite.gather_after)
   hlo = donating.lower(params, ADAM.init(params), xs[0]).compile().as_text()
   assert parameter_copies(hlo) == 0
-  ref = jax.jit(_global_net_step)
-  want, got = (params, ADAM.init(params)), (jax.tree.map(jnp.copy, params), ADAM.init(params))
-  for x in xs:
-    want = ref(*want[:2], x)
-    got = donating(*got[:2], x)
-  assert_trees_equal(wus.unshard(got), want)
+  _same_steps(donating, jax.jit(_global_net_step), params, xs)
 
 
 def test_format_pad_unpad_and_reshape_match_jnp_and_stage_no_nested_call():
