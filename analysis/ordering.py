@@ -41,7 +41,8 @@ and the all-gathers follow all of them.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 from jax import lax
 
@@ -65,8 +66,8 @@ _DUPLICABLE: frozenset = ELEMENTWISE | frozenset({
 
 def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
                  sharded_out: Mapping, *, read_tokens: bool = True,
-                 sharded_in: Collection[int] = (), in_order: bool = True
-                 ) -> tuple[tuple, frozenset]:
+                 sharded_in: Collection[int] = (), in_order: bool = True,
+                 alone: Callable[[Any], bool] = lambda v: False) -> tuple[tuple, frozenset]:
   """Values each output written into a donated buffer must follow (module docstring).
 
   Those outputs are the ones all-gathered, and the ones computed whole by an
@@ -87,6 +88,10 @@ def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
       JAX's pairing of donated inputs with outputs is known (`_may_take`); if not (a
       region of the step, `wus.jit`), any output may take any input's buffer of its
       shape and dtype.
+    alone: whether the reduce-scatter of a gradient all-reduce's result has a
+      collective of its own (`collectives.batched.buckets`): a read is tied to the
+      first such sum it flows into, if any, rather than to a bucket that may wait
+      for the last gradient of the backward pass.
 
   Returns:
     (after, tied): per output of `jaxpr`, the variables its write must follow,
@@ -107,7 +112,8 @@ def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
   if not inputs:
     return (), frozenset()
   seeds = [i for i in sorted(shard_eqns) if shard_eqns[i] is Kind.REDUCE_SCATTER]
-  sums, tokens = _needs(graph, shard_eqns, seeds, inputs, outs, in_order, read_tokens)
+  prefer = sum(1 << s for s, i in enumerate(seeds) if alone(eqns[i].outvars[0]))
+  sums, tokens = _needs(graph, shard_eqns, seeds, inputs, outs, in_order, read_tokens, prefer)
   gathered = [k for k, (_, v) in enumerate(outs) if v in formats]
   tied = [k for k, (_, v) in enumerate(outs) if v not in formats and (sums[k] or tokens[k])]
   if gathered:  # A tied output follows one all-gathered output: the one already after most.
@@ -124,11 +130,12 @@ def gather_after(graph: Graph, shard_eqns: Mapping[int, Kind], formats: Mapping,
 
 
 def _needs(graph: Graph, shard_eqns: Mapping, seeds: list[int], inputs: list, outs: list,
-           in_order: bool, read_tokens: bool) -> tuple[list[int], list[dict]]:
+           in_order: bool, read_tokens: bool, prefer: int) -> tuple[list[int], list[dict]]:
   """Per output in `outs`, the gradient sums (bit s: `seeds[s]`) and the results of reads
   (keys) its write must follow: per read of an input whose buffer it may take that does
   not precede it, the first gradient sum the read flows into (in a backward pass the
-  earliest), or its own result; every sum after an input read before the program."""
+  earliest; of those in `prefer`, if any), or its own result; every sum after an input
+  read before the program."""
   eqns, producer = graph.jaxpr.eqns, graph.producer
   # Per equation, the gradient sums (bit s) and the outputs (bit k: outs[k]) it precedes.
   summed = _reach(graph, {i: 1 << s for s, i in enumerate(seeds)})
@@ -139,7 +146,8 @@ def _needs(graph: Graph, shard_eqns: Mapping, seeds: list[int], inputs: list, ou
   for v, mine in _may_take(graph.jaxpr.invars, inputs, outs, in_order):
     reads = _reads(graph, v, shard_eqns, set(seeds))
     for i in reads:
-      first = summed[i] & -summed[i]
+      first = summed[i] & prefer or summed[i]
+      first &= -first
       token = None if first or not read_tokens else next(iter(eqns[i].outvars), None)
       for k in _bits(mine & ~before[i]):
         sums[k] |= first

@@ -58,7 +58,8 @@ def make_plan(request: PlanRequest) -> Plan:
   after, tied = ordering.gather_after(graph, planned.jaxpr_plan.shard_eqns, planned.formats,
                                       planned.jaxpr_plan.sharded_out, read_tokens=not rooted,
                                       sharded_in=planned.jaxpr_plan.sharded_in,
-                                      in_order=r.arguments is None)
+                                      in_order=r.arguments is None,
+                                      alone=_alone(planned.formats, limit, alone))
   jaxpr_plan = dataclasses.replace(planned.jaxpr_plan, gather_after=after, tied_outputs=tied)
   plan = Plan(tuple(r.axes), r.num_shards, r.min_size, inputs, tuple(planned.clusters),
               jaxpr_plan, planned.formats, planned.gather_dtypes, objective=r.objective,
@@ -71,6 +72,17 @@ def make_plan(request: PlanRequest) -> Plan:
   # G = 1: groups of one replica shard nothing; the rewrite replays the step.
   return (replicated(plan, reasons.Reason(causes.GroupsOfOne(r.axes[0])))
           if r.group_size == 1 else plan)
+
+
+def _alone(formats: Mapping, limit: int, alone_bytes: int | None):
+  """Whether a value held as shards has a reduce-scatter of its own (`batched.buckets`)."""
+  def own(v) -> bool:
+    size = math.prod(v.aval.shape) * v.aval.dtype.itemsize
+    fmt = formats.get(v)
+    padded = fmt is not None and getattr(fmt, "padding", 0) > 0
+    return size >= limit or (size >= (limit if alone_bytes is None else alone_bytes)
+                             and not padded)
+  return own
 
 
 def _inputs(r: PlanRequest, ctx: PlanningContext,
