@@ -162,10 +162,15 @@ def _needs(graph: Graph, shard_eqns: Mapping, seeds: list[int], inputs: list, ou
 def _may_take(invars, inputs: list, outs: list, in_order: bool) -> list[tuple]:
   """(input, bits of `outs` that may take its buffer) per input in `inputs`.
 
-  JAX pairs donated inputs with outputs of the same shape and dtype in order: the j-th
-  such output takes the j-th donated input, which is at least the j-th input of its
-  shape and dtype, whichever are donated. So output j may take input i only if i >= j
-  (with `in_order`; otherwise any output of its shape and dtype).
+  JAX pairs donated inputs with outputs of the same shape and dtype in order
+  (`jax._src.interpreters.mlir._set_up_aliases`, JAX 0.10.2 to 0.12, where the outputs'
+  shardings are given, as every program of the rewrite gives them): the j-th such output
+  takes the j-th donated input, which is at least the j-th input of its shape and dtype,
+  whichever are donated. So output j may take input i only if i >= j (with `in_order`;
+  otherwise any output of its shape and dtype). Outputs and inputs this does not count
+  (shards, outputs computed otherwise) only move the pairs later, which the rule allows.
+  A pairing it did not allow would cost a copy of the buffer, not a value: XLA's copy
+  insertion copies a donated buffer still to be read before an output overwrites it.
   """
   of_aval: dict = {}  # aval -> bits of outs of it, in order
   for k, (_, u) in enumerate(outs):
