@@ -36,6 +36,7 @@ Modules, one concern each, in the order the passes run:
   owned          ownership's types: rows, banks, formats and the Plan's part
   input_reasons  why each input is kept sharded or whole, by one stated precedence
   ordering       what the all-gathers of donated outputs follow (donation copies nothing)
+  presliced      a region's stacked inputs read only as shards, taken split where computed
   planning       the planner's request (`PlanRequest`) and its stages' `PlanningContext`
   planner        `make_plan(request)`: the passes above over a step, frozen into a Plan
   plan_parts     the Plan's parts: tensors, clusters, inputs, a jaxpr's instructions, groups

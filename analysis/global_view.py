@@ -272,7 +272,7 @@ def _moves_outside(jaxpr: Jaxpr, kind: list) -> None:
   """Marks outside each update equation that only moves the elements (`moves_elements`)
   of a value the forward and backward pass compute (a stacked gradient transposed to its
   weight's layout): the region then reads the moved value, which GSPMD can hand it split
-  (`wus.presliced`), split inside the loop that computes it, rather than build it whole
+  (`analysis.presliced`), split inside the loop that computes it, rather than build it whole
   on every device."""
   producer = Graph(jaxpr).producer
   for i, eqn in enumerate(jaxpr.eqns):

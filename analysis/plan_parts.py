@@ -156,6 +156,10 @@ class JaxprPlan:
       (`wus.analysis.ordering`; the step's JaxprPlan only).
     tied_outputs: positions of outputs computed whole that follow
       `gather_after` too.
+    presliced: positions in `sharded_in` of inputs that are no state: values computed
+      before the program (a `wus.jit` region's stacked gradients) that it takes as the
+      global arrays of their shards (`wus.analysis.presliced`; the step's JaxprPlan
+      only).
   """
 
   shard_eqns: Mapping[int, Kind]
@@ -164,6 +168,7 @@ class JaxprPlan:
   bodies: Mapping[int, tuple[JaxprPlan, ...]] = dataclasses.field(default_factory=dict)
   gather_after: tuple = ()
   tied_outputs: frozenset = frozenset()
+  presliced: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import numpy as np
 
 from wus.analysis import clusters as clusters_lib
 from wus.analysis import (causes, compat, cost, formats, fsdp_blocks, kept_state, loops,
-                          network, ordering, ownership, reasons)
+                          network, ordering, ownership, presliced, reasons)
 from wus.analysis.compat import Jaxpr, Var, source_line
 from wus.analysis.formats import Format
 from wus.analysis.graph import Graph
@@ -47,6 +47,11 @@ def make_plan(request: PlanRequest) -> Plan:
       range(len(r.jaxpr.invars))) - {a.operand for a in r.arguments})
   planned = _plan(graph, ctx, r.state_pairs, r.in_names, r.out_names, computed=computed)
   inputs, state_inputs = _inputs(r, ctx, planned)
+  if split := presliced.taken_as_shards(r.jaxpr, planned.jaxpr_plan, planned.formats,
+                                        r.presliced):
+    planned = dataclasses.replace(planned, jaxpr_plan=dataclasses.replace(
+        planned.jaxpr_plan, sharded_in={**planned.jaxpr_plan.sharded_in, **split},
+        presliced=frozenset(split)))
   limit, alone, buckets, collectives = cost.bucket_bytes(planned.clusters, r.num_shards,
                                                          ctx.topology, r.objective)
   # In a step with clusters grown from roots, the copy-free order of donated weights

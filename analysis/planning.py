@@ -100,6 +100,10 @@ class PlanRequest:
       (`wus.jit`): the Plan's inputs are then these, each with the plan of the input of
       `jaxpr` it enters as (`Plan.state_inputs`); None: the inputs of `jaxpr` are the
       arguments, named `in_names`.
+    presliced: positions of inputs of `jaxpr` (a region) the front end may hand the
+      program split, as the global arrays of their shards, if the update reads them only
+      as shards (`presliced.stacked`: values a loop stacks, whose placement splits
+      nothing, on a mesh of Auto axes); the planner decides (`JaxprPlan.presliced`).
   """
 
   jaxpr: Jaxpr
@@ -125,6 +129,7 @@ class PlanRequest:
   split_by: str = "its spec"
   outside: tuple[reasons.Reason, ...] = ()
   arguments: Sequence[Argument] | None = None
+  presliced: frozenset[int] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)

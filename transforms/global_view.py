@@ -51,7 +51,7 @@ def run(flat, region: global_view.Region, sub, in_specs: tuple, *ops):
 
 def padded_shards(x, layout: ShardedLayout):
   """The global array of `x`'s shards in `layout`, whose format cuts `x`'s leading dim
-  into them with no padding (`wus.presliced`), laid out by `layout.data_sharding`: `x`
+  into them with no padding (`analysis.presliced`), laid out by `layout.data_sharding`: `x`
   split over the format's axes on its leading dim, then its dims merged as the format
   merges them, so that where `x` is computed (in a loop), each device computes its rows
   alone."""

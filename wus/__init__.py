@@ -39,7 +39,6 @@ Modules, one concern each:
   jit_placement  what `wus.jit` derives from the placements: the mesh, the batch axes, splits
   jit_region     how `wus.jit` finds a step's update region: what runs as a shard_map, what not
   jit_operands   the step's arguments as the update region's operands: state pairs, names
-  presliced      the region's inputs read only as shards, handed to it split where computed
   pjit           `wus.pjit`: `pjit`'s signature and rules, on `wus.jit`
   filter_jit     `wus.filter_jit`: `wus.jit` for steps with non-array leaves (Equinox)
   named_jit      `wus.named_jit`: `wus.jit` for haliax's `named_jit` (Levanter)

@@ -33,8 +33,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from wus import (errors, jit_arguments, jit_operands, jit_placement, jit_region, mesh_axes,
-                 pipeline, presliced, runtime)
-from wus.analysis import compat, global_view, planner, propagation, refusals
+                 pipeline, runtime)
+from wus.analysis import compat, global_view, planner, presliced, propagation, refusals
 from wus.analysis.causes import BATCH_SPLITS
 from wus.analysis.model_splits import ModelSplits
 from wus.analysis.plan import Plan

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from wus import mesh_axes, presliced, runtime, spec_splits
+from wus import mesh_axes, runtime, spec_splits
 from wus.analysis import causes, compat, cost, reasons, redundancy
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.plan import Grouping
@@ -57,7 +57,7 @@ class Step:
     arguments: the step's argument leaves when `f` is a region of it (`wus.jit`):
       the Plan lists these (`planning.Argument`); None: `f`'s own.
     presliced: the positions of the operand leaves the front end can hand the step as
-      shards where the step reads them only as shards (`wus.presliced`: `wus.jit`'s
+      shards where the step reads them only as shards (`analysis.presliced`: `wus.jit`'s
       region, whose GSPMD program splits a loop's stacked gradients where it writes them).
   """
 
@@ -296,7 +296,19 @@ def plan_request(analysed: Analysed) -> PlanRequest:
       outside=step.outside, arguments=None if step.arguments is None else tuple(
           # Each argument's operand of the region, as an operand of the traced step.
           dataclasses.replace(a, operand=o.body_pos.get(a.operand))
-          for a in step.arguments))
+          for a in step.arguments),
+      presliced=_presliced(step.presliced, o.sources, g))
+
+
+def _presliced(allowed: frozenset, sources: Sequence, g: Placement) -> frozenset[int]:
+  """The operands the front end may hand the region split (`PlanRequest.presliced`): those
+  of the leaves in `allowed` (`Step.presliced`) that their spec splits over nothing, on
+  the user's mesh of Auto axes (with Explicit ones each value's type fixes its layout:
+  GSPMD would not split it where it is computed)."""
+  if not allowed or g.home is not None or compat.explicit_axes(g.mesh):
+    return frozenset()
+  return frozenset(k for k, s in enumerate(sources)
+                   if s[1] in allowed and all(e is None for e in g.in_specs[k]))
 
 
 def build(planned: Planned, seconds: Mapping[str, float]) -> runtime.Compiled:
@@ -309,18 +321,17 @@ def build(planned: Planned, seconds: Mapping[str, float]) -> runtime.Compiled:
   donated = [k for k, s in enumerate(o.sources)
              if s[0] == "arg" and arg_of_leaf[s[1]] in call.donate_argnums]
   lowering: dict = {}  # The program records its rewrite's seconds here when lowered.
-  split = presliced.inputs(planned, call.step.presliced) if call.step.presliced else {}
-  # The program takes those inputs as shards too; the Plan is the planner's.
-  run = dataclasses.replace(p, rewrite=dataclasses.replace(
-      p.rewrite, sharded_in={**p.rewrite.sharded_in, **split})) if split else p
-  program = programs.step_program(ClosedJaxpr(planned.jaxpr, ()), run, mesh=mesh,
+  program = programs.step_program(ClosedJaxpr(planned.jaxpr, ()), p, mesh=mesh,
                                   in_specs=g.in_specs, out_specs=g.out_specs,
                                   axis_names=g.manual, check_vma=o.check_vma,
                                   donate_argnums=donated, timings=lowering, home=home)
   # The rewrite's sharded inputs are positions among the step's operands; the runtime's
-  # are positions among the user's flat argument leaves.
-  sharded_leaves = {o.sources[k][1]: ShardedLayout(fmt, p.shard_axes(fmt), g.in_specs[k], mesh,
-                                                   home) for k, fmt in p.rewrite.sharded_in.items()}
+  # are positions among the user's flat argument leaves: state, and values computed
+  # before the region that it takes split (`JaxprPlan.presliced`).
+  layouts = {k: ShardedLayout(fmt, p.shard_axes(fmt), g.in_specs[k], mesh, home)
+             for k, fmt in p.rewrite.sharded_in.items()}
+  sharded_leaves = {o.sources[k][1]: layout for k, layout in layouts.items()
+                    if k not in p.rewrite.presliced}
   sharded_outputs = {k: ShardedLayout(fmt, p.shard_axes(fmt), g.out_specs[k], mesh, home)
                      for k, fmt in p.rewrite.sharded_out.items()}
   # Identical on every replica: of all the data-parallel axes, also across groups.
@@ -331,6 +342,4 @@ def build(planned: Planned, seconds: Mapping[str, float]) -> runtime.Compiled:
                           planned.names, g.out_specs, out_replicated,
                           jax.tree.structure(o.out_shape), mesh, call.mesh,
                           types.MappingProxyType(dict(seconds)), lowering,
-                          presliced={o.sources[k][1]: ShardedLayout(
-                              fmt, p.shard_axes(fmt), g.in_specs[k], mesh, home)
-                                     for k, fmt in split.items()})
+                          presliced={o.sources[k][1]: layouts[k] for k in p.rewrite.presliced})

@@ -316,7 +316,7 @@ class Compiled:
   lowering: Mapping[str, float]  # The program's record, "rewrite" seconds once lowered.
   in_shardings: tuple = ()  # `wus.jit`: per flat leaf, where its program takes it.
   # `wus.jit`'s region: operand leaf -> its ShardedLayout, for the values that are no
-  # state its program takes as the global arrays of their padded shards (`wus.presliced`).
+  # state its program takes as the global arrays of their padded shards (`analysis.presliced`).
   presliced: Mapping = dataclasses.field(default_factory=dict)
 
   @property

@@ -5,7 +5,7 @@ norm before AdamW, and the gradient norms returned as metrics.
 
 GSPMD all-reduces each layer's gradient inside the backward loop. The stacked gradient
 is transposed to the weight's layout where GSPMD partitions the step, and the update
-region reads the transpose as its shards (`wus.presliced`): GSPMD then splits the stacked
+region reads the transpose as its shards (`analysis.presliced`): GSPMD then splits the stacked
 gradient inside the loop, each device keeping its slice of every layer's all-reduced
 gradient, as it does for an update sharded by hand (MaxText's
 `shard_optimizer_over_data`). Read whole by the region (until 2026-11-30), it was built
@@ -145,6 +145,10 @@ def test_the_backward_loop_keeps_each_devices_slice_of_the_stacked_gradients(max
     return _loop_carries(step.lower(state, batches[0]).compile().as_text())
   ref = carries(jax.jit(_train_step, donate_argnums=0, **kw))
   assert max(c.count(s) for c in ref for s in looped) == 2  # The weight and its gradient.
-  out = carries(wus.jit(_train_step, donate_argnums=0, **kw))
+  step = wus.jit(_train_step, donate_argnums=0, **kw)
+  out = carries(step)
   assert max(c.count(s) for c in out for s in looped) == 1, out
   assert sliced <= {s for c in out for s in c}, out
+  # The Plan says it: the region takes each stacked gradient as its shards, no state.
+  rewrite = step.plan(state, batches[0]).rewrite
+  assert len(rewrite.presliced) == len(stacked) and rewrite.presliced <= set(rewrite.sharded_in)

@@ -44,27 +44,35 @@ def stacked(jaxpr, invars) -> frozenset[int]:
   return frozenset(out)
 
 
-def inputs(planned, allowed: frozenset) -> Mapping[int, Format]:
-  """The operand positions of a planned region step (`stages.Planned`) that may arrive as
-  shards, with their formats: among `allowed` (positions of the step's operand leaves,
-  `stacked`), inputs the Plan holds as shards (a cluster's roots), not
-  state, whole in the step (their spec splits nothing), not returned, and read only by
-  equations that read them as shards in their own format; on the user's mesh, in a
-  format of the Plan's own axes alone; on Auto axes (with Explicit ones, each value's type
-  fixes its layout: GSPMD would not split it where it is computed)."""
-  p, jaxpr, specs = planned.plan, planned.jaxpr, planned.placement.in_specs
-  if planned.placement.home is not None or compat.explicit_axes(planned.placement.mesh):
-    return {}
+def taken_as_shards(jaxpr, jaxpr_plan, formats: Mapping,
+                    candidates: frozenset[int]) -> dict[int, Format]:
+  """The inputs of `jaxpr` (a `wus.jit` region) that the program takes as the global
+  arrays of their shards, with their formats (`JaxprPlan.presliced`).
+
+  Args:
+    jaxpr: the region's flat jaxpr.
+    jaxpr_plan: its plan, before this choice (`JaxprPlan`).
+    formats: the values held as shards (`Plan.formats`).
+    candidates: the positions the front end may hand split (`PlanRequest.presliced`:
+      values a loop stacks, `stacked`, whose placement splits nothing, on a mesh of Auto
+      axes: with Explicit ones each value's type fixes its layout, and GSPMD would not
+      split it where it is computed).
+
+  Returns:
+    Among `candidates`, the inputs held as shards (a cluster's roots) that are no state,
+    not returned, in a format of the Plan's own axes alone whose shards are the blocks of
+    the leading dim, and read only by equations that read them as shards in that format.
+  """
   graph = Graph(jaxpr)
   out = {}
-  for k, v in enumerate(jaxpr.invars):
-    fmt = p.formats.get(v)
-    if (planned.origin.sources[k][1] not in allowed
-        or k in p.rewrite.sharded_in or not isinstance(fmt, ShardFormat) or fmt.copy_axes
-        or fmt.blocks or v in graph.outputs or any(e is not None for e in specs[k])
-        or not graph.readers(v) or not _splits_leading_dim(fmt)):
+  for k in sorted(candidates):
+    v = jaxpr.invars[k]
+    fmt = formats.get(v)
+    if (k in jaxpr_plan.sharded_in or not isinstance(fmt, ShardFormat) or fmt.copy_axes
+        or fmt.blocks or v in graph.outputs or not graph.readers(v)
+        or not _splits_leading_dim(fmt)):
       continue
-    if all(_reads_shard(p.rewrite.shard_eqns.get(i), jaxpr.eqns[i], v)
+    if all(_reads_shard(jaxpr_plan.shard_eqns.get(i), jaxpr.eqns[i], v)
            for i in graph.readers(v)):
       out[k] = fmt
   return out
