@@ -80,13 +80,11 @@ def make_plan(request: PlanRequest) -> Plan:
 
 
 def _alone(formats: Mapping, limit: int, alone_bytes: int | None):
-  """Whether a value held as shards has a reduce-scatter of its own (`batched.buckets`)."""
+  """Whether a value held as shards has a reduce-scatter of its own (`batched.has_own`)."""
   def own(v) -> bool:
-    size = math.prod(v.aval.shape) * v.aval.dtype.itemsize
     fmt = formats.get(v)
-    padded = fmt is not None and getattr(fmt, "padding", 0) > 0
-    return size >= limit or (size >= (limit if alone_bytes is None else alone_bytes)
-                             and not padded)
+    return batched.has_own(math.prod(v.aval.shape) * v.aval.dtype.itemsize, limit,
+                           alone_bytes, batched.pads([fmt])[0])
   return own
 
 

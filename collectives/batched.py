@@ -82,6 +82,13 @@ def all_reduce_bucketed(values: Sequence[jnp.ndarray], axis_name,
                    elements=[v.size for v in values], keys=keys)
 
 
+def has_own(size: int, limit: int, alone_bytes: int | None = None,
+            padded: bool = False) -> bool:
+  """Whether a tensor of `size` bytes gets a collective of its own (`buckets`' rule)."""
+  alone = limit if alone_bytes is None else min(alone_bytes, limit)
+  return size >= limit or (size >= alone and not padded)
+
+
 def buckets(sizes: Sequence[int], limit: int, alone_bytes: int | None = None,
             padded: Sequence[bool] = ()) -> list[list[int]]:
   """Groups positions 0..len(sizes)-1 into buckets of at most `limit` bytes.
@@ -103,12 +110,11 @@ def buckets(sizes: Sequence[int], limit: int, alone_bytes: int | None = None,
     `alone_bytes` or more, get a bucket of their own; the others fill
     buckets in order.
   """
-  alone = limit if alone_bytes is None else min(alone_bytes, limit)
   out: list[list[int]] = []
   current: list[int] = []
   total = 0
   for k, size in enumerate(sizes):
-    if size >= limit or (size >= alone and not (k < len(padded) and padded[k])):
+    if has_own(size, limit, alone_bytes, k < len(padded) and padded[k]):
       out.append([k])
       continue
     if current and total + size > limit:
