@@ -307,7 +307,8 @@ def _outputs(env: Env, inner, jaxpr_plan: JaxprPlan) -> list[Any]:
            or (env.owned is not None and v in env.owned.own.outputs))))
   after: dict = {}  # Per output variable, the values its all-gather follows.
   for v, a in zip(inner.outvars, jaxpr_plan.gather_after):
-    after.setdefault(v, {}).update(dict.fromkeys(a))
+    if a:  # A literal output follows nothing (and is no key).
+      after.setdefault(v, {}).update(dict.fromkeys(a))
   env.gather(gathered, {v: tuple(after.get(v, ())) for v in gathered})
   outs = [env.shard(v) if k in jaxpr_plan.sharded_out else env.whole(v)
           for k, v in enumerate(inner.outvars)]
