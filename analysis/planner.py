@@ -47,7 +47,7 @@ def make_plan(request: PlanRequest) -> Plan:
       range(len(r.jaxpr.invars))) - {a.operand for a in r.arguments})
   planned = _plan(graph, ctx, r.state_pairs, r.in_names, r.out_names, computed=computed)
   inputs, state_inputs = _inputs(r, ctx, planned)
-  if split := presliced.taken_as_shards(r.jaxpr, planned.jaxpr_plan, planned.formats,
+  if split := presliced.taken_as_shards(graph, planned.jaxpr_plan, planned.formats,
                                         r.presliced):
     planned = dataclasses.replace(planned, jaxpr_plan=dataclasses.replace(
         planned.jaxpr_plan, sharded_in={**planned.jaxpr_plan.sharded_in, **split},

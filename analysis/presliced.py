@@ -44,13 +44,13 @@ def stacked(jaxpr, invars) -> frozenset[int]:
   return frozenset(out)
 
 
-def taken_as_shards(jaxpr, jaxpr_plan, formats: Mapping,
+def taken_as_shards(graph: Graph, jaxpr_plan, formats: Mapping,
                     candidates: frozenset[int]) -> dict[int, Format]:
   """The inputs of `jaxpr` (a `wus.jit` region) that the program takes as the global
   arrays of their shards, with their formats (`JaxprPlan.presliced`).
 
   Args:
-    jaxpr: the region's flat jaxpr.
+    graph: the graph of the region's flat jaxpr (the planner's).
     jaxpr_plan: its plan, before this choice (`JaxprPlan`).
     formats: the values held as shards (`Plan.formats`).
     candidates: the positions the front end may hand split (`PlanRequest.presliced`:
@@ -63,8 +63,7 @@ def taken_as_shards(jaxpr, jaxpr_plan, formats: Mapping,
     not returned, in a format of the Plan's own axes alone whose shards are the blocks of
     the leading dim, and read only by equations that read them as shards in that format.
   """
-  graph = Graph(jaxpr)
-  out = {}
+  jaxpr, out = graph.jaxpr, {}
   for k in sorted(candidates):
     v = jaxpr.invars[k]
     fmt = formats.get(v)

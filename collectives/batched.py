@@ -76,7 +76,8 @@ def all_reduce_bucketed(values: Sequence[jnp.ndarray], axis_name,
   Returns:
     The sums, shapes and dtypes as given.
   """
-  def one(vs, _):
+  def one(ks):
+    vs = [values[k] for k in ks]
     return [lax.psum(vs[0], axis_name)] if len(vs) == 1 else all_reduce(vs, "sum", axis_name)
   return _bucketed(one, values, [None] * len(values), bucket_bytes,
                    elements=[v.size for v in values], keys=keys)
@@ -157,15 +158,16 @@ def reduce_scatter(values: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
   """
   c = formatted.num_replicas(copies) if copies else 1
 
-  def one(values, fmts):
-    if len(values) == 1:
-      return [formatted.reduce_scatter(values[0], fmts[0], axis_name, copies)]
+  def one(ks):
+    xs, fs = [values[k] for k in ks], [fmts[k] for k in ks]
+    if len(ks) == 1:
+      return [formatted.reduce_scatter(xs[0], fs[0], axis_name, copies)]
     rows = [formatted.reshape(formatted.pad(x, f), (f.num_shards // c, -1))
-            for x, f in zip(values, fmts)]
+            for x, f in zip(xs, fs)]
     mine = formatted.scatter_rows(_concatenate(rows, axis=1), axis_name)[0]
     return [formatted.reshape(formatted.keep_copy(formatted.reshape(part, (c, -1)), copies),
                               f.shard_shape)
-            for part, f in zip(_cut(mine, [c * math.prod(f.shard_shape) for f in fmts]), fmts)]
+            for part, f in zip(_cut(mine, [c * math.prod(f.shard_shape) for f in fs]), fs)]
   return _bucketed(one, values, fmts, bucket_bytes, alone_bytes, keys=keys)
 
 
@@ -211,8 +213,7 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
     every = formatted.gather(flat, axis_name, tiled=False)  # [N, total]: replica r's in row r.
     return [formatted.unpad(formatted.reshape(part, f.padded_shape), f) for part, f in
             zip(_cut(every, [math.prod(f.shard_shape) for f in fs], axis=1), fs)]
-  return _bucketed(lambda _, ks: one(ks), shards, fmts, bucket_bytes, alone_bytes, keys=keys,
-                   positions=True)
+  return _bucketed(one, shards, fmts, bucket_bytes, alone_bytes, keys=keys)
 
 
 def grouped(keys: Sequence, collective, *columns: Sequence) -> list:
@@ -264,19 +265,17 @@ def pads(fmts: Sequence) -> list[bool]:
 
 def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence, limit: int,
               alone_bytes: int | None = None, elements: Sequence[int] | None = None,
-              keys: Sequence | None = None, positions: bool = False) -> list[jnp.ndarray]:
-  """`collective(values, fmts)` per bucket of one dtype and key; results in the order given.
+              keys: Sequence | None = None) -> list[jnp.ndarray]:
+  """`collective(positions)` per bucket of one dtype and key (the bucket's positions in
+  `values`, increasing), which returns one result per position; results in the order given.
 
-  Buckets are sized by the whole tensors (`fmt.shape`), or by `elements`. With
-  `positions`, the collective is given the bucket's positions in `values` as `fmts`."""
+  Buckets are sized by the whole tensors (`fmt.shape`), or by `elements`."""
   sizes = [(math.prod(fmts[k].shape) if elements is None else elements[k]) * x.dtype.itemsize
            for k, x in enumerate(values)]
   out: list = [None] * len(values)
   kinds = [x.dtype if keys is None else (x.dtype, keys[k]) for k, x in enumerate(values)]
   for group in dtype_buckets(kinds, sizes, limit, alone_bytes, pads(fmts)):
-    for k, y in zip(group, collective([values[k] for k in group],
-                                      group if positions else [fmts[k] for k in group]),
-                    strict=True):
+    for k, y in zip(group, collective(group), strict=True):
       out[k] = y
   return out
 
