@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 from wus.analysis import network
 from wus.analysis.network import Axis, Topology
+from wus.collectives.batched import has_own
 
 # Bytes of one float32 scalar: the partial norms LARS and LAMB all-reduce
 # when they run on shards (§4.1, Fig. 6).
@@ -386,8 +387,10 @@ def choose_batching(workload: Workload, topology: Topology, group_size: int, *,
   reduce-scatter's and an all-gather's latency, a tensor batched the copy
   of its bytes into and out of the bucket. `alone_bytes` is the candidate
   (or None: every tensor under the limit batched) with the least predicted
-  collectives and copies with one bucket for the rest; the limit is then the
-  smallest candidate within `tolerance` of that (as `choose_bucket_bytes`).
+  collectives and copies with one bucket for the rest, wherever the tensors
+  alone sit (`_own_last`: the bucket a tensor alone splits off runs behind
+  its backward pass); the limit is then the smallest candidate within
+  `tolerance` of that (as `choose_bucket_bytes`), in the tensors' order.
   Where memory is fast next to the collectives' latency (accelerators), few
   tensors are worth a collective of their own; where a collective is a
   memory copy behind a thread rendezvous (CPU devices), most are.
@@ -403,16 +406,35 @@ def choose_batching(workload: Workload, topology: Topology, group_size: int, *,
   Returns:
     (a limit from `candidates`, an alone_bytes from `alone_candidates` or None).
   """
-  def seconds(limit: float, alone: int | None) -> float:
-    p = predict_sharded(workload, topology, group_size, bucket_bytes=limit, alone_bytes=alone)
+  def seconds(limit: float, alone: int | None, work: Workload = workload) -> float:
+    p = predict_sharded(work, topology, group_size, bucket_bytes=limit, alone_bytes=alone)
     return p.communication + p.copies
 
   options = [None, *sorted(alone_candidates, reverse=True)]
-  alone = min(options, key=lambda a: seconds(math.inf, a))  # First (largest) of equals.
+  alone = min(options, key=lambda a: seconds(math.inf, a, _own_last(workload, topology, group_size,
+                                                                    a)))  # First of equals.
   best = seconds(math.inf, alone)
   ordered = sorted(candidates)
   limit = next((c for c in ordered if seconds(c, alone) <= best * (1 + tolerance)), ordered[-1])
   return limit, alone
+
+
+def _own_last(workload: Workload, topology: Topology, group_size: int,
+              alone: int | None) -> Workload:
+  """`workload` with the tensors that have a collective of their own last (`has_own`).
+
+  A tensor alone closes the bucket before it (`buckets`), and the latency of
+  the bucket it splits off is hidden behind its own backward pass, which the
+  model leaves out; priced in this order, a tensor alone adds its own
+  collectives' latency and saves its copies, nothing else.
+  """
+  def last(tensors):
+    shards, padded = _shards(tensors, group_size, topology.tile_elements)
+    own = [has_own(group_size * s * b, math.inf, alone, p)
+           for s, (_, b), p in zip(shards, tensors, padded, strict=True)]
+    return tuple(t for _, t in sorted(zip(own, tensors, strict=True), key=lambda x: x[0]))
+  return dataclasses.replace(workload, gradients=last(workload.gradients),
+                             gathered=last(workload.gathered))
 
 
 def choose_group_size(workload: Workload, topology: Topology, rest: float = 0.0,

@@ -119,7 +119,13 @@ def test_batching_k_tensors_saves_k_minus_1_latencies(collective, kind, k):
 
 
 def test_buckets():
-  assert sorted(batched.buckets([10, 10, 30, 5, 5], limit=25)) == [[0, 1, 3], [2], [4]]
+  """Buckets fill in order; a tensor with a collective of its own closes the
+  bucket before it, so no bucket spans one (its members' gradients would wait
+  for the backward pass of the tensors between them)."""
+  assert batched.buckets([10, 10, 30, 5, 5], limit=25) == [[0, 1], [2], [3, 4]]
+  assert batched.buckets([10, 10, 10], limit=25) == [[0, 1], [2]]
+  assert batched.buckets([1, 1, 5, 1, 1], limit=100, alone_bytes=5) == [[0, 1], [2], [3, 4]]
+  assert batched.buckets([1, 5, 1], 100, 5, padded=[False, True]) == [[0, 1, 2]]
   assert batched.buckets([10, 10], limit=math.inf) == [[0, 1]]
 
 
@@ -170,8 +176,8 @@ def test_tensors_alone_are_not_copied_and_padded_ones_always_are():
   are not copied (§5.2 batches for latency; the copy is memory traffic). A
   padded tensor is copied by its padding either way, so it stays batched."""
   sizes, padded = [100, 5000, 5000, 20], [False, False, True, False]
-  assert batched.buckets(sizes, 1e6, 1000, padded) == [[1], [0, 2, 3]]
-  assert net.copied(sizes, 1e6, 1000, padded) == 100 + 5000 + 20
+  assert batched.buckets(sizes, 1e6, 1000, padded) == [[0], [1], [2, 3]]
+  assert net.copied(sizes, 1e6, 1000, padded) == 5000 + 20  # [0] is alone too: before [1].
   assert net.copied(sizes, 1e6, None, padded) == sum(sizes)
   t = _topology(8, alpha=1e-5, memory=1e9)
   w = _workload(tensors=(8 * 1000, 8 * 1000, 3))  # The [3] pads.
@@ -196,6 +202,26 @@ def test_choose_batching_weighs_copies_against_latency(memory, alone):
     assert p.collectives["reduce-scatter"] == 9  # 8 alone, the biases in one bucket.
   else:
     assert chosen is None
+
+
+def test_choose_batching_prices_a_tensor_alone_wherever_it_sits():
+  """Layers of a 256 KiB kernel and a 1 KiB bias, in layer order, on CPU-like
+  devices (a collective's latency 0.35 ms, copying a kernel into and out of a
+  bucket 1.05 ms): each kernel keeps its own collectives, as when the kernels
+  come last. Each kernel closes the bias bucket before it (`buckets`), so the
+  step has 16 reduce-scatters, not 9; priced in this order, those 7 more
+  latencies would make copying every kernel look cheaper (9.1 ms of latency
+  and copies against 11.2 ms), though the bucket they split off runs behind
+  the kernel's backward pass."""
+  t = _topology(8, alpha=5e-5, memory=1e9)
+  layers = _workload(tensors=(65536, 256) * 8)
+  last = _workload(tensors=(256,) * 8 + (65536,) * 8)
+  limit, chosen = cm.choose_batching(layers, t, 8)
+  assert (limit, chosen) == cm.choose_batching(last, t, 8)
+  assert chosen is not None and 256 * 4 < chosen <= 65536 * 4
+  p = cm.predict_sharded(layers, t, 8, bucket_bytes=limit, alone_bytes=chosen)
+  assert p.collectives["reduce-scatter"] == p.collectives["all-gather"] == 16
+  assert p.copies == 0  # A bias alone between two kernels is not copied either.
 
 
 def test_small_shards_combine_into_fewer_all_reduces():

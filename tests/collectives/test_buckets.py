@@ -111,7 +111,9 @@ def test_memory_objective_keeps_buckets_at_most_4_mib(objective):
   plan = wrapped.plan(params, TX.init(params), x)
   assert all(c.sharded for c in plan.clusters)
   if objective == "memory":
-    assert plan.bucket_bytes == 4 * 2 ** 20 and _predicted(plan) == [7, 7]
+    # Each 4 MiB weight is a bucket of its own and closes the one before it:
+    # b0 | w0 | b1 | w1 ... (the keys' order), 12 of each.
+    assert plan.bucket_bytes == 4 * 2 ** 20 and _predicted(plan) == [12, 12]
   else:
     assert plan.bucket_bytes >= 25 * 10 ** 6 and _predicted(plan) == [1, 1]
   assert plan.alone_bytes is None  # Every copy is cheaper than a collective's latency.
@@ -120,7 +122,9 @@ def test_memory_objective_keeps_buckets_at_most_4_mib(objective):
 def test_large_tensors_keep_their_own_collectives_and_are_not_copied():
   """On CPU-like devices the six 256 KiB weights each have a reduce-scatter
   and an all-gather of their own, with no concatenate or slice of their
-  bytes; only the six 1 KiB biases share a bucket (copied). With memory 10x
+  bytes; each closes the bucket before it, so each 1 KiB bias is alone too
+  (b0 | w0 | b1 | w1 ..., the keys' order), not held in one bucket until the
+  first layer's gradient, the last of the backward pass. With memory 10x
   faster, all twelve share buckets, and the compiled step copies every
   weight into and out of them. Bit for bit either way."""
   params, opt_state, xs = _inputs()
@@ -141,7 +145,7 @@ def test_large_tensors_keep_their_own_collectives_and_are_not_copied():
       assert plan.alone_bytes is not None and plan.alone_bytes <= WIDTH * WIDTH * 4
       alone = [t for c in plan.clusters if c.sharded for t in c.tensors
                if t.role == "gradient" and t.nbytes >= plan.alone_bytes]
-      assert len(alone) == 6 and _predicted(plan) == [7, 7]  # The weights; the biases batched.
+      assert len(alone) == 6 and _predicted(plan) == [12, 12]  # Weights and biases alone.
     else:
       assert plan.alone_bytes is None and _predicted(plan) == [1, 1]
   cpu, fast = moved["cpu"], moved["fast memory"]

@@ -6,10 +6,13 @@ three of the bench's programs, built as the bench builds them (`variants.variant
 Adam, synthetic data, 8 simulated devices, one example per device): `handwritten`
 (`zero.handwritten_step`), `wus` and `wus_undonated`, timed as the bench times them
 (`timing.interleaved`: a new random order each round, each timed call after an untimed
-one of the same program); and `wus_alone`, wus with every unpadded tensor in a
+one of the same program); `wus_alone`, wus with every unpadded tensor in a
 collective of its own (the Plan's `alone_bytes` 1, set by wrapping
-`wus.analysis.cost.bucket_bytes` while it plans: an experiment, no option of wus). It
-prints each step's median and the medians over rounds of the ratios.
+`wus.analysis.cost.bucket_bytes` while it plans: an experiment, no option of wus); and
+`wus_spanning`, wus with the bucket rule before issue 42's change (a tensor alone closes
+no bucket, so one bucket may hold small tensors of every layer; set by replacing
+`batched.buckets` where the collectives and the cost model read it while it plans and
+traces). It prints each step's median and the medians over rounds of the ratios.
 
   python tests/repro/wus_beside_handwritten.py [MODEL [ROUNDS]]
 
@@ -26,7 +29,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 
 import jax  # noqa: E402
 
-from wus.analysis import cost  # noqa: E402
+from wus.analysis import cost, network  # noqa: E402
+from wus.collectives import batched  # noqa: E402
 from wus.harness.tools.bench import regimes, summary, timing, variants  # noqa: E402
 from wus.harness.training import steps  # noqa: E402
 
@@ -51,26 +55,48 @@ def main(model: str = "mlp_deep", rounds: int = 25) -> None:
     limit, _, words, made = chosen(*args, **kwargs)
     return limit, 1, words, made
 
-  cost.bucket_bytes = every_alone
-  try:  # wus plans at its first call.
-    built["wus_alone"] = (steps.map_train_step("wus", steps.make_train_step(
-        setting.task, setting.tx), mesh), variants._copy(setting.state))  # pylint: disable=protected-access
-    state = {name: s for name, (_, s) in built.items()}
-    call("wus_alone")(0)
-  finally:
-    cost.bucket_bytes = chosen
+  def spanning(sizes, limit, alone_bytes=None, padded=()):
+    """`batched.buckets` before issue 42's change: a tensor alone closes no bucket."""
+    out, current, total = [], [], 0
+    for k, size in enumerate(sizes):
+      if batched.has_own(size, limit, alone_bytes, k < len(padded) and padded[k]):
+        out.append([k])
+        continue
+      if current and total + size > limit:
+        out.append(current)
+        current, total = [], 0
+      current.append(k)
+      total += size
+    return out + [current] if current else out
+
+  state = {name: s for name, (_, s) in built.items()}
+  for name, patches in (("wus_alone", ((cost, "bucket_bytes", every_alone),)),
+                        ("wus_spanning", ((batched, "buckets", spanning),
+                                          (network, "buckets", spanning)))):
+    saved = [(m, a, getattr(m, a)) for m, a, _ in patches]
+    for m, a, f in patches:
+      setattr(m, a, f)
+    try:  # wus plans and traces at its first call.
+      built[name] = (steps.map_train_step("wus", steps.make_train_step(
+          setting.task, setting.tx), mesh), variants._copy(setting.state))  # pylint: disable=protected-access
+      state[name] = built[name][1]
+      call(name)(0)
+    finally:
+      for m, a, f in saved:
+        setattr(m, a, f)
 
   for name in built:
     if name.startswith("wus"):
       plan = built[name][0].plan(*state[name], setting.data[0])
-      print(f"  {name}: buckets of {plan.bucket_bytes} B, alone from {plan.alone_bytes} B")
+      print(f"  {name}: buckets of {plan.bucket_bytes} B, alone from {plan.alone_bytes} B;"
+            f" {plan.collectives}")
   seconds = timing.interleaved({name: call(name) for name in built}, rounds)
   print(f"{model}, {rounds} rounds, JAX {jax.__version__}, load average "
         f"{os.getloadavg()[0]:.2f}")
   for name, t in seconds.items():
     print(f"  {name:14s} {1e3 * statistics.median(t):8.1f} ms")
   for a, b in (("wus", "handwritten"), ("wus", "wus_undonated"), ("wus_alone", "handwritten"),
-               ("wus_alone", "wus")):
+               ("wus_alone", "wus"), ("wus_spanning", "handwritten"), ("wus", "wus_spanning")):
     print(f"  {a} / {b}: {summary.paired_ratio(seconds[a], seconds[b]):.3f}")
 
 
