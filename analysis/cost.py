@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 
 from wus.analysis import compat
-from wus.analysis import causes, costmodel, network, reasons, verdicts
+from wus.analysis import causes, costmodel, network, reasons, sizing, verdicts
 from wus.analysis.clusters import Cluster
 from wus.analysis.compat import Jaxpr, Var
 from wus.analysis.layouts import Layout
@@ -246,7 +246,7 @@ def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, objec
   The workload is what the Plan of full sharding shards (`step_workload`):
   its sharded gradients and what their updates read and write. G is chosen among the
   divisors of N whose groups follow the topology's axes
-  (`costmodel.choose_group_size`); None means N, one group.
+  (`sizing.choose_group_size`); None means N, one group.
 
   Args:
     plan: the `plan.Plan` of the step sharded in one group of all N.
@@ -260,7 +260,7 @@ def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, objec
   workload = step_workload(plan.clusters)
   if len(plan.axes) != 1 or workload is None:
     return None, causes.AutoOneGroup(n, several=bool(workload))
-  best = costmodel.best_sharded(workload, topology)
+  best = sizing.best_sharded(workload, topology)
   full = costmodel.predict_sharded(workload, topology, n, bucket_bytes=best.bucket_bytes)
   why = causes.AutoGroupSize(best.group_size, n, best.total, full.total,
                              tuple((a.name, a.size) for a in topology.axes))
@@ -291,16 +291,16 @@ def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
                  objective: str = "memory") -> tuple[int, int | None, str, str]:
   """How the batched collectives group tensors (§5.2), chosen by the cost model, and why.
 
-  `costmodel.choose_batching` on the sharded clusters' workload: tensors of
+  `sizing.choose_batching` on the sharded clusters' workload: tensors of
   `alone_bytes` or more (unpadded) keep a collective of their own, where the
   predicted copy into and out of a bucket costs more than a collective's
   latency; the rest share buckets, the smallest limit whose predicted
   collectives and copies are within 1% of one bucket's. A bucket's
   concatenated buffers are temporary memory the model does not price, so
   with `objective="memory"` the limit is at most
-  `costmodel.DEFAULT_BUCKET_BYTES` (4 MiB; measured on the main job: one
+  `sizing.DEFAULT_BUCKET_BYTES` (4 MiB; measured on the main job: one
   32 MiB bucket raised the compiled step's memory from 0.38 to 0.65 of the
-  replicated step's); with "time", any of `costmodel.BUCKET_CANDIDATES`.
+  replicated step's); with "time", any of `sizing.BUCKET_CANDIDATES`.
 
   Args:
     clusters: the `plan.ClusterPlan`s of the step.
@@ -314,10 +314,10 @@ def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
   """
   workload = step_workload(clusters)
   if workload is None:
-    return costmodel.DEFAULT_BUCKET_BYTES, None, "", ""
-  candidates = [c for c in costmodel.BUCKET_CANDIDATES
-                if objective == "time" or c <= costmodel.DEFAULT_BUCKET_BYTES]
-  limit, alone = costmodel.choose_batching(workload, topology, num_shards, candidates=candidates)
+    return sizing.DEFAULT_BUCKET_BYTES, None, "", ""
+  candidates = [c for c in sizing.BUCKET_CANDIDATES
+                if objective == "time" or c <= sizing.DEFAULT_BUCKET_BYTES]
+  limit, alone = sizing.choose_batching(workload, topology, num_shards, candidates=candidates)
   one = costmodel.predict_sharded(workload, topology, num_shards)
   chosen = costmodel.predict_sharded(workload, topology, num_shards, bucket_bytes=limit,
                                      alone_bytes=alone)

@@ -30,7 +30,7 @@ model, never a measurement. Units: bytes, seconds, bytes per second.
 
 Section numbers are those of Xu et al. 2020, arXiv:2004.13336. The step
 built on these times (the update's memory traffic, partial sharding, the
-choices of group and bucket size) is `costmodel`'s.
+choices of group and bucket size) is `costmodel`'s and `sizing`'s.
 """
 
 from __future__ import annotations

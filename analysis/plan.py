@@ -11,7 +11,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
-from wus.analysis import costmodel, network, reasons
+from wus.analysis import network, reasons, sizing
 from wus.analysis.formats import Format
 from wus.analysis.network import format_bytes as _bytes
 from wus.analysis.owned import Ownership
@@ -98,7 +98,7 @@ class Plan:
   group_size: int | None = None
   groups: Grouping | None = None
   objective: str = "memory"
-  bucket_bytes: int = costmodel.DEFAULT_BUCKET_BYTES
+  bucket_bytes: int = sizing.DEFAULT_BUCKET_BYTES
   alone_bytes: int | None = None
   buckets: str = ""
   collectives: str = ""

@@ -20,10 +20,10 @@ members until the backward pass of the tensors between them is done, and
 one bucket of the small tensors of every layer puts their update and
 all-gather after the whole backward pass (issue 42: on an MLP of 5 kernels
 of 4 MiB and 7 small tensors, closing the bucket at each kernel made the step
-0.84 of the one-bucket step; on a 100-tensor Transformer-like model, with 23
-more collectives each way, 1.04; `tests/repro/wus_beside_handwritten.py`).
+0.85 of the one-bucket step; on a 100-tensor Transformer-like model, with 34
+more collectives each way, 1.01-1.04; `tests/repro/wus_beside_handwritten.py`).
 The cost model prices a tensor alone as if it split no bucket
-(`costmodel.choose_batching`).
+(`sizing.choose_batching`).
 
 XLA fuses the cut of each tensor out of a bucket's result into the
 tensor's update. At a constant offset, every batched tensor's update would

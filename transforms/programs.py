@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from wus import collectives
-from wus.analysis import compat, costmodel, owned
+from wus.analysis import compat, owned, sizing
 from wus.analysis.compat import ClosedJaxpr
 from wus.analysis.formats import ShardFormat
 from wus.analysis.plan import Plan
@@ -222,7 +222,7 @@ def _gather_all(shards: Sequence, fmts: Sequence, axes: Sequence[tuple]) -> list
           for f in fmts]
   out = collectives.batched.grouped(
       list(axes), lambda over, xs, fs: collectives.batched.all_gather(
-          xs, fs, over, costmodel.DEFAULT_BUCKET_BYTES,
+          xs, fs, over, sizing.DEFAULT_BUCKET_BYTES,
           keys=[compat.varying_axes(jax.typeof(x)) for x in xs]), list(shards), flat)
   for bank, ks in banks(fmts).items():
     for k, whole in zip(ks, owned_rows.bank_wholes([out[k] for k in ks], bank.slots,

@@ -41,7 +41,7 @@ import pathlib
 
 from absl import flags
 
-from wus.analysis import costmodel, network
+from wus.analysis import costmodel, network, sizing
 from wus.harness import console, errors
 from wus.harness.tools import paper_model, report, scale_tp, tpu_v3
 
@@ -132,7 +132,7 @@ def _workload(tensors, optimizer: str, settings: Settings) -> costmodel.Workload
 
 def _replicated(w: costmodel.Workload, topology: network.Topology,
                 rest: float = 0.0) -> costmodel.StepPrediction:
-  bucket = costmodel.choose_bucket_bytes(w, topology)
+  bucket = sizing.choose_bucket_bytes(w, topology)
   return costmodel.predict_replicated(w, topology, rest, bucket)
 
 
@@ -197,10 +197,10 @@ def predict_case(case: Case, settings: Settings = Settings()) -> dict:
   rest = per_example * case.per_core
   replicated = _replicated(w, topology, rest)
   if settings.group_size:
-    bucket = costmodel.choose_bucket_bytes(w, topology, settings.group_size)
+    bucket = sizing.choose_bucket_bytes(w, topology, settings.group_size)
     sharded = costmodel.predict_sharded(w, topology, settings.group_size, rest, bucket)
   else:
-    sharded = costmodel.best_sharded(w, topology, rest)
+    sharded = sizing.best_sharded(w, topology, rest)
   reduction = 1 - sharded.total / replicated.total
   out = {**dataclasses.asdict(case), "per_core": case.per_core, "label": case.label,
          "params": w.num_elements, "tensors": len(w.gradients),

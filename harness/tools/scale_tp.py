@@ -22,7 +22,7 @@ copy) and the step-time change. Predictions of the cost model, not measurements.
 
 from __future__ import annotations
 
-from wus.analysis import costmodel, network
+from wus.analysis import costmodel, network, sizing
 from wus.harness.tools import paper_model, report, tpu_v3
 
 MS = 1e3
@@ -56,12 +56,12 @@ def predict(case, model_parallel: int, rest: float, workload: costmodel.Workload
   """
   m, data = model_parallel, case.cores // model_parallel
   group = data_group(case.chips, case.torus, case.cores, m, settings)
-  bucket = costmodel.choose_bucket_bytes(workload, group)
+  bucket = sizing.choose_bucket_bytes(workload, group)
   tp = costmodel.predict_replicated(workload, group, rest, bucket)
   g = settings.group_size
   wus = (costmodel.predict_sharded(workload, group, g, rest,
-                                   costmodel.choose_bucket_bytes(workload, group, g))
-         if g else costmodel.best_sharded(workload, group, rest))
+                                   sizing.choose_bucket_bytes(workload, group, g))
+         if g else sizing.best_sharded(workload, group, rest))
   blocks = [n for n, _ in workload.gradients]
   whole = state_bytes(paper_model.transformer_big_tensors(), case.optimizer)
   tile = group.tile_elements

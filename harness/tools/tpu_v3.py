@@ -118,7 +118,7 @@ class Settings:
     cast: (bytes read, bytes written) per weight element to give the forward pass
       its bfloat16 weights when the update is replicated (Fig. 7 left).
     tile_elements: elements per tile of the memory layout (1: no padding).
-    group_size: G; 0: `costmodel.choose_group_size` picks it.
+    group_size: G; 0: `sizing.choose_group_size` picks it.
   """
 
   alpha: float = ALPHA

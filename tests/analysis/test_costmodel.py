@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from wus.analysis import sizing as sz
 from wus.analysis import costmodel as cm
 from wus.analysis import network as net
 from wus.collectives import batched
@@ -194,8 +195,8 @@ def test_choose_batching_weighs_copies_against_latency(memory, alone):
   fast memory (HBM): copying them costs less than a collective's latency."""
   t = _topology(8, alpha=2e-5, memory=memory)
   w = _workload(tensors=(65536,) * 8 + (256,) * 8)
-  limit, chosen = cm.choose_batching(w, t, 8)
-  assert limit in cm.BUCKET_CANDIDATES
+  limit, chosen = sz.choose_batching(w, t, 8)
+  assert limit in sz.BUCKET_CANDIDATES
   if alone:
     assert chosen is not None and 256 * 4 * 8 < chosen <= 65536 * 4
     p = cm.predict_sharded(w, t, 8, bucket_bytes=limit, alone_bytes=chosen)
@@ -216,8 +217,8 @@ def test_choose_batching_prices_a_tensor_alone_wherever_it_sits():
   t = _topology(8, alpha=5e-5, memory=1e9)
   layers = _workload(tensors=(65536, 256) * 8)
   last = _workload(tensors=(256,) * 8 + (65536,) * 8)
-  limit, chosen = cm.choose_batching(layers, t, 8)
-  assert (limit, chosen) == cm.choose_batching(last, t, 8)
+  limit, chosen = sz.choose_batching(layers, t, 8)
+  assert (limit, chosen) == sz.choose_batching(last, t, 8)
   assert chosen is not None and 256 * 4 < chosen <= 65536 * 4
   p = cm.predict_sharded(layers, t, 8, bucket_bytes=limit, alone_bytes=chosen)
   assert p.collectives["reduce-scatter"] == p.collectives["all-gather"] == 16
@@ -279,9 +280,9 @@ def test_batching_on_cpu_devices_keeps_large_tensors_apart():
   accelerator-class figures (memory 20x faster than the links) batching it pays."""
   w = cm.Workload(gradients=((2 ** 18, 4),) * 8 + ((64, 4),) * 8)
   w = dataclasses.replace(w, gathered=w.gradients)
-  _, alone = cm.choose_batching(w, net.default_topology(8, platform="cpu"), 8)
+  _, alone = sz.choose_batching(w, net.default_topology(8, platform="cpu"), 8)
   assert alone is not None and alone <= 2 ** 20
-  _, alone = cm.choose_batching(w, net.default_topology(8), 8)
+  _, alone = sz.choose_batching(w, net.default_topology(8), 8)
   assert alone is None or alone > 2 ** 20
 
 
@@ -315,7 +316,7 @@ def test_tiles_pad_small_shards():
 def test_full_sharding_when_latency_is_negligible(sizes):
   t = _topology(*sizes, alpha=0.0)
   w = _workload(tensors=(2 ** 20, 2 ** 16, 2 ** 12))
-  assert cm.choose_group_size(w, t) == t.num_devices
+  assert sz.choose_group_size(w, t) == t.num_devices
 
 
 def test_splitting_an_axis_saves_no_latency_by_itself():
@@ -331,7 +332,7 @@ def test_groups_when_latency_dominates():
   all-reduce across groups (Fig. 10), the reduce-scatters and all-gathers stay short."""
   t = _topology(4096, alpha=1e-3)
   w = _workload(tensors=(4096,) * 64)  # 16 KiB each
-  g = cm.choose_group_size(w, t, bucket_bytes=16 * 1024)
+  g = sz.choose_group_size(w, t, bucket_bytes=16 * 1024)
   assert g == 64
   best = cm.predict_sharded(w, t, g, bucket_bytes=16 * 1024)
   assert best.collectives == {"reduce-scatter": 64, "all-reduce": 1, "all-gather": 64}
@@ -343,16 +344,16 @@ def test_no_sharding_when_there_is_nothing_to_save():
   """Fast memory, a cheap update, and sharding adds the all-reduce of LARS's norms: G = 1."""
   t = net.Topology((net.Axis("a", 8, 1e-3, 1e9),), memory_bandwidth=1e15)
   w = _workload(tensors=(16,) * 100, norms=2)  # LARS's norms.
-  assert cm.choose_group_size(w, t) == 1
+  assert sz.choose_group_size(w, t) == 1
 
 
 def test_bucket_choice():
   w = _workload(tensors=(2 ** 18,) * 64)  # 1 MiB each
   candidates = [2 ** k for k in range(16, 28)]
   # No latency: buckets cost nothing, the smallest will do.
-  assert cm.choose_bucket_bytes(w, _topology(8, alpha=0.0), candidates=candidates) == 2 ** 16
+  assert sz.choose_bucket_bytes(w, _topology(8, alpha=0.0), candidates=candidates) == 2 ** 16
   # Latency-heavy: few buckets needed.
-  big = cm.choose_bucket_bytes(w, _topology(8, alpha=1e-3), candidates=candidates)
+  big = sz.choose_bucket_bytes(w, _topology(8, alpha=1e-3), candidates=candidates)
   assert big >= 2 ** 25
   slow = cm.predict_replicated(w, _topology(8, alpha=1e-3), bucket_bytes=big)
   one = cm.predict_replicated(w, _topology(8, alpha=1e-3))

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import wus
 from helpers import (assert_trees_equal, collectives, fused_kernels, mesh, moved_bytes,
                      run_both)
-from wus.analysis import costmodel, network
+from wus.analysis import network, sizing
 
 N = 8
 TX = optax.adam(1e-2)
@@ -75,7 +75,7 @@ def test_compiled_step_has_the_buckets_the_plan_predicts(alpha, buckets):
   params, opt_state, xs = _inputs()
   wrapped = _wus(alpha)
   plan = wrapped.plan(params, opt_state, xs[0])
-  assert plan.bucket_bytes in costmodel.BUCKET_CANDIDATES
+  assert plan.bucket_bytes in sizing.BUCKET_CANDIDATES
   hlo = wrapped.lower(params, opt_state, xs[0]).compile().as_text()
   counts = collectives(hlo)
   predicted = _predicted(plan)

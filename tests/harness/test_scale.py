@@ -7,7 +7,7 @@ import pytest
 from absl import flags
 from absl.testing import flagsaver
 
-from wus.analysis import costmodel
+from wus.analysis import costmodel, sizing
 from wus.harness.tools import paper_model, scale, scale_tp, tpu_v3
 
 
@@ -141,7 +141,7 @@ def test_the_data_x_model_step_is_priced_on_the_strided_data_group():
   r = scale_tp.predict(case, 4, rest, w, settings)
   group = tpu_v3.topology(*case.chips, torus=True).strided(4, 512)
   assert [a.name for a in group.axes] == ["x/2", "y"]
-  tp = costmodel.predict_replicated(w, group, rest, costmodel.choose_bucket_bytes(w, group))
+  tp = costmodel.predict_replicated(w, group, rest, sizing.choose_bucket_bytes(w, group))
   assert r["tp"]["step_ms"] == pytest.approx(tp.total * 1e3)
   assert r["data_ring"] == "x/2=16 x y=32"
 

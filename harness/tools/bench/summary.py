@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from wus.analysis import costmodel, network
+from wus.analysis import costmodel, network, sizing
 from wus.harness.tools import paper_model, report
 from wus.harness.tools.bench import choices, compose, limit
 from wus.harness.tools.bench.variants import (ALTERNATIVES, JIT_ALTERNATIVES, VARIANTS,
@@ -113,7 +113,7 @@ def group_size_choice(result: dict, topology: network.Topology,
   if not p or not sizes:
     return None
   workload = paper_model.workload(result["tensor_elements"], "adam")
-  best = costmodel.best_sharded(workload, topology, p["replicated"].rest)
+  best = sizing.best_sharded(workload, topology, p["replicated"].rest)
   fastest = min(sizes, key=lambda v: result[v]["median"])
   predicted = min(sizes, key=lambda v: p[v].with_copies)
   return (f"{result['regime']}: of G = {sorted(sizes.values())}, predicted fastest "
