@@ -20,6 +20,7 @@ Modules, one concern each, in the order the passes run:
   layouts        a format for every tensor of a cluster
   cost           shard a cluster or not, with the reason and predicted times (§3.2)
   costmodel      alpha-beta model of a step's or a cluster's collectives and update (§5)
+  sizing         the model's choices: group size G, bucket limit, tensors alone (§5.2)
   network        the network in that model: mesh axes, ring collectives, batching
   verdicts       the cost model's verdicts on a cluster, as values
   reasons        why the Plan decides as it does, as values, and their words
