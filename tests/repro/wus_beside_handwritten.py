@@ -88,8 +88,11 @@ def main(model: str = "mlp_deep", rounds: int = 25) -> None:
   for name in built:
     if name.startswith("wus"):
       plan = built[name][0].plan(*state[name], setting.data[0])
+      # Counted in the compiled step: wus_alone's Plan words are the chosen plan's.
+      hlo = built[name][0].lower(*state[name], setting.data[0]).compile().as_text()
       print(f"  {name}: buckets of {plan.bucket_bytes} B, alone from {plan.alone_bytes} B;"
-            f" {plan.collectives}")
+            f" compiled: {hlo.count(' reduce-scatter(')} reduce-scatter(s),"
+            f" {hlo.count(' all-gather(')} all-gather(s)")
   seconds = timing.interleaved({name: call(name) for name in built}, rounds)
   print(f"{model}, {rounds} rounds, JAX {jax.__version__}, load average "
         f"{os.getloadavg()[0]:.2f}")
