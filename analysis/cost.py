@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from wus.analysis import compat
 from wus.analysis import causes, costmodel, network, reasons, sizing, verdicts
@@ -267,28 +269,59 @@ def auto_group_size(plan, topology: network.Topology) -> tuple[int | None, objec
   return (None if best.group_size == n else best.group_size), why
 
 
-def step_workload(clusters) -> costmodel.Workload | None:
+def step_workload(clusters, gathered: Sequence[costmodel.Tensor] | None = None
+                  ) -> costmodel.Workload | None:
   """The cost model's `Workload` of the sharded clusters together (None if none has a gradient).
 
   Their gradients, in the Plan's order; what each cluster's update reads and
-  writes (`Decision.workload`). The all-gathers are taken as the gradients'
-  tensors in the gradients' dtype: the batched all-gather of the new weights
-  mirrors the reduce-scatter (`bucket_bytes`).
+  writes (`Decision.workload`); the all-gathers `gathered`, or, where the
+  step's are not known (a group size priced from the Plan alone), the
+  gradients' tensors in their dtype: the all-gathers of the new weights
+  mirror the reduce-scatters.
 
   Args:
     clusters: the `plan.ClusterPlan`s of one step.
+    gathered: the tensors the rewrite all-gathers, in its order
+      (`gathered_tensors`), or None.
   """
   sharded = [c for c in clusters if c.sharded]
   grads = tuple((math.prod(t.shape), t.itemsize) for c in sharded for t in c.tensors
                 if t.role == "gradient")
   if not grads:
     return None
-  return costmodel.Workload(gradients=grads, gathered=grads, updated=tuple(
-      t for c in sharded if c.workload is not None for t in c.workload.updated))
+  return costmodel.Workload(
+      gradients=grads, gathered=grads if gathered is None else tuple(gathered),
+      updated=tuple(t for c in sharded if c.workload is not None for t in c.workload.updated))
+
+
+def gathered_tensors(jaxpr: Jaxpr, sharded_out: Mapping, formats: Mapping,
+                     gather_dtypes: Mapping) -> tuple[costmodel.Tensor, ...]:
+  """The tensors the rewrite all-gathers in batches (§5.2), in its order: (elements, itemsize).
+
+  First the inputs kept sharded and read whole in a narrower float
+  (`Plan.gather_dtypes`, Fig. 7: gathered together at the first read), then
+  each output returned whole that the step holds as shards, once, in the
+  outputs' order (`transforms.rewrite`). The buckets follow this order, which
+  is not the gradients' (the backward pass's): a tensor with an all-gather of
+  its own closes the bucket before it (`batched.buckets`), so the two orders
+  can make different counts.
+
+  Args:
+    jaxpr: the step.
+    sharded_out: output position -> format, of the outputs returned as shards.
+    formats: the values held as shards -> their format.
+    gather_dtypes: value -> the narrower dtype it is gathered in.
+  """
+  inputs = [v for v in jaxpr.invars if v in gather_dtypes and v in formats]
+  outputs = [v for k, v in enumerate(jaxpr.outvars) if k not in sharded_out
+             and not compat.is_literal(v) and v in formats]
+  return tuple((math.prod(v.aval.shape), np.dtype(gather_dtypes.get(v, v.aval.dtype)).itemsize)
+               for v in dict.fromkeys([*inputs, *outputs]))
 
 
 def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
-                 objective: str = "memory") -> tuple[int, int | None, str, str]:
+                 objective: str = "memory", gathered: Sequence[costmodel.Tensor] | None = None
+                 ) -> tuple[int, int | None, str, str]:
   """How the batched collectives group tensors (§5.2), chosen by the cost model, and why.
 
   `sizing.choose_batching` on the sharded clusters' workload: tensors of
@@ -307,12 +340,14 @@ def bucket_bytes(clusters, num_shards: int, topology: network.Topology,
     num_shards: N, the replicas sharing the update.
     topology: the N devices.
     objective: "memory" or "time" (`decide`).
+    gathered: the tensors the step all-gathers, in its order (`gathered_tensors`);
+      None: the gradients'.
 
   Returns:
     (bucket limit in bytes, alone_bytes or None, the choice in words with its arithmetic
     for `Plan.buckets`, the collectives it makes in brief for `Plan.collectives`).
   """
-  workload = step_workload(clusters)
+  workload = step_workload(clusters, gathered)
   if workload is None:
     return sizing.DEFAULT_BUCKET_BYTES, None, "", ""
   candidates = [c for c in sizing.BUCKET_CANDIDATES

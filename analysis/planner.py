@@ -52,8 +52,10 @@ def make_plan(request: PlanRequest) -> Plan:
     planned = dataclasses.replace(planned, jaxpr_plan=dataclasses.replace(
         planned.jaxpr_plan, sharded_in={**planned.jaxpr_plan.sharded_in, **split},
         presliced=frozenset(split)))
+  gathered = cost.gathered_tensors(r.jaxpr, planned.jaxpr_plan.sharded_out, planned.formats,
+                                   planned.gather_dtypes)
   limit, alone, buckets, collectives = cost.bucket_bytes(planned.clusters, r.num_shards,
-                                                         ctx.topology, r.objective)
+                                                         ctx.topology, r.objective, gathered)
   # In a step with clusters grown from roots, the copy-free order of donated weights
   # (`ordering`) takes only the gradient all-reduces as tokens, never the result of a
   # read: the roots' gradients are computed whole on every replica in the same

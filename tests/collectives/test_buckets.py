@@ -6,6 +6,7 @@ latency, large tensors keep collectives of their own and are not copied."""
 
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -14,8 +15,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import (assert_trees_equal, collectives, fused_kernels, mesh, moved_bytes,
-                     run_both)
+from helpers import (assert_trees_equal, classifier_batches, classifier_step, collectives,
+                     fused_kernels, mesh, moved_bytes, run_both)
 from wus.analysis import network, sizing
 
 N = 8
@@ -192,3 +193,41 @@ def test_updates_of_equal_tensors_in_a_bucket_share_their_kernels(layers):
   assert kernels <= fused_kernels(replicated.compile().as_text()) + 12, kernels
   want, got, _ = run_both(_norm_step, (params, opt_state), xs, **specs)
   assert_trees_equal(wus.unshard(got), want)
+
+
+class _DeepMLP(nn.Module):
+  """The harness's mlp_deep, narrowed: five ReLU Dense layers and the logits."""
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(5):
+      x = nn.relu(nn.Dense(256)(x))
+    return nn.Dense(10)(x)
+
+
+def test_all_gathers_are_predicted_in_the_outputs_order():
+  """A global-view step (Flax's classifier step under wus.jit) reduce-scatters its
+  gradients in the backward pass's order (Dense_5 first) and all-gathers the new
+  weights in the outputs' (Dense_0 first). On CPU-like devices the five 256-wide
+  kernels have collectives of their own and close the bucket before them, so the
+  orders make different counts: b5 k5 b4 | k4 | b3 | ... | k0, 10 reduce-scatters;
+  b0 | k0 | b1 | ... | k4 | b5 k5, 11 all-gathers. The Plan predicts each from its
+  own order (it took the all-gathers to mirror the reduce-scatters, 10 and 10), and
+  the step is bit for bit jax.jit's."""
+  m = mesh(N)
+  model, tx = _DeepMLP(), optax.adam(1e-3)
+  batches = classifier_batches(m, 2, batch=32, features=300)
+  params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 300))),
+                          NamedSharding(m, P()))
+  opt_state = jax.device_put(tx.init(params), NamedSharding(m, P()))
+  train_step = classifier_step(model, tx)
+  wrapped = wus.jit(train_step, topology=CPU)
+  plan = wrapped.plan(params, opt_state, batches[0])
+  counts = collectives(wrapped.lower(params, opt_state, batches[0]).compile().as_text())
+  assert [counts["reduce-scatter"].count, counts["all-gather"].count] == _predicted(plan)
+  assert _predicted(plan)[0] != _predicted(plan)[1]  # The two orders differ here.
+  want, got = (params, opt_state), (params, opt_state)
+  for batch in batches:
+    want = jax.jit(train_step)(*want[:2], batch)
+    got = wrapped(*got[:2], batch)
+  assert_trees_equal(wus.unshard(got[:2]), want[:2])
