@@ -288,13 +288,14 @@ def predict_sharded(workload: Workload, topology: Topology, group_size: int,
                                  alone_bytes, padded)
   ar, ar_count = network.batched(network.all_reduce, reduced, outer, bucket_bytes)
   ag, ag_count = network.batched(network.all_gather, gather, inner, bucket_bytes, alone_bytes,
-                                 out_padded)
+                                 out_padded, closes=False)
   # The copies move the tensors' own bytes (wus pads a tensor by fewer than G
   # elements; the tiles' padding is the layout's, copied or not).
   grads = [n * b for n, b in workload.gradients]
   weights = [n * b for n, b in workload.gathered]
   copies = (network.copied(scatter, bucket_bytes, alone_bytes, padded, grads)  # G = 1: none.
-            + network.copied(gather, bucket_bytes, alone_bytes, out_padded, weights)
+            + network.copied(gather, bucket_bytes, alone_bytes, out_padded, weights,
+                             closes=False)
             + (network.copied(reduced, bucket_bytes) if outer else 0.0)) if inner else 0.0
   norms = workload.norms * len(workload.gradients) * _SCALAR_BYTES
   nar, nar_count = network.batched(network.all_reduce, [norms] if norms else [], inner)

@@ -367,10 +367,11 @@ def latency(axes: Sequence[Axis], kind: str = "reduce-scatter") -> float:
 
 def batched(collective: Callable[[float, Sequence[Axis]], float], sizes: Sequence[float],
             axes: Sequence[Axis], bucket_bytes: float = math.inf,
-            alone_bytes: float | None = None, padded: Sequence[bool] = ()) -> tuple[float, int]:
+            alone_bytes: float | None = None, padded: Sequence[bool] = (),
+            closes: bool = True) -> tuple[float, int]:
   """Seconds and count of `collective` over tensors of `sizes` bytes, batched (§5.2).
 
-  Each bucket (`buckets(sizes, bucket_bytes, alone_bytes, padded)`) is one
+  Each bucket (`buckets(sizes, bucket_bytes, alone_bytes, padded, closes)`) is one
   collective on the sum of its tensors' bytes: k tensors in one bucket pay
   one latency term instead of k. The copies batching makes are `copied`'s.
 
@@ -378,26 +379,27 @@ def batched(collective: Callable[[float, Sequence[Axis]], float], sizes: Sequenc
     collective: `reduce_scatter`, `all_gather` or `all_reduce`.
     sizes: bytes per device of each tensor, as the collective takes them.
     axes: the axes it runs over, fast to slow.
-    bucket_bytes, alone_bytes, padded: as for `buckets`.
+    bucket_bytes, alone_bytes, padded, closes: as for `buckets` (closes False
+      for the all-gathers).
 
   Returns:
     (seconds, number of collectives); (0, 0) with no axis to cross or no tensor.
   """
   if not axes or not sizes:
     return 0.0, 0
-  bucketed = buckets(sizes, bucket_bytes, alone_bytes, padded)
+  bucketed = buckets(sizes, bucket_bytes, alone_bytes, padded, closes)
   return sum(collective(sum(sizes[i] for i in b), axes) for b in bucketed), len(bucketed)
 
 
 def copied(sizes: Sequence[float], bucket_bytes: float = math.inf,
            alone_bytes: float | None = None, padded: Sequence[bool] = (),
-           data: Sequence[float] | None = None) -> float:
+           data: Sequence[float] | None = None, closes: bool = True) -> float:
   """Bytes of the tensors a batched collective copies: those sharing a bucket, and padded ones.
 
   Args and buckets as for `batched`; `data`: each tensor's own bytes, which
   the copies move (default `sizes`, which may hold the layout's tile padding).
   """
-  bucketed = buckets(sizes, bucket_bytes, alone_bytes, padded)
+  bucketed = buckets(sizes, bucket_bytes, alone_bytes, padded, closes)
   own = sizes if data is None else data
   return sum(own[i] for b in bucketed for i in b
              if len(b) > 1 or (i < len(padded) and padded[i]))

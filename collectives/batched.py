@@ -12,18 +12,20 @@ unless its format pads it: a padded tensor is copied either way (`pad`,
 both limits (`wus.analysis.cost.bucket_bytes`); with `alone_bytes=None`
 every tensor under `bucket_bytes` is batched.
 
-A tensor with a collective of its own also closes the bucket before it: a
-bucket's collective runs when its last member's gradient exists, so a bucket
-spanning a tensor alone (in the order given, the gradients' sums', which is
-the pytree's, in a model of layers the layers') would hold its first
-members until the backward pass of the tensors between them is done, and
-one bucket of the small tensors of every layer puts their update and
-all-gather after the whole backward pass (issue 42: on an MLP of 5 kernels
-of 4 MiB and 7 small tensors, closing the bucket at each kernel made the step
-0.85 of the one-bucket step; on a 100-tensor Transformer-like model, with 34
-more collectives each way, 1.01-1.04; `tests/repro/wus_beside_handwritten.py`).
-The cost model prices a tensor alone as if it split no bucket
-(`sizing.choose_batching`).
+In a reduce-scatter, a tensor with a collective of its own also closes the
+bucket before it (`closes`): a bucket's collective runs when its last
+member's gradient exists, so a bucket spanning a tensor alone (in the order
+given, the gradients' sums', in a model of layers the layers') would hold
+its first members until the backward pass of the tensors between them is
+done, and one bucket of the small tensors of every layer puts their update
+after the whole backward pass. An all-gather's bucket spans them: every new
+weight exists once the update has run, so closing would only add
+collectives. (Issue 42, on an MLP of 5 kernels of 4 MiB and 7 small
+tensors, the step with the reduce-scatters' buckets spanning the kernels
+took 1.14x as long as with them closed; with the all-gathers' buckets
+closed, 1.03x as long as spanning; on a 100-tensor Transformer-like model
+1.02x and 1.01x: `tests/repro/wus_beside_handwritten.py`.) The cost model prices a
+tensor alone as if it split no bucket (`sizing.choose_batching`).
 
 XLA fuses the cut of each tensor out of a bucket's result into the
 tensor's update. At a constant offset, every batched tensor's update would
@@ -104,7 +106,7 @@ def has_own(size: int, limit: int, alone_bytes: int | None = None,
 
 
 def buckets(sizes: Sequence[int], limit: int, alone_bytes: int | None = None,
-            padded: Sequence[bool] = ()) -> list[list[int]]:
+            padded: Sequence[bool] = (), closes: bool = True) -> list[list[int]]:
   """Groups positions 0..len(sizes)-1 into buckets of at most `limit` bytes.
 
   The rule of the module docstring. The Plan's limits are chosen by the cost
@@ -117,20 +119,25 @@ def buckets(sizes: Sequence[int], limit: int, alone_bytes: int | None = None,
       get a bucket of their own (no copy); None: `limit`.
     padded: per tensor, whether it is copied whether batched or not (its
       format pads it); missing entries are False.
+    closes: whether a tensor with a bucket of its own closes the bucket
+      before it (the reduce-scatters'), or the bucket spans it (the
+      all-gathers'; module docstring).
 
   Returns:
     Lists of positions, each in increasing order, every position in exactly
     one. Tensors of `limit` bytes or more, and unpadded ones of
-    `alone_bytes` or more, get a bucket of their own and close the bucket
-    before them; the others fill buckets in order.
+    `alone_bytes` or more, get a bucket of their own (and, with `closes`,
+    close the bucket before them); the others fill buckets in order.
   """
   out: list[list[int]] = []
   current: list[int] = []
   total = 0
   for k, size in enumerate(sizes):
     if has_own(size, limit, alone_bytes, k < len(padded) and padded[k]):
-      out += [current, [k]] if current else [[k]]  # It closes the bucket before it.
-      current, total = [], 0
+      if closes and current:
+        out.append(current)
+        current, total = [], 0
+      out.append([k])
       continue
     if current and total + size > limit:
       out.append(current)
@@ -192,7 +199,7 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
   """Per replica: `formatted.all_gather` of many shards in few collectives.
 
   Shards of one dtype share a collective, in buckets of `bucket_bytes` (of
-  whole tensors, `buckets`); each replica contributes its shards
+  whole tensors, `buckets`, spanning the tensors alone); each replica contributes its shards
   concatenated (§5.2), and each tensor is cut out of the result.
 
   Args:
@@ -227,7 +234,7 @@ def all_gather(shards: Sequence[jnp.ndarray], fmts: Sequence, axis_name,
     every = formatted.gather(flat, axis_name, tiled=False)  # [N, total]: replica r's in row r.
     return [formatted.unpad(formatted.reshape(part, f.padded_shape), f) for part, f in
             zip(_cut(every, [math.prod(f.shard_shape) for f in fs], axis=1), fs)]
-  return _bucketed(one, shards, fmts, bucket_bytes, alone_bytes, keys=keys)
+  return _bucketed(one, shards, fmts, bucket_bytes, alone_bytes, keys=keys, closes=False)
 
 
 def grouped(keys: Sequence, collective, *columns: Sequence) -> list:
@@ -252,8 +259,8 @@ def grouped(keys: Sequence, collective, *columns: Sequence) -> list:
 
 
 def dtype_buckets(dtypes: Sequence, sizes: Sequence[int], limit: int,
-                  alone_bytes: int | None = None,
-                  padded: Sequence[bool] = ()) -> list[list[int]]:
+                  alone_bytes: int | None = None, padded: Sequence[bool] = (),
+                  closes: bool = True) -> list[list[int]]:
   """Positions of tensors grouped as the batched collectives group them: by
   dtype (in order of first appearance), then into `buckets` of their bytes.
 
@@ -262,14 +269,14 @@ def dtype_buckets(dtypes: Sequence, sizes: Sequence[int], limit: int,
   Args:
     dtypes: a dtype per tensor.
     sizes: bytes per tensor.
-    limit, alone_bytes, padded: as for `buckets`.
+    limit, alone_bytes, padded, closes: as for `buckets`.
   """
   by_dtype: dict = {}
   for k, dtype in enumerate(dtypes):
     by_dtype.setdefault(dtype, []).append(k)
   return [[ks[b] for b in bucket] for ks in by_dtype.values()
           for bucket in buckets([sizes[k] for k in ks], limit, alone_bytes,
-                                [k < len(padded) and padded[k] for k in ks])]
+                                [k < len(padded) and padded[k] for k in ks], closes)]
 
 
 def pads(fmts: Sequence) -> list[bool]:
@@ -279,7 +286,7 @@ def pads(fmts: Sequence) -> list[bool]:
 
 def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence, limit: int,
               alone_bytes: int | None = None, elements: Sequence[int] | None = None,
-              keys: Sequence | None = None) -> list[jnp.ndarray]:
+              keys: Sequence | None = None, closes: bool = True) -> list[jnp.ndarray]:
   """`collective(positions)` per bucket of one dtype and key (the bucket's positions in
   `values`, increasing), which returns one result per position; results in the order given.
 
@@ -288,7 +295,7 @@ def _bucketed(collective, values: Sequence[jnp.ndarray], fmts: Sequence, limit: 
            for k, x in enumerate(values)]
   out: list = [None] * len(values)
   kinds = [x.dtype if keys is None else (x.dtype, keys[k]) for k, x in enumerate(values)]
-  for group in dtype_buckets(kinds, sizes, limit, alone_bytes, pads(fmts)):
+  for group in dtype_buckets(kinds, sizes, limit, alone_bytes, pads(fmts), closes):
     for k, y in zip(group, collective(group), strict=True):
       out[k] = y
   return out

@@ -121,13 +121,16 @@ def test_batching_k_tensors_saves_k_minus_1_latencies(collective, kind, k):
 
 def test_buckets():
   """Buckets fill in order; a tensor with a collective of its own closes the
-  bucket before it, so no bucket spans one (its members' gradients would wait
-  for the backward pass of the tensors between them)."""
+  bucket before it, so no reduce-scatter's bucket spans one (its members'
+  gradients would wait for the backward pass of the tensors between them); an
+  all-gather's (`closes=False`) spans it."""
   assert batched.buckets([10, 10, 30, 5, 5], limit=25) == [[0, 1], [2], [3, 4]]
   assert batched.buckets([10, 10, 10], limit=25) == [[0, 1], [2]]
   assert batched.buckets([1, 1, 5, 1, 1], limit=100, alone_bytes=5) == [[0, 1], [2], [3, 4]]
   assert batched.buckets([1, 5, 1], 100, 5, padded=[False, True]) == [[0, 1, 2]]
   assert batched.buckets([10, 10], limit=math.inf) == [[0, 1]]
+  assert batched.buckets([1, 1, 5, 1, 1], 100, 5, closes=False) == [[2], [0, 1, 3, 4]]
+  assert batched.buckets([10, 10, 30, 5, 5], limit=25, closes=False) == [[2], [0, 1, 3], [4]]
 
 
 def test_group_of_everyone_is_full_sharding():
@@ -210,10 +213,10 @@ def test_choose_batching_prices_a_tensor_alone_wherever_it_sits():
   devices (a collective's latency 0.35 ms, copying a kernel into and out of a
   bucket 1.05 ms): each kernel keeps its own collectives, as when the kernels
   come last. Each kernel closes the bias bucket before it (`buckets`), so the
-  step has 16 reduce-scatters, not 9; priced in this order, those 7 more
-  latencies would make copying every kernel look cheaper (9.1 ms of latency
-  and copies against 11.2 ms), though the bucket they split off runs behind
-  the kernel's backward pass."""
+  step has 16 reduce-scatters, not 9 (the all-gathers' buckets span the kernels:
+  9); priced in this order, those 7 more latencies would make copying every
+  kernel look cheaper, though the bucket they split off runs behind the kernel's
+  backward pass."""
   t = _topology(8, alpha=5e-5, memory=1e9)
   layers = _workload(tensors=(65536, 256) * 8)
   last = _workload(tensors=(256,) * 8 + (65536,) * 8)
@@ -221,8 +224,9 @@ def test_choose_batching_prices_a_tensor_alone_wherever_it_sits():
   assert (limit, chosen) == sz.choose_batching(last, t, 8)
   assert chosen is not None and 256 * 4 < chosen <= 65536 * 4
   p = cm.predict_sharded(layers, t, 8, bucket_bytes=limit, alone_bytes=chosen)
-  assert p.collectives["reduce-scatter"] == p.collectives["all-gather"] == 16
-  assert p.copies == 0  # A bias alone between two kernels is not copied either.
+  assert (p.collectives["reduce-scatter"], p.collectives["all-gather"]) == (16, 9)
+  # A bias alone between two kernels is not copied; the biases' all-gather copies them.
+  assert p.copies == pytest.approx(net.copy_seconds(8 * 256 * 4, t))
 
 
 def test_small_shards_combine_into_fewer_all_reduces():

@@ -8,11 +8,14 @@ Adam, synthetic data, 8 simulated devices, one example per device): `handwritten
 (`timing.interleaved`: a new random order each round, each timed call after an untimed
 one of the same program); `wus_alone`, wus with every unpadded tensor in a
 collective of its own (the Plan's `alone_bytes` 1, set by wrapping
-`wus.analysis.cost.bucket_bytes` while it plans: an experiment, no option of wus); and
+`wus.analysis.cost.bucket_bytes` while it plans: an experiment, no option of wus);
 `wus_spanning`, wus with the bucket rule before issue 42's change (a tensor alone closes
-no bucket, so one bucket may hold small tensors of every layer; set by replacing
-`batched.buckets` where the collectives and the cost model read it while it plans and
-traces). It prints each step's median and the medians over rounds of the ratios.
+no bucket, so one reduce-scatter may hold small gradients of every layer), and
+`wus_closing`, the eleventh sitting's (a tensor alone closes the all-gathers' buckets
+too), each set by forcing `closes` of `batched.buckets` where the collectives and the
+model read it while it plans and traces; wus closes the reduce-scatters' buckets and
+spans the all-gathers'. It prints each step's median and the medians over rounds of
+the ratios.
 
   python tests/repro/wus_beside_handwritten.py [MODEL [ROUNDS]]
 
@@ -55,24 +58,20 @@ def main(model: str = "mlp_deep", rounds: int = 25) -> None:
     limit, _, words, made = chosen(*args, **kwargs)
     return limit, 1, words, made
 
-  def spanning(sizes, limit, alone_bytes=None, padded=()):
-    """`batched.buckets` before issue 42's change: a tensor alone closes no bucket."""
-    out, current, total = [], [], 0
-    for k, size in enumerate(sizes):
-      if batched.has_own(size, limit, alone_bytes, k < len(padded) and padded[k]):
-        out.append([k])
-        continue
-      if current and total + size > limit:
-        out.append(current)
-        current, total = [], 0
-      current.append(k)
-      total += size
-    return out + [current] if current else out
+  rule = batched.buckets
+
+  def forced(closes):
+    """`batched.buckets` with every tensor alone closing the bucket before it, or none."""
+    def buckets(sizes, limit, alone_bytes=None, padded=(), _closes=True):
+      return rule(sizes, limit, alone_bytes, padded, closes)
+    return buckets
 
   state = {name: s for name, (_, s) in built.items()}
   for name, patches in (("wus_alone", ((cost, "bucket_bytes", every_alone),)),
-                        ("wus_spanning", ((batched, "buckets", spanning),
-                                          (network, "buckets", spanning)))):
+                        ("wus_spanning", ((batched, "buckets", forced(False)),
+                                          (network, "buckets", forced(False)))),
+                        ("wus_closing", ((batched, "buckets", forced(True)),
+                                         (network, "buckets", forced(True))))):
     saved = [(m, a, getattr(m, a)) for m, a, _ in patches]
     for m, a, f in patches:
       setattr(m, a, f)
@@ -99,7 +98,8 @@ def main(model: str = "mlp_deep", rounds: int = 25) -> None:
   for name, t in seconds.items():
     print(f"  {name:14s} {1e3 * statistics.median(t):8.1f} ms")
   for a, b in (("wus", "handwritten"), ("wus", "wus_undonated"), ("wus_alone", "handwritten"),
-               ("wus_alone", "wus"), ("wus_spanning", "handwritten"), ("wus", "wus_spanning")):
+               ("wus_alone", "wus"), ("wus_spanning", "handwritten"), ("wus", "wus_spanning"),
+               ("wus", "wus_closing")):
     print(f"  {a} / {b}: {summary.paired_ratio(seconds[a], seconds[b]):.3f}")
 
 
