@@ -298,13 +298,13 @@ def gathered_tensors(jaxpr: Jaxpr, sharded_out: Mapping, formats: Mapping,
                      gather_dtypes: Mapping) -> tuple[costmodel.Tensor, ...]:
   """The tensors the rewrite all-gathers in batches (§5.2), in its order: (elements, itemsize).
 
-  First the inputs kept sharded and read whole in a narrower float
-  (`Plan.gather_dtypes`, Fig. 7: gathered together at the first read), then
+  First the values kept sharded and read whole in a narrower float
+  (`Plan.gather_dtypes`, Fig. 7: gathered together at the first read, in the
+  order the step defines them), then
   each output returned whole that the step holds as shards, once, in the
-  outputs' order (`transforms.rewrite`). The buckets follow this order, which
-  is not the gradients' (the backward pass's): a tensor with an all-gather of
-  its own closes the bucket before it (`batched.buckets`), so the two orders
-  can make different counts.
+  outputs' order (`transforms.rewrite`). The buckets fill in this order
+  (`batched.buckets`), which is not the gradients' (the backward pass's), and
+  a narrower float moves fewer bytes, so neither mirrors the reduce-scatters.
 
   Args:
     jaxpr: the step.
@@ -312,11 +312,12 @@ def gathered_tensors(jaxpr: Jaxpr, sharded_out: Mapping, formats: Mapping,
     formats: the values held as shards -> their format.
     gather_dtypes: value -> the narrower dtype it is gathered in.
   """
-  inputs = [v for v in jaxpr.invars if v in gather_dtypes and v in formats]
+  held = [*jaxpr.invars, *(v for e in jaxpr.eqns for v in e.outvars)]  # The rewrite's order.
+  narrow = [v for v in held if v in gather_dtypes and v in formats]
   outputs = [v for k, v in enumerate(jaxpr.outvars) if k not in sharded_out
              and not compat.is_literal(v) and v in formats]
   return tuple((math.prod(v.aval.shape), np.dtype(gather_dtypes.get(v, v.aval.dtype)).itemsize)
-               for v in dict.fromkeys([*inputs, *outputs]))
+               for v in dict.fromkeys([*narrow, *outputs]))
 
 
 def bucket_bytes(clusters, num_shards: int, topology: network.Topology,

@@ -20,12 +20,13 @@ its first members until the backward pass of the tensors between them is
 done, and one bucket of the small tensors of every layer puts their update
 after the whole backward pass. An all-gather's bucket spans them: every new
 weight exists once the update has run, so closing would only add
-collectives. (Issue 42, on an MLP of 5 kernels of 4 MiB and 7 small
-tensors, the step with the reduce-scatters' buckets spanning the kernels
-took 1.14x as long as with them closed; with the all-gathers' buckets
-closed, 1.03x as long as spanning; on a 100-tensor Transformer-like model
-1.02x and 1.01x: `tests/repro/wus_beside_handwritten.py`.) The cost model prices a
-tensor alone as if it split no bucket (`sizing.choose_batching`).
+collectives. (Issue 42, in one process, 25 rounds each: on an MLP of 5
+kernels of 4 MiB and 7 small tensors, the step with the reduce-scatters'
+buckets spanning the kernels took 1.14-1.15x as long as with them closed,
+on a 100-tensor Transformer-like model 0.93-1.02x, within its runs'
+spread; with the all-gathers' buckets closed, 0.99-1.03x and 1.01-1.02x as
+long as spanning: `tests/repro/wus_beside_handwritten.py`.) The cost model
+prices a tensor alone as if it split no bucket (`sizing.choose_batching`).
 
 XLA fuses the cut of each tensor out of a bucket's result into the
 tensor's update. At a constant offset, every batched tensor's update would

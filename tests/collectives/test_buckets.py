@@ -214,9 +214,10 @@ def test_reduce_scatters_close_buckets_at_tensors_alone_and_all_gathers_span_the
   256-wide kernels have collectives of their own. A reduce-scatter's bucket closes
   at each (b5 k5 b4 | k4 | b3 | k3 | b2 | k2 | b1 | k1 | b0 | k0: 10), so none
   waits for the backward pass of a kernel; an all-gather's bucket spans them (the
-  seven small tensors in one: 6). The Plan predicts both (it said 10 and 11 when
-  the all-gathers closed too and were priced in the gradients' order, then 10 and
-  10), and the step is bit for bit jax.jit's."""
+  seven small tensors in one: 6). The Plan predicts both from their own orders
+  (priced as a mirror of the reduce-scatters, the all-gathers were 10 in the Plan
+  and 11 in the compiled step when they closed too), and the step is bit for bit
+  jax.jit's."""
   m = mesh(N)
   model, tx = _DeepMLP(), optax.adam(1e-3)
   batches = classifier_batches(m, 2, batch=32, features=300)

@@ -85,6 +85,12 @@ def test_the_weight_gather_moves_16_bits():
   assert gathers
   assert narrow["all-gather"].bytes * 2 == whole["all-gather"].bytes
   assert narrow["reduce-scatter"].bytes == whole["reduce-scatter"].bytes
+  # The Plan predicts the gathers at the first read, not a mirror of the reduce-scatters.
+  for step, args, counts in ((ws, b, narrow), (plain_step, plain, whole)):
+    predicted = re.search(r"(\d+) reduce-scatter\(s\), (\d+) all-gather\(s\)",
+                          step.plan(*args, x).buckets)
+    assert [int(predicted[1]), int(predicted[2])] == [counts["reduce-scatter"].count,
+                                                      counts["all-gather"].count]
 
 
 def test_off_by_default_params_come_back_whole():
