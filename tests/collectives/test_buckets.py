@@ -218,7 +218,9 @@ def test_reduce_scatters_close_buckets_at_tensors_alone_and_all_gathers_span_the
   (priced as a mirror of the reduce-scatters, the all-gathers were 10 in the Plan
   and 11 in the compiled step when they closed too), and the step is bit for bit
   jax.jit's."""
-  m = mesh(N)
+  # Auto axes, as Flax's examples' `Mesh(devices, names)`: on Explicit ones JAX 0.12 asks
+  # optax's integer-label loss for an out_sharding (jax.jit as well).
+  m = mesh(N, "auto")
   model, tx = _DeepMLP(), optax.adam(1e-3)
   batches = classifier_batches(m, 2, batch=32, features=300)
   params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 300))),
