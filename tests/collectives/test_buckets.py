@@ -6,7 +6,6 @@ latency, large tensors keep collectives of their own and are not copied."""
 
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -15,9 +14,10 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import wus
-from helpers import (assert_trees_equal, classifier_batches, classifier_step, collectives,
-                     fused_kernels, mesh, moved_bytes, run_both)
+from helpers import (assert_trees_equal, classifier_batches, collectives, fused_kernels, mesh,
+                     moved_bytes, run_both)
 from wus.analysis import network, sizing
+from wus.harness.models import mlp
 
 N = 8
 TX = optax.adam(1e-2)
@@ -197,18 +197,8 @@ def test_updates_of_equal_tensors_in_a_bucket_share_their_kernels(layers):
   assert_trees_equal(wus.unshard(got), want)
 
 
-class _DeepMLP(nn.Module):
-  """The harness's mlp_deep, narrowed: five ReLU Dense layers and the logits."""
-
-  @nn.compact
-  def __call__(self, x):
-    for _ in range(5):
-      x = nn.relu(nn.Dense(256)(x))
-    return nn.Dense(10)(x)
-
-
 def test_reduce_scatters_close_buckets_at_tensors_alone_and_all_gathers_span_them():
-  """A global-view step (Flax's classifier step under wus.jit) reduce-scatters its
+  """A global-view step (a Flax classifier's step under wus.jit) reduce-scatters its
   gradients in the backward pass's order, Dense_5 first, and all-gathers the new
   weights in the outputs' order, Dense_0 first. On CPU-like devices the five
   256-wide kernels have collectives of their own. A reduce-scatter's bucket closes
@@ -218,15 +208,24 @@ def test_reduce_scatters_close_buckets_at_tensors_alone_and_all_gathers_span_the
   (priced as a mirror of the reduce-scatters, the all-gathers were 10 in the Plan
   and 11 in the compiled step when they closed too), and the step is bit for bit
   jax.jit's."""
-  # Auto axes, as Flax's examples' `Mesh(devices, names)`: on Explicit ones JAX 0.12 asks
-  # optax's integer-label loss for an out_sharding (jax.jit as well).
-  m = mesh(N, "auto")
-  model, tx = _DeepMLP(), optax.adam(1e-3)
+  m = mesh(N)  # `jax.make_mesh`'s axis types.
+  # The harness's mlp_deep, narrowed to 256-wide layers.
+  model, tx = mlp.MLP(mlp.MLPConfig(hidden=(256,) * 5), num_classes=10), optax.adam(1e-3)
   batches = classifier_batches(m, 2, batch=32, features=300)
   params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 300))),
                           NamedSharding(m, P()))
   opt_state = jax.device_put(tx.init(params), NamedSharding(m, P()))
-  train_step = classifier_step(model, tx)
+
+  def train_step(params, opt_state, batch):
+    def loss_fn(params):  # Flax's MNIST example's loss (examples/mnist/train.py).
+      logits = model.apply(params, batch["x"])
+      one_hot = jax.nn.one_hot(batch["y"], 10)
+      loss = jnp.mean(optax.softmax_cross_entropy(logits=logits, labels=one_hot))
+      return loss, logits
+    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
   wrapped = wus.jit(train_step, topology=CPU)
   plan = wrapped.plan(params, opt_state, batches[0])
   counts = collectives(wrapped.lower(params, opt_state, batches[0]).compile().as_text())
