@@ -6,6 +6,7 @@ latency, large tensors keep collectives of their own and are not copied."""
 
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -17,7 +18,6 @@ import wus
 from helpers import (assert_trees_equal, classifier_batches, collectives, fused_kernels, mesh,
                      moved_bytes, run_both)
 from wus.analysis import network, sizing
-from wus.harness.models import mlp
 
 N = 8
 TX = optax.adam(1e-2)
@@ -197,6 +197,16 @@ def test_updates_of_equal_tensors_in_a_bucket_share_their_kernels(layers):
   assert_trees_equal(wus.unshard(got), want)
 
 
+class _MLP(nn.Module):
+  """The harness's mlp_deep (core tests do not import the harness), 256 wide."""
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(5):
+      x = nn.relu(nn.Dense(256)(x))
+    return nn.Dense(10)(x)
+
+
 def test_reduce_scatters_close_buckets_at_tensors_alone_and_all_gathers_span_them():
   """A global-view step (a Flax classifier's step under wus.jit) reduce-scatters its
   gradients in the backward pass's order, Dense_5 first, and all-gathers the new
@@ -209,8 +219,7 @@ def test_reduce_scatters_close_buckets_at_tensors_alone_and_all_gathers_span_the
   and 11 in the compiled step when they closed too), and the step is bit for bit
   jax.jit's."""
   m = mesh(N)  # `jax.make_mesh`'s axis types.
-  # The harness's mlp_deep, narrowed to 256-wide layers.
-  model, tx = mlp.MLP(mlp.MLPConfig(hidden=(256,) * 5), num_classes=10), optax.adam(1e-3)
+  model, tx = _MLP(), optax.adam(1e-3)
   batches = classifier_batches(m, 2, batch=32, features=300)
   params = jax.device_put(model.init(jax.random.key(0), jnp.ones((1, 300))),
                           NamedSharding(m, P()))
